@@ -1,0 +1,168 @@
+"""Userspace packet delayer on nfnetlink_queue (standard library only; runs as a script).
+
+    python delayer.py --queue 0:10 --queue 1:10    # queue-num:delay-ms, repeatable
+
+Binds the given NFQUEUE numbers on one AF_NETLINK socket with metadata-only
+copy (NFQNL_COPY_META) and whole GSO packets (NFQA_CFG_F_GSO), notes each
+packet's arrival, and accepts it ``delay`` ms later: one NFQNL_MSG_VERDICT_BATCH
+per queue releases every due packet at once (ids are FIFO per queue, so no
+reordering). Prints ``ready`` once bound. Exits when stdin reaches EOF, i.e.
+when the owning process dies, whatever way it dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import select
+import socket
+import struct
+import sys
+import time
+
+NETLINK_NETFILTER = 12
+SOL_NETLINK = 270
+NETLINK_NO_ENOBUFS = 5
+SO_RCVBUFFORCE = 33
+NFNL_SUBSYS_QUEUE = 3
+NFQNL_MSG_PACKET, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 2, 3
+NFQA_CFG_CMD, NFQA_CFG_PARAMS, NFQA_CFG_QUEUE_MAXLEN, NFQA_CFG_MASK, NFQA_CFG_FLAGS = 1, 2, 3, 4, 5
+NFQNL_CFG_CMD_BIND = 1
+NFQNL_COPY_META = 1
+NFQA_CFG_F_GSO = 4
+NFQA_PACKET_HDR, NFQA_VERDICT_HDR = 1, 2
+NF_ACCEPT = 1
+NLM_F_REQUEST, NLM_F_ACK = 1, 4
+NLMSG_ERROR = 2
+QUEUE_MAXLEN = 1 << 17  # packets held per queue before the kernel drops
+PR_SET_TIMERSLACK = 29
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    a = struct.pack("=HH", 4 + len(payload), kind) + payload
+    return a + b"\0" * (-len(a) % 4)
+
+
+def _msg(msg_type: int, queue: int, attrs: bytes, flags: int = NLM_F_REQUEST, seq: int = 0) -> bytes:
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(queue)) + attrs
+    return struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | msg_type, flags, seq, 0) + body
+
+
+def _config(sock: socket.socket, queue: int, attrs: bytes, seq: int) -> None:
+    sock.send(_msg(NFQNL_MSG_CONFIG, queue, attrs, NLM_F_REQUEST | NLM_F_ACK, seq))
+    while True:
+        data = sock.recv(65536)
+        off = 0
+        while off + 16 <= len(data):
+            length, mtype, _, mseq, _ = struct.unpack_from("=IHHII", data, off)
+            if mtype == NLMSG_ERROR and mseq == seq:
+                (err,) = struct.unpack_from("=i", data, off + 16)
+                if err:
+                    raise OSError(-err, f"nfqueue config of queue {queue}: {os.strerror(-err)}")
+                return
+            off += (length + 3) & ~3
+
+
+def open_queues(queues: list[int]) -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    sock.bind((0, 0))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 << 20)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+    sock.setsockopt(SOL_NETLINK, NETLINK_NO_ENOBUFS, 1)
+    seq = 1
+    for q in queues:
+        for attrs in (
+            _attr(NFQA_CFG_CMD, struct.pack("=BxH", NFQNL_CFG_CMD_BIND, 0)),
+            _attr(NFQA_CFG_PARAMS, struct.pack(">IB", 0, NFQNL_COPY_META)),
+            _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack(">I", QUEUE_MAXLEN)),
+            _attr(NFQA_CFG_FLAGS, struct.pack(">I", NFQA_CFG_F_GSO)) + _attr(NFQA_CFG_MASK, struct.pack(">I", NFQA_CFG_F_GSO)),
+        ):
+            _config(sock, q, attrs, seq)
+            seq += 1
+    return sock
+
+
+def packet_ids(data: bytes) -> list[tuple[int, int]]:
+    """(queue, packet id) of every NFQNL_MSG_PACKET in one netlink read."""
+    out = []
+    off, n = 0, len(data)
+    while off + 20 <= n:
+        length, mtype = struct.unpack_from("=IH", data, off)
+        if length < 16:
+            break
+        if mtype == (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET:
+            queue = struct.unpack_from(">H", data, off + 18)[0]
+            a, end = off + 20, off + length
+            while a + 4 <= end:
+                alen, atype = struct.unpack_from("=HH", data, a)
+                if alen < 4:
+                    break
+                if atype & 0x3FFF == NFQA_PACKET_HDR:
+                    out.append((queue, struct.unpack_from(">I", data, a + 4)[0]))
+                    break
+                a += (alen + 3) & ~3
+        off += (length + 3) & ~3
+    return out
+
+
+def verdict_batch(queue: int, last_id: int) -> bytes:
+    return _msg(NFQNL_MSG_VERDICT_BATCH, queue, _attr(NFQA_VERDICT_HDR, struct.pack(">II", NF_ACCEPT, last_id)))
+
+
+def run(delays_ms: dict[int, float]) -> None:
+    try:  # exact wake-ups: no timer slack
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    sock = open_queues(sorted(delays_ms))
+    sock.setblocking(False)
+    delay_s = {q: d / 1e3 for q, d in delays_ms.items()}
+    held: dict[int, collections.deque[tuple[float, int]]] = {q: collections.deque() for q in delays_ms}
+    stdin = sys.stdin.fileno()
+    print("ready", flush=True)
+    now = time.monotonic
+    while True:
+        t = now()
+        for q, dq in held.items():
+            last = -1
+            while dq and dq[0][0] <= t:
+                last = dq.popleft()[1]
+            if last >= 0:
+                sock.send(verdict_batch(q, last))
+        due = [dq[0][0] for dq in held.values() if dq]
+        timeout = max(0.0, min(due) - now()) if due else None
+        readable, _, _ = select.select([sock, stdin], [], [], timeout)
+        if stdin in readable and not os.read(stdin, 4096):
+            return  # owner gone
+        if sock in readable:
+            while True:
+                try:
+                    data = sock.recv(1 << 20)
+                except BlockingIOError:
+                    break
+                t = now()
+                for q, pid in packet_ids(data):
+                    held[q].append((t + delay_s[q], pid))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--queue", action="append", required=True, metavar="NUM:DELAY_MS")
+    ap.add_argument("--owner", type=int, default=0, help="pid of the owning process (for ps; informative)")
+    args = ap.parse_args(argv)
+    delays = {}
+    for spec in args.queue:
+        q, d = spec.split(":")
+        delays[int(q)] = float(d)
+    try:
+        run(delays)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

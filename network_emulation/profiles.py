@@ -1,0 +1,232 @@
+"""Network profiles: named seed settings, a string parser and per-link matrices.
+
+A profile answers one question: what delay and bandwidth does the link from
+host ``src`` to host ``dst`` have?  Delay is one-way (added once on the path
+from sender to receiver); bandwidth is the sender's egress rate towards that
+destination.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+MAX_DELAY_MS = 10_000.0  # 10 s
+MAX_BANDWIDTH_GBPS = 1_000.0  # 1 Tbit/s
+
+
+class ProfileError(ValueError):
+    """A network profile that cannot be parsed or is out of range (one-line message)."""
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Shaping of one directed link: one-way delay (ms) and rate (Gbit/s)."""
+
+    delay_ms: float
+    bandwidth_gbps: float
+
+    def __post_init__(self) -> None:
+        _check_delay(self.delay_ms)
+        _check_bandwidth(self.bandwidth_gbps)
+
+    def describe(self) -> dict[str, float]:
+        return {"delay_ms": self.delay_ms, "bandwidth_gbps": self.bandwidth_gbps}
+
+
+@dataclass(frozen=True)
+class UniformProfile:
+    """Every link has the same shaping; ``link is None`` means no emulation at all."""
+
+    name: str
+    label: str
+    link_spec: LinkSpec | None
+
+    @property
+    def emulated(self) -> bool:
+        return self.link_spec is not None
+
+    @property
+    def uniform(self) -> bool:
+        return True
+
+    def link(self, src: int, dst: int) -> LinkSpec | None:
+        return self.link_spec
+
+    def check_hosts(self, n_hosts: int) -> None:
+        """Uniform profiles fit any cluster size."""
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "label": self.label, "kind": "uniform"}
+        out["link"] = self.link_spec.describe() if self.link_spec else None
+        return out
+
+
+@dataclass(frozen=True)
+class MatrixProfile:
+    """Per-link shaping: ``delay_ms[i][j]`` and ``bandwidth_gbps[i][j]`` for i -> j (diagonal ignored)."""
+
+    name: str
+    label: str
+    delay_ms: tuple[tuple[float, ...], ...]
+    bandwidth_gbps: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.delay_ms)
+        if n < 2:
+            raise ProfileError(f"matrix profile needs at least 2 hosts, got {n}")
+        for what, m in (("delay_ms", self.delay_ms), ("bandwidth_gbps", self.bandwidth_gbps)):
+            if len(m) != n or any(len(row) != n for row in m):
+                raise ProfileError(f"matrix profile: {what} must be {n}x{n} like delay_ms")
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    LinkSpec(self.delay_ms[i][j], self.bandwidth_gbps[i][j])  # validates
+
+    @property
+    def n_hosts(self) -> int:
+        return len(self.delay_ms)
+
+    @property
+    def emulated(self) -> bool:
+        return True
+
+    @property
+    def uniform(self) -> bool:
+        return False
+
+    def link(self, src: int, dst: int) -> LinkSpec | None:
+        if src == dst:
+            return None
+        return LinkSpec(self.delay_ms[src][dst], self.bandwidth_gbps[src][dst])
+
+    def check_hosts(self, n_hosts: int) -> None:
+        if n_hosts != self.n_hosts:
+            raise ProfileError(f"matrix profile {self.name!r} is {self.n_hosts}x{self.n_hosts}, cluster has {n_hosts} hosts")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "label": self.label,
+            "kind": "matrix",
+            "delay_ms": [list(r) for r in self.delay_ms],
+            "bandwidth_gbps": [list(r) for r in self.bandwidth_gbps],
+        }
+
+
+Profile = Union[UniformProfile, MatrixProfile]
+
+
+def _check_delay(d: float) -> None:
+    if not isinstance(d, (int, float)) or isinstance(d, bool) or math.isnan(d) or math.isinf(d):
+        raise ProfileError(f"delay must be a finite number of ms, got {d!r}")
+    if d < 0:
+        raise ProfileError(f"delay must not be negative, got {d:g} ms")
+    if d > MAX_DELAY_MS:
+        raise ProfileError(f"delay {d:g} ms is absurd (limit {MAX_DELAY_MS:g} ms)")
+
+
+def _check_bandwidth(b: float) -> None:
+    if not isinstance(b, (int, float)) or isinstance(b, bool) or math.isnan(b) or math.isinf(b):
+        raise ProfileError(f"bandwidth must be a finite number of Gbit/s, got {b!r}")
+    if b <= 0:
+        raise ProfileError(f"bandwidth must be positive, got {b:g} Gbit/s")
+    if b > MAX_BANDWIDTH_GBPS:
+        raise ProfileError(f"bandwidth {b:g} Gbit/s is absurd (limit {MAX_BANDWIDTH_GBPS:g} Gbit/s)")
+
+
+def _uniform(name: str, label: str, delay_ms: float, gbps: float) -> UniformProfile:
+    return UniformProfile(name, label, LinkSpec(delay_ms, gbps))
+
+
+# The five settings of the seed's tables (label text kept verbatim for reports), plus "none".
+PROFILES: dict[str, UniformProfile] = {
+    p.name: p
+    for p in (
+        UniformProfile("none", "none (no emulation)", None),
+        _uniform("default", "default (about 0.1ms; up to 10Gbps)", 0.1, 10.0),
+        _uniform("d1-5g", "delay 1ms  bandwidth 5Gbps", 1.0, 5.0),
+        _uniform("d5-2g", "delay 5ms  bandwidth 2Gbps", 5.0, 2.0),
+        _uniform("d10-1g", "delay 10ms  bandwidth 1Gbps", 10.0, 1.0),
+        _uniform("d50-1g", "delay 50ms  bandwidth 1Gbps", 50.0, 1.0),
+    )
+}
+SEED_PROFILES: tuple[str, ...] = ("default", "d1-5g", "d5-2g", "d10-1g", "d50-1g")
+
+_DELAY_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+_RATE_UNITS = {"bps": 1e-9, "kbps": 1e-6, "mbps": 1e-3, "gbps": 1.0}
+_NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?|nan|inf)"
+_DELAY_RE = re.compile(rf"delay\s*{_NUM}\s*(us|ms|s)\b")
+_RATE_RE = re.compile(rf"bandwidth\s*{_NUM}\s*(bps|kbps|mbps|gbps)\b")
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.strip().lower().split())
+
+
+def parse_profile(text: str) -> Profile:
+    """Parse a profile: a short name (``d10-1g``), a seed label, ``none``,
+    ``"delay 10ms bandwidth 1Gbps"`` (units us/ms/s, bps/Kbps/Mbps/Gbps, any case),
+    or the path of a JSON matrix file (``{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}``).
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ProfileError("empty network profile")
+    key = _norm(text)
+    if key in PROFILES:
+        return PROFILES[key]
+    for p in PROFILES.values():
+        if key == _norm(p.label):
+            return p
+    if text.strip().endswith(".json"):
+        return load_matrix(text.strip())
+    d, r = _DELAY_RE.search(key), _RATE_RE.search(key)
+    rest = _RATE_RE.sub("", _DELAY_RE.sub("", key)).strip(" ,;")
+    if d is None or r is None or rest:
+        raise ProfileError(
+            f"cannot parse network profile {text.strip()!r}: expected e.g. 'delay 10ms bandwidth 1Gbps' "
+            f"or one of {', '.join(PROFILES)}"
+        )
+    delay_ms = float(d.group(1)) * _DELAY_UNITS[d.group(2)]
+    gbps = float(r.group(1)) * _RATE_UNITS[r.group(2)]
+    return UniformProfile(name=_short_name(delay_ms, gbps), label=text.strip(), link_spec=LinkSpec(delay_ms, gbps))
+
+
+def _short_name(delay_ms: float, gbps: float) -> str:
+    rate = f"{gbps:g}g" if gbps >= 1 else f"{gbps * 1000:g}m"
+    return f"d{delay_ms:g}-{rate}"
+
+
+def load_matrix(path: str | Path) -> MatrixProfile:
+    """Load a per-link matrix profile from a JSON file (N x N, as DT-FM's heterogeneous scenarios)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ProfileError(f"cannot read matrix profile {str(p)!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"matrix profile {str(p)!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    return matrix_profile(data, name=p.stem, label=str(p))
+
+
+def matrix_profile(data: Any, name: str = "matrix", label: str = "matrix") -> MatrixProfile:
+    """Build a MatrixProfile from ``{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}``."""
+    if not isinstance(data, dict) or "delay_ms" not in data or "bandwidth_gbps" not in data:
+        raise ProfileError("matrix profile must be an object with 'delay_ms' and 'bandwidth_gbps'")
+
+    def rows(key: str) -> tuple[tuple[float, ...], ...]:
+        m = data[key]
+        if not isinstance(m, list) or not all(isinstance(r, list) for r in m):
+            raise ProfileError(f"matrix profile: {key} must be a list of lists")
+        out = []
+        for r in m:
+            for v in r:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ProfileError(f"matrix profile: {key} holds a non-number {v!r}")
+            out.append(tuple(float(v) for v in r))
+        return tuple(out)
+
+    return MatrixProfile(name=name, label=label, delay_ms=rows("delay_ms"), bandwidth_gbps=rows("bandwidth_gbps"))

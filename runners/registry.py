@@ -1,0 +1,64 @@
+"""One registry maps a system's name to where it lives and what it supports.
+
+Nothing here imports a system: a system's module is imported only inside the rank that runs it
+(Megatron's CPU shims, for one, must be installed before megatron is imported).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from runners.config import RunConfig
+
+
+def _no_check(cfg: "RunConfig") -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    module: str  # exposes train(config, context) -> Measurements
+    dims: tuple[str, ...]  # parallel dimensions it supports beyond 1
+    schedules: tuple[str, ...] = ("gpipe",)
+    processes: Callable[["RunConfig"], int] = lambda c: c.pp * c.tp * c.dp
+    check: Callable[["RunConfig"], None] = field(default=_no_check)
+    description: str = ""
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+
+def _check_megatron(cfg: "RunConfig") -> None:
+    from runners.config import ConfigError
+
+    if cfg.virtual_pp > 1 and cfg.pp < 2:
+        raise ConfigError("megatron's interleaved schedule needs --pp >= 2")
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    s.name: s
+    for s in (
+        SystemSpec("reference", "baselines.reference", dims=(), processes=lambda c: 1,
+                   description="single-process training of the whole model: the reference every system is verified against"),
+        SystemSpec("torch_pipe", "baselines.torch_pipe", dims=("pp", "dp"), schedules=("gpipe", "1f1b", "interleaved"),
+                   description="torch.distributed.pipelining; data parallel with FSDP2 on the dp mesh dimension"),
+        SystemSpec("ours", "ours.system", dims=("pp", "dp"),
+                   description="token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism"),
+        SystemSpec("fairscale_fsdp", "baselines.fairscale_fsdp", dims=("pp", "dp"), processes=lambda c: c.dp,
+                   description="fairscale Pipe over each process's local devices, FullyShardedDataParallel across processes"),
+        SystemSpec("megatron", "baselines.megatron", dims=("pp", "tp", "dp"), schedules=("1f1b", "interleaved"),
+                   check=_check_megatron, description="megatron-core tensor/pipeline/data parallelism"),
+    )
+}
+
+
+def get_system(name: str) -> SystemSpec:
+    from runners.config import ConfigError
+
+    try:
+        return SYSTEMS[name]
+    except KeyError:
+        raise ConfigError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}") from None

@@ -1,0 +1,112 @@
+"""The run command: python -m runners.run --system NAME --model NAME ... (see --help).
+
+Parse and judge the request (a bad one: one line on stderr, exit status 2, nothing written), launch
+the ranks through torchrun, optionally verify against the single-process reference, and append one
+RunRecord to --out. Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad request.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+
+from runners.config import ConfigError, RunConfig, build_parser, config_from_args, validate
+from runners.launcher import LaunchOptions, LaunchResult, launch
+from runners.record import RunRecord, append_record, build_record, host_environment, merged_losses
+from runners.registry import get_system
+
+VERIFY_TOLERANCE = 1e-5  # fp32
+
+
+@dataclass(frozen=True)
+class Verification:
+    max_abs_loss_diff: float
+    max_abs_grad_diff: float
+    n_grads: int
+    passed: bool
+    reason: str = ""
+
+    def line(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        why = f" ({self.reason})" if self.reason else ""
+        return (f"verify: max_abs_loss_diff={self.max_abs_loss_diff:.3e} max_abs_grad_diff={self.max_abs_grad_diff:.3e} "
+                f"grads={self.n_grads} {verdict}{why}")
+
+
+def reference_config(cfg: RunConfig) -> RunConfig:
+    """The same workload on one process: same seed, data and global batch."""
+    return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, schedule="gpipe",
+                       virtual_pp=1, network="none", trace=None, slices=None, n_slices=1, auto_slices=False)
+
+
+def compare(run: LaunchResult, ref: LaunchResult, tolerance: float) -> Verification:
+    if ref.status != "ok":
+        return Verification(float("nan"), float("nan"), 0, False, f"reference run {ref.status}: {ref.error}")
+    if run.status != "ok":
+        return Verification(float("nan"), float("nan"), 0, False, f"run {run.status}")
+    losses, ref_losses = merged_losses(run.ranks), merged_losses(ref.ranks)
+    if len(losses) != len(ref_losses) or not losses:
+        return Verification(float("nan"), float("nan"), 0, False, f"{len(losses)} losses against {len(ref_losses)}")
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    missing = sorted(set(ref.grads) - set(run.grads))
+    extra = sorted(set(run.grads) - set(ref.grads))
+    grad_diff = max((float((run.grads[n] - ref.grads[n]).abs().max()) for n in ref.grads if n in run.grads), default=float("nan"))
+    reason = ""
+    if missing:
+        reason = f"no gradient for {len(missing)} parameters, e.g. {missing[0]}"
+    elif extra:
+        reason = f"gradients for unknown parameters, e.g. {extra[0]}"
+    passed = not reason and loss_diff <= tolerance and grad_diff <= tolerance
+    return Verification(loss_diff, grad_diff, len(run.grads), passed, reason)
+
+
+def execute(cfg: RunConfig, opts: LaunchOptions, out: str | None) -> tuple[RunRecord, Verification | None]:
+    world = get_system(cfg.system).processes(cfg)
+    env = host_environment()
+    result = launch(cfg, world, opts)
+    verification = None
+    try:
+        if cfg.verify:
+            ref = launch(reference_config(cfg), 1, LaunchOptions())
+            try:
+                verification = compare(result, ref, VERIFY_TOLERANCE)
+            finally:
+                shutil.rmtree(ref.run_dir, ignore_errors=True)
+        record = build_record(cfg, result.status, result.error, result.ranks, env,
+                              verify=verification.__dict__ if verification else None)
+    finally:
+        shutil.rmtree(result.run_dir, ignore_errors=True)
+    if out and opts.node_rank == 0:
+        append_record(out, record)
+    return record, verification
+
+
+def summary(rec: RunRecord) -> str:
+    if rec.status != "ok":
+        return f"{rec.system}: {rec.status}: {rec.error}"
+    return (f"{rec.system} {rec.model} pp={rec.layout['pp']} tp={rec.layout['tp']} dp={rec.layout['dp']} "
+            f"mb={rec.micro_batch_size}: median step {rec.median_step_time:.4f} s, {rec.tokens_per_s:.0f} tokens/s, "
+            f"{rec.tflops_per_device:.3f} TFLOP/s per device, MFU {rec.mfu:.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        validate(cfg)
+    except ConfigError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    opts = LaunchOptions(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    record, verification = execute(cfg, opts, args.out)
+    print(summary(record))
+    if verification is not None:
+        print(verification.line())
+    if record.status != "ok" or (verification is not None and not verification.passed):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

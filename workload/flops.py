@@ -1,0 +1,43 @@
+"""FLOP counts and hardware peaks for tokens/s, TFLOP/s and MFU."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from workload.configs import ModelConfig
+from workload.model import count_params
+
+# Dense peaks in TFLOP/s (never the sparse figures), by a substring of the device name.
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+}
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """6N + 12·L·h·s: N parameters without embeddings, forward and backward, attention included."""
+    return 6.0 * count_params(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+
+def gpu_peak_tflops(device_name: str, precision: str) -> float | None:
+    for key, peaks in GPU_PEAK_TFLOPS.items():
+        if key in device_name:
+            return peaks.get(precision)
+    return None
+
+
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.2) -> float:
+    """A matmul peak measured on this device (used where no table entry exists, e.g. CPU)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        reps += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2.0 * n**3 * reps / (time.perf_counter() - start) / 1e12
