@@ -6,8 +6,7 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 
-from workload.configs import MODEL_CONFIGS, ModelConfig, get_model_config
-from workload.training import OptimizerConfig
+from workload.configs import MODEL_CONFIGS, ModelConfig, OptimizerConfig, get_model_config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")

@@ -106,11 +106,14 @@ def build_record(cfg: RunConfig, status: str, error: str | None, ranks: list[dic
     return rec
 
 
-def host_environment() -> dict[str, Any]:
+def host_environment(device: str = "auto") -> dict[str, Any]:
+    """The launching host's view, kept for failed runs; the ranks' own report replaces the device fields."""
     import torch
 
+    cuda = device != "cpu" and torch.cuda.is_available()
     return {"torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "launcher_host": platform.node()}
+            "launcher_host": platform.node(), "device_kind": "cuda" if cuda else "cpu",
+            "device_name": torch.cuda.get_device_name(0) if cuda else "cpu"}
 
 
 def append_record(path: str | Path, record: RunRecord) -> None:

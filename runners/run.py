@@ -10,10 +10,14 @@ import shutil
 import sys
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from runners.config import ConfigError, RunConfig, build_parser, config_from_args, validate
-from runners.launcher import LaunchOptions, LaunchResult, launch
-from runners.record import RunRecord, append_record, build_record, host_environment, merged_losses
 from runners.registry import get_system
+
+if TYPE_CHECKING:  # torch is imported only once a request has been judged runnable
+    from runners.launcher import LaunchOptions, LaunchResult
+    from runners.record import RunRecord
 
 VERIFY_TOLERANCE = 1e-5  # fp32
 
@@ -39,7 +43,9 @@ def reference_config(cfg: RunConfig) -> RunConfig:
                        virtual_pp=1, network="none", trace=None, slices=None, n_slices=1, auto_slices=False)
 
 
-def compare(run: LaunchResult, ref: LaunchResult, tolerance: float) -> Verification:
+def compare(run: "LaunchResult", ref: "LaunchResult", tolerance: float) -> Verification:
+    from runners.record import merged_losses
+
     if ref.status != "ok":
         return Verification(float("nan"), float("nan"), 0, False, f"reference run {ref.status}: {ref.error}")
     if run.status != "ok":
@@ -60,9 +66,12 @@ def compare(run: LaunchResult, ref: LaunchResult, tolerance: float) -> Verificat
     return Verification(loss_diff, grad_diff, len(run.grads), passed, reason)
 
 
-def execute(cfg: RunConfig, opts: LaunchOptions, out: str | None) -> tuple[RunRecord, Verification | None]:
+def execute(cfg: RunConfig, opts: "LaunchOptions", out: str | None) -> tuple["RunRecord", Verification | None]:
+    from runners.launcher import LaunchOptions, launch
+    from runners.record import append_record, build_record, host_environment
+
     world = get_system(cfg.system).processes(cfg)
-    env = host_environment()
+    env = dict(host_environment(cfg.device), device_count=world)
     result = launch(cfg, world, opts)
     verification = None
     try:
@@ -81,7 +90,7 @@ def execute(cfg: RunConfig, opts: LaunchOptions, out: str | None) -> tuple[RunRe
     return record, verification
 
 
-def summary(rec: RunRecord) -> str:
+def summary(rec: "RunRecord") -> str:
     if rec.status != "ok":
         return f"{rec.system}: {rec.status}: {rec.error}"
     return (f"{rec.system} {rec.model} pp={rec.layout['pp']} tp={rec.layout['tp']} dp={rec.layout['dp']} "
@@ -98,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    from runners.launcher import LaunchOptions
+
     opts = LaunchOptions(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     record, verification = execute(cfg, opts, args.out)
     print(summary(record))

@@ -21,6 +21,17 @@ class ModelConfig:
         return replace(self, **{k: v for k, v in fields.items() if v is not None})
 
 
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The same optimizer for every system (Megatron's distributed optimizer takes only Adam)."""
+
+    kind: str = "adam"  # adam | sgd
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
 def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig(name, layers, hidden, heads, seq_len=2048)
 

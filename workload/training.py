@@ -2,19 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    kind: str = "adam"  # adam | sgd (Megatron's distributed optimizer takes only Adam)
-    lr: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+from workload.configs import OptimizerConfig
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -1,0 +1,155 @@
+"""fairscale: a Pipe over each process's local devices, FullyShardedDataParallel across processes.
+
+As in the seed's dist_fairscale_pipe_fsdp.py: every process (one per data-parallel replica,
+world size = dp) holds a whole pipeline, ``fairscale.nn.Pipe`` over an ``nn.Sequential`` of
+``config.pp`` stage pieces on that process's devices (on CPU every device is ``cpu``; on CUDA the
+process uses GPUs ``local_rank·pp … local_rank·pp + pp − 1``), with ``chunks`` =
+batch_size / micro_batch_size micro-batches (GPipe: all forwards, then all backwards). Each stage
+piece is wrapped in fairscale's FullyShardedDataParallel over all processes: its parameters are
+flattened and sharded across the dp replicas, all-gathered for the step, and its gradients are
+reduce-scattered (averaged) after backward; Adam (``make_optimizer``) then updates the local shard.
+
+A stage piece is the shared GPT with the parts it does not own removed (workload.partition), so
+parameter names and initial weights are those of the reference. On CPU, fairscale's CUDA
+assumptions are patched by ``baselines.fairscale_cpu_shim`` (installed only when CUDA is absent).
+
+Mixed precision: torch autocast inside each stage (bf16 on CPU; fp16 with fairscale's
+ShardedGradScaler on CUDA); FSDP keeps fp32 parameters and reduces fp32 gradients.
+Recompute: every transformer block is checkpointed (``workload.training.checkpoint_blocks``).
+``dp_sync_time``: wall time inside FSDP's parameter all-gathers and gradient reduce-scatters
+(blocking collectives on gloo; on CUDA they are issued on side streams, so the number is the
+host-side time only).
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from runners.config import RunConfig
+from runners.context import Context, Measurements
+from runners.timing import StepOutput, run_steps
+from workload.model import lm_loss
+from workload.partition import stage_specs
+from workload.training import autocast, checkpoint_blocks, make_optimizer
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("ENABLE_NCCL_BASE_COLLECTIVES", "0")  # read by fairscale at import
+
+from baselines import fairscale_cpu_shim  # noqa: E402
+
+fairscale_cpu_shim.install()
+
+from fairscale.nn import Pipe  # noqa: E402
+from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP  # noqa: E402
+
+
+class _Timer:
+    def __init__(self):
+        self.total = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - start
+
+        return timed
+
+
+class Stage(nn.Module):
+    """One Pipe partition: an FSDP-wrapped stage of the shared GPT, run under autocast (autocast is
+    thread-local and Pipe runs partitions in worker threads, so it is entered here)."""
+
+    def __init__(self, fsdp: FSDP, device: torch.device, mixed: bool):
+        super().__init__()
+        self.fsdp = fsdp
+        self.device = device
+        self.mixed = mixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with autocast(self.device, self.mixed):
+            return self.fsdp(x)
+
+
+def pipe_devices(cfg: RunConfig, ctx: Context) -> list[torch.device]:
+    if ctx.device.type == "cuda" and torch.cuda.device_count() >= (ctx.local_rank + 1) * cfg.pp:
+        return [torch.device("cuda", ctx.local_rank * cfg.pp + i) for i in range(cfg.pp)]
+    return [ctx.device] * cfg.pp
+
+
+def gather_flat_grads(fsdp: FSDP) -> dict[str, torch.Tensor]:
+    """The full gradients of one FSDP module by parameter name (shards all-gathered over dp)."""
+    grads: dict[str, torch.Tensor] = {}
+    world = fsdp.world_size
+    for p in fsdp.params:
+        shard = p.grad if p.grad is not None else torch.zeros_like(p.data)
+        shard = shard.detach().contiguous()
+        if world > 1:
+            parts = [torch.empty_like(shard) for _ in range(world)]
+            dist.all_gather(parts, shard, group=fsdp.process_group)
+            full = torch.cat(parts)
+        else:
+            full = shard.reshape(-1)
+        names, shapes, numels = p.metadata()  # a FlatParameter: names relative to the stage GPT
+        full = full[: sum(numels)]
+        for name, shape, t in zip(names, shapes, full.split(numels)):
+            grads[name.removeprefix("_fpw_module.")] = t.view(shape).clone()
+    return grads
+
+
+def train(cfg: RunConfig, ctx: Context) -> Measurements:
+    devices = pipe_devices(cfg, ctx)
+    timer = _Timer()
+    stages: list[Stage] = []
+    fsdps: list[FSDP] = []
+    for spec, device in zip(stage_specs(cfg.model.n_layer, cfg.pp), devices):
+        piece = ctx.build_stage(spec).to(device)
+        if cfg.recompute:
+            checkpoint_blocks(piece)
+        fsdp = FSDP(piece, process_group=dist.group.WORLD, compute_device=device, flatten_parameters=True,
+                    mixed_precision=False)
+        fsdp._rebuild_full_params = timer.wrap(fsdp._rebuild_full_params)
+        fsdp._post_backward_hook = timer.wrap(fsdp._post_backward_hook)
+        fsdp._wait_for_post_backward = timer.wrap(fsdp._wait_for_post_backward)
+        fsdps.append(fsdp)
+        stages.append(Stage(fsdp, device, cfg.mixed_precision))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = Pipe(nn.Sequential(*stages), balance=[1] * cfg.pp, devices=devices, chunks=cfg.n_micro_batches,
+                     checkpoint="never")
+    opt = make_optimizer(model.parameters(), cfg.optimizer)
+    scaler = None
+    if cfg.mixed_precision and devices[0].type == "cuda":
+        from fairscale.optim.grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler()
+
+    def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        timer.total = 0.0
+        opt.zero_grad(set_to_none=True)
+        logits = model(inputs.to(devices[0]))
+        loss = lm_loss(logits, targets.to(logits.device))
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        return StepOutput(loss=float(loss.detach()), dp_sync_time=timer.total)
+
+    m = run_steps(ctx, ctx.rank, step)
+    m.extra["pipe_devices"] = [str(d) for d in devices]
+    if cfg.verify:
+        grads: dict[str, torch.Tensor] = {}
+        for fsdp in fsdps:
+            grads.update(gather_flat_grads(fsdp))
+        m.grads = grads if ctx.rank == 0 else {}
+    return m

@@ -1,0 +1,241 @@
+"""megatron-core (0.16.1) tensor, pipeline and data parallelism on the shared GPT workload.
+
+Ranks are laid out by ``parallel_state.initialize_model_parallel(tp, pp, virtual_pp)`` (megatron's
+default order: TP fastest, then DP, then PP). The model is megatron's ``GPTModel`` with the local
+(non-transformer-engine) layer spec: LayerNorm (eps 1e-5), biases, exact GELU, dropout 0, learned
+absolute position embeddings, an untied output layer. Its weights are the shared model's
+(``workload.model.init_weights``), converted to megatron's layout and TP shards by
+``baselines.megatron_convert``. Training uses megatron's ``get_forward_backward_func()`` (1F1B, or
+the interleaved 1F1B with ``--schedule interleaved``: ``virtual_pp`` model chunks per rank),
+megatron's DistributedDataParallel (fp32 grad buffers, all-reduce averaged over DP in
+``finalize_model_grads``) and megatron's optimizer (Adam, or SGD without momentum, with the
+shared hyperparameters, no weight decay, no clipping).
+
+Loss: the model returns per-token losses; each micro-batch's loss is their mean and megatron's
+schedule divides by the number of micro-batches, so the replica's loss is the mean over all its
+tokens, as ``workload.model.lm_loss`` on the whole batch.
+
+``--recompute``: full activation recomputation of every layer (granularity full, method uniform,
+one layer per group). ``--mixed-precision``: megatron's fp16 (Float16Module + loss scaling) on
+CUDA; on CPU, bf16 autocast around the model with fp32 parameters (as the reference).
+``dp_sync_time``: the wall time of ``finalize_model_grads`` (DP gradient all-reduce).
+
+On CPU, ``baselines.megatron_cpu_shim`` is installed before megatron is imported.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from baselines import megatron_cpu_shim
+
+megatron_cpu_shim.install()  # before the first import of megatron (no-op with CUDA)
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed import finalize_model_grads  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+from baselines import megatron_convert as conv  # noqa: E402
+from runners.config import RunConfig  # noqa: E402
+from runners.context import Context, Measurements  # noqa: E402
+from runners.timing import StepOutput, run_steps  # noqa: E402
+from workload.configs import ModelConfig  # noqa: E402
+from workload.model import GPT, init_weights  # noqa: E402
+from workload.training import autocast  # noqa: E402
+
+
+def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
+    m = cfg.model
+    fp16 = cfg.mixed_precision and cuda
+    kwargs = dict(
+        num_layers=m.n_layer, hidden_size=m.n_embd, num_attention_heads=m.n_head, ffn_hidden_size=4 * m.n_embd,
+        kv_channels=m.n_embd // m.n_head, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
+        normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
+        activation_func=torch.nn.functional.gelu, init_method_std=0.02,
+        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pp if cfg.virtual_pp > 1 else None,
+        sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=torch.float16 if fp16 else torch.float32,
+        pipeline_dtype=torch.float16 if fp16 else torch.float32, fp16=fp16,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True, batch_p2p_sync=cuda,
+    )
+    if cfg.recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def shared_weights(m: ModelConfig, seed: int, layers: set[int], first: bool, last: bool) -> dict[str, torch.Tensor]:
+    """The shared model's weights of the given layers (and embeddings / head), built alone."""
+    with torch.device("meta"):
+        model = GPT(m)
+    for i in range(m.n_layer):
+        if i not in layers:
+            del model.blocks[str(i)]
+    if not first:
+        model.wte = model.wpe = None
+    if not last:
+        model.ln_f = model.lm_head = None
+    model.to_empty(device="cpu")
+    init_weights(model, m, seed)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def chunk_first_layer(chunk: GPTModel) -> int:
+    layers = getattr(chunk.decoder, "layers", [])
+    return min((layer.layer_number - 1 for layer in layers), default=0)
+
+
+def build_chunks(cfg: RunConfig, config: TransformerConfig) -> list[GPTModel]:
+    vpp = cfg.virtual_pp
+    chunks = []
+    for vp in range(vpp):
+        vp_stage = vp if vpp > 1 else None
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=cfg.model.vocab_size,
+            max_sequence_length=cfg.model.seq_len,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
+            parallel_output=True, vp_stage=vp_stage))
+    return chunks
+
+
+@torch.no_grad()
+def load_shared_weights(cfg: RunConfig, chunks: list[GPTModel]) -> None:
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    layers = {layer.layer_number - 1 for c in chunks for layer in getattr(c.decoder, "layers", [])}
+    first = any(c.pre_process for c in chunks)
+    last = any(c.post_process for c in chunks)
+    full = conv.shared_to_megatron(shared_weights(cfg.model, cfg.seed, layers, first, last), cfg.model.n_head)
+    for c in chunks:
+        offset = chunk_first_layer(c)
+        for name, p in c.named_parameters():
+            gname = conv.global_name(name, offset)
+            p.copy_(conv.shard(gname, full.pop(gname), tp, tp_rank).to(p.dtype))
+    if full:
+        raise RuntimeError(f"shared weights with no megatron parameter: {sorted(full)[:3]}")
+
+
+@torch.no_grad()
+def gather_grads(cfg: RunConfig, chunks: list[GPTModel]) -> dict[str, torch.Tensor]:
+    """Full gradients by shared names (TP shards gathered; DDP already averaged over DP)."""
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    out: dict[str, torch.Tensor] = {}
+    for c in chunks:
+        offset = chunk_first_layer(c)
+        for name, p in c.named_parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+            g = g.detach().float().contiguous()
+            gname = conv.global_name(name, offset)
+            if tp > 1 and conv.tp_dim(gname) is not None:
+                parts = [torch.empty_like(g) for _ in range(tp)]
+                dist.all_gather(parts, g, group=tp_group)
+                g = conv.unshard(gname, parts)
+            out[gname] = g.clone()
+    return conv.megatron_to_shared(out, cfg.model.n_head)
+
+
+def train(cfg: RunConfig, ctx: Context) -> Measurements:
+    m = cfg.model
+    if m.vocab_size % cfg.tp:
+        raise ValueError(f"megatron: vocab size {m.vocab_size} must divide by --tp {cfg.tp} (no vocab padding)")
+    cuda = ctx.device.type == "cuda"
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+                                 virtual_pipeline_model_parallel_size=cfg.virtual_pp if cfg.virtual_pp > 1 else None)
+    try:
+        return _train(cfg, ctx, cuda)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
+    m = cfg.model
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+    config = transformer_config(cfg, cuda)
+    models = build_chunks(cfg, config)
+    load_shared_weights(cfg, models)
+    if cuda:
+        models = [c.to(ctx.device) for c in models]
+    wrapped = models
+    if config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = [Float16Module(config, c) for c in models]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+              for i, c in enumerate(wrapped)]
+
+    sync = {"t": 0.0}
+
+    def timed_finalize(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return finalize_model_grads(*args, **kwargs)
+        finally:
+            sync["t"] += time.perf_counter() - start
+
+    config.finalize_model_grads_func = timed_finalize
+    opt_cfg = cfg.optimizer
+    opt_config = OptimizerConfig(
+        optimizer=opt_cfg.kind, lr=opt_cfg.lr, min_lr=opt_cfg.lr, weight_decay=0.0, adam_beta1=opt_cfg.beta1,
+        adam_beta2=opt_cfg.beta2, adam_eps=opt_cfg.eps, sgd_momentum=0.0, clip_grad=0.0, fp16=config.fp16,
+        params_dtype=config.params_dtype, use_distributed_optimizer=False)
+    opt = get_megatron_optimizer(opt_config, chunks)
+    forward_backward = get_forward_backward_func()
+    n_micro = cfg.n_micro_batches
+    mbs = cfg.micro_batch_size
+    cpu_autocast = cfg.mixed_precision and not cuda
+    is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    dp_rank = ps.get_data_parallel_rank()
+    positions = torch.arange(m.seq_len, device=ctx.device).unsqueeze(0).expand(mbs, -1)
+
+    def loss_func(per_token: torch.Tensor):
+        loss = per_token.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, model):
+        x, y = next(data_iterator)
+        with autocast(ctx.device, cpu_autocast):
+            out = model(x, positions, None, labels=y)
+        return out, loss_func
+
+    def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        sync["t"] = 0.0
+        for c in chunks:
+            c.zero_grad_buffer()
+        opt.zero_grad()
+        micro = list(zip(inputs.split(mbs), targets.split(mbs)))
+        iters = [iter(micro) for _ in chunks]
+        losses = forward_backward(
+            forward_step_func=forward_step, data_iterator=iters if len(chunks) > 1 else iters[0],
+            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=n_micro, seq_length=m.seq_len,
+            micro_batch_size=mbs, forward_only=False)
+        opt.step()
+        loss = None
+        if is_last and ps.get_tensor_model_parallel_rank() == 0:
+            loss = float(torch.stack([d["loss"] for d in losses]).mean())
+        return StepOutput(loss=loss, dp_sync_time=sync["t"])
+
+    result = run_steps(ctx, dp_rank, step)
+    result.extra["megatron_layout"] = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
+                                           pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank)
+    if cfg.verify:
+        grads = gather_grads(cfg, models)
+        keep = dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
+        result.grads = grads if keep else {}
+    return result

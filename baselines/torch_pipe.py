@@ -1,0 +1,92 @@
+"""Torch Pipe: torch.distributed.pipelining over P ranks (GPipe, 1F1B, or interleaved 1F1B with
+several stages per rank), data parallel over D pipelines with FSDP2 ``fully_shard`` on the dp mesh
+dimension (FSDP1 and DDP do not combine correctly with pipelining in torch 2.13).
+
+Stages are built by hand from the shared model (``workload.partition``), so parameter names are the
+reference's. Ranks: global rank = dp_rank * P + pp_rank.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from runners.config import RunConfig
+from runners.context import Context, Measurements
+from runners.timing import StepOutput, run_steps
+from workload.model import GPT, lm_loss
+from workload.partition import stage_specs
+from workload.training import autocast, checkpoint_blocks, grad_scaler, make_optimizer
+
+
+def _with_autocast(module: GPT, device: torch.device) -> None:
+    """Mixed precision applied from outside: the stage's forward runs under autocast."""
+    forward = module.forward
+
+    def autocast_forward(*args, **kwargs):
+        with autocast(device, True):
+            return forward(*args, **kwargs)
+
+    module.forward = autocast_forward
+
+
+def build_schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn):
+    n_mb = cfg.n_micro_batches
+    if cfg.schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss_fn)
+    cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], n_mb, loss_fn=loss_fn)
+
+
+def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    g = p.grad
+    return g.full_tensor() if isinstance(g, DTensor) else g
+
+
+def train(cfg: RunConfig, ctx: Context) -> Measurements:
+    P, D, V = cfg.pp, cfg.dp, cfg.virtual_pp
+    dp_rank, pp_rank = divmod(ctx.rank, P)
+    mesh = init_device_mesh(ctx.device.type, (D, P), mesh_dim_names=("dp", "pp"))
+    specs = stage_specs(cfg.model.n_layer, P * V)
+    mine = [specs[pp_rank + v * P] for v in range(V)]  # round-robin placement of the model chunks
+    modules = [ctx.build_stage(spec) for spec in mine]
+    for module in modules:
+        if cfg.recompute:
+            checkpoint_blocks(module)
+        if cfg.mixed_precision:
+            _with_autocast(module, ctx.device)
+        if D > 1:
+            for block in module.blocks.values():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(module, mesh=mesh["dp"])
+    stages = [PipelineStage(m, s.index, P * V, ctx.device, group=mesh["pp"].get_group()) for m, s in zip(modules, mine)]
+    scaler = grad_scaler(ctx.device, cfg.mixed_precision)
+    schedule = build_schedule(cfg, stages, loss_fn=lambda out, tgt: scaler.scale(lm_loss(out, tgt)))
+    params = [p for m in modules for p in m.parameters()]
+    opt = make_optimizer(params, cfg.optimizer)
+    has_first = any(s.is_first for s in mine)
+    has_last = any(s.is_last for s in mine)
+
+    def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        opt.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if has_last else {}
+        if has_first:
+            schedule.step(inputs, **kwargs)
+        else:
+            schedule.step(**kwargs)
+        scaler.step(opt)
+        scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        scaler.update()
+        loss = float(torch.stack(losses).float().mean()) / scale if losses else None
+        return StepOutput(loss=loss)
+
+    m = run_steps(ctx, dp_rank, step)
+    if cfg.verify:
+        m.grads = {n: full_grad(p) for module in modules for n, p in module.named_parameters()}
+    m.extra = {"stages_per_rank": V}
+    return m

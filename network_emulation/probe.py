@@ -1,0 +1,236 @@
+"""Measure one link: one-way delay (UDP ping-pong) and TCP bandwidth (a short bulk transfer).
+
+Standard library only; the same file is the script run inside each host:
+
+    python probe.py server --port 47000
+    python probe.py client --address 10.77.0.2 --port 47000 --samples 20 --duration 1
+
+All virtual hosts share one kernel and so one clock: the one-way delay is
+measured directly (the kernel's receive timestamp of the datagram, SO_TIMESTAMPNS,
+minus the client's send time), not guessed as RTT/2. Bandwidth is TCP goodput (payload bytes) over the second half
+of the transfer, i.e. after slow start; the whole-transfer mean is kept too.
+TCP buffers are left to autotuning (the cluster raises tcp_rmem/tcp_wmem to 64 MB);
+setting SO_RCVBUF would cap them at net.core.rmem_max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PING = struct.Struct("!IQ")  # seq, client send time (CLOCK_REALTIME ns)
+PONG = struct.Struct("!IQQ")  # seq, client send time, server receive time
+DEFAULT_PORT = 47000
+CHUNK = 1 << 20
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    one_way_delay_ms: float  # median, src -> dst
+    bandwidth_gbps: float  # steady-state TCP goodput src -> dst
+    rtt_ms: float  # median UDP round trip
+    one_way_delay_p90_ms: float
+    mean_bandwidth_gbps: float  # goodput over the whole transfer, slow start included
+    transfer_s: float
+    samples: int
+
+    def describe(self) -> dict[str, float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+    def __str__(self) -> str:
+        text = (f"one-way delay {self.one_way_delay_ms:.3f} ms (p90 {self.one_way_delay_p90_ms:.3f}), "
+                f"rtt {self.rtt_ms:.3f} ms")
+        if self.transfer_s > 0:
+            text += (f", bandwidth {self.bandwidth_gbps:.3f} Gbit/s "
+                     f"(mean {self.mean_bandwidth_gbps:.3f} over {self.transfer_s:.2f} s)")
+        return text
+
+
+# ---------------------------------------------------------------- server side
+def _kernel_rx_ns(ancdata: list[tuple[int, int, bytes]]) -> int:
+    """The kernel's receive time of a datagram (CLOCK_REALTIME ns), so that the server's own
+    scheduling latency on a loaded machine does not count as link delay."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack("qq", data[:16])
+            return sec * 1_000_000_000 + nsec
+    return time.time_ns()
+
+
+def _bulk_receive(conn: socket.socket) -> dict[str, float]:
+    buf = bytearray(4 << 20)
+    marks: list[tuple[float, int]] = []
+    total = 0
+    while True:
+        n = conn.recv_into(buf)
+        if not n:
+            break
+        total += n
+        marks.append((time.monotonic(), total))
+    if len(marks) < 2:
+        return {"bytes": total, "mean_gbps": 0.0, "steady_gbps": 0.0, "seconds": 0.0}
+    t0, t1 = marks[0][0], marks[-1][0]
+    mid = t0 + (t1 - t0) / 2
+    tm, bm = next((t, b) for t, b in marks if t >= mid)
+    if t1 - tm <= 0:
+        tm, bm = marks[0]
+    return {
+        "bytes": total,
+        "seconds": t1 - t0,
+        "mean_gbps": (total - marks[0][1]) * 8 / (t1 - t0) / 1e9,
+        "steady_gbps": (total - bm) * 8 / (t1 - tm) / 1e9,
+    }
+
+
+def serve(port: int, timeout_s: float = 60.0) -> None:
+    """Echo UDP pings (adding the receive time) until one TCP bulk transfer is done; then exit."""
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    udp.bind(("0.0.0.0", port))
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tcp.bind(("0.0.0.0", port))
+    tcp.listen(1)
+    print("ready", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([udp, tcp], [], [], 1.0)
+        if udp in readable:
+            data, anc, _, peer = udp.recvmsg(64, socket.CMSG_SPACE(16))
+            t = _kernel_rx_ns(anc)
+            if len(data) == PING.size:
+                seq, sent = PING.unpack(data)
+                udp.sendto(PONG.pack(seq, sent, t), peer)
+        if tcp in readable:
+            conn, _ = tcp.accept()
+            with conn:
+                conn.sendall(json.dumps(_bulk_receive(conn)).encode() + b"\n")
+            return
+
+
+# ---------------------------------------------------------------- client side
+def _pings(address: str, port: int, samples: int, warmup: int = 3) -> tuple[list[float], list[float]]:
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.settimeout(1.0)
+    one_way, rtt = [], []
+    seq = 0
+    for _ in range(4 * (samples + warmup)):
+        if len(one_way) >= samples:
+            break
+        seq += 1
+        sent = time.time_ns()
+        udp.sendto(PING.pack(seq, sent), (address, port))
+        try:
+            while True:
+                data = udp.recv(64)
+                now = time.time_ns()
+                rseq, rsent, rrecv = PONG.unpack(data)
+                if rseq == seq:
+                    break
+        except (socket.timeout, struct.error):
+            continue
+        if seq > warmup:
+            one_way.append((rrecv - rsent) / 1e6)
+            rtt.append((now - rsent) / 1e6)
+        time.sleep(0.002)
+    if len(one_way) < max(1, samples // 2):
+        raise RuntimeError(f"probe: only {len(one_way)} of {samples} UDP pings to {address} came back")
+    return one_way, rtt
+
+
+def _bulk_send(address: str, port: int, duration_s: float) -> dict[str, float]:
+    with socket.create_connection((address, port), timeout=30) as s:
+        chunk = memoryview(bytes(CHUNK))
+        end = time.monotonic() + duration_s
+        while time.monotonic() < end:
+            s.sendall(chunk)
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while not reply.endswith(b"\n"):
+            part = s.recv(4096)
+            if not part:
+                break
+            reply += part
+    return json.loads(reply)
+
+
+def client(address: str, port: int, samples: int, duration_s: float) -> dict[str, object]:
+    one_way, rtt = _pings(address, port, samples)
+    bulk = _bulk_send(address, port, duration_s) if duration_s > 0 else {}
+    return {"one_way_ms": one_way, "rtt_ms": rtt, "bulk": bulk}
+
+
+def summarize(raw: dict) -> LinkMeasurement:  # type: ignore[type-arg]
+    ow = sorted(raw["one_way_ms"])
+    bulk = raw.get("bulk") or {}
+    return LinkMeasurement(
+        one_way_delay_ms=statistics.median(ow),
+        bandwidth_gbps=float(bulk.get("steady_gbps", float("nan"))),
+        rtt_ms=statistics.median(raw["rtt_ms"]),
+        one_way_delay_p90_ms=ow[min(len(ow) - 1, int(0.9 * len(ow)))],
+        mean_bandwidth_gbps=float(bulk.get("mean_gbps", float("nan"))),
+        transfer_s=float(bulk.get("seconds", 0.0)),
+        samples=len(ow),
+    )
+
+
+def measure(server_prefix: Sequence[str], client_prefix: Sequence[str], address: str, *,
+            port: int = DEFAULT_PORT, samples: int = 20, duration_s: float = 1.0) -> LinkMeasurement:
+    """Run the server under ``server_prefix`` (e.g. ``ip netns exec h1``) and the client under
+    ``client_prefix``; measure the client -> server direction."""
+    script = str(Path(__file__).resolve())
+    py = [sys.executable, "-I", script]
+    srv = subprocess.Popen([*server_prefix, *py, "server", "--port", str(port)],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        line = srv.stdout.readline() if srv.stdout else ""
+        if line.strip() != "ready":
+            raise RuntimeError(f"probe server did not start (exit {srv.poll()})")
+        out = subprocess.run([*client_prefix, *py, "client", "--address", address, "--port", str(port),
+                              "--samples", str(samples), "--duration", str(duration_s)],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=60 + samples + duration_s)
+        if out.returncode != 0:
+            raise RuntimeError(f"probe client failed: {out.stderr.strip().splitlines()[-1:]}")
+        return summarize(json.loads(out.stdout))
+    finally:
+        if srv.poll() is None:
+            try:
+                srv.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                srv.kill()
+                srv.wait()
+        if srv.stdout:
+            srv.stdout.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="link probe (runs inside one virtual host)")
+    sub = ap.add_subparsers(dest="role", required=True)
+    s = sub.add_parser("server")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    c = sub.add_parser("client")
+    c.add_argument("--address", required=True)
+    c.add_argument("--port", type=int, default=DEFAULT_PORT)
+    c.add_argument("--samples", type=int, default=20)
+    c.add_argument("--duration", type=float, default=1.0)
+    a = ap.parse_args(argv)
+    if a.role == "server":
+        serve(a.port)
+    else:
+        json.dump(client(a.address, a.port, a.samples, a.duration), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

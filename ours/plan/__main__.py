@@ -1,0 +1,196 @@
+"""python -m ours.plan {profile,fit,solve,evaluate}: TeraPipe's latency model and optimal slicing.
+
+    python -m ours.plan profile --model cpu-small [--quick] [--out FILE]
+    python -m ours.plan fit --profile FILE [--out FILE]          # default out: the cache auto uses
+    python -m ours.plan solve --model cpu-small --pp 2 --batch-size 2 [--micro-batch-size 1] [--granularity 8]
+    python -m ours.plan evaluate --model cpu-small --pp 2 --batch-size 1 --micro-batch-size 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from workload.configs import MODEL_CONFIGS, get_model_config
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _model(args):
+    return get_model_config(args.model).with_overrides(n_layer=getattr(args, "n_layer", None),
+                                                       seq_len=getattr(args, "seq_len", None))
+
+
+def _load_latency_model(args, cfg):
+    from ours.plan.auto import cache_key, cached_model_path
+    from ours.plan.latency import LatencyModel
+
+    path = Path(args.latency_model) if args.latency_model else cached_model_path(cfg, args.device)
+    if path is None or not path.exists():
+        sys.exit(f"python -m ours.plan: error: no fitted latency model for {cache_key(cfg, args.device)}; "
+                 f"run profile and fit first, or give --latency-model")
+    return LatencyModel.load(path), path
+
+
+def cmd_profile(args) -> int:
+    from ours.plan.auto import plan_dir
+    from ours.plan.profile import ProfileGrid, profile
+
+    cfg = _model(args)
+    grid = ProfileGrid.quick(seq_len=cfg.seq_len) if args.quick else ProfileGrid()
+    changes = {k: v for k, v in dict(batch_slices=args.batch_slices, granularity=args.granularity,
+                                      context_step=args.context_step, reps=args.reps).items() if v is not None}
+    if args.no_p2p:
+        changes["p2p"] = False
+    grid = ProfileGrid(**{**grid.__dict__, **changes})
+    prof = profile(cfg, grid, args.device, progress=not args.no_progress)
+    out = Path(args.out or plan_dir() / f"profile-{cfg.name}-{args.device}{'-quick' if args.quick else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1))
+    print(f"profile: {len(prof['layer'])} layer points, {len(prof['p2p'])} p2p sizes in {prof['seconds']:.1f} s "
+          f"-> {out}")
+    return 0
+
+
+def cmd_fit(args) -> int:
+    from ours.plan.auto import cache_key, plan_dir
+    from ours.plan.latency import fit
+    from workload.configs import ModelConfig
+
+    prof = json.loads(Path(args.profile).read_text())
+    lm = fit(prof)
+    m = prof["model"]
+    shape = ModelConfig(m.get("name", "?"), m["n_layer"], m["n_embd"], m["n_head"], m["seq_len"], m["vocab_size"])
+    out = Path(args.out or plan_dir() / f"{cache_key(shape, prof.get('device', 'cpu'))}.json")
+    lm.save(out)
+    f = lm.meta["fit"]
+
+    def fmt(name):
+        e = f.get(name)
+        if not e or e["n"] == 0:
+            return f"{name}: -"
+        return f"{name}: R2 {e['r2']:.4f}, MAPE {e['mape'] * 100:.2f} % (n={e['n']})"
+
+    print(f"fit: alpha={lm.alpha:.3e} beta={lm.beta:.3e} gamma={lm.gamma:.3e} delta={lm.delta:.3e} s; "
+          f"comm a={lm.comm_latency * 1e6:.1f} us bw={lm.comm_bandwidth / 1e9:.3f} GB/s")
+    for name in ("t0_interp", "context_holdout", "context_all", "comm"):
+        print("  " + fmt(name))
+    print(f"-> {out}")
+    return 0
+
+
+def cmd_solve(args) -> int:
+    from ours.plan.planner import plan
+
+    cfg = _model(args)
+    lm, path = _load_latency_model(args, cfg)
+    bs = list(args.batch_slices) if args.batch_slices else ([args.micro_batch_size] if args.micro_batch_size else None)
+    p = plan(lm, n_layer=cfg.n_layer, n_stages=args.pp, batch_size=args.batch_size, seq_len=cfg.seq_len,
+             granularity=args.granularity, batch_slices=bs)
+    d = p.to_dict()
+    d.update(model=cfg.name, n_layer=cfg.n_layer, seq_len=cfg.seq_len, latency_model=str(path),
+             step_parts=lm.step_time(p.slices, p.batch_slice, args.batch_size, cfg.n_layer, args.pp))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(d, indent=1))
+    if args.json:
+        print(json.dumps(d))
+    print(p.summary())
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from ours.plan.auto import plan_dir
+    from ours.plan.evaluate import evaluate
+
+    cfg = _model(args)
+    lm, path = _load_latency_model(args, cfg)
+    ks = list(args.ks) if args.ks else [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= cfg.seq_len // 8]
+    out_dir = Path(args.out_dir or plan_dir() / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}-b{args.micro_batch_size}")
+    extra = []
+    if args.n_layer:
+        extra += ["--num-layers", str(args.n_layer)]
+    if args.seq_len:
+        extra += ["--seq-length", str(args.seq_len)]
+    if args.network:
+        extra += ["--network", args.network]
+    res = evaluate(lm, model=args.model, n_layer=cfg.n_layer, seq_len=cfg.seq_len, pp=args.pp,
+                   batch_size=args.batch_size, micro=args.micro_batch_size, ks=ks, steps=args.steps,
+                   warmup=args.warmup, out_dir=out_dir, granularity=args.granularity, rounds=args.rounds,
+                   extra=extra, log=lambda s: print(s, flush=True))
+    from ours.plan.evaluate import markdown
+
+    print(markdown(res))
+    print(f"-> {out_dir}/evaluation.md, evaluation.json")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ours.plan", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def model_args(q, seq=True):
+        q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
+        q.add_argument("--device", default="cpu", help="cpu | cuda")
+        if seq:
+            q.add_argument("--n-layer", "--num-layers", dest="n_layer", type=int, default=None)
+            q.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=None)
+
+    q = sub.add_parser("profile", help="measure one layer over a (b, l, c) grid, p2p latency, per-step extras")
+    model_args(q)
+    q.add_argument("--quick", action="store_true", help="coarse grid, b=1, 2 reps (seconds, not minutes)")
+    q.add_argument("--batch-slices", type=_ints, default=None, help="b values, e.g. 1,2")
+    q.add_argument("--granularity", type=int, default=None, help="l step of the c = 0 grid (default 8)")
+    q.add_argument("--context-step", type=int, default=None, help="l and c step of the c > 0 grid (default 128)")
+    q.add_argument("--reps", type=int, default=None)
+    q.add_argument("--no-p2p", action="store_true")
+    q.add_argument("--no-progress", action="store_true")
+    q.add_argument("--out", default=None)
+    q.set_defaults(fn=cmd_profile)
+
+    q = sub.add_parser("fit", help="fit the latency model to a profile")
+    q.add_argument("--profile", required=True)
+    q.add_argument("--out", default=None, help="default: <plan dir>/<device>-h..-a..-s..-v...json (used by auto)")
+    q.set_defaults(fn=cmd_fit)
+
+    def plan_args(q):
+        model_args(q)
+        q.add_argument("--latency-model", default=None, help="a fitted model JSON (default: the cache)")
+        q.add_argument("--pp", type=int, required=True, help="K, pipeline stages")
+        q.add_argument("--batch-size", type=int, required=True)
+        q.add_argument("--granularity", type=int, default=8)
+
+    q = sub.add_parser("solve", help="the optimal slicing")
+    plan_args(q)
+    q.add_argument("--micro-batch-size", type=int, default=None, help="fix the batch slice (token slicing only)")
+    q.add_argument("--batch-slices", type=_ints, default=None, help="batch slice sizes to try (default: divisors of B)")
+    q.add_argument("--out", default=None)
+    q.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
+    q.set_defaults(fn=cmd_solve)
+
+    q = sub.add_parser("evaluate", help="run --system ours with uniform and optimal slicings, predicted vs measured")
+    plan_args(q)
+    q.add_argument("--micro-batch-size", type=int, default=1)
+    q.add_argument("--ks", type=_ints, default=None, help="uniform slice counts (default 1,2,4,...,64)")
+    q.add_argument("--steps", type=int, default=5)
+    q.add_argument("--warmup", type=int, default=1)
+    q.add_argument("--rounds", type=int, default=1)
+    q.add_argument("--network", default=None)
+    q.add_argument("--out-dir", default=None)
+    q.set_defaults(fn=cmd_evaluate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Predicted against measured step time: run ``--system ours`` with uniform slicings and the optimal one.
+
+Each slicing is run through the run command (a subprocess, records to a JSON-lines file); its
+measured median step time is compared with the latency model's prediction of the whole step.
+
+Two predictions are reported:
+- ``raw``: the model as fitted (pipeline formula + head + optimizer + the model's own constant);
+- ``loo``: plus a per-step constant calibrated on the *other* runs (leave-one-out median of their
+  measured - raw residuals), so that no run's own measurement enters its prediction.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ours.plan.latency import LatencyModel
+from ours.plan.planner import plan, uniform_slices
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Case:
+    name: str
+    slices: tuple[int, ...]
+
+
+def cases(seq_len: int, ks: list[int], optimal: tuple[int, ...]) -> list[Case]:
+    out = [Case(f"uniform K={k}", uniform_slices(seq_len, k)) for k in ks if k <= seq_len]
+    out.append(Case(f"optimal ({len(optimal)} slices)", tuple(optimal)))
+    return out
+
+
+def run_case(model: str, case: Case, *, pp: int, batch_size: int, micro: int, steps: int, warmup: int,
+             out: Path, extra: list[str], timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "runners.run", "--system", "ours", "--model", model, "--pp", str(pp),
+           "--batch-size", str(batch_size), "--micro-batch-size", str(micro),
+           "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), *extra]
+    cmd += ["--n-slices", "1"] if len(case.slices) == 1 else ["--slices", ",".join(map(str, case.slices))]
+    before = len(out.read_text().splitlines()) if out.exists() else 0
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    lines = out.read_text().splitlines() if out.exists() else []
+    if len(lines) <= before:
+        return dict(status="error", error=f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}", median_step_time=None)
+    rec = json.loads(lines[-1])
+    return dict(status=rec.get("status"), error=rec.get("error"), median_step_time=rec.get("median_step_time"),
+                step_times=rec.get("step_times"))
+
+
+def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: int, batch_size: int, micro: int,
+             ks: list[int], steps: int, warmup: int, out_dir: Path, granularity: int = 8, rounds: int = 1,
+             extra: list[str] | None = None, timeout: float = 1800, log=print) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs_file = out_dir / "runs.jsonl"
+    best = plan(lm, n_layer=n_layer, n_stages=pp, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
+                batch_slices=[micro])
+    log(f"optimal: {best.summary()}")
+    cs = cases(seq_len, ks, best.slices)
+    measured: dict[str, list[float]] = {c.name: [] for c in cs}
+    status: dict[str, str] = {}
+    for r in range(rounds):
+        order = cs if r % 2 == 0 else list(reversed(cs))  # alternate to spread drifting load
+        for c in order:
+            t = time.perf_counter()
+            res = run_case(model, c, pp=pp, batch_size=batch_size, micro=micro, steps=steps, warmup=warmup,
+                           out=runs_file, extra=extra or [], timeout=timeout)
+            status[c.name] = res["status"] if res["status"] != "ok" or c.name not in status else status[c.name]
+            if res["status"] == "ok":
+                measured[c.name].append(res["median_step_time"])
+            log(f"  round {r + 1} {c.name}: {res['status']} median {res['median_step_time']} "
+                f"({time.perf_counter() - t:.0f} s){'' if res['status'] == 'ok' else ' ' + str(res['error'])[:300]}")
+    rows = []
+    for c in cs:
+        pred = lm.step_time(c.slices, micro, batch_size, n_layer, pp)
+        m = statistics.median(measured[c.name]) if measured[c.name] else None
+        rows.append(dict(name=c.name, n_slices=len(c.slices), slices=list(c.slices), status=status.get(c.name),
+                         predicted_pipeline=pred["pipeline"], predicted_raw=pred["total"], parts=pred, measured=m,
+                         measured_all=measured[c.name]))
+    ok = [r for r in rows if r["measured"] is not None]
+    for r in ok:
+        others = [o["measured"] - o["predicted_raw"] for o in ok if o is not r]
+        const = statistics.median(others) if others else 0.0
+        r["loo_constant"] = const
+        r["predicted_loo"] = r["predicted_raw"] + const
+        r["error_raw"] = (r["predicted_raw"] - r["measured"]) / r["measured"]
+        r["error_loo"] = (r["predicted_loo"] - r["measured"]) / r["measured"]
+    summary = dict(
+        median_abs_error_raw=statistics.median(abs(r["error_raw"]) for r in ok) if ok else None,
+        median_abs_error_loo=statistics.median(abs(r["error_loo"]) for r in ok) if ok else None,
+        constant_all=statistics.median(r["measured"] - r["predicted_raw"] for r in ok) if ok else None,
+        best_measured=min(ok, key=lambda r: r["measured"])["name"] if ok else None,
+        best_predicted=min(rows, key=lambda r: r["predicted_raw"])["name"],
+    )
+    result = dict(kind="ours.plan.evaluation", model=model, n_layer=n_layer, seq_len=seq_len, pp=pp,
+                  batch_size=batch_size, micro_batch_size=micro, steps=steps, warmup=warmup, rounds=rounds,
+                  granularity=granularity, optimal=best.to_dict(), rows=rows, summary=summary,
+                  latency_model_meta=lm.meta)
+    (out_dir / "evaluation.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "evaluation.md").write_text(markdown(result))
+    return result
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:+.1f} %"
+
+
+def markdown(res: dict) -> str:
+    s = res["summary"]
+    lines = [
+        f"# Predicted vs measured step time: ours, {res['model']}, P={res['pp']}, B={res['batch_size']}, "
+        f"b={res['micro_batch_size']}",
+        "",
+        f"{res['steps']} measured steps after {res['warmup']} warm-up, {res['rounds']} round(s), median; "
+        f"slicing granularity {res['granularity']}.",
+        "",
+        "| slicing | slices | predicted pipeline (ms) | predicted step, raw (ms) | predicted step, LOO const (ms) "
+        "| measured (ms) | error raw | error LOO |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in res["rows"]:
+        sl = ",".join(map(str, r["slices"]))
+        if len(sl) > 60:
+            sl = sl[:57] + "..."
+        lines.append(f"| {r['name']} | {sl} | {_ms(r['predicted_pipeline'])} | {_ms(r['predicted_raw'])} | "
+                     f"{_ms(r.get('predicted_loo'))} | {_ms(r['measured'])} | {_pct(r.get('error_raw'))} | "
+                     f"{_pct(r.get('error_loo'))} |")
+    lines += [
+        "",
+        f"Median absolute prediction error: raw {_pct(s['median_abs_error_raw'])}, leave-one-out constant "
+        f"{_pct(s['median_abs_error_loo'])}. Fastest measured: {s['best_measured']}; fastest predicted: "
+        f"{s['best_predicted']}.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""Measure what the latency model needs, on this device, with one thread.
+
+- One transformer layer, forward + backward, on a slice of b sequences and l tokens after c tokens
+  of context: the slice's queries attend to the cached keys/values of the context plus its own
+  (causal, bottom-right aligned), and the cached keys/values are leaves that receive gradients, as
+  in the token pipeline. Every l at the granularity with c = 0; a coarser (l, c) grid with c > 0.
+- Point-to-point latency against message size: two gloo processes, send/recv ping-pong (one way =
+  round trip / 2), under whatever network emulation is active.
+- The per-step work outside the pipeline: head + loss per token, embeddings per token, the
+  optimizer per parameter.
+
+The profile is a JSON dict: device, model shape, torch version, and lists of measurements.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from workload.configs import ModelConfig
+from workload.model import Block
+
+try:
+    from torch.nn.attention.bias import causal_lower_right
+except ImportError:  # older torch: an explicit mask
+    causal_lower_right = None
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    batch_slices: tuple[int, ...] = (1, 2)
+    granularity: int = 8  # c = 0: every l at this granularity
+    context_step: int = 128  # c > 0: l and c multiples of this, c + l <= seq_len
+    reps: int = 3  # median of
+    warmup: int = 0  # per point, after one warm-up of the whole bench
+    p2p_sizes: tuple[int, ...] = tuple(2 ** k for k in range(10, 24, 2))  # 1 KiB .. 4 MiB
+    p2p_reps: int = 10
+    p2p: bool = True
+
+    @staticmethod
+    def quick(batch_slices: tuple[int, ...] = (1,), seq_len: int = 1024) -> "ProfileGrid":
+        g = max(8, seq_len // 16)
+        return ProfileGrid(batch_slices=batch_slices, granularity=g, context_step=max(g, seq_len // 4), reps=2,
+                           warmup=0, p2p_sizes=tuple(2 ** k for k in range(10, 23, 4)), p2p_reps=5)
+
+
+def _bottom_right_mask(lq: int, lk: int, device) -> torch.Tensor:
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
+    return j <= i + (lk - lq)
+
+
+class LayerBench:
+    """One Block and the tensors of a slice; ``time(b, l, c)`` is one forward + backward."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0):
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.block = Block(cfg).to(self.device)
+
+    def run(self, b: int, l: int, c: int) -> None:
+        cfg, dev = self.cfg, self.device
+        H, D = cfg.n_head, cfg.head_dim
+        x = torch.randn(b, l, cfg.n_embd, device=dev, requires_grad=True)
+        blk = self.block
+        q, k, v = blk.attn.split_heads(blk.ln_1(x))
+        leaves = []
+        if c > 0:
+            kc = torch.randn(b, H, c, D, device=dev, requires_grad=True)
+            vc = torch.randn(b, H, c, D, device=dev, requires_grad=True)
+            leaves = [kc, vc]
+            k = torch.cat([kc, k], dim=2)
+            v = torch.cat([vc, v], dim=2)
+            mask = causal_lower_right(l, c + l) if causal_lower_right is not None else _bottom_right_mask(l, c + l, dev)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + blk.attn.merge_heads(y)
+        out = h + blk.mlp(blk.ln_2(h))
+        out.backward(torch.ones_like(out))
+        for p in blk.parameters():
+            p.grad = None
+        del leaves
+
+    def time(self, b: int, l: int, c: int, reps: int, warmup: int) -> float:
+        return _median_time(lambda: self.run(b, l, c), reps, warmup, self.device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, reps: int, warmup: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(max(1, reps)):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def layer_grid(seq_len: int, grid: ProfileGrid) -> list[tuple[int, int, int]]:
+    pts = []
+    for b in grid.batch_slices:
+        ls = list(range(grid.granularity, seq_len + 1, grid.granularity))
+        if not ls or ls[-1] != seq_len:
+            ls.append(seq_len)
+        pts += [(b, l, 0) for l in ls]
+        st = grid.context_step
+        for c in range(st, seq_len, st):
+            for l in range(st, seq_len - c + 1, st):
+                pts.append((b, l, c))
+    return pts
+
+
+def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dict:
+    """Head + loss and embeddings per token; the optimizer (Adam, as the runs use) per parameter."""
+    from workload.training import OptimizerConfig, make_optimizer
+
+    torch.manual_seed(0)
+    h, V, L = cfg.n_embd, cfg.vocab_size, cfg.seq_len
+    ln_f = torch.nn.LayerNorm(h).to(device)
+    head = torch.nn.Linear(h, V, bias=False).to(device)
+
+    def head_step():
+        x = torch.randn(1, L, h, device=device, requires_grad=True)
+        y = torch.randint(0, V, (1, L), device=device)
+        logits = head(ln_f(x))
+        F.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1)).backward()
+        ln_f.weight.grad = ln_f.bias.grad = head.weight.grad = None
+
+    wte = torch.nn.Embedding(V, h).to(device)
+    wpe = torch.nn.Embedding(L, h).to(device)
+
+    def embed_step():
+        idx = torch.randint(0, V, (1, L), device=device)
+        out = wte(idx) + wpe(torch.arange(L, device=device))
+        out.backward(torch.ones_like(out))
+        wte.weight.grad = wpe.weight.grad = None
+
+    block = Block(cfg).to(device)
+    params = list(block.parameters()) + list(head.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = make_optimizer(params, OptimizerConfig())
+    n_params = sum(p.numel() for p in params)
+    t_head = _median_time(head_step, reps, 1, device)
+    t_embed = _median_time(embed_step, reps, 1, device)
+    t_opt = _median_time(opt.step, reps, 2, device)
+    return dict(head_per_token=t_head / L, embed_per_token=t_embed / L, optimizer_per_param=t_opt / n_params,
+                head_seconds=t_head, embed_seconds=t_embed, optimizer_seconds=t_opt, optimizer_params=n_params)
+
+
+# --- point-to-point ---------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _p2p_worker(rank: int, port: int, sizes: list[int], reps: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    res = []
+    try:
+        for nbytes in sizes:
+            buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+            times = []
+            for i in range(reps + 2):
+                dist.barrier()
+                t = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                if i >= 2:
+                    times.append((time.perf_counter() - t) / 2)
+            res.append(dict(bytes=buf.numel() * 4, t=statistics.median(times), t_min=min(times)))
+        if rank == 0:
+            Path(out).write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_p2p(sizes: list[int], reps: int) -> list[dict]:
+    """One-way time per message size between two local gloo processes (ping-pong / 2)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "p2p.json")
+        mp.spawn(_p2p_worker, args=(_free_port(), list(sizes), reps, out), nprocs=2, join=True)
+        return json.loads(Path(out).read_text())
+
+
+# --- the whole profile ------------------------------------------------------------------------
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def profile(cfg: ModelConfig, grid: ProfileGrid = ProfileGrid(), device: torch.device | str = "cpu",
+            progress: bool = True, threads: int = 1) -> dict:
+    device = torch.device(device)
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bench = LayerBench(cfg, device)
+        pts = layer_grid(cfg.seq_len, grid)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(pts) + (len(grid.p2p_sizes) if grid.p2p else 0) + 1, desc="profile", unit="pt")
+        started = time.perf_counter()
+        bench.time(max(grid.batch_slices), min(cfg.seq_len, 256), 0, 1, 2)  # warm the allocator and kernels
+        layer = []
+        order = random.Random(0).sample(range(len(pts)), len(pts))  # spread drifting load over the grid
+        for i in order:
+            b, l, c = pts[i]
+            layer.append(dict(b=b, l=l, c=c, t=bench.time(b, l, c, grid.reps, grid.warmup)))
+            if bar:
+                bar.update()
+        overhead = overhead_rates(cfg, device)
+        if bar:
+            bar.update()
+        p2p = []
+        if grid.p2p:
+            p2p = measure_p2p(list(grid.p2p_sizes), grid.p2p_reps)
+            if bar:
+                bar.update(len(grid.p2p_sizes))
+        if bar:
+            bar.close()
+    finally:
+        torch.set_num_threads(prev_threads)
+    return dict(
+        kind="ours.plan.profile",
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=device.type, device_name=device_name(device), torch=torch.__version__, threads=threads,
+        hostname=socket.gethostname(),
+        model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, seq_len=cfg.seq_len,
+                   vocab_size=cfg.vocab_size),
+        granularity=grid.granularity, grid=dict(batch_slices=list(grid.batch_slices), context_step=grid.context_step,
+                                                reps=grid.reps, warmup=grid.warmup),
+        layer=sorted(layer, key=lambda p: (p["b"], p["c"], p["l"])), p2p=p2p, overhead=overhead, seconds=time.perf_counter() - started,
+    )

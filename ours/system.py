@@ -1,0 +1,126 @@
+"""ours: a token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism.
+
+Global rank r = dp_rank * pp + pp_rank. Stage pp_rank holds the layers of
+``stage_specs(n_layer, pp)[pp_rank]``; each stage's DP group is the ranks with the same pp_rank.
+See ``ours.engine`` (the pipeline), ``ours.kernels`` (exact sliced attention, deferred weight
+gradients) and ``ours.dp`` (data parallelism).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ours.dp import make_sync
+from ours.engine import StageEngine
+from ours.trace import Tracer
+from runners.config import RunConfig
+from runners.context import Context, Measurements
+from runners.timing import StepOutput, run_steps
+from workload.partition import stage_specs
+
+
+def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[int, ...]:
+    """The token slicing every rank uses: explicit / K equal, or the planner's (rank 0 decides)."""
+    if not cfg.auto_slices:
+        return tuple(cfg.token_slices)
+    box: list = [None]
+    if ctx.rank == 0:
+        try:
+            from ours.plan.auto import auto_slicing
+        except ImportError as exc:
+            box[0] = RuntimeError(f"--n-slices auto needs ours.plan.auto.auto_slicing, which is not available: {exc}")
+        else:
+            box[0] = tuple(int(s) for s in auto_slicing(cfg, ctx.device))
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    slices = box[0]
+    if sum(slices) != cfg.model.seq_len or any(s < 1 for s in slices):
+        raise RuntimeError(f"auto slicing {slices} does not cover the sequence length {cfg.model.seq_len}")
+    return slices
+
+
+class _LossScaler:
+    """Dynamic loss scaling for fp16 (CUDA): one scale for the whole world, kept in step by an
+    all-reduced overflow flag. Disabled (scale 1) otherwise."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device = enabled, device
+        self.scale = 2.0**16 if enabled else 1.0
+        self.good_steps = 0
+
+    def check_and_unscale(self, params: list[torch.nn.Parameter]) -> bool:
+        """True if the step may be applied (grads finite everywhere; grads unscaled in place)."""
+        if not self.enabled:
+            return True
+        bad = torch.zeros((), device=self.device)
+        for p in params:
+            if p.grad is not None:
+                bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() > 0:
+            self.scale *= 0.5
+            self.good_steps = 0
+            return False
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.scale)
+        self.good_steps += 1
+        if self.good_steps % 2000 == 0:
+            self.scale *= 2.0
+        return True
+
+
+def train(config: RunConfig, ctx: Context) -> Measurements:
+    cfg = config
+    pp, dp = cfg.pp, cfg.dp
+    dp_rank, pp_rank = divmod(ctx.rank, pp)
+    spec = stage_specs(cfg.model.n_layer, pp)[pp_rank]
+    model = ctx.build_stage(spec)
+    slices = resolve_slices(cfg, ctx)
+    tracer = Tracer(ctx.rank, enabled=cfg.trace is not None)
+
+    # every rank creates every stage's DP group, in the same order
+    group = None
+    if dp > 1:
+        for s in range(pp):
+            g = dist.new_group([d * pp + s for d in range(dp)])
+            if s == pp_rank:
+                group = g
+
+    engine = StageEngine(
+        model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
+        device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
+        next_rank=None if spec.is_last else ctx.rank + 1, tracer=tracer, mixed_precision=cfg.mixed_precision,
+        recompute=cfg.recompute)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    sync = make_sync(cfg.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
+                     server_rank=0 * pp + pp_rank)
+    scaler = _LossScaler(cfg.mixed_precision and ctx.device.type == "cuda", ctx.device)
+
+    def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        for p in params:
+            p.grad = None
+        engine.loss_scale = scaler.scale
+        loss = engine.step(inputs, targets)
+        ctx.synchronize()
+        t0 = time.perf_counter()
+        with tracer.span("sync", f"dp {cfg.dp_mode}" if dp > 1 else "optimizer"):
+            if scaler.check_and_unscale(params):
+                sync.step()
+            ctx.synchronize()
+        dt = time.perf_counter() - t0
+        return StepOutput(loss=float(loss) if loss is not None else None, dp_sync_time=dt if dp > 1 else 0.0)
+
+    m = run_steps(ctx, dp_rank, step)
+    if cfg.verify:
+        m.grads = sync.grads()
+    if cfg.trace:
+        tracer.write(cfg.trace, ctx.world_size)
+    m.extra.update(slices=list(slices), n_slices=len(slices), dp_mode=cfg.dp_mode,
+                   n_batch_slices=cfg.batch_size // cfg.micro_batch_size, stage=pp_rank, dp_rank=dp_rank,
+                   layers=[spec.first_layer, spec.end_layer], auto_slices=cfg.auto_slices)
+    return m

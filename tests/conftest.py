@@ -1,0 +1,39 @@
+"""Shared helpers: tests drive the real run command, with real torchrun/gloo ranks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """python -m runners.run ARGS..., from the repo root; returns the completed process (text)."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "runners.run", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+
+
+TINY = ["--model", "tiny", "--num-layers", "4", "--hidden-size", "64", "--num-heads", "4", "--seq-length", "32",
+        "--vocab-size", "128"]
+"""A model small enough for many multi-process tests on 2 cores."""
+
+
+def assert_verified(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("verify:")]
+    assert lines and lines[-1].endswith("PASS"), proc.stdout
+
+
+@pytest.fixture
+def out_file(tmp_path: Path) -> Path:
+    return tmp_path / "runs.jsonl"

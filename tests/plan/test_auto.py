@@ -1,0 +1,76 @@
+"""auto_slicing: valid, deterministic given the fitted model, cached; the CLI end to end on a small shape."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ours.plan.auto import auto_slicing, cache_key, default_granularity
+from ours.plan.latency import LatencyModel
+from runners.config import RunConfig
+from workload.configs import MODEL_CONFIGS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(model="tiny", pp=2, batch=2, micro=1, **over):
+    m = MODEL_CONFIGS[model].with_overrides(**over)
+    return RunConfig(system="ours", model=m, batch_size=batch, micro_batch_size=micro, pp=pp, auto_slices=True)
+
+
+def test_auto_slicing_tiny_quick_profile_then_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
+    monkeypatch.delenv("OURS_PLAN_MODEL", raising=False)
+    cfg = _config()
+    state = torch.random.get_rng_state()
+    slices = auto_slicing(cfg, torch.device("cpu"))
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's random stream is untouched
+    assert sum(slices) == cfg.model.seq_len and all(isinstance(s, int) and s >= 1 for s in slices)
+    cached = tmp_path / f"{cache_key(cfg.model, 'cpu')}-quick.json"
+    assert cached.exists()
+    # deterministic given the profile: the cached fit is reused and gives the same answer
+    assert auto_slicing(cfg, torch.device("cpu")) == slices
+    assert auto_slicing(cfg.replace(pp=4), torch.device("cpu"))  # other K, same model file
+
+
+def _toy_model(seq_len: int) -> LatencyModel:
+    ls = list(range(8, seq_len + 1, 8))
+    return LatencyModel(n_embd=128, n_head=4, seq_len=seq_len, vocab_size=512, b_grid=[1], l_grid=ls,
+                        t0=[[1e-3 + 1e-4 * l for l in ls]], gamma=2e-7, delta=2e-4)
+
+
+def test_auto_slicing_uses_explicit_model_file(tmp_path, monkeypatch):
+    path = tmp_path / "m.json"
+    _toy_model(128).save(path)
+    monkeypatch.setenv("OURS_PLAN_MODEL", str(path))
+    cfg = _config()
+    slices = auto_slicing(cfg, torch.device("cpu"))
+    assert sum(slices) == 128 and len(slices) > 1
+    assert slices == auto_slicing(cfg, torch.device("cpu"))
+    assert list(slices) == sorted(slices, reverse=True)  # context cost: later slices no longer
+    assert default_granularity(2048) == 8 and default_granularity(8192) == 32
+
+
+def test_cli_profile_fit_solve(tmp_path):
+    env = {"OURS_PLAN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ours.plan", *a], cwd=REPO, capture_output=True, text=True,
+                                    timeout=300, env=env)
+    prof = tmp_path / "prof.json"
+    p = run("profile", "--model", "tiny", "--seq-len", "64", "--quick", "--no-progress", "--out", str(prof))
+    assert p.returncode == 0, p.stderr
+    d = json.loads(prof.read_text())
+    assert d["model"]["seq_len"] == 64 and d["torch"] == torch.__version__ and d["device"] == "cpu"
+    assert {x["c"] for x in d["layer"]} > {0} and len(d["p2p"]) >= 2
+    p = run("fit", "--profile", str(prof))
+    assert p.returncode == 0, p.stderr
+    assert "context_holdout" in p.stdout or "context_all" in p.stdout
+    p = run("solve", "--model", "tiny", "--seq-len", "64", "--pp", "2", "--batch-size", "2", "--json",
+            "--out", str(tmp_path / "plan.json"))
+    assert p.returncode == 0, p.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert sum(plan["slices"]) == 64 and plan["batch_slice"] in (1, 2) and plan["predicted_step"] > 0
+    assert "slices [" in p.stdout.splitlines()[-1]

@@ -1,0 +1,75 @@
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from runners import record as record_mod
+from runners.config import RunConfig
+from runners.launcher import LaunchResult
+from runners.record import append_record, build_record, read_records
+from runners.run import compare
+from workload.configs import get_model_config
+
+
+def _cfg(**kw) -> RunConfig:
+    base = dict(system="torch_pipe", model=get_model_config("tiny"), batch_size=4, micro_batch_size=1, pp=2)
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def _rank(rank, times, losses=None):
+    return {"rank": rank, "step_times": times, "losses": losses, "dp_sync_times": [0.0] * len(times),
+            "peak_memory_bytes": 100 + rank, "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
+            "backend": "gloo", "peak_tflops": 0.1, "peak_source": "measured-matmul:fp32"}
+
+
+def test_record_aggregates_ranks():
+    ranks = [_rank(0, [1.0, 2.0, 3.0]), _rank(1, [1.5, 1.0, 3.5], [5.0, 4.0, 3.0])]
+    rec = build_record(_cfg(), "ok", None, ranks, {"torch_version": "x"})
+    assert rec.step_times == [1.5, 2.0, 3.5]  # slowest rank per step
+    assert rec.median_step_time == 2.0
+    assert rec.losses == [5.0, 4.0, 3.0]
+    assert rec.tokens_per_s == 4 * 128 / 2.0
+    assert rec.peak_memory_bytes == [100, 101]
+    assert rec.mfu == pytest.approx(rec.tflops_per_device / 0.1)
+
+
+def test_failed_run_still_records():
+    rec = build_record(_cfg(), "oom", "rank 1: out of memory", None, {})
+    assert rec.status == "oom" and rec.median_step_time is None and rec.step_times == []
+
+
+def test_append_is_atomic_under_concurrency_and_failure(tmp_path, monkeypatch):
+    path = tmp_path / "r.jsonl"
+    recs = [build_record(_cfg(seed=i), "ok", None, None, {}) for i in range(20)]
+    threads = [threading.Thread(target=append_record, args=(path, r)) for r in recs]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(r["config"]["seed"] for r in read_records(path)) == list(range(20))
+    before = path.read_bytes()
+
+    def broken_replace(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(record_mod.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        append_record(path, recs[0])
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".r.jsonl.")] == []
+
+
+def test_verification_detects_differences():
+    g = {"a": torch.ones(3)}
+    ok = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.0])], g)
+    same = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.0 + 5e-6])], {"a": torch.ones(3) + 5e-6})
+    assert compare(same, ok, 1e-5).passed
+    off_loss = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.1])], g)
+    assert not compare(off_loss, ok, 1e-5).passed
+    off_grad = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.0])], {"a": torch.tensor([1.0, 1.0, 1.001])})
+    assert not compare(off_grad, ok, 1e-5).passed
+    missing = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.0])], {})
+    v = compare(missing, ok, 1e-5)
+    assert not v.passed and "no gradient" in v.reason
+    assert "FAIL" in v.line()

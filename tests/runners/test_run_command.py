@@ -1,0 +1,123 @@
+"""The run command end to end: real torchrun ranks over gloo."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, TINY, assert_verified, read_jsonl, run_cli
+
+BASE = [*TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["--pp", "2", "--schedule", "gpipe"],
+    ["--pp", "2", "--schedule", "1f1b"],
+    ["--pp", "2", "--dp", "2", "--schedule", "1f1b"],
+    ["--pp", "2", "--schedule", "interleaved"],
+], ids=["gpipe", "1f1b", "pp2-dp2", "interleaved"])
+def test_torch_pipe_matches_reference(layout, out_file):
+    proc = run_cli("--system", "torch_pipe", *BASE, *layout, "--verify", "--out", str(out_file))
+    assert_verified(proc)
+    (rec,) = read_jsonl(out_file)
+    assert rec["status"] == "ok" and rec["verify"]["passed"]
+    assert len(rec["step_times"]) == 3 and len(rec["losses"]) == 3
+    assert rec["median_step_time"] > 0 and rec["tokens_per_s"] > 0 and rec["mfu"] > 0
+    assert rec["environment"]["torch_version"] and rec["environment"]["device_kind"] == "cpu"
+    assert rec["peak_source"].startswith("measured-matmul")
+    assert len(rec["peak_memory_bytes"]) == rec["environment"]["device_count"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--system", "torch_pipe", *TINY, "--pp", "3", "--batch-size", "4", "--micro-batch-size", "1"], "do not divide into 3"),
+    (["--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "4", "--micro-batch-size", "3"], "not divisible by micro-batch"),
+    (["--system", "torch_pipe", *TINY, "--tp", "2", "--batch-size", "4", "--micro-batch-size", "1"], "does not support --tp"),
+    (["--system", "megatron", *TINY, "--tp", "3", "--batch-size", "4", "--micro-batch-size", "1"], "--tp 3 must divide"),
+    (["--system", "ours", *TINY, "--pp", "2", "--slices", "10,10", "--batch-size", "4", "--micro-batch-size", "1"], "sum to 20"),
+    (["--system", "nope", *TINY, "--batch-size", "4", "--micro-batch-size", "1"], "invalid choice"),
+    (["--system", "reference", *TINY, "--batch-size", "0", "--micro-batch-size", "1"], "must be >= 1"),
+])
+def test_bad_requests_exit_2_and_write_nothing(args, message, out_file):
+    proc = run_cli(*args, "--out", str(out_file), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert message in lines[-1], proc.stderr
+    assert not out_file.exists()
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _workers(run_dir_marker: str = "runners.worker") -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if run_dir_marker in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(p)
+    return alive
+
+
+def test_killed_rank_records_error_and_leaves_no_process(out_file):
+    proc = subprocess.Popen([sys.executable, "-m", "runners.run", "--system", "torch_pipe", *TINY, "--pp", "2",
+                             "--batch-size", "4", "--micro-batch-size", "1", "--steps", "100000", "--out", str(out_file)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    workers: list[int] = []
+    while time.time() < deadline and len(workers) < 2:
+        time.sleep(0.5)
+        workers = [p for p in _descendants(proc.pid) if p in _workers()]
+    assert len(workers) >= 2, "ranks did not start"
+    time.sleep(3)  # let them get into training
+    family = _descendants(proc.pid)
+    os.kill(max(workers), signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    (rec,) = read_jsonl(out_file)
+    assert rec["status"] == "error" and rec["error"]
+    time.sleep(0.5)
+    assert _alive(family) == []
+
+
+def test_timeout_records_timeout_and_leaves_no_process(out_file):
+    proc = subprocess.Popen([sys.executable, "-m", "runners.run", "--system", "reference", *TINY, "--batch-size", "2",
+                             "--micro-batch-size", "1", "--steps", "1000000", "--timeout", "8", "--out", str(out_file)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)
+    family = _descendants(proc.pid)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    (rec,) = read_jsonl(out_file)
+    assert rec["status"] == "timeout" and "timed out" in rec["error"]
+    assert _alive(family) == []
