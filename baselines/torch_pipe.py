@@ -82,7 +82,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         scaler.step(opt)
         scale = scaler.get_scale() if scaler.is_enabled() else 1.0
         scaler.update()
-        loss = float(torch.stack(losses).float().mean()) / scale if losses else None
+        loss = float(torch.stack(losses).detach().float().mean()) / scale if losses else None
         return StepOutput(loss=loss)
 
     m = run_steps(ctx, dp_rank, step)

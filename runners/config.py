@@ -139,6 +139,13 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"--slices {','.join(map(str, cfg.slices))} sum to {sum(cfg.slices)}, not the sequence length {m.seq_len}")
     if cfg.n_slices > m.seq_len:
         raise ConfigError(f"--n-slices {cfg.n_slices} exceeds the sequence length {m.seq_len}")
+    if cfg.network != "none":
+        from network_emulation.profiles import ProfileError, parse_profile
+
+        try:
+            parse_profile(cfg.network).check_hosts(spec.processes(cfg))
+        except ProfileError as exc:
+            raise ConfigError(f"--network: {exc}") from None
     spec.check(cfg)
 
 

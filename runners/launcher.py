@@ -37,6 +37,7 @@ class LaunchResult:
     ranks: list[dict] | None  # what every rank measured (on node 0)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # under --verify
     run_dir: Path | None = None
+    network: dict | None = None  # the emulated network: backend, profile, links, the measured link
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,31 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
     return LaunchResult("error", msg[:2000], ranks, grads, run_dir)
 
 
+def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
+    """Every rank on a virtual host of its own (a network namespace), links shaped by the profile:
+    one torchrun agent per virtual node, rendezvous at virtual host 0."""
+    from network_emulation import VirtualCluster, parse_profile
+
+    profile = parse_profile(cfg.network)
+    with VirtualCluster(world, profile, name="run") as vc:
+        measured = vc.probe(0, 1).describe() if world > 1 and profile.emulated else None
+        if measured:
+            print(f"network: {profile.name}: measured one-way delay {measured.get('one_way_delay_ms', float('nan')):.2f} ms, "
+                  f"bandwidth {measured.get('bandwidth_gbps', float('nan')):.2f} Gbit/s ({vc.backend})", file=sys.stderr)
+        master = f"{vc.hosts[0].address}:29500"
+        agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), h.env()) for h in vc.hosts]
+        result = run_agents(agents, cfg.timeout, run_dir)
+        result.network = {**vc.describe(), "measured_link": measured}
+    return result
+
+
 def launch(cfg: RunConfig, world: int, opts: LaunchOptions) -> LaunchResult:
-    """Launch ``world`` ranks for ``cfg`` on this node (or this node's share of a multi-node run)."""
+    """Launch ``world`` ranks for ``cfg`` on this node (or this node's share of a multi-node run).
+
+    Under ``--network`` on one node the ranks run in a local virtual cluster; on a real cluster the
+    network is shaped by the cluster runner (netem on each node), not here."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-"))
     (run_dir / "config.json").write_text(cfg.to_json())
-    agents = local_agents(cfg, world, opts, run_dir)
-    return run_agents(agents, cfg.timeout, run_dir)
+    if cfg.network != "none" and opts.nnodes == 1:
+        return launch_emulated(cfg, world, run_dir)
+    return run_agents(local_agents(cfg, world, opts, run_dir), cfg.timeout, run_dir)

@@ -6,6 +6,7 @@ RunRecord to --out. Exit status: 0 ok, 1 a failed run or a failed verification, 
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -81,6 +82,8 @@ def execute(cfg: RunConfig, opts: "LaunchOptions", out: str | None) -> tuple["Ru
                 verification = compare(result, ref, VERIFY_TOLERANCE)
             finally:
                 shutil.rmtree(ref.run_dir, ignore_errors=True)
+        if result.network is not None:
+            env["network"] = result.network
         record = build_record(cfg, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
     finally:
@@ -109,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from runners.launcher import LaunchOptions
 
+    if cfg.network != "none" and args.nnodes == 1 and os.geteuid() != 0:
+        print(f"{parser.prog}: error: --network {cfg.network!r} runs the ranks in a local virtual cluster of network "
+              "namespaces, which needs root (run as root, or use --network none)", file=sys.stderr)
+        return 2
     opts = LaunchOptions(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
     record, verification = execute(cfg, opts, args.out)
     print(summary(record))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install the suite with pinned dependencies. Idempotent.
+# torch is installed first and pinned: on machines with a local CPU wheel it comes from there;
+# a range or plain "torch" would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv" >&2
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  echo "setup: installing dependencies into .venv (torch==2.13.0, fairscale, megatron-core, pandas ...)" >&2
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi
+# Network emulation tools (namespaces, tbf, iptables NFQUEUE): only root can use them; install if missing.
+if [ "$(id -u)" = 0 ] && { ! command -v ip >/dev/null || ! command -v iptables >/dev/null || ! command -v tc >/dev/null; }; then
+  if command -v apt-get >/dev/null; then
+    echo "setup: installing iproute2 and iptables" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables >/dev/null) \
+      || echo "setup: could not install iproute2/iptables; network emulation tests will be skipped" >&2
+  fi
+fi
