@@ -97,7 +97,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_agents(agents: list[Agent], timeout: float, run_dir: Path) -> LaunchResult:
+def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result: bool = True) -> LaunchResult:
     tail: collections.deque = collections.deque(maxlen=60)
     procs: list[subprocess.Popen] = []
     pumps = []
@@ -127,10 +127,13 @@ def run_agents(agents: list[Agent], timeout: float, run_dir: Path) -> LaunchResu
             _kill_group(p)
         for t in pumps:
             t.join(timeout=2)
-    return collect(run_dir, [p.returncode for p in procs], timed_out, timeout, "".join(tail))
+    return collect(run_dir, [p.returncode for p in procs], timed_out, timeout, "".join(tail), expect_result)
 
 
-def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeout: float, log_tail: str) -> LaunchResult:
+def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeout: float, log_tail: str,
+            expect_result: bool = True) -> LaunchResult:
+    """The outcome of a run from its files. ``expect_result`` is False on the nodes of a multi-node run
+    other than node 0: rank 0 (on node 0) gathers the measurements."""
     errors = [json.loads(p.read_text()) for p in sorted(run_dir.glob("error-rank*.json"))]
     result_path = run_dir / "result.json"
     ranks = json.loads(result_path.read_text())["ranks"] if result_path.exists() else None
@@ -143,7 +146,7 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
     if errors:
         first = next((e for e in errors if e["status"] == "oom"), errors[0])
         return LaunchResult(first["status"], f"rank {first['rank']}: {first['error']}", ranks, grads, run_dir)
-    if ranks is not None and all(rc == 0 for rc in returncodes):
+    if (ranks is not None or not expect_result) and all(rc == 0 for rc in returncodes):
         return LaunchResult("ok", None, ranks, grads, run_dir)
     last = [l for l in log_tail.splitlines() if l.strip()][-3:]
     msg = f"a rank failed (exit codes {returncodes})" + (": " + " | ".join(l.strip() for l in last) if last else "")
@@ -177,4 +180,4 @@ def launch(cfg: RunConfig, world: int, opts: LaunchOptions) -> LaunchResult:
     (run_dir / "config.json").write_text(cfg.to_json())
     if cfg.network != "none" and opts.nnodes == 1:
         return launch_emulated(cfg, world, run_dir)
-    return run_agents(local_agents(cfg, world, opts, run_dir), cfg.timeout, run_dir)
+    return run_agents(local_agents(cfg, world, opts, run_dir), cfg.timeout, run_dir, expect_result=opts.node_rank == 0)

@@ -94,6 +94,8 @@ def execute(cfg: RunConfig, opts: "LaunchOptions", out: str | None) -> tuple["Ru
 
 
 def summary(rec: "RunRecord") -> str:
+    if rec.status == "ok" and rec.median_step_time is None:
+        return f"{rec.system}: ok (this node's ranks finished; node 0 writes the record)"
     if rec.status != "ok":
         return f"{rec.system}: {rec.status}: {rec.error}"
     return (f"{rec.system} {rec.model} pp={rec.layout['pp']} tp={rec.layout['tp']} dp={rec.layout['dp']} "

@@ -121,3 +121,20 @@ def test_timeout_records_timeout_and_leaves_no_process(out_file):
     (rec,) = read_jsonl(out_file)
     assert rec["status"] == "timeout" and "timed out" in rec["error"]
     assert _alive(family) == []
+
+
+def test_inner_command_of_a_multi_node_launch(out_file, tmp_path):
+    """Two 'nodes' on this machine, one rank each, rendezvous at node 0: node 0 writes the one record."""
+    from runners.launcher import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [sys.executable, "-m", "runners.run", "--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "2",
+              "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--nnodes", "2", "--rdzv-endpoint", endpoint]
+    other_out = tmp_path / "node1.jsonl"
+    procs = [subprocess.Popen([*common, "--node-rank", str(r), "--out", str(out_file if r == 0 else other_out)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    (rec,) = read_jsonl(out_file)
+    assert rec["status"] == "ok" and rec["environment"]["device_count"] == 2 and len(rec["losses"]) == 2
+    assert not other_out.exists()

@@ -1,0 +1,25 @@
+"""The run command under --network: ranks in the local virtual cluster, shaped as the profile says."""
+import subprocess
+
+from tests.conftest import TINY, read_jsonl, run_cli
+from tests.network.conftest import needs_root
+
+ARGS = ["--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1", "--steps", "3",
+        "--warmup", "1"]
+
+
+@needs_root
+def test_run_records_backend_and_measured_link_and_slows_down(out_file):
+    fast = run_cli(*ARGS, "--out", str(out_file))
+    slow = run_cli(*ARGS, "--network", "delay 10ms bandwidth 1Gbps", "--verify", "--out", str(out_file))
+    assert fast.returncode == 0, fast.stderr[-3000:]
+    assert slow.returncode == 0, slow.stderr[-3000:]
+    assert slow.stdout.strip().splitlines()[-1].endswith("PASS")
+    unshaped, shaped = read_jsonl(out_file)
+    net = shaped["environment"]["network"]
+    assert net["backend"] in ("netem", "tbf+delayer")
+    assert abs(net["measured_link"]["one_way_delay_ms"] - 10.0) < 1.0
+    # GPipe with 2 micro-batches over 2 stages: at least 2 forward and 2 backward hops of >= 10 ms each.
+    assert shaped["median_step_time"] > unshaped["median_step_time"] + 0.035
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "-run-" not in leftovers
