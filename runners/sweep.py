@@ -90,7 +90,7 @@ class PlannedRun:
         return self.network != "none"
 
     def label(self) -> str:
-        return f"[{self.experiment}] " + " ".join(self.args)
+        return f"[{self.experiment}] " + shlex.join(self.args)
 
     def command(self, out: str | os.PathLike, python: str = sys.executable) -> list[str]:
         return [python, "-m", "runners.run", *self.args, "--out", str(out)]
@@ -385,9 +385,26 @@ class LocalExecutor:
 
     def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]:
         cfg_timeout = _timeout_of(run.args)
+        global _current_child
         proc = subprocess.Popen(run.command(out, self.python), cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        return _follow(proc, self.log, cfg_timeout + SAFETY_MARGIN_S)
+        _current_child = proc
+        try:
+            return _follow(proc, self.log, cfg_timeout + SAFETY_MARGIN_S)
+        finally:
+            _current_child = None
+
+
+_current_child: subprocess.Popen | None = None
+
+
+def _on_sigterm(signum, frame):
+    """SIGTERM (or SIGHUP) stops the sweep like Ctrl-C: the running run command is interrupted, so
+    that it stops its ranks, and the sweep ends with its summary."""
+    child = _current_child
+    if child is not None and child.poll() is None:
+        child.send_signal(signal.SIGINT)
+    raise KeyboardInterrupt
 
 
 def _timeout_of(args: Sequence[str]) -> float:
@@ -496,8 +513,7 @@ def run_sweep(sweep: Sweep, out: Path, *, executor=None, only: Sequence[str] = (
     if probe and not executor_is_cluster(executor):
         for line in probe_lines((r.network for r in todo if r.emulated), python):
             say(line)
-    if executor is None:
-        out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     log_path = Path(str(out) + ".log") if out else Path(os.devnull)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     from tqdm import tqdm
@@ -562,8 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-report", action="store_true", help="do not run report.py at the end")
     ap.add_argument("--no-probe", action="store_true", help="do not probe the emulated networks first")
     ap.add_argument("--plots", default=None, help="also write the report's plots into this directory")
-    ap.add_argument("--networks", nargs="+", default=None, metavar="PROFILE",
-                    help="ad-hoc sweep: the run arguments after -- across these network profiles")
+    ap.add_argument("--networks", nargs="*", default=None, metavar="PROFILE",
+                    help="ad-hoc sweep: the run arguments after -- across these network profiles "
+                         "(none given: the five seed profiles)")
     c = ap.add_argument_group("cluster (real hosts over ssh; netem applied on each node)")
     c.add_argument("--hostfile", default=None, help="one host per line, the first is node 0")
     c.add_argument("--iface", default="eth0", help="network interface netem shapes on every node")
@@ -584,11 +601,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, run_args = argv[:i], argv[i + 1:]
     ap = build_parser()
     args = ap.parse_args(argv)
+    if not args.hostfile:  # (cluster mode: NetemSession guards the signals while netem is on)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _on_sigterm)
     try:
         if args.networks is not None:
             if args.sweep or not run_args:
                 raise SweepError("--networks takes the run arguments after --, and no sweep file")
-            sweep = adhoc_sweep(run_args, args.networks)
+            from network_emulation.profiles import SEED_PROFILES
+
+            sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES))
         else:
             if not args.sweep:
                 raise SweepError("give a sweep file (or --networks PROFILE... -- RUN_ARGS)")
