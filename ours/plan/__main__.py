@@ -45,7 +45,8 @@ def cmd_profile(args) -> int:
     cfg = _model(args)
     grid = ProfileGrid.quick(seq_len=cfg.seq_len) if args.quick else ProfileGrid()
     changes = {k: v for k, v in dict(batch_slices=args.batch_slices, granularity=args.granularity,
-                                      context_step=args.context_step, reps=args.reps).items() if v is not None}
+                                      context_step=args.context_step, reps=args.reps, stat=args.stat).items()
+               if v is not None}
     if args.no_p2p:
         changes["p2p"] = False
     grid = ProfileGrid(**{**grid.__dict__, **changes})
@@ -60,10 +61,10 @@ def cmd_profile(args) -> int:
 
 def cmd_fit(args) -> int:
     from ours.plan.auto import cache_key, plan_dir
-    from ours.plan.latency import fit
+    from ours.plan.latency import fit, merge_profiles
     from workload.configs import ModelConfig
 
-    prof = json.loads(Path(args.profile).read_text())
+    prof = merge_profiles([json.loads(Path(p).read_text()) for p in args.profile])
     lm = fit(prof)
     m = prof["model"]
     shape = ModelConfig(m.get("name", "?"), m["n_layer"], m["n_embd"], m["n_head"], m["seq_len"], m["vocab_size"])
@@ -149,13 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--granularity", type=int, default=None, help="l step of the c = 0 grid (default 8)")
     q.add_argument("--context-step", type=int, default=None, help="l and c step of the c > 0 grid (default 128)")
     q.add_argument("--reps", type=int, default=None)
+    q.add_argument("--stat", choices=("min", "median"), default=None, help="of the reps (default min)")
     q.add_argument("--no-p2p", action="store_true")
     q.add_argument("--no-progress", action="store_true")
     q.add_argument("--out", default=None)
     q.set_defaults(fn=cmd_profile)
 
     q = sub.add_parser("fit", help="fit the latency model to a profile")
-    q.add_argument("--profile", required=True)
+    q.add_argument("--profile", required=True, action="append",
+                   help="a profile JSON; repeat to merge several (the fastest measurement of each point)")
     q.add_argument("--out", default=None, help="default: <plan dir>/<device>-h..-a..-s..-v...json (used by auto)")
     q.set_defaults(fn=cmd_fit)
 

@@ -15,8 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from ours.plan.latency import LatencyModel, fit
 from ours.plan.planner import plan
 from workload.configs import ModelConfig
@@ -28,12 +26,12 @@ def plan_dir() -> Path:
     return Path(os.environ.get("OURS_PLAN_DIR") or REPO / "results" / "plan")
 
 
-def cache_key(model: ModelConfig, device: torch.device | str) -> str:
-    kind = torch.device(device).type
+def cache_key(model: ModelConfig, device) -> str:
+    kind = str(device).split(":")[0]  # a torch.device or "cpu" / "cuda"
     return f"{kind}-h{model.n_embd}-a{model.n_head}-s{model.seq_len}-v{model.vocab_size}"
 
 
-def cached_model_path(model: ModelConfig, device: torch.device | str) -> Path | None:
+def cached_model_path(model: ModelConfig, device) -> Path | None:
     explicit = os.environ.get("OURS_PLAN_MODEL")
     if explicit:
         return Path(explicit)
@@ -49,17 +47,19 @@ def default_granularity(seq_len: int) -> int:
     return max(8, -(-seq_len // 256))
 
 
-def quick_model(model: ModelConfig, device: torch.device | str, batch_slices: tuple[int, ...] = (1,)) -> LatencyModel:
+def quick_model(model: ModelConfig, device, batch_slices: tuple[int, ...] = (1,)) -> LatencyModel:
     from ours.plan.profile import ProfileGrid, profile
 
     grid = ProfileGrid.quick(batch_slices=batch_slices, seq_len=model.seq_len)
     grid = ProfileGrid(**{**grid.__dict__, "p2p": False})
+    import torch
+
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state untouched
         prof = profile(model, grid, device, progress=False)
     return fit(prof)
 
 
-def load_or_fit(model: ModelConfig, device: torch.device | str, batch_slices: tuple[int, ...] = (1,),
+def load_or_fit(model: ModelConfig, device, batch_slices: tuple[int, ...] = (1,),
                 save: bool = True) -> LatencyModel:
     path = cached_model_path(model, device)
     if path is not None:
@@ -75,7 +75,7 @@ def load_or_fit(model: ModelConfig, device: torch.device | str, batch_slices: tu
     return lm
 
 
-def auto_slicing(config, device: torch.device) -> tuple[int, ...]:
+def auto_slicing(config, device) -> tuple[int, ...]:
     """The optimal token slicing (lengths summing to the sequence length) for ``config``: K =
     config.pp stages, batch slice = config.micro_batch_size. Deterministic given the fitted model."""
     m = config.model

@@ -62,6 +62,7 @@ def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: in
     log(f"optimal: {best.summary()}")
     cs = cases(seq_len, ks, best.slices)
     measured: dict[str, list[float]] = {c.name: [] for c in cs}
+    all_steps: dict[str, list[float]] = {c.name: [] for c in cs}
     status: dict[str, str] = {}
     for r in range(rounds):
         order = cs if r % 2 == 0 else list(reversed(cs))  # alternate to spread drifting load
@@ -72,6 +73,7 @@ def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: in
             status[c.name] = res["status"] if res["status"] != "ok" or c.name not in status else status[c.name]
             if res["status"] == "ok":
                 measured[c.name].append(res["median_step_time"])
+                all_steps[c.name] += list(res.get("step_times") or [])
             log(f"  round {r + 1} {c.name}: {res['status']} median {res['median_step_time']} "
                 f"({time.perf_counter() - t:.0f} s){'' if res['status'] == 'ok' else ' ' + str(res['error'])[:300]}")
     rows = []
@@ -80,22 +82,9 @@ def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: in
         m = statistics.median(measured[c.name]) if measured[c.name] else None
         rows.append(dict(name=c.name, n_slices=len(c.slices), slices=list(c.slices), status=status.get(c.name),
                          predicted_pipeline=pred["pipeline"], predicted_raw=pred["total"], parts=pred, measured=m,
-                         measured_all=measured[c.name]))
-    ok = [r for r in rows if r["measured"] is not None]
-    for r in ok:
-        others = [o["measured"] - o["predicted_raw"] for o in ok if o is not r]
-        const = statistics.median(others) if others else 0.0
-        r["loo_constant"] = const
-        r["predicted_loo"] = r["predicted_raw"] + const
-        r["error_raw"] = (r["predicted_raw"] - r["measured"]) / r["measured"]
-        r["error_loo"] = (r["predicted_loo"] - r["measured"]) / r["measured"]
-    summary = dict(
-        median_abs_error_raw=statistics.median(abs(r["error_raw"]) for r in ok) if ok else None,
-        median_abs_error_loo=statistics.median(abs(r["error_loo"]) for r in ok) if ok else None,
-        constant_all=statistics.median(r["measured"] - r["predicted_raw"] for r in ok) if ok else None,
-        best_measured=min(ok, key=lambda r: r["measured"])["name"] if ok else None,
-        best_predicted=min(rows, key=lambda r: r["predicted_raw"])["name"],
-    )
+                         measured_all=measured[c.name],
+                         measured_min=min(all_steps[c.name]) if all_steps[c.name] else None))
+    summary = calibrate(rows)
     result = dict(kind="ours.plan.evaluation", model=model, n_layer=n_layer, seq_len=seq_len, pp=pp,
                   batch_size=batch_size, micro_batch_size=micro, steps=steps, warmup=warmup, rounds=rounds,
                   granularity=granularity, optimal=best.to_dict(), rows=rows, summary=summary,
@@ -103,6 +92,35 @@ def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: in
     (out_dir / "evaluation.json").write_text(json.dumps(result, indent=1))
     (out_dir / "evaluation.md").write_text(markdown(result))
     return result
+
+
+def calibrate(rows: list[dict]) -> dict:
+    """Prediction errors of each row (in place) and their summary: raw, and with a per-step
+    constant or a scale calibrated leave-one-out (on the other rows' measurements only)."""
+    ok = [r for r in rows if r.get("measured") is not None]
+    for r in ok:
+        others = [o for o in ok if o is not r]
+        const = statistics.median(o["measured"] - o["predicted_raw"] for o in others) if others else 0.0
+        scale = statistics.median(o["measured"] / o["predicted_raw"] for o in others) if others else 1.0
+        r["loo_constant"], r["loo_scale"] = const, scale
+        r["predicted_loo"] = r["predicted_raw"] + const
+        r["predicted_loo_scale"] = r["predicted_raw"] * scale
+        for key, pred in (("error_raw", "predicted_raw"), ("error_loo", "predicted_loo"),
+                          ("error_loo_scale", "predicted_loo_scale")):
+            r[key] = (r[pred] - r["measured"]) / r["measured"]
+        if r.get("measured_min"):
+            r["error_raw_min"] = (r["predicted_raw"] - r["measured_min"]) / r["measured_min"]
+    med = lambda key: statistics.median(abs(r[key]) for r in ok) if ok else None
+    return dict(
+        median_abs_error_raw=med("error_raw"), median_abs_error_loo=med("error_loo"),
+        median_abs_error_loo_scale=med("error_loo_scale"),
+        median_abs_error_raw_vs_min=(statistics.median(abs(r["error_raw_min"]) for r in ok if "error_raw_min" in r)
+                                     if any("error_raw_min" in r for r in ok) else None),
+        constant_all=statistics.median(r["measured"] - r["predicted_raw"] for r in ok) if ok else None,
+        scale_all=statistics.median(r["measured"] / r["predicted_raw"] for r in ok) if ok else None,
+        best_measured=min(ok, key=lambda r: r["measured"])["name"] if ok else None,
+        best_predicted=min(rows, key=lambda r: r["predicted_raw"])["name"],
+    )
 
 
 def _ms(x) -> str:
@@ -113,30 +131,46 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x * 100:+.1f} %"
 
 
+def _abs(x) -> str:
+    return "-" if x is None else f"{x * 100:.1f} %"
+
+
+def recalibrate(path: Path) -> dict:
+    """Recompute the errors and the table of a saved evaluation.json (e.g. after changing calibrate)."""
+    res = json.loads(Path(path).read_text())
+    res["summary"] = calibrate(res["rows"])
+    Path(path).write_text(json.dumps(res, indent=1))
+    Path(path).with_suffix(".md").write_text(markdown(res))
+    return res
+
+
 def markdown(res: dict) -> str:
     s = res["summary"]
     lines = [
         f"# Predicted vs measured step time: ours, {res['model']}, P={res['pp']}, B={res['batch_size']}, "
         f"b={res['micro_batch_size']}",
         "",
-        f"{res['steps']} measured steps after {res['warmup']} warm-up, {res['rounds']} round(s), median; "
+        f"{res['steps']} measured steps after {res['warmup']} warm-up, {res['rounds']} round(s) (alternating order); "
+        f"measured median = median over rounds of each run's median step; "
         f"slicing granularity {res['granularity']}.",
         "",
-        "| slicing | slices | predicted pipeline (ms) | predicted step, raw (ms) | predicted step, LOO const (ms) "
-        "| measured (ms) | error raw | error LOO |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| slicing | slices | predicted pipeline (ms) | predicted step, raw (ms) | measured median (ms) "
+        "| measured min (ms) | error raw | error, LOO constant | error, LOO scale | error raw vs min |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["rows"]:
         sl = ",".join(map(str, r["slices"]))
         if len(sl) > 60:
             sl = sl[:57] + "..."
         lines.append(f"| {r['name']} | {sl} | {_ms(r['predicted_pipeline'])} | {_ms(r['predicted_raw'])} | "
-                     f"{_ms(r.get('predicted_loo'))} | {_ms(r['measured'])} | {_pct(r.get('error_raw'))} | "
-                     f"{_pct(r.get('error_loo'))} |")
+                     f"{_ms(r['measured'])} | {_ms(r.get('measured_min'))} | {_pct(r.get('error_raw'))} | "
+                     f"{_pct(r.get('error_loo'))} | {_pct(r.get('error_loo_scale'))} | {_pct(r.get('error_raw_min'))} |")
     lines += [
         "",
-        f"Median absolute prediction error: raw {_pct(s['median_abs_error_raw'])}, leave-one-out constant "
-        f"{_pct(s['median_abs_error_loo'])}. Fastest measured: {s['best_measured']}; fastest predicted: "
+        f"Median absolute prediction error: raw {_abs(s['median_abs_error_raw'])}; with a per-step constant "
+        f"calibrated leave-one-out {_abs(s['median_abs_error_loo'])}; with a scale calibrated leave-one-out "
+        f"{_abs(s.get('median_abs_error_loo_scale'))}; raw against the fastest measured step "
+        f"{_abs(s.get('median_abs_error_raw_vs_min'))}. Fastest measured: {s['best_measured']}; fastest predicted: "
         f"{s['best_predicted']}.",
         "",
     ]

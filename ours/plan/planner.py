@@ -56,7 +56,8 @@ def plan(model: LatencyModel, *, n_layer: int, n_stages: int, batch_size: int, s
     cand = ev = 0
     for b in sorted(bs):
         pos, table = model.table(b, seq_len, granularity, n_layer // n_stages, n_stages)
-        sol = solve_table(table, n_stages, batch_size // b, upper_bound=best[0] if best else math.inf)
+        sol = solve_table(table, n_stages, batch_size // b, upper_bound=best[0] if best else math.inf,
+                          fill_factor=model.fill_factor)
         if sol is None:
             continue
         cand += sol.candidates

@@ -9,6 +9,10 @@
 - The per-step work outside the pipeline: head + loss per token, embeddings per token, the
   optimizer per parameter.
 
+Each point is the minimum (``--stat median`` for the median) of a few repetitions after a warm-up:
+on a machine shared with other work, contention only ever slows a measurement down; the fit also
+drops outliers, and ``fit`` can merge several profiles (the fastest of each point).
+
 The profile is a JSON dict: device, model shape, torch version, and lists of measurements.
 """
 from __future__ import annotations
@@ -42,7 +46,8 @@ class ProfileGrid:
     batch_slices: tuple[int, ...] = (1, 2)
     granularity: int = 8  # c = 0: every l at this granularity
     context_step: int = 128  # c > 0: l and c multiples of this, c + l <= seq_len
-    reps: int = 3  # median of
+    reps: int = 2  # cpu-small, b in (1, 2): about 2.5 min on an idle core
+    stat: str = "min"  # of the reps: min (robust to bursts of contention on a shared machine) or median
     warmup: int = 0  # per point, after one warm-up of the whole bench
     p2p_sizes: tuple[int, ...] = tuple(2 ** k for k in range(10, 24, 2))  # 1 KiB .. 4 MiB
     p2p_reps: int = 10
@@ -70,8 +75,10 @@ class LayerBench:
         self.device = torch.device(device)
         self.block = Block(cfg).to(self.device)
 
-    def run(self, b: int, l: int, c: int) -> None:
+    def run(self, b: int, l: int, c: int, weight_grads: bool = True) -> None:
         cfg, dev = self.cfg, self.device
+        for p in self.block.parameters():
+            p.requires_grad_(weight_grads)
         H, D = cfg.n_head, cfg.head_dim
         x = torch.randn(b, l, cfg.n_embd, device=dev, requires_grad=True)
         blk = self.block
@@ -94,8 +101,21 @@ class LayerBench:
             p.grad = None
         del leaves
 
-    def time(self, b: int, l: int, c: int, reps: int, warmup: int) -> float:
-        return _median_time(lambda: self.run(b, l, c), reps, warmup, self.device)
+    def time(self, b: int, l: int, c: int, reps: int, warmup: int, weight_grads: bool = True,
+             stat: str = "min") -> float:
+        return _median_time(lambda: self.run(b, l, c, weight_grads), reps, warmup, self.device, stat)
+
+    def fill_factor(self, reps: int = 3) -> tuple[float, list[dict]]:
+        """The share of a slice's forward + backward that is not weight gradients: the token
+        pipeline computes weight gradients once per step after the last backward, so the fill and
+        drain of the pipeline, (K - 1) * max t_i, are made of forward + input-gradient work only."""
+        pts = []
+        L = self.cfg.seq_len
+        for l in sorted({max(8, L // 8), max(8, L // 4), max(8, L // 2)}):
+            full = self.time(1, l, 0, reps, 1)
+            nowg = self.time(1, l, 0, reps, 1, weight_grads=False)
+            pts.append(dict(l=l, full=full, no_weight_grads=nowg))
+        return statistics.median(p["no_weight_grads"] / p["full"] for p in pts), pts
 
 
 def _sync(device: torch.device) -> None:
@@ -103,7 +123,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, reps: int, warmup: int, device: torch.device) -> float:
+def _median_time(fn, reps: int, warmup: int, device: torch.device, stat: str = "median") -> float:
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -113,7 +133,7 @@ def _median_time(fn, reps: int, warmup: int, device: torch.device) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return min(times) if stat == "min" else statistics.median(times)
 
 
 def layer_grid(seq_len: int, grid: ProfileGrid) -> list[tuple[int, int, int]]:
@@ -132,8 +152,6 @@ def layer_grid(seq_len: int, grid: ProfileGrid) -> list[tuple[int, int, int]]:
 
 def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dict:
     """Head + loss and embeddings per token; the optimizer (Adam, as the runs use) per parameter."""
-    from workload.training import OptimizerConfig, make_optimizer
-
     torch.manual_seed(0)
     h, V, L = cfg.n_embd, cfg.vocab_size, cfg.seq_len
     ln_f = torch.nn.LayerNorm(h).to(device)
@@ -159,13 +177,14 @@ def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dic
     params = list(block.parameters()) + list(head.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = make_optimizer(params, OptimizerConfig())
+    opt = torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, foreach=False)  # as the runs' default
     n_params = sum(p.numel() for p in params)
     t_head = _median_time(head_step, reps, 1, device)
     t_embed = _median_time(embed_step, reps, 1, device)
     t_opt = _median_time(opt.step, reps, 2, device)
+    fill, fill_pts = LayerBench(cfg, device).fill_factor(reps)
     return dict(head_per_token=t_head / L, embed_per_token=t_embed / L, optimizer_per_param=t_opt / n_params,
-                head_seconds=t_head, embed_seconds=t_embed, optimizer_seconds=t_opt, optimizer_params=n_params)
+                fill_factor=fill, fill_points=fill_pts, head_seconds=t_head, embed_seconds=t_embed, optimizer_seconds=t_opt, optimizer_params=n_params)
 
 
 # --- point-to-point ---------------------------------------------------------------------------
@@ -211,7 +230,9 @@ def measure_p2p(sizes: list[int], reps: int) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "p2p.json")
-        mp.spawn(_p2p_worker, args=(_free_port(), list(sizes), reps, out), nprocs=2, join=True)
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"  # fork: no second torch import
+        mp.start_processes(_p2p_worker, args=(_free_port(), list(sizes), reps, out), nprocs=2, join=True,
+                           start_method=method)
         return json.loads(Path(out).read_text())
 
 
@@ -247,15 +268,22 @@ def profile(cfg: ModelConfig, grid: ProfileGrid = ProfileGrid(), device: torch.d
         order = random.Random(0).sample(range(len(pts)), len(pts))  # spread drifting load over the grid
         for i in order:
             b, l, c = pts[i]
-            layer.append(dict(b=b, l=l, c=c, t=bench.time(b, l, c, grid.reps, grid.warmup)))
+            layer.append(dict(b=b, l=l, c=c, t=bench.time(b, l, c, grid.reps, grid.warmup, stat=grid.stat)))
             if bar:
                 bar.update()
-        overhead = overhead_rates(cfg, device)
+        errors = {}
+        try:  # a failure here must not lose the layer measurements
+            overhead = overhead_rates(cfg, device)
+        except Exception as exc:  # noqa: BLE001
+            overhead, errors["overhead"] = {}, f"{type(exc).__name__}: {exc}"
         if bar:
             bar.update()
         p2p = []
         if grid.p2p:
-            p2p = measure_p2p(list(grid.p2p_sizes), grid.p2p_reps)
+            try:
+                p2p = measure_p2p(list(grid.p2p_sizes), grid.p2p_reps)
+            except Exception as exc:  # noqa: BLE001
+                errors["p2p"] = f"{type(exc).__name__}: {exc}"
             if bar:
                 bar.update(len(grid.p2p_sizes))
         if bar:
@@ -270,6 +298,6 @@ def profile(cfg: ModelConfig, grid: ProfileGrid = ProfileGrid(), device: torch.d
         model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, seq_len=cfg.seq_len,
                    vocab_size=cfg.vocab_size),
         granularity=grid.granularity, grid=dict(batch_slices=list(grid.batch_slices), context_step=grid.context_step,
-                                                reps=grid.reps, warmup=grid.warmup),
-        layer=sorted(layer, key=lambda p: (p["b"], p["c"], p["l"])), p2p=p2p, overhead=overhead, seconds=time.perf_counter() - started,
+                                                reps=grid.reps, warmup=grid.warmup, stat=grid.stat),
+        layer=sorted(layer, key=lambda p: (p["b"], p["c"], p["l"])), p2p=p2p, overhead=overhead, errors=errors, seconds=time.perf_counter() - started,
     )

@@ -39,9 +39,9 @@ class Solution:
     candidates: int = 0
 
 
-def pipeline_latency(times, n_stages: int, n_batch_slices: int = 1) -> float:
+def pipeline_latency(times, n_stages: int, n_batch_slices: int = 1, fill_factor: float = 1.0) -> float:
     times = list(times)
-    return n_batch_slices * sum(times) + (n_stages - 1) * max(times)
+    return n_batch_slices * sum(times) + fill_factor * (n_stages - 1) * max(times)
 
 
 def _check_table(table: np.ndarray) -> np.ndarray:
@@ -96,8 +96,10 @@ def _dp_argmin(t: np.ndarray, tau: float) -> tuple[tuple[int, ...], float]:
 
 
 def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
-                upper_bound: float = INF) -> Solution | None:
+                upper_bound: float = INF, fill_factor: float = 1.0) -> Solution | None:
     """The exact optimal slicing for a latency table ``table[s, e]`` (entries with s >= e ignored).
+
+    ``fill_factor`` (>= 0) weighs the max term: T = M * sum + fill_factor * (K - 1) * max (1: TeraPipe).
 
     Returns None only if no slicing beats ``upper_bound`` (a T found elsewhere, e.g. for another
     batch slice size) or if the table has no finite slicing.
@@ -105,7 +107,10 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
     if n_stages < 1 or n_batch_slices < 1:
         raise ValueError("n_stages and n_batch_slices must be >= 1")
     t = _check_table(table)
+    if fill_factor < 0:
+        raise ValueError("fill_factor must be >= 0")
     K, M = n_stages, n_batch_slices
+    W = fill_factor * (K - 1)  # weight of the max term
     finite = t[np.isfinite(t)]
     if finite.size == 0:
         return None
@@ -113,7 +118,7 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
     Q = len(taus)
 
     def T_of(f: np.ndarray, tau: np.ndarray) -> np.ndarray:
-        return M * f + (K - 1) * tau
+        return M * f + W * tau
 
     # The unconstrained optimum of the sum: F at the largest candidate, a lower bound for all F.
     f_min = float(_dp_values(t, taus[-1:])[0])
@@ -134,7 +139,7 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
         above = np.maximum.accumulate(known[::-1])[::-1]  # max over indices >= j
         lbF = np.concatenate([above[1:], [-INF]])  # strictly above j
         lbF = np.maximum(lbF, f_min)
-        bound = M * np.maximum(lbF, taus) + (K - 1) * taus
+        bound = M * np.maximum(lbF, taus) + W * taus
         alive &= bound < best_T
         idx = np.flatnonzero(alive)
         if idx.size == 0:
@@ -155,11 +160,12 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
         return None
     cuts, total = _dp_argmin(t, float(taus[best_tau]))
     times = [t[a, b] for a, b in zip(cuts[:-1], cuts[1:])]
-    return Solution(cuts=cuts, latency=pipeline_latency(times, K, M), total=total, max_slice=max(times),
+    return Solution(cuts=cuts, latency=pipeline_latency(times, K, M, fill_factor), total=total, max_slice=max(times),
                     evaluated=evaluated, candidates=Q)
 
 
-def brute_force(table, n_stages: int, n_batch_slices: int = 1) -> tuple[tuple[int, ...], float]:
+def brute_force(table, n_stages: int, n_batch_slices: int = 1,
+                fill_factor: float = 1.0) -> tuple[tuple[int, ...], float]:
     """Every slicing of the n positions (2^(n-1) of them): for tests on small n."""
     t = _check_table(table)
     n = t.shape[0] - 1
@@ -169,7 +175,7 @@ def brute_force(table, n_stages: int, n_batch_slices: int = 1) -> tuple[tuple[in
         times = [t[a, b] for a, b in zip(cuts[:-1], cuts[1:])]
         if not all(math.isfinite(x) for x in times):
             continue
-        T = pipeline_latency(times, n_stages, n_batch_slices)
+        T = pipeline_latency(times, n_stages, n_batch_slices, fill_factor)
         if T < best[1]:
             best = (cuts, T)
     return best

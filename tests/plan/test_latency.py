@@ -92,3 +92,37 @@ def test_step_time_parts():
     assert parts["total"] == pytest.approx(parts["pipeline"] + parts["head"] + parts["optimizer"] + parts["embed"]
                                            + parts["constant"])
     assert parts["head"] == pytest.approx(1e-6 * 2 * 512)
+
+
+def test_contention_outliers_are_dropped_and_profiles_merge():
+    from ours.plan.latency import clean_outliers, isotonic, merge_profiles
+
+    clean = synthetic_profile(noise=0.0)
+    noisy = synthetic_profile(noise=0.0)
+    rng = np.random.default_rng(3)
+    hit = rng.choice(len(noisy["layer"]), size=len(noisy["layer"]) // 8, replace=False)
+    for i in hit:  # bursts of contention: some points 2-3x slower
+        noisy["layer"][i]["t"] *= float(rng.uniform(2, 3))
+    lm = fit(noisy)
+    assert lm.meta["fit"]["t0_outliers"]["dropped"] > 0
+    for b, l, c in [(1, 64, 256), (2, 128, 128), (1, 8, 0), (2, 496, 0)]:
+        assert float(lm.layer_time(b, l, c)) == pytest.approx(float(fit(clean).layer_time(b, l, c)), rel=0.05)
+    merged = merge_profiles([noisy, clean])  # per point, the fastest
+    assert [p["t"] for p in merged["layer"]] == [p["t"] for p in sorted(clean["layer"], key=lambda q: (q["b"], q["c"], q["l"]))]
+    y, bad = clean_outliers(np.arange(9), np.array([1, 2, 3, 4, 50, 6, 7, 8, 9.0]))
+    assert bad.tolist() == [False] * 4 + [True] + [False] * 4 and y[4] == pytest.approx(5)
+    assert isotonic(np.array([1, 3, 2, 4.0])).tolist() == [1, 2.5, 2.5, 4]
+
+
+def test_context_coefficients_never_negative():
+    from ours.plan.latency import fit_residual
+
+    rng = np.random.default_rng(0)
+    b = np.ones(40)
+    l = rng.integers(1, 10, 40) * 64.0
+    c = rng.integers(1, 10, 40) * 64.0
+    y = 1e-3 + 2e-6 * c - 1e-9 * l * c + 1e-4 * rng.standard_normal(40)  # a negative l*c term in the data
+    co = fit_residual(b, l, c, y)
+    assert min(co[:3]) >= 0.0
+    lm = fit(synthetic_profile(noise=0.0))
+    assert float(lm.layer_time(1, 64, 512)) >= float(lm.layer_time(1, 64, 0))

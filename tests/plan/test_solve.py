@@ -13,14 +13,14 @@ from ours.plan.planner import divisors, plan, uniform_slices
 from ours.plan.solve import brute_force, pipeline_latency, solve_table
 
 
-def _check(t, K, M, **kw):
-    sol = solve_table(t, K, M, **kw)
-    cuts, T = brute_force(t, K, M)
+def _check(t, K, M, fill=1.0, **kw):
+    sol = solve_table(t, K, M, fill_factor=fill, **kw)
+    cuts, T = brute_force(t, K, M, fill)
     assert sol is not None
     assert sol.latency == pytest.approx(T, rel=1e-12, abs=1e-12), (sol, cuts, T)
     # the returned slicing really has the latency it claims
     times = [t[a, b] for a, b in zip(sol.cuts[:-1], sol.cuts[1:])]
-    assert pipeline_latency(times, K, M) == pytest.approx(sol.latency, rel=1e-12)
+    assert pipeline_latency(times, K, M, fill) == pytest.approx(sol.latency, rel=1e-12)
     assert sol.cuts[0] == 0 and sol.cuts[-1] == t.shape[0] - 1 and all(np.diff(sol.cuts) > 0)
     return sol
 
@@ -38,7 +38,8 @@ def test_random_tables_match_brute_force(seed):
             t[np.arange(n), np.arange(1, n + 1)] = rng.random(n)  # one-position slices always possible
         K = int(rng.integers(1, 9))
         M = int(rng.integers(1, 5))
-        _check(t, K, M, batch=int(rng.choice([1, 2, 3, 7, 256])))
+        fill = 1.0 if rng.random() < 0.5 else float(rng.choice([0.0, 0.3, 0.7, 2.0]))
+        _check(t, K, M, fill, batch=int(rng.choice([1, 2, 3, 7, 256])))
 
 
 def _realistic(n, g=8, d=2e-3, a=1e-4, gam=3e-8, sq=1.5e-8, layers=2, comm=1e-4):
@@ -84,6 +85,7 @@ def _synthetic_model(seq_len=128, bs=(1, 2), g=8):
 @pytest.mark.parametrize("K,B", [(1, 2), (2, 1), (2, 4), (4, 2), (3, 6)])
 def test_plan_over_batch_and_token_slicings_matches_brute_force(K, B):
     lm = _synthetic_model(seq_len=64)
+    lm.fill_factor = 0.7 if K % 2 else 1.0
     g, L = 8, 4 * K
     p = plan(lm, n_layer=L, n_stages=K, batch_size=B, seq_len=64, granularity=g)
     best = math.inf
