@@ -22,7 +22,6 @@ host-side time only).
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
@@ -37,12 +36,9 @@ from workload.model import lm_loss
 from workload.partition import stage_specs
 from workload.training import autocast, checkpoint_blocks, make_optimizer
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("ENABLE_NCCL_BASE_COLLECTIVES", "0")  # read by fairscale at import
-
 from baselines import fairscale_cpu_shim  # noqa: E402
 
-fairscale_cpu_shim.install()
+fairscale_cpu_shim.install()  # before FSDP is first used (no-op with CUDA)
 
 from fairscale.nn import Pipe  # noqa: E402
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP  # noqa: E402

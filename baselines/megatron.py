@@ -16,8 +16,10 @@ schedule divides by the number of micro-batches, so the replica's loss is the me
 tokens, as ``workload.model.lm_loss`` on the whole batch.
 
 ``--recompute``: full activation recomputation of every layer (granularity full, method uniform,
-one layer per group). ``--mixed-precision``: megatron's fp16 (Float16Module + loss scaling) on
-CUDA; on CPU, bf16 autocast around the model with fp32 parameters (as the reference).
+one layer per group). ``--mixed-precision``: megatron's own mixed precision (Float16Module:
+half-precision parameters and activations, fp32 main parameters and gradients in the optimizer):
+fp16 with dynamic loss scaling on CUDA, bf16 on CPU. (Not bit-comparable with the reference's
+autocast; --verify tolerances are for fp32.)
 ``dp_sync_time``: the wall time of ``finalize_model_grads`` (DP gradient all-reduce).
 
 On CPU, ``baselines.megatron_cpu_shim`` is installed before megatron is imported.
@@ -25,7 +27,6 @@ On CPU, ``baselines.megatron_cpu_shim`` is installed before megatron is imported
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -50,12 +51,13 @@ from runners.context import Context, Measurements  # noqa: E402
 from runners.timing import StepOutput, run_steps  # noqa: E402
 from workload.configs import ModelConfig  # noqa: E402
 from workload.model import GPT, init_weights  # noqa: E402
-from workload.training import autocast  # noqa: E402
 
 
-def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
+def transformer_config(cfg: RunConfig, cuda: bool, nccl: bool) -> TransformerConfig:
     m = cfg.model
     fp16 = cfg.mixed_precision and cuda
+    bf16 = cfg.mixed_precision and not cuda
+    dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
     kwargs = dict(
         num_layers=m.n_layer, hidden_size=m.n_embd, num_attention_heads=m.n_head, ffn_hidden_size=4 * m.n_embd,
         kv_channels=m.n_embd // m.n_head, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
@@ -64,11 +66,14 @@ def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.virtual_pp if cfg.virtual_pp > 1 else None,
         sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
-        params_dtype=torch.float16 if fp16 else torch.float32,
-        pipeline_dtype=torch.float16 if fp16 else torch.float32, fp16=fp16,
+        params_dtype=dtype, pipeline_dtype=dtype, fp16=fp16, bf16=bf16,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, batch_p2p_sync=cuda,
+        # gloo matches point-to-point messages per peer in posting order: megatron's batched ops post
+        # [send_prev, recv_prev, send_next, recv_next], which with pp=2 (prev == next) and the
+        # interleaved schedule swaps activations and gradients. The unbatched path orders by rank parity.
+        batch_p2p_comm=nccl,
     )
     if cfg.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -165,13 +170,13 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
 def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     m = cfg.model
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    config = transformer_config(cfg, cuda)
+    config = transformer_config(cfg, cuda, ctx.backend == "nccl")
     models = build_chunks(cfg, config)
     load_shared_weights(cfg, models)
     if cuda:
         models = [c.to(ctx.device) for c in models]
     wrapped = models
-    if config.fp16:
+    if config.fp16 or config.bf16:
         from megatron.core.transformer.module import Float16Module
 
         wrapped = [Float16Module(config, c) for c in models]
@@ -194,25 +199,22 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     opt_config = OptimizerConfig(
         optimizer=opt_cfg.kind, lr=opt_cfg.lr, min_lr=opt_cfg.lr, weight_decay=0.0, adam_beta1=opt_cfg.beta1,
         adam_beta2=opt_cfg.beta2, adam_eps=opt_cfg.eps, sgd_momentum=0.0, clip_grad=0.0, fp16=config.fp16,
-        params_dtype=config.params_dtype, use_distributed_optimizer=False)
+        bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=False)
     opt = get_megatron_optimizer(opt_config, chunks)
     forward_backward = get_forward_backward_func()
     n_micro = cfg.n_micro_batches
     mbs = cfg.micro_batch_size
-    cpu_autocast = cfg.mixed_precision and not cuda
     is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
     dp_rank = ps.get_data_parallel_rank()
     positions = torch.arange(m.seq_len, device=ctx.device).unsqueeze(0).expand(mbs, -1)
 
     def loss_func(per_token: torch.Tensor):
         loss = per_token.float().mean()
-        return loss, {"loss": loss.detach()}
+        return loss, {"loss": loss.detach().clone()}  # the schedule divides loss in place
 
     def forward_step(data_iterator, model):
         x, y = next(data_iterator)
-        with autocast(ctx.device, cpu_autocast):
-            out = model(x, positions, None, labels=y)
-        return out, loss_func
+        return model(x, positions, None, labels=y), loss_func
 
     def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         sync["t"] = 0.0

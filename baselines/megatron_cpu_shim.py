@@ -15,7 +15,10 @@ other failure is ``torch.cuda``. The patches, and why:
    a ``TorchFunctionMode`` (``CudaToCpuMode``), entered once and left on, rewrites any CUDA
    device argument (``"cuda"``, ``"cuda:N"``, an int, ``torch.device("cuda")``) of a torch call
    to ``cpu`` and makes ``Tensor.cuda()`` return the CPU tensor (moved to cpu). Cost: one Python
-   call per torch op (about 3 ms per step on a tiny model).
+   call per torch op (about 3 ms per step on a tiny model). Torch function modes are not active
+   inside the autograd engine, so the mode is also entered around every custom autograd
+   Function's backward (``BackwardCFunction.apply``): megatron's activation recomputation
+   (``CheckpointFunction.backward``) re-runs the layers' forward there.
 4. ``param.type() == 'torch.cuda.FloatTensor'`` (and Half/BFloat16) string checks in
    Float16Module, the (distributed) optimizer and clipping: under the mode, the no-argument
    ``Tensor.type()`` of a CPU float tensor reports the ``torch.cuda.*`` name megatron expects.
@@ -70,6 +73,23 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+def _with_mode(fn):
+    def wrapped(self, *args):
+        if _mode_active():
+            return fn(self, *args)
+        with CudaToCpuMode():
+            return fn(self, *args)
+
+    wrapped.__wrapped__ = fn
+    return wrapped
+
+
 def install() -> bool:
     """Patch torch.cuda and megatron-core for CPU. True if patched, False if CUDA is present (no-op)."""
     global _installed, _mode
@@ -85,8 +105,7 @@ def install() -> bool:
     # 5: the "CUDA" generator is the CPU generator
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-    torch.cuda.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
 
@@ -98,6 +117,15 @@ def install() -> bool:
     # 3, 4: device literals, .cuda(), .type() names
     _mode = CudaToCpuMode()
     _mode.__enter__()
+    # 3b: torch function modes are not active inside the autograd engine, so also enter the mode
+    # around custom autograd Functions' backward (e.g. megatron's CheckpointFunction recomputes the
+    # layers' forward there, creating device="cuda" causal masks).
+    from torch.autograd.function import BackwardCFunction
+
+    for attr in ("apply", "apply_boxed"):
+        original = getattr(BackwardCFunction, attr, None)
+        if original is not None:
+            setattr(BackwardCFunction, attr, _with_mode(original))
     _installed = True
     return True
 

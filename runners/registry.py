@@ -24,6 +24,7 @@ class SystemSpec:
     dims: tuple[str, ...]  # parallel dimensions it supports beyond 1
     schedules: tuple[str, ...] = ("gpipe",)
     processes: Callable[["RunConfig"], int] = lambda c: c.pp * c.tp * c.dp
+    devices_per_process: Callable[["RunConfig"], int] = lambda c: 1
     check: Callable[["RunConfig"], None] = field(default=_no_check)
     description: str = ""
 
@@ -36,6 +37,10 @@ def _check_megatron(cfg: "RunConfig") -> None:
 
     if cfg.virtual_pp > 1 and cfg.pp < 2:
         raise ConfigError("megatron's interleaved schedule needs --pp >= 2")
+    if cfg.model.vocab_size % cfg.tp:
+        raise ConfigError(f"megatron splits the vocabulary over --tp {cfg.tp}: --vocab-size {cfg.model.vocab_size} must divide by it")
+    if cfg.schedule == "interleaved" and cfg.n_micro_batches % cfg.pp:
+        raise ConfigError(f"megatron's interleaved schedule needs the micro-batch count ({cfg.n_micro_batches}) to divide by --pp {cfg.pp}")
 
 
 SYSTEMS: dict[str, SystemSpec] = {
@@ -48,6 +53,7 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec("ours", "ours.system", dims=("pp", "dp"),
                    description="token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism"),
         SystemSpec("fairscale_fsdp", "baselines.fairscale_fsdp", dims=("pp", "dp"), processes=lambda c: c.dp,
+                   devices_per_process=lambda c: c.pp,
                    description="fairscale Pipe over each process's local devices, FullyShardedDataParallel across processes"),
         SystemSpec("megatron", "baselines.megatron", dims=("pp", "tp", "dp"), schedules=("1f1b", "interleaved"),
                    check=_check_megatron, description="megatron-core tensor/pipeline/data parallelism"),

@@ -25,12 +25,14 @@ from runners.registry import get_system
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops
 
 
-def pick_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
+def pick_device(requested: str, local_rank: int, devices_per_process: int = 1) -> tuple[torch.device, str]:
+    """This rank's (first) device and the backend: nccl on CUDA, gloo on CPU."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for, but CUDA is not available")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
+        index = local_rank * devices_per_process
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index), "nccl"
     return torch.device("cpu"), "gloo"
 
 
@@ -64,14 +66,15 @@ def main(run_dir: Path) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ["WORLD_SIZE"])
     try:
-        device, backend = pick_device(cfg.device, local_rank)
+        spec = get_system(cfg.system)
+        device, backend = pick_device(cfg.device, local_rank, spec.devices_per_process(cfg))
         if device.type == "cpu":
             torch.set_num_threads(1)  # one thread per rank: ranks share few cores
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(60.0, cfg.timeout)))
         torch.manual_seed(cfg.seed)
         peak, peak_source, device_name = hardware_peak(device, cfg)
         ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg)
-        m = get_system(cfg.system).load().train(cfg, ctx)
+        m = spec.load().train(cfg, ctx)
         m.peak_memory_bytes = peak_memory_bytes(device)
         if m.grads is not None:
             torch.save({k: v.detach().float().cpu() for k, v in m.grads.items()}, run_dir / f"grads-rank{rank}.pt")

@@ -138,3 +138,15 @@ def test_inner_command_of_a_multi_node_launch(out_file, tmp_path):
     (rec,) = read_jsonl(out_file)
     assert rec["status"] == "ok" and rec["environment"]["device_count"] == 2 and len(rec["losses"]) == 2
     assert not other_out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--system", "megatron", *TINY, "--tp", "2", "--vocab-size", "127", "--batch-size", "2", "--micro-batch-size", "1"],
+     "must divide by it"),
+    (["--system", "megatron", *TINY, "--pp", "2", "--schedule", "interleaved", "--batch-size", "3", "--micro-batch-size", "1"],
+     "micro-batch count (3)"),
+])
+def test_megatron_requests_it_cannot_run(args, message, out_file):
+    proc = run_cli(*args, "--out", str(out_file), timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not out_file.exists()
