@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from runners.record import config_key
+
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
-VOLATILE = {"verify", "timeout", "trace", "device"}  # config fields that do not change what was measured
 
 
 def load_records(paths: list[str]) -> list[dict]:
@@ -86,10 +87,9 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in records:
         env = r.get("environment") or {}
-        cfg = {k: v for k, v in (r.get("config") or {}).items() if k not in VOLATILE}
         opts = r.get("options") or {}
         rows.append({
-            "key": json.dumps(cfg, sort_keys=True),
+            "key": config_key(r.get("config") or {}),
             "timestamp": r.get("timestamp", ""),
             "system": system_label(r),
             "model": r["model"],

@@ -14,10 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from runners.config import RunConfig
-from workload.flops import flops_per_token
-from workload.model import count_params
 
 STATUSES = ("ok", "oom", "error", "timeout")
+# Config fields that do not change what a run measures: two records whose configs differ only in
+# these measured the same thing (a re-run replaces the older one in the report; a sweep skips it).
+VOLATILE_FIELDS = frozenset({"verify", "timeout", "trace", "device"})
+
+
+def config_key(config: dict) -> str:
+    """What identifies a run: its RunConfig dict without the volatile fields, as sorted JSON."""
+    plain = json.loads(json.dumps(config))  # tuples -> lists, as in a record read back
+    return json.dumps({k: v for k, v in plain.items() if k not in VOLATILE_FIELDS}, sort_keys=True)
 
 
 @dataclass
@@ -69,6 +76,9 @@ def merged_losses(ranks: list[dict]) -> list[float]:
 
 def build_record(cfg: RunConfig, status: str, error: str | None, ranks: list[dict] | None,
                  environment: dict[str, Any], verify: dict[str, Any] | None = None) -> RunRecord:
+    from workload.flops import flops_per_token
+    from workload.model import count_params
+
     assert status in STATUSES, status
     m = cfg.model
     options = {"virtual_pp": cfg.virtual_pp, "optimizer": asdict(cfg.optimizer), "seed": cfg.seed, "data": cfg.data}

@@ -49,10 +49,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runners.record import config_key as canonical_key  # one definition, shared with report.py
+
 REPO = Path(__file__).resolve().parent.parent
 SWEEPS_DIR = REPO / "runners" / "sweeps"
-# Config fields that do not change what a run measures (the same set report.py ignores).
-VOLATILE = frozenset({"verify", "timeout", "trace", "device"})
 # Flags a sweep controls itself: through its axes, or per run (out file, multi-node placement).
 AXIS_FLAGS = {"system": "systems", "pp": "layouts", "tp": "layouts", "dp": "layouts",
               "micro_batch_size": "micro_batch_sizes", "network": "networks"}
@@ -96,10 +96,6 @@ class PlannedRun:
         return [python, "-m", "runners.run", *self.args, "--out", str(out)]
 
 
-def canonical_key(config: dict) -> str:
-    """What identifies a run: its RunConfig dict without the volatile fields, as sorted JSON."""
-    plain = json.loads(json.dumps(config))  # tuples -> lists, as in a record read back
-    return json.dumps({k: v for k, v in plain.items() if k not in VOLATILE}, sort_keys=True)
 
 
 def _parser_flags() -> dict[str, argparse.Action]:
