@@ -32,6 +32,14 @@ class SystemSpec:
         return importlib.import_module(self.module)
 
 
+def _check_torch_pipe(cfg: "RunConfig") -> None:
+    from runners.config import ConfigError
+
+    if cfg.schedule != "gpipe" and cfg.n_micro_batches < cfg.pp:
+        raise ConfigError(f"torch.distributed.pipelining's {cfg.schedule} schedule needs at least as many micro-batches "
+                          f"({cfg.n_micro_batches}) as pipeline ranks (--pp {cfg.pp})")
+
+
 def _check_megatron(cfg: "RunConfig") -> None:
     from runners.config import ConfigError
 
@@ -49,6 +57,7 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec("reference", "baselines.reference", dims=(), processes=lambda c: 1,
                    description="single-process training of the whole model: the reference every system is verified against"),
         SystemSpec("torch_pipe", "baselines.torch_pipe", dims=("pp", "dp"), schedules=("gpipe", "1f1b", "interleaved"),
+                   check=_check_torch_pipe,
                    description="torch.distributed.pipelining; data parallel with FSDP2 on the dp mesh dimension"),
         SystemSpec("ours", "ours.system", dims=("pp", "dp"),
                    description="token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism"),

@@ -37,6 +37,8 @@ def test_torch_pipe_matches_reference(layout, out_file):
     (["--system", "torch_pipe", *TINY, "--tp", "2", "--batch-size", "4", "--micro-batch-size", "1"], "does not support --tp"),
     (["--system", "megatron", *TINY, "--tp", "3", "--batch-size", "4", "--micro-batch-size", "1"], "--tp 3 must divide"),
     (["--system", "ours", *TINY, "--pp", "2", "--slices", "10,10", "--batch-size", "4", "--micro-batch-size", "1"], "sum to 20"),
+    (["--system", "torch_pipe", *TINY, "--pp", "2", "--schedule", "1f1b", "--batch-size", "1", "--micro-batch-size", "1"],
+     "needs at least as many micro-batches"),
     (["--system", "nope", *TINY, "--batch-size", "4", "--micro-batch-size", "1"], "invalid choice"),
     (["--system", "reference", *TINY, "--batch-size", "0", "--micro-batch-size", "1"], "must be >= 1"),
 ])
