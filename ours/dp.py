@@ -7,10 +7,14 @@
   gradients, the shard's optimizer step (Adam is elementwise: a flat shard is the same math),
   all-gather of the parameters.
 
-``step()`` does the synchronisation and the optimizer step; ``grads()`` gives the averaged gradient
-the update used (for --verify).
+``step()`` does the synchronisation and the optimizer step and returns the seconds spent in data-parallel
+synchronisation (for the parameter servers: everything from the first reduce to the parameters being
+back, the server's optimizer step included, as the clients wait for it; for all-reduce: the
+all-reduce only); ``grads()`` gives the averaged gradient the update used (for --verify).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,8 +60,9 @@ class LocalSync:
         self.opt = make_optimizer([p for _, p in named], opt_cfg)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self) -> float:
         self.opt.step()
+        return 0.0
 
     @torch.no_grad()
     def grads(self) -> dict[str, torch.Tensor]:
@@ -71,7 +76,8 @@ class AllReduceSync(LocalSync):
         self.buckets = buckets([p for _, p in named])
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self) -> float:
+        t0 = time.perf_counter()
         flats, works = [], []
         for bucket in self.buckets:
             flat = _flatten([p.grad for p in bucket])
@@ -81,7 +87,9 @@ class AllReduceSync(LocalSync):
             work.wait()
             flat.div_(self.dp)
             _unflatten_into(flat, [p.grad for p in bucket])
+        dt = time.perf_counter() - t0
         self.opt.step()
+        return dt
 
 
 class CentralPSSync:
@@ -92,7 +100,8 @@ class CentralPSSync:
         self.last_flat_grads: list[torch.Tensor] | None = None
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self) -> float:
+        t0 = time.perf_counter()
         flats, works = [], []
         for bucket in self.buckets:
             flat = _flatten([p.grad for p in bucket])
@@ -115,6 +124,7 @@ class CentralPSSync:
             if not self.is_server:
                 with torch.no_grad():
                     _unflatten_into(f, [p.data for p in bucket])
+        return time.perf_counter() - t0
 
     @torch.no_grad()
     def grads(self) -> dict[str, torch.Tensor]:
@@ -150,7 +160,8 @@ class ShardedPSSync:
         self.last_grad_shard: torch.Tensor | None = None
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self) -> float:
+        t0 = time.perf_counter()
         params = [p for _, p in self.named]
         p0 = params[0]
         flat = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
@@ -165,6 +176,7 @@ class ShardedPSSync:
         dist.all_gather_into_tensor(full, self.master.detach(), group=self.group)
         with torch.no_grad():
             _unflatten_into(full[: self.numel], [p.data for p in params])
+        return time.perf_counter() - t0
 
     @torch.no_grad()
     def grads(self) -> dict[str, torch.Tensor]:

@@ -15,18 +15,56 @@ stage's last backward (while the previous stage is still in its backward).
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, weight_grads
+from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
 from ours.trace import Tracer
 from workload.model import GPT
 from workload.partition import StageSpec
 from workload.training import autocast
 
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+class _Arrivals:
+    """Tells whether posted receives have arrived without blocking the main thread.
+
+    gloo's ``Work.is_completed()`` of a receive stays False until ``wait()`` is called, so a helper
+    thread waits on the receives in the order they will be consumed (``wait`` releases the GIL) and
+    marks each one arrived. The main thread then waits on the marks only, never on the works (two
+    threads must not wait on one work)."""
+
+    def __init__(self, works: list):
+        self._events = {u: threading.Event() for u, _ in works}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(works,), daemon=True)
+        self._thread.start()
+
+    def _run(self, works: list) -> None:
+        for u, work in works:
+            try:
+                if self._error is None:
+                    work.wait()
+            except BaseException as exc:  # handed to the main thread
+                self._error = exc
+            finally:
+                self._events[u].set()
+
+    def arrived(self, u: int) -> bool:
+        return self._events[u].is_set()
+
+    def wait(self, u: int) -> None:
+        self._events[u].wait()
+        if self._error is not None:
+            raise self._error
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 class StageEngine:
@@ -47,20 +85,21 @@ class StageEngine:
         self.low_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         self.blocks = list(model.blocks.values())
         # deferred-gradient linears: (weight param, bias param or None, stash)
-        self.linears: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter | None, list]] = {}
+        self.linears: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter | None, WeightGrad]] = {}
         for i, blk in model.blocks.items():
             for lname in _LINEARS:
                 mod = blk.get_submodule(lname)
-                self.linears[f"blocks.{i}.{lname}"] = (mod.weight, mod.bias, [])
+                self.linears[f"blocks.{i}.{lname}"] = (mod.weight, mod.bias, WeightGrad(True))
         if spec.is_last:
-            self.linears["lm_head"] = (model.lm_head.weight, None, [])
+            self.linears["lm_head"] = (model.lm_head.weight, None, WeightGrad(False))
         self._w: dict[str, tuple[torch.Tensor, torch.Tensor | None, list]] = {}
+        self.fill_bubbles = True
         self.loss_scale = 1.0  # dynamic loss scaling (fp16 on CUDA) sets it
 
     # ---- the functional forward -------------------------------------------------------------
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        w, b, stash = self._w[name]
-        return DeferredLinear.apply(x, w, b, stash)
+        w, b, wg = self._w[name]
+        return DeferredLinear.apply(x, w, b, wg.stash)
 
     def _layer(self, idx: str, blk, x: torch.Tensor, state: KVState, c: int) -> torch.Tensor:
         C = self.C
@@ -82,15 +121,31 @@ class StageEngine:
 
     def _prepare_weights(self) -> None:
         """The weights the linears apply this step (detached: their gradients are computed by
-        ``weight_grads``); cast once per step to the low precision under mixed precision."""
+        ``WeightGrad``); cast once per step to the low precision under mixed precision."""
         self._w = {}
-        for name, (w, b, stash) in self.linears.items():
+        for name, (w, b, wg) in self.linears.items():
             w = w.detach()
             b = b.detach() if b is not None else None
             if self.mixed:
                 w = w.to(self.low_dtype)
                 b = b.to(self.low_dtype) if b is not None else None
-            self._w[name] = (w, b, stash)
+            self._w[name] = (w, b, wg)
+
+    def _wait_filling(self, work, arrivals: "_Arrivals | None", u: int, name: str) -> None:
+        """Wait for a receive; meanwhile, accumulate pending weight gradients (fills the bubble)."""
+        if arrivals is None:
+            with self.tracer.span("recv", name):
+                work.wait()
+            return
+        wgs = [wg for _, _, wg in self.linears.values()]
+        while not arrivals.arrived(u):
+            pending = next((wg for wg in wgs if wg.stash), None)
+            if pending is None:
+                break
+            with self.tracer.span("wgrad", "wgrad (fill)"):
+                pending.drain(1)
+        with self.tracer.span("recv", name):
+            arrivals.wait(u)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -140,17 +195,18 @@ class StageEngine:
                         saved[u] = (x_in, x)
             if not spec.is_last:
                 with tr.span("send", f"send f{b}.{i}"):
-                    out = x.detach()
-                    if out.dtype != torch.float32:
-                        out = out.float()
-                    sends.append((out, dist.isend(out.contiguous(), self.next, tag=u)))
+                    out = x.detach().to(torch.float32).contiguous()  # gloo: contiguous CPU tensors
+                    sends.append((out, dist.isend(out, self.next, tag=u)))
         # backward receives
         grecvs = {}
+        arrivals = None
         if not spec.is_last:
             for u in reversed(range(len(units))):
                 b, i = units[u]
                 buf = torch.empty(mb, self.slices[i][1], C, device=self.device)
                 grecvs[u] = (buf, dist.irecv(buf, self.next, tag=u))
+            if self.fill_bubbles and self.device.type == "cpu":  # gloo (see _Arrivals)
+                arrivals = _Arrivals([(u, grecvs[u][1]) for u in reversed(range(len(units)))])
         for u in reversed(range(len(units))):
             b, i = units[u]
             x_in, y = saved[u]
@@ -160,25 +216,24 @@ class StageEngine:
                     (y * self.loss_scale if self.loss_scale != 1.0 else y).backward()
             else:
                 buf, work = grecvs.pop(u)
-                with tr.span("recv", f"recv b{b}.{i}"):
-                    work.wait()
+                self._wait_filling(work, arrivals, u, f"recv b{b}.{i}")
                 with tr.span("backward", f"B{b}.{i}"):
                     y.backward(buf)
             del y
             if not spec.is_first:
                 with tr.span("send", f"send b{b}.{i}"):
-                    g = x_in.grad
-                    if g.dtype != torch.float32:
-                        g = g.float()
-                    sends.append((g, dist.isend(g.contiguous(), self.prev, tag=u)))
+                    g = x_in.grad.to(torch.float32).contiguous()
+                    sends.append((g, dist.isend(g, self.prev, tag=u)))
             del x_in
         with tr.span("wgrad", "weight grads"):
-            for name, (w, b, stash) in self.linears.items():
-                dW, db = weight_grads(stash, b is not None)
+            for name, (w, b, wg) in self.linears.items():
+                dW, db = wg.finish()
                 w.grad = dW if dW.dtype == w.dtype else dW.to(w.dtype)
                 if b is not None:
                     b.grad = db if db.dtype == b.dtype else db.to(b.dtype)
         self._w = {}
+        if arrivals is not None:
+            arrivals.join()
         with tr.span("send", "wait sends"):
             for _, work in sends:
                 work.wait()

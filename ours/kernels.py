@@ -168,15 +168,40 @@ class DeferredLinear(torch.autograd.Function):
         return dy.matmul(w), None, None, None
 
 
-def weight_grads(stash: list, with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dW = cat(dY)^T @ cat(X), db = sum(dY) over every (x, dy) the step stashed; empties the stash."""
-    xs = [x.reshape(-1, x.shape[-1]) for x, _ in stash]
-    dys = [dy.reshape(-1, dy.shape[-1]) for _, dy in stash]
-    stash.clear()
-    X = xs[0] if len(xs) == 1 else torch.cat(xs)
-    dY = dys[0] if len(dys) == 1 else torch.cat(dys)
-    if X.dtype != dY.dtype:
-        X = X.to(dY.dtype)
-    dW = dY.t().mm(X)
-    db = dY.sum(0) if with_bias else None
-    return dW, db
+class WeightGrad:
+    """The weight (and bias) gradient of one DeferredLinear, accumulated from its stash in place
+    (``addmm_``: no concatenation copy, no per-slice gradient tensor). ``drain`` may run at any time
+    (e.g. while the stage waits for a message); ``finish`` drains what is left and returns dW, db."""
+
+    __slots__ = ("stash", "with_bias", "dW", "db")
+
+    def __init__(self, with_bias: bool):
+        self.stash: list = []
+        self.with_bias = with_bias
+        self.dW = self.db = None
+
+    @torch.no_grad()
+    def drain(self, limit: int | None = None) -> int:
+        n = 0
+        while self.stash and (limit is None or n < limit):
+            x, dy = self.stash.pop()
+            x = x.reshape(-1, x.shape[-1])
+            dy = dy.reshape(-1, dy.shape[-1])
+            if x.dtype != dy.dtype:
+                x = x.to(dy.dtype)
+            if self.dW is None:
+                self.dW = dy.t().mm(x)
+                if self.with_bias:
+                    self.db = dy.sum(0)
+            else:
+                self.dW.addmm_(dy.t(), x)
+                if self.with_bias:
+                    self.db.add_(dy.sum(0))
+            n += 1
+        return n
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.drain()
+        dW, db = self.dW, self.db
+        self.dW = self.db = None
+        return dW, db

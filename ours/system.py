@@ -7,8 +7,6 @@ gradients) and ``ours.dp`` (data parallelism).
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -106,14 +104,12 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             p.grad = None
         engine.loss_scale = scaler.scale
         loss = engine.step(inputs, targets)
-        ctx.synchronize()
-        t0 = time.perf_counter()
-        with tracer.span("sync", f"dp {cfg.dp_mode}" if dp > 1 else "optimizer"):
+        dt = 0.0
+        with tracer.span("sync", f"dp {cfg.dp_mode} + optimizer" if dp > 1 else "optimizer"):
             if scaler.check_and_unscale(params):
-                sync.step()
+                dt = sync.step()
             ctx.synchronize()
-        dt = time.perf_counter() - t0
-        return StepOutput(loss=float(loss) if loss is not None else None, dp_sync_time=dt if dp > 1 else 0.0)
+        return StepOutput(loss=float(loss) if loss is not None else None, dp_sync_time=dt)
 
     m = run_steps(ctx, dp_rank, step)
     if cfg.verify:
@@ -121,6 +117,5 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     if cfg.trace:
         tracer.write(cfg.trace, ctx.world_size)
     m.extra.update(slices=list(slices), n_slices=len(slices), dp_mode=cfg.dp_mode,
-                   n_batch_slices=cfg.batch_size // cfg.micro_batch_size, stage=pp_rank, dp_rank=dp_rank,
-                   layers=[spec.first_layer, spec.end_layer], auto_slices=cfg.auto_slices)
+                   n_batch_slices=cfg.batch_size // cfg.micro_batch_size, auto_slices=cfg.auto_slices)
     return m

@@ -1,0 +1,137 @@
+"""Benchmarks that compare systems side by side: python -m runners.bench NAME [options].
+
+ours-vs-gpipe: Torch Pipe's GPipe schedule against ours (token-level pipeline) on cpu-small with
+P = 2, at each batch size per pipeline, with repetitions alternating between the systems (so that
+drifts of a shared machine hit every system alike). Each run is the real run command in a
+subprocess, writing its record to a temporary file; the median step time of a configuration is the
+median over repetitions of each run's median_step_time. Prints the step times, the ratio
+GPipe / ours, and the pipeline efficiency T_ref / (P * T) against the single-process reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_once(args: list[str], timeout: float) -> tuple[float, float] | None:
+    """One run command; its record's (median_step_time, min_step_time) (None if the run failed)."""
+    fd, out = tempfile.mkstemp(suffix=".jsonl", prefix="bench-")
+    os.close(fd)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "runners.run", *args, "--out", out], cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout)
+        lines = [l for l in Path(out).read_text().splitlines() if l.strip()]
+        rec = json.loads(lines[-1]) if lines else {}
+        if proc.returncode != 0 or not lines:
+            why = rec.get("error") or ((proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"])[0]
+            print(f"  run failed ({' '.join(args)}): {str(why)[:500]}", file=sys.stderr)
+            return None
+        if rec.get("status") != "ok" or rec.get("median_step_time") is None:
+            return None
+        return rec["median_step_time"], rec.get("min_step_time") or rec["median_step_time"]
+    except subprocess.TimeoutExpired:
+        print(f"  run timed out ({' '.join(args)})", file=sys.stderr)
+        return None
+    finally:
+        os.unlink(out)
+
+
+def ours_vs_gpipe(opts: argparse.Namespace) -> int:
+    P = opts.pp
+    common = ["--model", opts.model, "--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+    results: dict[tuple[int, str], list[float]] = {}
+    minima: dict[tuple[int, str], list[float]] = {}
+    for batch in opts.batch:
+        mb = 1
+        configs: dict[str, list[str]] = {}
+        if not opts.no_reference:
+            configs["reference"] = ["--system", "reference", "--batch-size", str(batch), "--micro-batch-size", str(mb)]
+        gp = ["--system", opts.gpipe_system, "--batch-size", str(batch), "--micro-batch-size", str(mb)]
+        if opts.gpipe_system != "reference":
+            gp += ["--pp", str(P), "--schedule", "gpipe"]
+        configs["gpipe"] = gp
+        for k in opts.slices:
+            configs[f"ours K={k}"] = ["--system", "ours", "--pp", str(P), "--batch-size", str(batch),
+                                      "--micro-batch-size", str(mb), "--n-slices", str(k)]
+        for sl in opts.ours_slices:
+            configs[f"ours {sl}"] = ["--system", "ours", "--pp", str(P), "--batch-size", str(batch),
+                                     "--micro-batch-size", str(mb), "--slices", sl]
+        names = list(configs)
+        for rep in range(opts.reps):
+            order = names if rep % 2 == 0 else names[::-1]  # alternate, so drifts hit all alike
+            for name in order:
+                r = run_once(configs[name] + common, opts.timeout)
+                print(f"batch {batch} rep {rep + 1}/{opts.reps} {name}: "
+                      f"{'failed' if r is None else f'median {r[0] * 1e3:.0f} ms, min {r[1] * 1e3:.0f} ms'}",
+                      file=sys.stderr, flush=True)
+                if r is not None:
+                    results.setdefault((batch, name), []).append(r[0])
+                    minima.setdefault((batch, name), []).append(r[1])
+
+    def med(batch: int, name: str) -> float | None:
+        v = results.get((batch, name))
+        return statistics.median(v) if v else None
+
+    def best(batch: int, name: str) -> float | None:
+        v = minima.get((batch, name))
+        return min(v) if v else None
+
+    gp_label = "torch_pipe GPipe" if opts.gpipe_system == "torch_pipe" else f"{opts.gpipe_system} (standing in for GPipe)"
+    print(f"\nours vs {gp_label} on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating reps "
+          f"(step ms: median of per-run median step times; min: fastest step of any run; efficiency = T_ref / (P * T))")
+    print(f"{'batch':>5} | {'config':<34} | {'step ms':>8} | {'min ms':>7} | {'runs':>4} | {'efficiency':>10} | {'gpipe / this':>12}")
+    print("-" * 98)
+    for batch in opts.batch:
+        ref, gp = med(batch, "reference"), med(batch, "gpipe")
+        ours_names = [f"ours K={k}" for k in opts.slices] + [f"ours {sl}" for sl in opts.ours_slices]
+        for name in ([] if opts.no_reference else ["reference"]) + ["gpipe"] + ours_names:
+            t = med(batch, name)
+            n = len(results.get((batch, name), []))
+            label = gp_label if name == "gpipe" else name
+            if t is None:
+                print(f"{batch:>5} | {label:<34} | {'failed':>8} | {'':>7} | {n:>4} |")
+                continue
+            p = 1 if name == "reference" or (name == "gpipe" and opts.gpipe_system == "reference") else P
+            eff = f"{ref / (p * t):.2f}" if ref else "-"
+            ratio = f"{gp / t:.2f}x" if gp and name.startswith("ours") else "-"
+            print(f"{batch:>5} | {label:<34} | {t * 1e3:8.0f} | {best(batch, name) * 1e3:7.0f} | {n:>4} | {eff:>10} | {ratio:>12}")
+        ours = [(med(batch, n), n) for n in ours_names if med(batch, n)]
+        if ours and gp:
+            t, n = min(ours)
+            print(f"{batch:>5} | best: {n}, {gp_label} / ours = {gp / t:.2f}x (by median step time)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runners.bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="bench", required=True)
+    b = sub.add_parser("ours-vs-gpipe", help="Torch Pipe GPipe against ours on cpu-small, P=2")
+    b.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="batch sizes per pipeline")
+    b.add_argument("--reps", type=int, default=5, help="alternating repetitions of every configuration")
+    b.add_argument("--slices", type=int, nargs="+", default=[4, 8], help="token slice counts K of ours to run")
+    b.add_argument("--ours-slices", nargs="*", default=[], metavar="L1,L2,...",
+                   help="also run ours with these explicit token slicings (each comma-separated lengths)")
+    b.add_argument("--model", default="cpu-small")
+    b.add_argument("--pp", type=int, default=2)
+    b.add_argument("--steps", type=int, default=5, help="measured steps per run")
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--gpipe-system", default="torch_pipe",
+                   help="the GPipe system (default torch_pipe; 'reference' to try the script without it)")
+    b.add_argument("--no-reference", action="store_true", help="skip the single-process reference runs")
+    b.add_argument("--timeout", type=float, default=900.0)
+    opts = p.parse_args(argv)
+    if opts.bench == "ours-vs-gpipe":
+        return ours_vs_gpipe(opts)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
