@@ -227,7 +227,7 @@ def test_shipped_sweep_files_expand():
     assert not local.invalid_runs, [(r.label(), r.error) for r in local.invalid_runs]
     net = [r for r in local.runs if r.emulated]
     assert sorted({r.network for r in net}) == sorted(["default", "d1-5g", "d5-2g", "d10-1g", "d50-1g"])
-    assert len(net) == 20 and len(local.runs) == 36
+    assert len(net) == 20 and len(local.runs) == 35
     xl = load_sweep(SWEEPS_DIR / "gpt3-xl-cluster.toml")
     assert not xl.invalid_runs, [(r.label(), r.error) for r in xl.invalid_runs]
     ours_dp4 = [flags(r) for r in xl.runs if r.system == "ours" and flags(r)["--dp"] == "4"]
@@ -377,7 +377,7 @@ def test_run_all_sh_dry_run(tmp_path):
     p = subprocess.run(["bash", "runners/run_all.sh", "--dry-run", "--out", str(tmp_path / "l.jsonl")], cwd=REPO,
                        capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.count("runners.run") == 36 and "sweep local" in p.stdout
+    assert p.stdout.count("runners.run") == 35 and "sweep local" in p.stdout
     hf = write(tmp_path, "n0\nn1\n", "hosts")
     p = subprocess.run(["bash", "runners/run_all.sh", "--hostfile", str(hf), "--iface", "ens5", "--dry-run",
                         "--only", "ours", "--out", str(tmp_path / "c.jsonl")], cwd=REPO, capture_output=True,
