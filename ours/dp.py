@@ -69,6 +69,15 @@ class LocalSync:
         return {n: p.grad.detach().clone() for n, p in self.named}
 
 
+def _post_flat_grads(buckets, collective) -> tuple[list[torch.Tensor], list]:
+    """Flatten each bucket's gradients and start ``collective`` on it (async); (flats, works)."""
+    flats, works = [], []
+    for bucket in buckets:  # each bucket's collective starts before the next bucket is flattened
+        flats.append(_flatten([p.grad for p in bucket]))
+        works.append(collective(flats[-1]))
+    return flats, works
+
+
 class AllReduceSync(LocalSync):
     def __init__(self, named, opt_cfg, group, dp: int):
         super().__init__(named, opt_cfg)
@@ -78,11 +87,7 @@ class AllReduceSync(LocalSync):
     @torch.no_grad()
     def step(self) -> float:
         t0 = time.perf_counter()
-        flats, works = [], []
-        for bucket in self.buckets:
-            flat = _flatten([p.grad for p in bucket])
-            works.append(dist.all_reduce(flat, group=self.group, async_op=True))
-            flats.append(flat)
+        flats, works = _post_flat_grads(self.buckets, lambda f: dist.all_reduce(f, group=self.group, async_op=True))
         for bucket, flat, work in zip(self.buckets, flats, works):
             work.wait()
             flat.div_(self.dp)
@@ -102,11 +107,8 @@ class CentralPSSync:
     @torch.no_grad()
     def step(self) -> float:
         t0 = time.perf_counter()
-        flats, works = [], []
-        for bucket in self.buckets:
-            flat = _flatten([p.grad for p in bucket])
-            works.append(dist.reduce(flat, dst=self.server, group=self.group, async_op=True))
-            flats.append(flat)
+        flats, works = _post_flat_grads(
+            self.buckets, lambda f: dist.reduce(f, dst=self.server, group=self.group, async_op=True))
         for w in works:
             w.wait()
         if self.is_server:
