@@ -4,7 +4,8 @@ A stage applies the parameters of its part of the shared GPT (``workload.model``
 functional forward, the same math token slice by token slice: embeddings with the slice's position
 offset on the first stage; per layer ln_1 -> c_attn -> attention over the cached keys and values of
 the sequence -> c_proj -> residual -> ln_2 -> c_fc -> gelu -> c_proj -> residual; ln_f, lm_head and the
-loss (sum over the slice's tokens / tokens of the replica batch) on the last stage.
+loss (sum over the slice's tokens / tokens of the replica batch) on the last stage, computed at the
+start of the unit's backward (see ``_head_loss``).
 
 One step: the batch is cut into batch slices (micro_batch_size rows) x token slices; every
 (batch slice, token slice) unit runs forward in order — receiving its input activations from the
@@ -119,6 +120,18 @@ class StageEngine:
                 x = self._layer(idx, blk, x, state, c)
         return x
 
+    def _head_loss(self, x: torch.Tensor, targets: torch.Tensor, b: int, i: int, n_tokens: int) -> torch.Tensor:
+        """Last stage: ln_f -> lm_head -> the unit's share of the loss (sum over its tokens / tokens
+        of the replica batch). Computed when the unit's backward starts, not in its forward: nothing
+        downstream waits for it, so the forward phase (which the previous stage's first gradient
+        waits on) gets shorter, and a unit's logits live only during its own backward."""
+        c, l = self.slices[i]
+        with autocast(self.device, self.mixed):
+            h = F.layer_norm(x, (self.C,), self.model.ln_f.weight, self.model.ln_f.bias)
+            logits = self._lin("lm_head", h)
+            tgt = targets[b * self.mb : (b + 1) * self.mb, c : c + l]
+            return F.cross_entropy(logits.reshape(-1, self.V).float(), tgt.reshape(-1), reduction="sum") / n_tokens
+
     def _prepare_weights(self) -> None:
         """The weights the linears apply this step (detached: their gradients are computed by
         ``WeightGrad``); cast once per step to the low precision under mixed precision."""
@@ -184,15 +197,7 @@ class StageEngine:
                     else:
                         x = x_in
                     x = self._forward_unit(x, states[b], c)
-                    if spec.is_last:
-                        h = F.layer_norm(x, (C,), self.model.ln_f.weight, self.model.ln_f.bias)
-                        logits = self._lin("lm_head", h)
-                        tgt = targets[b * mb : (b + 1) * mb, c : c + l]
-                        loss = F.cross_entropy(logits.reshape(-1, self.V).float(), tgt.reshape(-1), reduction="sum") / n_tokens
-                        total += loss.detach()
-                        saved[u] = (x_in, loss)
-                    else:
-                        saved[u] = (x_in, x)
+                    saved[u] = (x_in, x)
             if not spec.is_last:
                 with tr.span("send", f"send f{b}.{i}"):
                     out = x.detach().to(torch.float32).contiguous()  # gloo: contiguous CPU tensors
@@ -213,7 +218,10 @@ class StageEngine:
             saved[u] = None
             if spec.is_last:
                 with tr.span("backward", f"B{b}.{i}"):
-                    (y * self.loss_scale if self.loss_scale != 1.0 else y).backward()
+                    loss = self._head_loss(y, targets, b, i, n_tokens)
+                    total += loss.detach()
+                    (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+                del loss
             else:
                 buf, work = grecvs.pop(u)
                 self._wait_filling(work, arrivals, u, f"recv b{b}.{i}")
