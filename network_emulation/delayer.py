@@ -6,7 +6,8 @@ Binds the given NFQUEUE numbers on one AF_NETLINK socket with metadata-only
 copy (NFQNL_COPY_META) and whole GSO packets (NFQA_CFG_F_GSO), notes each
 packet's arrival, and accepts it ``delay`` ms later: one NFQNL_MSG_VERDICT_BATCH
 per queue releases every due packet at once (ids are FIFO per queue, so no
-reordering). Prints ``ready`` once bound. Exits when stdin reaches EOF, i.e.
+reordering). Runs SCHED_FIFO where permitted, so CPU-bound ranks do not delay it.
+Prints ``ready`` once bound. Exits when stdin reaches EOF, i.e.
 when the owning process dies, whatever way it dies.
 """
 
@@ -38,6 +39,7 @@ NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG_ERROR = 2
 QUEUE_MAXLEN = 1 << 17  # packets held per queue before the kernel drops
 PR_SET_TIMERSLACK = 29
+REALTIME_PRIORITY = 10  # SCHED_FIFO; the kernel's RT throttling still leaves 5 % of each core to others
 
 
 def _attr(kind: int, payload: bytes) -> bytes:
@@ -118,6 +120,11 @@ def run(delays_ms: dict[int, float]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    try:  # run before the training ranks when a packet arrives or falls due: CPU-bound ranks on
+        # the same cores would otherwise delay the reads (a later arrival stamp) and the releases
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+    except (OSError, AttributeError):
+        pass  # not permitted (no root / no CAP_SYS_NICE): the ordinary scheduler
     sock = open_queues(sorted(delays_ms))
     sock.setblocking(False)
     delay_s = {q: d / 1e3 for q, d in delays_ms.items()}
