@@ -120,7 +120,7 @@ class StageEngine:
                 x = self._layer(idx, blk, x, state, c)
         return x
 
-    def _head_loss(self, x: torch.Tensor, targets: torch.Tensor, b: int, i: int, n_tokens: int) -> torch.Tensor:
+    def _head_loss(self, x: torch.Tensor, targets: torch.Tensor, b: int, i: int) -> torch.Tensor:
         """Last stage: ln_f -> lm_head -> the unit's share of the loss (sum over its tokens / tokens
         of the replica batch). Computed when the unit's backward starts, not in its forward: nothing
         downstream waits for it, so the forward phase (which the previous stage's first gradient
@@ -130,7 +130,7 @@ class StageEngine:
             h = F.layer_norm(x, (self.C,), self.model.ln_f.weight, self.model.ln_f.bias)
             logits = self._lin("lm_head", h)
             tgt = targets[b * self.mb : (b + 1) * self.mb, c : c + l]
-            return F.cross_entropy(logits.reshape(-1, self.V).float(), tgt.reshape(-1), reduction="sum") / n_tokens
+            return F.cross_entropy(logits.reshape(-1, self.V).float(), tgt.reshape(-1), reduction="sum") / (self.batch_size * self.T)
 
     def _prepare_weights(self) -> None:
         """The weights the linears apply this step (detached: their gradients are computed by
@@ -167,7 +167,6 @@ class StageEngine:
         spec, tr, mb, C = self.spec, self.tracer, self.mb, self.C
         self._prepare_weights()
         units = [(b, i) for b in range(self.nb) for i in range(len(self.slices))]
-        n_tokens = self.batch_size * self.T
         states = [[KVState(self.masks) for _ in self.blocks] for _ in range(self.nb)]
         sends: list = []
         # forward receives, all posted at once
@@ -218,7 +217,7 @@ class StageEngine:
             saved[u] = None
             if spec.is_last:
                 with tr.span("backward", f"B{b}.{i}"):
-                    loss = self._head_loss(y, targets, b, i, n_tokens)
+                    loss = self._head_loss(y, targets, b, i)
                     total += loss.detach()
                     (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
                 del loss

@@ -21,13 +21,11 @@ def _full_attention(qkv: torch.Tensor, H: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
 
 
-@pytest.mark.parametrize("slices", [(24,), (8, 8, 8), (10, 9, 5), (1, 22, 1)])
-def test_slice_attention_matches_full_attention(slices):
-    torch.manual_seed(0)
-    B, T, H, C = 2, sum(slices), 4, 32
-    qkv = torch.randn(B, T, 3 * C, dtype=torch.float64, requires_grad=True)
-    gout = torch.randn(B, T, C, dtype=torch.float64)
-
+def _check_sliced_against_full(qkv: torch.Tensor, H: int, slices, atol: float) -> KVState:
+    """SliceAttention slice by slice (backward in reverse slice order, as the engine runs it) gives
+    the outputs and the qkv gradient of full causal attention; returns the KV state it used."""
+    B, T, C3 = qkv.shape
+    gout = torch.randn(B, T, C3 // 3, dtype=qkv.dtype)
     ref = _full_attention(qkv, H)
     ref.backward(gout)
     ref_grad, qkv.grad = qkv.grad, None
@@ -36,30 +34,26 @@ def test_slice_attention_matches_full_attention(slices):
     for l in slices:
         outs.append((c, l, SliceAttention.apply(qkv[:, c : c + l], state, c, H, T)))
         c += l
-    torch.testing.assert_close(torch.cat([o for _, _, o in outs], dim=1), ref.detach(), rtol=0, atol=1e-10)
-    for c, l, o in reversed(outs):  # backward in reverse slice order, as the engine runs it
+    torch.testing.assert_close(torch.cat([o for _, _, o in outs], dim=1), ref.detach(), rtol=0, atol=atol)
+    for c, l, o in reversed(outs):
         o.backward(gout[:, c : c + l])
-    torch.testing.assert_close(qkv.grad, ref_grad, rtol=0, atol=1e-10)
+    torch.testing.assert_close(qkv.grad, ref_grad, rtol=0, atol=atol)
+    return state
+
+
+@pytest.mark.parametrize("slices", [(24,), (8, 8, 8), (10, 9, 5), (1, 22, 1)])
+def test_slice_attention_matches_full_attention(slices):
+    torch.manual_seed(0)
+    qkv = torch.randn(2, sum(slices), 3 * 32, dtype=torch.float64, requires_grad=True)
+    state = _check_sliced_against_full(qkv, 4, slices, atol=1e-10)
     assert state.kv is None  # slice 0's backward released the sequence's state
 
 
 def test_slice_attention_float32_flash_path():
     """The fp32 CPU path (the flash kernel with a bottom-right causal mask), as the engine runs it."""
     torch.manual_seed(1)
-    B, T, H, C, slices = 1, 64, 4, 64, (20, 28, 16)
-    qkv = torch.randn(B, T, 3 * C, requires_grad=True)
-    gout = torch.randn(B, T, C)
-    ref = _full_attention(qkv, H)
-    ref.backward(gout)
-    ref_grad, qkv.grad = qkv.grad, None
-    state, outs, c = KVState(MaskCache()), [], 0
-    for l in slices:
-        outs.append((c, l, SliceAttention.apply(qkv[:, c : c + l], state, c, H, T)))
-        c += l
-    torch.testing.assert_close(torch.cat([o for _, _, o in outs], dim=1), ref.detach(), rtol=0, atol=1e-5)
-    for c, l, o in reversed(outs):
-        o.backward(gout[:, c : c + l])
-    torch.testing.assert_close(qkv.grad, ref_grad, rtol=0, atol=1e-5)
+    qkv = torch.randn(1, 64, 3 * 64, requires_grad=True)
+    _check_sliced_against_full(qkv, 4, (20, 28, 16), atol=1e-5)
 
 
 def test_deferred_linear_weight_grads():
