@@ -18,23 +18,31 @@ from pathlib import Path
 
 import pandas as pd
 
-from runners.record import config_key
-
+REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
 
 
 def load_records(paths: list[str]) -> list[dict]:
+    """Every record in the files (directories: their *.jsonl); a line that is not a record is
+    skipped with a warning on stderr."""
     files: list[Path] = []
     for p in map(Path, paths):
         files += sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
     records = []
     for f in files:
         for n, line in enumerate(f.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    print(f"report.py: skipping unreadable line {f}:{n}", file=sys.stderr)
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"report.py: skipping {f}:{n}: not JSON", file=sys.stderr)
+                continue
+            missing = [k for k in REQUIRED if not isinstance(rec, dict) or k not in rec]
+            if missing:
+                print(f"report.py: skipping {f}:{n}: not a run record (no {', '.join(missing)})", file=sys.stderr)
+                continue
+            records.append(rec)
     return records
 
 
@@ -73,25 +81,14 @@ def cell(row: pd.Series) -> str:
     return fmt_time(row["median_step_time"]) if row["status"] == "ok" else FAIL.get(row["status"], row["status"])
 
 
-def system_label(r: dict) -> str:
-    opts = r.get("options") or {}
-    label = r["system"]
-    if r["system"] == "torch_pipe":
-        label += f" {r['schedule']}"
-    if r["system"] == "ours" and r["layout"].get("dp", 1) > 1:
-        label += f" {opts.get('dp_mode', '')}"
-    return label
-
-
 def to_frame(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in records:
         env = r.get("environment") or {}
-        opts = r.get("options") or {}
         rows.append({
-            "key": config_key(r.get("config") or {}),
+            "key": r.get("key") or json.dumps(r.get("config"), sort_keys=True),
             "timestamp": r.get("timestamp", ""),
-            "system": system_label(r),
+            "system": r.get("label") or r["system"],
             "model": r["model"],
             "shape": "L{n_layer} h{n_embd} a{n_head} s{seq_len}".format(**r["model_shape"]),
             "hardware": str(env.get("device_name", env.get("device_kind", "?"))),
@@ -110,7 +107,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "mfu": r.get("mfu"),
             "peak_mem_mb": max(r.get("peak_memory_bytes") or [0]) / 2**20,
             "dp_sync_time": r.get("dp_sync_time"),
-            "slices": ",".join(map(str, opts["slices"])) if opts.get("slices") else "",
+            "details": r.get("details") or "",
             "error": r.get("error") or "",
         })
     df = pd.DataFrame(rows)
@@ -162,7 +159,7 @@ def network_tables(df: pd.DataFrame) -> list[str]:
 
 def summary_table(df: pd.DataFrame) -> str:
     cols = ["system", "model", "layout", "devices", "mb", "batch", "network", "status", "median_step_time", "tokens_per_s", "mfu",
-            "peak_mem_mb", "dp_sync_time", "slices"]
+            "peak_mem_mb", "dp_sync_time", "details"]
     t = df[cols].copy()
     t["median_step_time"] = t["median_step_time"].map(fmt_time)
     t["tokens_per_s"] = t["tokens_per_s"].map(lambda v: f"{v:,.0f}" if v == v and v is not None else "")

@@ -1,12 +1,117 @@
 """ours: the project's own system — a token-level pipeline (TeraPipe) with all-reduce or
-parameter-server data parallelism.
+parameter-server data parallelism. This module declares it (options and SPEC); the rest:
 
-- ``ours.system``: ``train(config, context)``, the entry point the runner calls.
+- ``ours.train``: ``train(config, context)``, the entry point the ranks call;
 - ``ours.engine``: one stage's token-sliced pipeline step (forward in slice order, backward in reverse,
-  asynchronous point-to-point transfers, deferred weight gradients that fill the bubble).
+  asynchronous point-to-point transfers, deferred weight gradients that fill the bubble);
 - ``ours.kernels``: the exact sliced attention Function (KV state, gradient accumulation for earlier
-  slices) and the deferred-gradient linear.
-- ``ours.dp``: allreduce, central_ps and sharded_ps data parallelism.
-- ``ours.trace``: the measured schedule as a Chrome trace.
+  slices) and the deferred-gradient linear;
+- ``ours.dp``: allreduce, central_ps and sharded_ps data parallelism;
+- ``ours.trace``: the measured schedule as a Chrome trace;
 - ``ours.plan``: the latency model and slicing planner (``--n-slices auto``).
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
+
+DP_MODES = ("allreduce", "central_ps", "sharded_ps")
+
+
+def slice_count(text: str) -> int | str:
+    """--n-slices: a positive integer or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--n-slices takes an integer or 'auto', got {text!r}") from None
+
+
+def slice_lengths(text: str) -> tuple[int, ...]:
+    """--slices: comma-separated token lengths."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--slices takes comma-separated integers, got {text!r}") from None
+
+
+def uniform_slices(seq_len: int, k: int) -> tuple[int, ...]:
+    """K near-equal token slices of the sequence."""
+    q, r = divmod(seq_len, k)
+    return tuple(q + (1 if i < r else 0) for i in range(k))
+
+
+@dataclass(frozen=True)
+class OursOptions(SystemOptions):
+    n_slices: int | str = option(1, "K equal token slices, or 'auto' for the planner's optimal slicing",
+                                 parse=slice_count, metavar="K|auto")
+    slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",
+                                            parse=slice_lengths, metavar="L1,L2,...")
+    dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
+    trace: str | None = option(None, "write a Chrome trace of every rank's spans to this file", identity=False,
+                               output_path=True, metavar="FILE")
+
+    def __post_init__(self) -> None:
+        if self.slices is not None and self.n_slices == 1:  # one canonical form of an explicit slicing
+            object.__setattr__(self, "n_slices", len(self.slices))
+
+    @property
+    def auto(self) -> bool:
+        return self.n_slices == "auto"
+
+    def token_slices(self, seq_len: int) -> tuple[int, ...]:
+        """The slicing when it is fixed by the options (explicit, or K equal slices); not for 'auto'."""
+        if self.slices is not None:
+            return self.slices
+        if self.auto:
+            raise ValueError("the 'auto' slicing is chosen by the planner at run time")
+        return uniform_slices(seq_len, self.n_slices)
+
+    def check(self, config: RunConfig) -> None:
+        seq = config.model.seq_len
+        if self.slices is not None:
+            text = ",".join(map(str, self.slices))
+            if self.n_slices != len(self.slices):
+                raise ConfigError(f"give either --n-slices or --slices, not both (--n-slices {self.n_slices}, "
+                                  f"--slices {text})")
+            if any(s < 1 for s in self.slices):
+                raise ConfigError(f"--slices must be positive lengths, got {text}")
+            if sum(self.slices) != seq:
+                raise ConfigError(f"--slices {text} sum to {sum(self.slices)}, not the sequence length {seq}")
+        elif not self.auto:
+            if self.n_slices < 1:
+                raise ConfigError(f"--n-slices must be >= 1, got {self.n_slices}")
+            if self.n_slices > seq:
+                raise ConfigError(f"--n-slices {self.n_slices} exceeds the sequence length {seq}")
+
+
+def describe_slicing(options: dict[str, Any]) -> str:
+    """The slicing a run used, from its record's options (``slices``: what the ranks resolved)."""
+    slices = options.get("slices")
+    if not slices:
+        return ""
+    parts, run = [], [slices[0], 0]
+    for s in slices:  # run-length: 128x8, or 88x6,56x3,48
+        if s == run[0]:
+            run[1] += 1
+        else:
+            parts.append(run)
+            run = [s, 1]
+    parts.append(run)
+    text = ",".join(f"{s}x{n}" if n > 1 else str(s) for s, n in parts)
+    how = "auto: " if options.get("n_slices") == "auto" else ""
+    return f"{how}K={len(slices)} ({text})"
+
+
+SPEC = SystemSpec(
+    name="ours",
+    train="ours.train:train",
+    description="token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism",
+    options=OursOptions,
+    dims=("pp", "dp"),
+    label=lambda config: "ours" if config.dp == 1 else f"ours {config.options.dp_mode}",
+    details=describe_slicing,
+)

@@ -102,7 +102,6 @@ class CentralPSSync:
         self.named, self.group, self.dp, self.server, self.is_server = named, group, dp, server, is_server
         self.buckets = buckets([p for _, p in named])
         self.opt = make_optimizer([p for _, p in named], opt_cfg) if is_server else None
-        self.last_flat_grads: list[torch.Tensor] | None = None
 
     @torch.no_grad()
     def step(self) -> float:

@@ -1,11 +1,11 @@
 """The token-level pipeline engine (TeraPipe) of one stage.
 
-A stage applies the parameters of its part of the shared GPT (``workload.model``) with its own
-functional forward, the same math token slice by token slice: embeddings with the slice's position
-offset on the first stage; per layer ln_1 -> c_attn -> attention over the cached keys and values of
-the sequence -> c_proj -> residual -> ln_2 -> c_fc -> gelu -> c_proj -> residual; ln_f, lm_head and the
-loss (sum over the slice's tokens / tokens of the replica batch) on the last stage, computed at the
-start of the unit's backward (see ``_head_loss``).
+A stage applies its part of the shared GPT (``workload.model``) token slice by token slice: the
+embeddings with the slice's position offset on the first stage; every layer through the shared
+``block_forward``, with the slice's attention over the sequence's cached keys and values
+(``SliceAttention``) and deferred-gradient linears (``DeferredLinear``) plugged in; ln_f, lm_head and
+the loss (sum over the slice's tokens / tokens of the replica batch) on the last stage, computed at
+the start of the unit's backward (see ``_head_loss``).
 
 One step: the batch is cut into batch slices (micro_batch_size rows) x token slices; every
 (batch slice, token slice) unit runs forward in order — receiving its input activations from the
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
 from ours.trace import Tracer
-from workload.model import GPT
+from workload.model import GPT, block_forward
 from workload.partition import StageSpec
 from workload.training import autocast
 
@@ -94,7 +94,6 @@ class StageEngine:
         if spec.is_last:
             self.linears["lm_head"] = (model.lm_head.weight, None, WeightGrad(False))
         self._w: dict[str, tuple[torch.Tensor, torch.Tensor | None, list]] = {}
-        self.fill_bubbles = True
         self.loss_scale = 1.0  # dynamic loss scaling (fp16 on CUDA) sets it
 
     # ---- the functional forward -------------------------------------------------------------
@@ -103,14 +102,10 @@ class StageEngine:
         return DeferredLinear.apply(x, w, b, wg.stash)
 
     def _layer(self, idx: str, blk, x: torch.Tensor, state: KVState, c: int) -> torch.Tensor:
-        C = self.C
-        h = F.layer_norm(x, (C,), blk.ln_1.weight, blk.ln_1.bias)
-        qkv = self._lin(f"blocks.{idx}.attn.c_attn", h)
-        y = SliceAttention.apply(qkv, state, c, self.H, self.T)
-        x = x + self._lin(f"blocks.{idx}.attn.c_proj", y)
-        h = F.layer_norm(x, (C,), blk.ln_2.weight, blk.ln_2.bias)
-        f = F.gelu(self._lin(f"blocks.{idx}.mlp.c_fc", h))
-        return x + self._lin(f"blocks.{idx}.mlp.c_proj", f)
+        """One layer on token slice [c, c + len): the shared block, with the slice's attention over
+        the sequence's cached keys and values and the stage's deferred-gradient linears."""
+        return block_forward(blk, x, attention=lambda qkv: SliceAttention.apply(qkv, state, c, self.H, self.T),
+                             linear=lambda name, module, h: self._lin(f"blocks.{idx}.{name}", h))
 
     def _forward_unit(self, x: torch.Tensor, states: list[KVState], c: int) -> torch.Tensor:
         for (idx, blk), state in zip(self.model.blocks.items(), states):
@@ -209,7 +204,7 @@ class StageEngine:
                 b, i = units[u]
                 buf = torch.empty(mb, self.slices[i][1], C, device=self.device)
                 grecvs[u] = (buf, dist.irecv(buf, self.next, tag=u))
-            if self.fill_bubbles and self.device.type == "cpu":  # gloo (see _Arrivals)
+            if self.device.type == "cpu":  # gloo (see _Arrivals)
                 arrivals = _Arrivals([(u, grecvs[u][1]) for u in reversed(range(len(units)))])
         for u in reversed(range(len(units))):
             b, i = units[u]
@@ -233,11 +228,11 @@ class StageEngine:
                     sends.append((g, dist.isend(g, self.prev, tag=u)))
             del x_in
         with tr.span("wgrad", "weight grads"):
-            for name, (w, b, wg) in self.linears.items():
+            for weight, bias, wg in self.linears.values():
                 dW, db = wg.finish()
-                w.grad = dW if dW.dtype == w.dtype else dW.to(w.dtype)
-                if b is not None:
-                    b.grad = db if db.dtype == b.dtype else db.to(b.dtype)
+                weight.grad = dW if dW.dtype == weight.dtype else dW.to(weight.dtype)
+                if bias is not None:
+                    bias.grad = db if db.dtype == bias.dtype else db.to(bias.dtype)
         self._w = {}
         if arrivals is not None:
             arrivals.join()

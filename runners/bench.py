@@ -14,40 +14,22 @@ keeps every rank busy more than GPipe at batch 1, which keeps one rank busy at a
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
+from runners.invoke import run_command
 from runners.machine import parallel_capacity
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def run_once(args: list[str], timeout: float) -> tuple[float, float] | None:
     """One run command; its record's (median_step_time, min_step_time) (None if the run failed)."""
-    fd, out = tempfile.mkstemp(suffix=".jsonl", prefix="bench-")
-    os.close(fd)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "runners.run", *args, "--out", out], cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout)
-        lines = [l for l in Path(out).read_text().splitlines() if l.strip()]
-        rec = json.loads(lines[-1]) if lines else {}
-        if proc.returncode != 0 or not lines:
-            why = rec.get("error") or ((proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"])[0]
-            print(f"  run failed ({' '.join(args)}): {str(why)[:500]}", file=sys.stderr)
-            return None
-        if rec.get("status") != "ok" or rec.get("median_step_time") is None:
-            return None
-        return rec["median_step_time"], rec.get("min_step_time") or rec["median_step_time"]
-    except subprocess.TimeoutExpired:
-        print(f"  run timed out ({' '.join(args)})", file=sys.stderr)
+    inv = run_command(args, timeout=timeout)
+    rec = inv.record or {}
+    if rec.get("status") != "ok" or rec.get("median_step_time") is None:
+        why = rec.get("error") or inv.last_line
+        print(f"  run failed ({' '.join(args)}): {str(why)[:500]}", file=sys.stderr)
         return None
-    finally:
-        os.unlink(out)
+    return rec["median_step_time"], rec.get("min_step_time") or rec["median_step_time"]
 
 
 def ours_vs_gpipe(opts: argparse.Namespace) -> int:

@@ -1,33 +1,35 @@
 """Start a run's ranks through torchrun, watch them, and collect what they measured.
 
 torchrun and its workers run in a session of their own, so that on a timeout, Ctrl-C or a failed
-rank the whole group is stopped: no orphan process outlives a run.
+rank the whole group is stopped; the agents and the ranks also die with their parent
+(``runners.lifetime``), so that nothing outlives a run command killed any other way.
 """
 from __future__ import annotations
 
-import collections
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from runners.config import RunConfig
+from contract import RunConfig
+from network_emulation import VirtualCluster, parse_profile
+from runners.lifetime import die_with_parent, oom_kills
+from runners.output import Pump
+from runners.request import Placement
 
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None  # HOST:PORT of node 0
+REPO = Path(__file__).resolve().parent.parent
+# torchrun's failure summary: "rank : 1 (local_rank: 1)" followed by "exitcode : -9 (pid: 123)"
+_TORCHRUN_EXIT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
 @dataclass
@@ -56,7 +58,7 @@ def free_port() -> int:
 
 def torchrun_argv(nproc: int, nnodes: int, node_rank: int, master: str | None, run_dir: Path) -> list[str]:
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
-            "--max-restarts=0"]
+            "--max-restarts=0", f"--log-dir={run_dir / 'torchrun'}"]
     if nnodes == 1 and master is None:
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     else:
@@ -65,19 +67,12 @@ def torchrun_argv(nproc: int, nnodes: int, node_rank: int, master: str | None, r
     return argv + ["-m", "runners.worker", str(run_dir)]
 
 
-def local_agents(cfg: RunConfig, world: int, opts: LaunchOptions, run_dir: Path) -> list[Agent]:
-    if world % opts.nnodes:
-        raise ValueError(f"world size {world} does not divide over {opts.nnodes} nodes")
-    argv = torchrun_argv(world // opts.nnodes, opts.nnodes, opts.node_rank, opts.rdzv_endpoint, run_dir)
+def local_agents(world: int, placement: Placement, run_dir: Path) -> list[Agent]:
+    if world % placement.nnodes:
+        raise ValueError(f"world size {world} does not divide over {placement.nnodes} nodes")
+    argv = torchrun_argv(world // placement.nnodes, placement.nnodes, placement.node_rank, placement.rdzv_endpoint,
+                         run_dir)
     return [Agent(argv, {})]
-
-
-def _pump(stream, tail: collections.deque) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        tail.append(line)
-        sys.stderr.write(line)
-        sys.stderr.flush()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -98,22 +93,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result: bool = True) -> LaunchResult:
-    tail: collections.deque = collections.deque(maxlen=60)
     procs: list[subprocess.Popen] = []
-    pumps = []
+    pumps: list[Pump] = []
     env_base = dict(os.environ, PYTHONUNBUFFERED="1")
-    repo = str(Path(__file__).resolve().parent.parent)
-    env_base["PYTHONPATH"] = repo + (os.pathsep + env_base["PYTHONPATH"] if env_base.get("PYTHONPATH") else "")
+    env_base["PYTHONPATH"] = str(REPO) + (os.pathsep + env_base["PYTHONPATH"] if env_base.get("PYTHONPATH") else "")
     deadline = time.monotonic() + timeout
     timed_out = False
+    oom_before = oom_kills()
     try:
         for agent in agents:
             p = subprocess.Popen(agent.argv, env={**env_base, **agent.env}, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=repo)
+                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                                 preexec_fn=die_with_parent)
             procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, tail), daemon=True)
-            t.start()
-            pumps.append(t)
+            pumps.append(Pump(p.stdout, [sys.stderr]))
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
                 timed_out = True
@@ -125,15 +118,27 @@ def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result
     finally:
         for p in procs:
             _kill_group(p)
-        for t in pumps:
-            t.join(timeout=2)
-    return collect(run_dir, [p.returncode for p in procs], timed_out, timeout, "".join(tail), expect_result)
+        for pump in pumps:
+            pump.join(timeout=2)
+    oom_after = oom_kills()
+    oom_killed = oom_before is not None and oom_after is not None and oom_after > oom_before
+    tail = "".join(pump.tail for pump in pumps)
+    return collect(run_dir, [p.returncode for p in procs], timed_out, timeout, tail, expect_result, oom_killed)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeout: float, log_tail: str,
-            expect_result: bool = True) -> LaunchResult:
+            expect_result: bool = True, oom_killed: bool = False) -> LaunchResult:
     """The outcome of a run from its files. ``expect_result`` is False on the nodes of a multi-node run
-    other than node 0: rank 0 (on node 0) gathers the measurements."""
+    other than node 0: rank 0 (on node 0) gathers the measurements. The error names the rank that
+    failed first and how: its own error (an exception, OOM), else a rank killed by a signal, else a
+    rank that lost its peers."""
     errors = [json.loads(p.read_text()) for p in sorted(run_dir.glob("error-rank*.json"))]
     result_path = run_dir / "result.json"
     ranks = json.loads(result_path.read_text())["ranks"] if result_path.exists() else None
@@ -143,21 +148,30 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
             grads.setdefault(name, g)
     if timed_out:
         return LaunchResult("timeout", f"timed out after {timeout:g} s", ranks, grads, run_dir)
+    own = sorted((e for e in errors if not e.get("peer_failure")), key=lambda e: (e["status"] != "oom", e["time"]))
+    if own:
+        first = own[0]
+        return LaunchResult(first["status"], f"rank {first['rank']}: {first['error']}", ranks, grads, run_dir)
+    killed = {int(r): -int(code) for r, code in _TORCHRUN_EXIT.findall(log_tail) if int(code) < 0}
+    if killed:
+        rank = min(killed)
+        how = f"rank {rank} was killed by {_signal_name(killed[rank])}"
+        if oom_killed:
+            return LaunchResult("oom", how + " (the kernel's OOM killer)", ranks, grads, run_dir)
+        return LaunchResult("error", how, ranks, grads, run_dir)
     if errors:
-        first = next((e for e in errors if e["status"] == "oom"), errors[0])
+        first = min(errors, key=lambda e: e["time"])
         return LaunchResult(first["status"], f"rank {first['rank']}: {first['error']}", ranks, grads, run_dir)
     if (ranks is not None or not expect_result) and all(rc == 0 for rc in returncodes):
         return LaunchResult("ok", None, ranks, grads, run_dir)
     last = [l for l in log_tail.splitlines() if l.strip()][-3:]
     msg = f"a rank failed (exit codes {returncodes})" + (": " + " | ".join(l.strip() for l in last) if last else "")
-    return LaunchResult("error", msg[:2000], ranks, grads, run_dir)
+    return LaunchResult("oom" if oom_killed else "error", msg[:2000], ranks, grads, run_dir)
 
 
 def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
     """Every rank on a virtual host of its own (a network namespace), links shaped by the profile:
     one torchrun agent per virtual node, rendezvous at virtual host 0."""
-    from network_emulation import VirtualCluster, parse_profile
-
     profile = parse_profile(cfg.network)
     with VirtualCluster(world, profile, name="run") as vc:
         measured = vc.probe(0, 1).describe() if world > 1 and profile.emulated else None
@@ -171,13 +185,19 @@ def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
     return result
 
 
-def launch(cfg: RunConfig, world: int, opts: LaunchOptions) -> LaunchResult:
+def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
     """Launch ``world`` ranks for ``cfg`` on this node (or this node's share of a multi-node run).
 
     Under ``--network`` on one node the ranks run in a local virtual cluster; on a real cluster the
-    network is shaped by the cluster runner (netem on each node), not here."""
+    network is shaped by the cluster runner (on each node), not here. If the launch is interrupted,
+    its run directory is removed before the interruption goes on."""
     run_dir = Path(tempfile.mkdtemp(prefix="run-"))
-    (run_dir / "config.json").write_text(cfg.to_json())
-    if cfg.network != "none" and opts.nnodes == 1:
-        return launch_emulated(cfg, world, run_dir)
-    return run_agents(local_agents(cfg, world, opts, run_dir), cfg.timeout, run_dir, expect_result=opts.node_rank == 0)
+    try:
+        (run_dir / "config.json").write_text(cfg.to_json())
+        if cfg.network != "none" and placement.nnodes == 1:
+            return launch_emulated(cfg, world, run_dir)
+        return run_agents(local_agents(world, placement, run_dir), cfg.timeout, run_dir,
+                          expect_result=placement.node_rank == 0)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise

@@ -4,8 +4,10 @@ from __future__ import annotations
 import datetime
 import fcntl
 import json
+import math
 import os
 import platform
+import stat
 import statistics
 import tempfile
 import uuid
@@ -13,27 +15,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runners.config import RunConfig
+from contract import RunConfig, SystemSpec
 
 STATUSES = ("ok", "oom", "error", "timeout")
-# Config fields that do not change what a run measures: two records whose configs differ only in
-# these measured the same thing (a re-run replaces the older one in the report; a sweep skips it).
-VOLATILE_FIELDS = frozenset({"verify", "timeout", "trace", "device"})
-
-
-def config_key(config: dict) -> str:
-    """What identifies a run: its RunConfig dict without the volatile fields, as sorted JSON."""
-    plain = json.loads(json.dumps(config))  # tuples -> lists, as in a record read back
-    return json.dumps({k: v for k, v in plain.items() if k not in VOLATILE_FIELDS}, sort_keys=True)
 
 
 @dataclass
 class RunRecord:
     system: str
+    label: str  # the run's column in reports (the system's spec makes it, e.g. "torch_pipe gpipe")
     model: str
     model_shape: dict[str, int]
     layout: dict[str, int]
-    schedule: str
     batch_size: int
     global_batch_size: int
     micro_batch_size: int
@@ -43,7 +36,8 @@ class RunRecord:
     network: str
     status: str
     error: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # the system's options, and the choices resolved at run time
+    details: str = ""  # those choices in words (the system's spec makes it, e.g. ours' slicing)
     environment: dict[str, Any] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
     median_step_time: float | None = None
@@ -56,14 +50,27 @@ class RunRecord:
     peak_source: str | None = None
     peak_memory_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    dp_sync_time: float | None = None
+    dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync
+    barrier_time: float | None = None  # median over steps of the step's closing barrier on the last rank to arrive
     verify: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    key: str = ""  # the run's identity (RunConfig.key): a sweep skips it when recorded, a report cell keeps the newest
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     timestamp: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=False)
+        """One line of strict JSON (a NaN or infinity, e.g. of a failed verification, becomes null)."""
+        return json.dumps(_finite(asdict(self)), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def merged_losses(ranks: list[dict]) -> list[float]:
@@ -74,37 +81,39 @@ def merged_losses(ranks: list[dict]) -> list[float]:
     return [sum(values) / len(values) for values in zip(*series)]
 
 
-def build_record(cfg: RunConfig, status: str, error: str | None, ranks: list[dict] | None,
+def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | None, ranks: list[dict] | None,
                  environment: dict[str, Any], verify: dict[str, Any] | None = None) -> RunRecord:
     from workload.flops import flops_per_token
     from workload.model import count_params
 
     assert status in STATUSES, status
     m = cfg.model
-    options = {"virtual_pp": cfg.virtual_pp, "optimizer": asdict(cfg.optimizer), "seed": cfg.seed, "data": cfg.data}
-    if cfg.system == "ours":
-        options.update(slices=list(cfg.token_slices), auto_slices=cfg.auto_slices, dp_mode=cfg.dp_mode)
+    options = cfg.options.to_dict()
+    for r in ranks or []:  # choices a system resolved at run time (e.g. the planner's slicing)
+        options.update(r.get("extra") or {})
     rec = RunRecord(
-        system=cfg.system, model=m.name, model_shape={"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
-        "seq_len": m.seq_len, "vocab_size": m.vocab_size, "params": count_params(m, include_embeddings=True)},
-        layout={"pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp}, schedule=cfg.schedule, batch_size=cfg.batch_size,
+        system=cfg.system, label=spec.run_label(cfg), model=m.name,
+        model_shape={"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "seq_len": m.seq_len,
+                     "vocab_size": m.vocab_size, "params": count_params(m, include_embeddings=True)},
+        layout={"pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp}, batch_size=cfg.batch_size,
         global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size, seq_len=m.seq_len,
         precision=cfg.precision, recompute=cfg.recompute, network=cfg.network, status=status, error=error,
-        options=options, environment=dict(environment), verify=verify, config=cfg.to_dict())
+        options=options, details=spec.run_details(options), environment=dict(environment), verify=verify,
+        config=cfg.to_dict(), key=cfg.key())
     if not ranks:
         return rec
     rec.environment.update(
         device_kind=ranks[0]["device"].split(":")[0], device_name=ranks[0]["device_name"], device_count=len(ranks),
         backend=ranks[0]["backend"], hostnames=sorted({r["hostname"] for r in ranks}))
-    for r in ranks:  # options a system resolved at run time (e.g. the planner's slicing)
-        rec.options.update(r.get("extra") or {})
     # A step takes as long as its slowest rank.
     per_step = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
     rec.step_times = per_step
     rec.losses = merged_losses(ranks)
     rec.peak_memory_bytes = [r["peak_memory_bytes"] for r in ranks]
-    syncs = [max(s) for s in zip(*(r["dp_sync_times"] for r in ranks))] if all(r["dp_sync_times"] for r in ranks) else []
-    rec.dp_sync_time = statistics.median(syncs) if syncs else None
+    if all(r["dp_sync_times"] for r in ranks):
+        rec.dp_sync_time = statistics.median(max(s) for s in zip(*(r["dp_sync_times"] for r in ranks)))
+    if all(r.get("barrier_times") for r in ranks):  # the last rank to arrive waits only for the barrier itself
+        rec.barrier_time = statistics.median(min(b) for b in zip(*(r["barrier_times"] for r in ranks)))
     rec.peak_tflops = statistics.mean(r["peak_tflops"] for r in ranks)
     rec.peak_source = ranks[0]["peak_source"]
     if per_step:
@@ -127,9 +136,14 @@ def host_environment(device: str = "auto") -> dict[str, Any]:
 
 
 def append_record(path: str | Path, record: RunRecord) -> None:
-    """Append one line atomically: the file is rewritten to a temporary and renamed over the old one,
-    under an exclusive lock, so a crash leaves the old file or the new one, never a torn line."""
-    path = Path(path)
+    append_line(path, record.to_json())
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one line (a record's JSON) atomically: under an exclusive lock the file is rewritten to a temporary and
+    renamed over the old one, so a crash leaves the old file or the new one, never a torn line. A
+    symlinked path is written through (its target is replaced); the file keeps its mode."""
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
     with open(lock_path, "a") as lock:
@@ -137,12 +151,19 @@ def append_record(path: str | Path, record: RunRecord) -> None:
         old = path.read_bytes() if path.exists() else b""
         if old and not old.endswith(b"\n"):
             old += b"\n"
+        if path.exists():
+            mode = stat.S_IMODE(path.stat().st_mode)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(old + record.to_json().encode() + b"\n")
+                f.write(old + line.encode() + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, mode)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -2,25 +2,42 @@
 
 Parse and judge the request (a bad one: one line on stderr, exit status 2, nothing written), launch
 the ranks through torchrun, optionally verify against the single-process reference, and append one
-RunRecord to --out. Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad request.
+RunRecord to --out. Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad request,
+130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a
+resumed sweep runs it again).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
-from runners.config import ConfigError, RunConfig, build_parser, config_from_args, validate
+from contract import ConfigError, RunConfig, SystemOptions
 from runners.registry import get_system
+from runners.request import Placement, build_parser, check_environment, config_from_args, judge, placement_from_args
 
 if TYPE_CHECKING:  # torch is imported only once a request has been judged runnable
-    from runners.launcher import LaunchOptions, LaunchResult
+    from runners.launcher import LaunchResult
     from runners.record import RunRecord
 
 VERIFY_TOLERANCE = 1e-5  # fp32
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM: the run stops, its ranks are killed, no record is written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # one interruption: the clean-up then runs to its end
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
 
 
 @dataclass(frozen=True)
@@ -40,11 +57,11 @@ class Verification:
 
 def reference_config(cfg: RunConfig) -> RunConfig:
     """The same workload on one process: same seed, data and global batch."""
-    return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, schedule="gpipe",
-                       virtual_pp=1, network="none", trace=None, slices=None, n_slices=1, auto_slices=False)
+    return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
+                       options=SystemOptions())
 
 
-def compare(run: "LaunchResult", ref: "LaunchResult", tolerance: float) -> Verification:
+def compare(run: LaunchResult, ref: LaunchResult, tolerance: float) -> Verification:
     from runners.record import merged_losses
 
     if ref.status != "ok":
@@ -67,38 +84,41 @@ def compare(run: "LaunchResult", ref: "LaunchResult", tolerance: float) -> Verif
     return Verification(loss_diff, grad_diff, len(run.grads), passed, reason)
 
 
-def execute(cfg: RunConfig, opts: "LaunchOptions", out: str | None) -> tuple["RunRecord", Verification | None]:
-    from runners.launcher import LaunchOptions, launch
+def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunRecord, Verification | None]:
+    """Launch the run (and the reference under --verify); append its record to ``out`` on node 0."""
+    from runners.launcher import launch
     from runners.record import append_record, build_record, host_environment
 
-    world = get_system(cfg.system).processes(cfg)
+    spec = get_system(cfg.system)
+    world = spec.processes(cfg)
     env = dict(host_environment(cfg.device), device_count=world)
-    result = launch(cfg, world, opts)
+    result = launch(cfg, world, placement)
     verification = None
     try:
         if cfg.verify:
-            ref = launch(reference_config(cfg), 1, LaunchOptions())
+            ref = launch(reference_config(cfg), 1, Placement())
             try:
                 verification = compare(result, ref, VERIFY_TOLERANCE)
             finally:
                 shutil.rmtree(ref.run_dir, ignore_errors=True)
         if result.network is not None:
             env["network"] = result.network
-        record = build_record(cfg, result.status, result.error, result.ranks, env,
+        record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
     finally:
         shutil.rmtree(result.run_dir, ignore_errors=True)
-    if out and opts.node_rank == 0:
+    if out and placement.node_rank == 0:
         append_record(out, record)
     return record, verification
 
 
-def summary(rec: "RunRecord") -> str:
+def summary(rec: RunRecord) -> str:
     if rec.status == "ok" and rec.median_step_time is None:
-        return f"{rec.system}: ok (this node's ranks finished; node 0 writes the record)"
+        return f"{rec.label}: ok (this node's ranks finished; node 0 writes the record)"
     if rec.status != "ok":
-        return f"{rec.system}: {rec.status}: {rec.error}"
-    return (f"{rec.system} {rec.model} pp={rec.layout['pp']} tp={rec.layout['tp']} dp={rec.layout['dp']} "
+        return f"{rec.label}: {rec.status}: {rec.error}"
+    details = f" [{rec.details}]" if rec.details else ""
+    return (f"{rec.label}{details} {rec.model} pp={rec.layout['pp']} tp={rec.layout['tp']} dp={rec.layout['dp']} "
             f"mb={rec.micro_batch_size}: median step {rec.median_step_time:.4f} s, {rec.tokens_per_s:.0f} tokens/s, "
             f"{rec.tflops_per_device:.3f} TFLOP/s per device, MFU {rec.mfu:.1%}")
 
@@ -108,18 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
-        validate(cfg)
+        judge(cfg)
+        placement = placement_from_args(args)
+        check_environment(cfg, args.out if placement.node_rank == 0 else None)
+        if cfg.network != "none" and placement.nnodes == 1 and os.geteuid() != 0:
+            raise ConfigError(f"--network {cfg.network!r} runs the ranks in a local virtual cluster of network "
+                              "namespaces, which needs root (run as root, or use --network none)")
     except ConfigError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    from runners.launcher import LaunchOptions
-
-    if cfg.network != "none" and args.nnodes == 1 and os.geteuid() != 0:
-        print(f"{parser.prog}: error: --network {cfg.network!r} runs the ranks in a local virtual cluster of network "
-              "namespaces, which needs root (run as root, or use --network none)", file=sys.stderr)
-        return 2
-    opts = LaunchOptions(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
-    record, verification = execute(cfg, opts, args.out)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    try:
+        record, verification = execute(cfg, placement, args.out)
+    except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) \
+            else (exc.code - 128 if isinstance(exc.code, int) and exc.code > 128 else signal.SIGTERM)
+        print(f"{parser.prog}: interrupted by {signal.Signals(signum).name}: ranks stopped, no record written",
+              file=sys.stderr)
+        return 128 + signum
     print(summary(record))
     if verification is not None:
         print(verification.line())

@@ -12,17 +12,28 @@ import os
 import resource
 import socket
 import sys
+import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+# Die with the torchrun agent, whatever way it dies (before the seconds of importing torch).
+from runners.lifetime import die_with_parent_now  # noqa: E402
 
-from runners.config import RunConfig
-from runners.context import Context
-from runners.registry import get_system
-from workload.flops import gpu_peak_tflops, measure_matmul_tflops
+die_with_parent_now()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from contract import RunConfig  # noqa: E402
+from contract.training import Context  # noqa: E402
+from runners.registry import get_system  # noqa: E402
+from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
+
+
+# How a rank that failed because another one did reports it (gloo's words): such an error is not
+# the cause, and the launcher names the rank that failed first.
+PEER_FAILURE = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "Socket closed")
 
 
 def pick_device(requested: str, local_rank: int, devices_per_process: int = 1) -> tuple[torch.device, str]:
@@ -57,16 +68,19 @@ def hardware_peak(device: torch.device, cfg: RunConfig) -> tuple[float, str, str
 
 
 def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+    text = str(exc).lower()
+    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+            or "can't allocate memory" in text)  # CPU: DefaultCPUAllocator
 
 
 def main(run_dir: Path) -> int:
-    cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    config = json.loads((run_dir / "config.json").read_text())
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ["WORLD_SIZE"])
     try:
-        spec = get_system(cfg.system)
+        spec = get_system(config["system"])
+        cfg = RunConfig.from_dict(config, spec.options)
         device, backend = pick_device(cfg.device, local_rank, spec.devices_per_process(cfg))
         if device.type == "cpu":
             torch.set_num_threads(1)  # one thread per rank: ranks share few cores
@@ -74,7 +88,7 @@ def main(run_dir: Path) -> int:
         torch.manual_seed(cfg.seed)
         peak, peak_source, device_name = hardware_peak(device, cfg)
         ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg)
-        m = spec.load().train(cfg, ctx)
+        m = spec.load()(cfg, ctx)
         m.peak_memory_bytes = peak_memory_bytes(device)
         if m.grads is not None:
             torch.save({k: v.detach().float().cpu() for k, v in m.grads.items()}, run_dir / f"grads-rank{rank}.pt")
@@ -93,8 +107,10 @@ def main(run_dir: Path) -> int:
     except BaseException as exc:  # recorded for the launcher, then the rank dies and torchrun stops the rest
         status = "oom" if is_oom(exc) else "error"
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        peer = any(p.lower() in text.lower() for p in PEER_FAILURE)
         (run_dir / f"error-rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "status": status, "error": text, "traceback": traceback.format_exc()}))
+            {"rank": rank, "status": status, "error": text, "peer_failure": peer, "time": time.time(),
+             "traceback": traceback.format_exc()}))
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)  # skip teardown that could hang on peers

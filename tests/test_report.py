@@ -2,15 +2,17 @@ import subprocess
 import sys
 
 from report import render
-from runners.config import RunConfig
+from contract import RunConfig
 from runners.record import append_record, build_record
+from runners.registry import get_system
 from tests.conftest import REPO
 from workload.configs import get_model_config
 
 
 def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network="none"):
+    spec = get_system(system)
     cfg = RunConfig(system=system, model=get_model_config("gpt3-xl"), batch_size=64, micro_batch_size=mb, pp=pp, tp=tp,
-                    dp=dp, network=network, schedule="1f1b" if system == "megatron" else "gpipe")
+                    dp=dp, network=network, options=spec.options())
     n = pp * tp * dp
     ranks = None
     if status == "ok":
@@ -18,7 +20,7 @@ def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network=
                   "peak_memory_bytes": 1 << 30, "extra": {}, "hostname": "h", "device": "cuda:0",
                   "device_name": "Tesla V100-SXM2-16GB", "backend": "nccl", "peak_tflops": 15.7, "peak_source": "table:fp32"}
                  for r in range(n)]
-    return build_record(cfg, status, None if status == "ok" else "CUDA out of memory", ranks,
+    return build_record(cfg, spec, status, None if status == "ok" else "CUDA out of memory", ranks,
                         {"torch_version": "2.13", "device_name": "Tesla V100-SXM2-16GB", "device_count": n})
 
 

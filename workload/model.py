@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -21,26 +23,56 @@ import torch.nn.functional as F
 from workload.configs import ModelConfig
 
 
+Attention = Callable[[torch.Tensor], torch.Tensor]  # fused qkv (B, T, 3C) -> attention output (B, T, C)
+Linear = Callable[[str, nn.Linear, torch.Tensor], torch.Tensor]  # (name in the block, module, input) -> output
+
+
+def split_heads(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused qkv (B, T, 3C) -> q, k, v each (B, H, T, C/H)."""
+    B, T, C3 = qkv.shape
+    return tuple(t.view(B, T, n_head, C3 // 3 // n_head).transpose(1, 2) for t in qkv.split(C3 // 3, dim=2))
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) -> (B, T, H * D)."""
+    B, H, T, D = y.shape
+    return y.transpose(1, 2).reshape(B, T, H * D)
+
+
+def causal_attention(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Causal multi-head self-attention of a whole sequence: fused qkv (B, T, 3C) -> (B, T, C)."""
+    q, k, v = split_heads(qkv, n_head)
+    return merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def _apply(name: str, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def block_forward(block: "Block", x: torch.Tensor, attention: Attention | None = None,
+                  linear: Linear = _apply) -> torch.Tensor:
+    """The transformer block's math, written once: x + c_proj(attention(c_attn(ln_1(x)))), then
+    x + c_proj(gelu(c_fc(ln_2(x)))). Every system runs it: the model's ``Block``, ours' engine (its
+    token-sliced attention plugged in as ``attention``, its deferred-gradient linears as ``linear``,
+    called with the linear's name in the block: "attn.c_attn", "attn.c_proj", "mlp.c_fc",
+    "mlp.c_proj") and the planner's layer profile (attention over cached keys and values)."""
+    attn, mlp = block.attn, block.mlp
+    if attention is None:
+        attention = partial(causal_attention, n_head=attn.n_head)
+    y = attention(linear("attn.c_attn", attn.c_attn, block.ln_1(x)))
+    x = x + linear("attn.c_proj", attn.c_proj, y)
+    h = F.gelu(linear("mlp.c_fc", mlp.c_fc, block.ln_2(x)))
+    return x + linear("mlp.c_proj", mlp.c_proj, h)
+
+
 class CausalSelfAttention(nn.Module):
+    """The attention's parameters: the fused q, k, v projection (rows q, k, v) and the output projection."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # rows: q, k, v (each n_embd)
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-
-    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T, C) -> q, k, v each (B, H, T, C/H)."""
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        return tuple(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-
-    def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
-        B, H, T, D = y.shape
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, H * D))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.split_heads(x)
-        return self.merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 class MLP(nn.Module):
@@ -48,9 +80,6 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
 
 
 class Block(nn.Module):
@@ -62,8 +91,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        return block_forward(self, x)
 
 
 class GPT(nn.Module):

@@ -7,7 +7,7 @@
 - ``ours.plan.auto``: ``auto_slicing(config, device)`` for ``--n-slices auto``.
 """
 from ours.plan.latency import LatencyModel, fit
-from ours.plan.planner import Plan, plan, uniform_slices
+from ours.plan.planner import Plan, plan
 from ours.plan.solve import Solution, brute_force, solve_table
 
-__all__ = ["LatencyModel", "fit", "Plan", "plan", "uniform_slices", "Solution", "brute_force", "solve_table"]
+__all__ = ["LatencyModel", "fit", "Plan", "plan", "Solution", "brute_force", "solve_table"]

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ours.plan.latency import LatencyModel
-from ours.plan.planner import plan, uniform_slices
-
-REPO = Path(__file__).resolve().parents[2]
+from ours import uniform_slices
+from ours.plan.planner import plan
+from runners.invoke import run_command
 
 
 @dataclass
@@ -38,16 +36,13 @@ def cases(seq_len: int, ks: list[int], optimal: tuple[int, ...]) -> list[Case]:
 
 def run_case(model: str, case: Case, *, pp: int, batch_size: int, micro: int, steps: int, warmup: int,
              out: Path, extra: list[str], timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "runners.run", "--system", "ours", "--model", model, "--pp", str(pp),
-           "--batch-size", str(batch_size), "--micro-batch-size", str(micro),
-           "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), *extra]
-    cmd += ["--n-slices", "1"] if len(case.slices) == 1 else ["--slices", ",".join(map(str, case.slices))]
-    before = len(out.read_text().splitlines()) if out.exists() else 0
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    lines = out.read_text().splitlines() if out.exists() else []
-    if len(lines) <= before:
-        return dict(status="error", error=f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}", median_step_time=None)
-    rec = json.loads(lines[-1])
+    args = ["--system", "ours", "--model", model, "--pp", str(pp), "--batch-size", str(batch_size),
+            "--micro-batch-size", str(micro), "--steps", str(steps), "--warmup", str(warmup), *extra]
+    args += ["--n-slices", "1"] if len(case.slices) == 1 else ["--slices", ",".join(map(str, case.slices))]
+    inv = run_command(args, out=out, timeout=timeout)
+    rec = inv.record
+    if rec is None:
+        return dict(status="error", error=f"exit {inv.returncode}: {inv.output.strip()[-500:]}", median_step_time=None)
     return dict(status=rec.get("status"), error=rec.get("error"), median_step_time=rec.get("median_step_time"),
                 step_times=rec.get("step_times"))
 
@@ -133,15 +128,6 @@ def _pct(x) -> str:
 
 def _abs(x) -> str:
     return "-" if x is None else f"{x * 100:.1f} %"
-
-
-def recalibrate(path: Path) -> dict:
-    """Recompute the errors and the table of a saved evaluation.json (e.g. after changing calibrate)."""
-    res = json.loads(Path(path).read_text())
-    res["summary"] = calibrate(res["rows"])
-    Path(path).write_text(json.dumps(res, indent=1))
-    Path(path).with_suffix(".md").write_text(markdown(res))
-    return res
 
 
 def markdown(res: dict) -> str:

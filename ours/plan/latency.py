@@ -229,11 +229,6 @@ def fit_comm(nbytes, times) -> tuple[float, float]:
     return a, bw
 
 
-def rolling_median(y: np.ndarray, window: int = 5) -> np.ndarray:
-    h = window // 2
-    return np.array([np.median(y[max(0, i - h): i + h + 1]) for i in range(len(y))])
-
-
 def local_prediction(x: np.ndarray, y: np.ndarray, i: int, half: int = 3) -> float:
     """y at x[i] from its neighbours only: the median of the lines through every pair of them
     within ``half`` positions (exact on locally linear data, robust to a few outliers nearby)."""
@@ -329,8 +324,8 @@ def fit(profile: dict, holdout_every: int = 4, outlier_tol: float | None = 0.25)
     """Fit the latency model to a profile (see ours.plan.profile for its format).
 
     With ``outlier_tol``, contention outliers are dropped first: c = 0 points more than that
-    (relative) off the rolling median of their l-neighbours, and c > 0 points more than that off a
-    first fit; their numbers are reported (``t0_outliers``, ``context_outliers``) and the errors
+    (relative) off the prediction of their l-neighbours (``clean_outliers``), and c > 0 points more
+    than that off a first fit; their numbers are reported (``t0_outliers``, ``context_outliers``) and the errors
     below are on the kept points (``*_with_outliers``: on all of them).
 
     Errors reported in ``meta['fit']``:

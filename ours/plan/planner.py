@@ -72,9 +72,3 @@ def plan(model: LatencyModel, *, n_layer: int, n_stages: int, batch_size: int, s
     step = model.step_time(slices, b, batch_size, n_layer, n_stages)["total"]
     return Plan(slices=slices, batch_slice=b, n_stages=n_stages, batch_size=batch_size, granularity=granularity,
                 predicted_pipeline=float(T), predicted_step=float(step), solve_seconds=elapsed, candidates=cand, evaluated=ev)
-
-
-def uniform_slices(seq_len: int, k: int) -> tuple[int, ...]:
-    """K near-equal slices, as RunConfig.token_slices makes them."""
-    q, r = divmod(seq_len, k)
-    return tuple(q + (1 if i < r else 0) for i in range(k))

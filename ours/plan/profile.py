@@ -31,14 +31,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from workload.configs import ModelConfig
-from workload.model import Block
-
-try:
-    from torch.nn.attention.bias import causal_lower_right
-except ImportError:  # older torch: an explicit mask
-    causal_lower_right = None
+from workload.model import Block, block_forward, merge_heads, split_heads
 
 
 @dataclass(frozen=True)
@@ -60,12 +56,6 @@ class ProfileGrid:
                            warmup=0, p2p_sizes=tuple(2 ** k for k in range(10, 23, 4)), p2p_reps=5)
 
 
-def _bottom_right_mask(lq: int, lk: int, device) -> torch.Tensor:
-    i = torch.arange(lq, device=device)[:, None]
-    j = torch.arange(lk, device=device)[None, :]
-    return j <= i + (lk - lq)
-
-
 class LayerBench:
     """One Block and the tensors of a slice; ``time(b, l, c)`` is one forward + backward."""
 
@@ -81,25 +71,21 @@ class LayerBench:
             p.requires_grad_(weight_grads)
         H, D = cfg.n_head, cfg.head_dim
         x = torch.randn(b, l, cfg.n_embd, device=dev, requires_grad=True)
-        blk = self.block
-        q, k, v = blk.attn.split_heads(blk.ln_1(x))
-        leaves = []
-        if c > 0:
+        attention = None  # c = 0: the block's own causal attention
+        if c > 0:  # the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
             kc = torch.randn(b, H, c, D, device=dev, requires_grad=True)
             vc = torch.randn(b, H, c, D, device=dev, requires_grad=True)
-            leaves = [kc, vc]
-            k = torch.cat([kc, k], dim=2)
-            v = torch.cat([vc, v], dim=2)
-            mask = causal_lower_right(l, c + l) if causal_lower_right is not None else _bottom_right_mask(l, c + l, dev)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = x + blk.attn.merge_heads(y)
-        out = h + blk.mlp(blk.ln_2(h))
+            mask = causal_lower_right(l, c + l)
+
+            def attention(qkv: torch.Tensor) -> torch.Tensor:
+                q, k, v = split_heads(qkv, H)
+                k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
+                return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+        out = block_forward(self.block, x, attention)
         out.backward(torch.ones_like(out))
-        for p in blk.parameters():
+        for p in self.block.parameters():
             p.grad = None
-        del leaves
 
     def time(self, b: int, l: int, c: int, reps: int, warmup: int, weight_grads: bool = True,
              stat: str = "min") -> float:

@@ -11,7 +11,7 @@ from tests.conftest import REPO
 
 def test_fairscale_shim_is_a_no_op_with_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    from baselines import fairscale_cpu_shim
+    from baselines.fairscale_fsdp import cpu_shim as fairscale_cpu_shim
     import fairscale.internal.reduce_scatter_bucketer as rsb
     import fairscale.nn.data_parallel.fully_sharded_data_parallel as fsdp_mod
 
@@ -31,7 +31,7 @@ def test_megatron_shim_is_a_no_op_with_cuda(monkeypatch):
     from torch.autograd.function import BackwardCFunction
     from torch.overrides import _get_current_function_mode_stack
 
-    from baselines import megatron_cpu_shim
+    from baselines.megatron import cpu_shim as megatron_cpu_shim
 
     names = ("current_device", "synchronize", "get_rng_state", "set_rng_state", "manual_seed")
     before = [getattr(torch.cuda, n) for n in names] + [BackwardCFunction.apply]
@@ -46,7 +46,8 @@ def test_shims_install_without_cuda():
     code = """
 import torch
 assert not torch.cuda.is_available()
-from baselines import fairscale_cpu_shim, megatron_cpu_shim
+from baselines.fairscale_fsdp import cpu_shim as fairscale_cpu_shim
+from baselines.megatron import cpu_shim as megatron_cpu_shim
 assert fairscale_cpu_shim.install() and megatron_cpu_shim.install()
 import fairscale.nn.data_parallel.fully_sharded_data_parallel as fsdp_mod
 assert fsdp_mod.enable_nccl_base_collectives is False

@@ -1,7 +1,11 @@
 """fairscale Pipe + FullyShardedDataParallel, through the real run command on gloo ranks."""
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_fairscale_fsdp_dp2_pipe2_matches_reference(out_file):

@@ -5,6 +5,8 @@ import pytest
 
 from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
 
+pytestmark = pytest.mark.multiprocess
+
 LAYOUTS = {
     "tp2": ["--tp", "2"],
     "pp2": ["--pp", "2"],
@@ -30,4 +32,4 @@ def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):
                    "--out", str(out_file))
     assert_verified(proc)
     (rec,) = read_jsonl(out_file)
-    assert rec["layout"]["tp"] == 2 and rec["layout"]["pp"] == 2 and rec["schedule"] == "interleaved"
+    assert rec["layout"]["tp"] == 2 and rec["layout"]["pp"] == 2 and rec["options"]["schedule"] == "interleaved" and rec["label"] == "megatron interleaved"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from baselines import megatron_convert as conv
+from baselines.megatron import convert as conv
 from workload.configs import get_model_config
 from workload.model import build_gpt
 

@@ -1,5 +1,8 @@
 """The run command under --network: ranks in the local virtual cluster, shaped as the profile says."""
 import subprocess
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import TINY, read_jsonl, run_cli
 from tests.network.conftest import needs_root
@@ -9,6 +12,8 @@ ARGS = ["--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "2", "--mi
 
 
 @needs_root
+@pytest.mark.network
+@pytest.mark.multiprocess
 def test_run_records_backend_and_measured_link_and_slows_down(out_file):
     fast = run_cli(*ARGS, "--out", str(out_file))
     slow = run_cli(*ARGS, "--network", "delay 10ms bandwidth 1Gbps", "--verify", "--out", str(out_file))
@@ -21,5 +26,7 @@ def test_run_records_backend_and_measured_link_and_slows_down(out_file):
     assert abs(net["measured_link"]["one_way_delay_ms"] - 10.0) < 1.0
     # GPipe with 2 micro-batches over 2 stages: at least 2 forward and 2 backward hops of >= 10 ms each.
     assert shaped["median_step_time"] > unshaped["median_step_time"] + 0.035
-    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "-run-" not in leftovers
+    # no virtual cluster of a run command that has ended (other runs may be going on beside this test)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    owners = {int(ns.removeprefix("nemu-").split(".")[0]) for ns in listed if ns.startswith("nemu-") and "-run-" in ns}
+    assert all(Path(f"/proc/{pid}").exists() for pid in owners), listed

@@ -18,7 +18,7 @@ from network_emulation import LinkMeasurement, VirtualCluster, cleanup_stale, ma
 
 from .conftest import REPO, delayers_of, namespaces_of, needs_root, root_links
 
-pytestmark = needs_root
+pytestmark = [needs_root, pytest.mark.network]
 
 
 def _probe_until(vc: VirtualCluster, src: int, dst: int, ok, duration_s: float = 1.0, attempts: int = 4) -> LinkMeasurement:

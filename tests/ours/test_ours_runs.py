@@ -12,6 +12,7 @@ from tests.conftest import TINY, assert_verified, run_cli
 COMMON = ["--system", "ours", *TINY, "--batch-size", "4", "--micro-batch-size", "2", "--steps", "3", "--warmup", "0"]
 
 
+@pytest.mark.multiprocess
 def test_p2_equal_slices_verified_and_traced(tmp_path):
     trace = tmp_path / "trace.json"
     proc = run_cli(*COMMON, "--pp", "2", "--n-slices", "4", "--verify", "--trace", str(trace),
@@ -29,6 +30,7 @@ def test_p2_equal_slices_verified_and_traced(tmp_path):
     assert rec["status"] == "ok"
 
 
+@pytest.mark.multiprocess
 def test_p3_unequal_slices_with_recompute_verified(tmp_path):
     proc = run_cli(*COMMON, "--num-layers", "6", "--seq-length", "96", "--pp", "3", "--slices", "40,32,24",
                    "--recompute", "--verify", "--out", str(tmp_path / "runs.jsonl"))
@@ -40,6 +42,7 @@ def test_p3_unequal_slices_with_recompute_verified(tmp_path):
     ("central_ps", ["--slices", "12,12,8"]),
     ("sharded_ps", ["--n-slices", "4"]),
 ])
+@pytest.mark.multiprocess
 def test_p2_d2_data_parallel_modes_verified(tmp_path, mode, slicing):
     proc = run_cli(*COMMON, "--pp", "2", "--dp", "2", "--dp-mode", mode, *slicing, "--verify",
                    "--out", str(tmp_path / "runs.jsonl"))

@@ -11,7 +11,8 @@ import torch
 
 from ours.plan.auto import auto_slicing, cache_key, default_granularity
 from ours.plan.latency import LatencyModel
-from runners.config import RunConfig
+from contract import RunConfig
+from ours import OursOptions
 from workload.configs import MODEL_CONFIGS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _config(model="tiny", pp=2, batch=2, micro=1, **over):
     m = MODEL_CONFIGS[model].with_overrides(**over)
-    return RunConfig(system="ours", model=m, batch_size=batch, micro_batch_size=micro, pp=pp, auto_slices=True)
+    return RunConfig(system="ours", model=m, batch_size=batch, micro_batch_size=micro, pp=pp,
+                     options=OursOptions(n_slices="auto"))
 
 
 def test_auto_slicing_tiny_quick_profile_then_cache(tmp_path, monkeypatch):
@@ -55,6 +57,7 @@ def test_auto_slicing_uses_explicit_model_file(tmp_path, monkeypatch):
     assert default_granularity(2048) == 8 and default_granularity(8192) == 32
 
 
+@pytest.mark.multiprocess  # the profile's point-to-point part starts two gloo processes
 def test_cli_profile_fit_solve(tmp_path):
     env = {"OURS_PLAN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     run = lambda *a: subprocess.run([sys.executable, "-m", "ours.plan", *a], cwd=REPO, capture_output=True, text=True,

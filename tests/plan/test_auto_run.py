@@ -1,17 +1,13 @@
-"""--n-slices auto through the run command (needs the ours engine, ours/system.py)."""
+"""--n-slices auto through the run command."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import read_jsonl, run_cli
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.multiprocess
 
 
-@pytest.mark.skipif(not (REPO / "ours" / "system.py").exists(),
-                    reason="the ours engine (ours/system.py) does not exist yet: --system ours cannot run")
 def test_run_ours_with_auto_slices(tmp_path, out_file):
     proc = run_cli("--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1",
                    "--n-slices", "auto", "--steps", "2", "--warmup", "0", "--out", str(out_file), timeout=300,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ours.plan.latency import LatencyModel
-from ours.plan.planner import divisors, plan, uniform_slices
+from ours import uniform_slices
+from ours.plan.planner import divisors, plan
 from ours.plan.solve import brute_force, pipeline_latency, solve_table
 
 

@@ -2,10 +2,13 @@
 import subprocess
 import sys
 
+import pytest
+
 from runners.machine import Capacity, parallel_capacity
 from tests.conftest import REPO
 
 
+@pytest.mark.multiprocess
 def test_parallel_capacity_measures_processes_at_once():
     cap = parallel_capacity(2, seconds=0.3)
     assert cap.n == 2 and cap.alone_gflops > 0 and cap.together_gflops > 0
@@ -14,6 +17,7 @@ def test_parallel_capacity_measures_processes_at_once():
     assert Capacity(2, 100.0, 50.0).effective_cores == 1.0
 
 
+@pytest.mark.multiprocess
 def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
     proc = subprocess.run(
         [sys.executable, "-m", "runners.bench", "ours-vs-gpipe", "--model", "tiny", "--batch", "1", "--reps", "1",

@@ -5,8 +5,9 @@ import threading
 import pytest
 import torch
 
+from baselines.torch_pipe import SPEC as TORCH_PIPE, TorchPipeOptions
+from contract import RunConfig
 from runners import record as record_mod
-from runners.config import RunConfig
 from runners.launcher import LaunchResult
 from runners.record import append_record, build_record, read_records
 from runners.run import compare
@@ -14,7 +15,8 @@ from workload.configs import get_model_config
 
 
 def _cfg(**kw) -> RunConfig:
-    base = dict(system="torch_pipe", model=get_model_config("tiny"), batch_size=4, micro_batch_size=1, pp=2)
+    base = dict(system="torch_pipe", model=get_model_config("tiny"), batch_size=4, micro_batch_size=1, pp=2,
+                options=TorchPipeOptions())
     base.update(kw)
     return RunConfig(**base)
 
@@ -27,7 +29,7 @@ def _rank(rank, times, losses=None):
 
 def test_record_aggregates_ranks():
     ranks = [_rank(0, [1.0, 2.0, 3.0]), _rank(1, [1.5, 1.0, 3.5], [5.0, 4.0, 3.0])]
-    rec = build_record(_cfg(), "ok", None, ranks, {"torch_version": "x"})
+    rec = build_record(_cfg(), TORCH_PIPE, "ok", None, ranks, {"torch_version": "x"})
     assert rec.step_times == [1.5, 2.0, 3.5]  # slowest rank per step
     assert rec.median_step_time == 2.0
     assert rec.losses == [5.0, 4.0, 3.0]
@@ -37,13 +39,13 @@ def test_record_aggregates_ranks():
 
 
 def test_failed_run_still_records():
-    rec = build_record(_cfg(), "oom", "rank 1: out of memory", None, {})
+    rec = build_record(_cfg(), TORCH_PIPE, "oom", "rank 1: out of memory", None, {})
     assert rec.status == "oom" and rec.median_step_time is None and rec.step_times == []
 
 
 def test_append_is_atomic_under_concurrency_and_failure(tmp_path, monkeypatch):
     path = tmp_path / "r.jsonl"
-    recs = [build_record(_cfg(seed=i), "ok", None, None, {}) for i in range(20)]
+    recs = [build_record(_cfg(seed=i), TORCH_PIPE, "ok", None, None, {}) for i in range(20)]
     threads = [threading.Thread(target=append_record, args=(path, r)) for r in recs]
     [t.start() for t in threads]
     [t.join() for t in threads]

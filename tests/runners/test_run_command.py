@@ -19,6 +19,7 @@ BASE = [*TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "
     ["--pp", "2", "--dp", "2", "--schedule", "1f1b"],
     ["--pp", "2", "--schedule", "interleaved"],
 ], ids=["gpipe", "1f1b", "pp2-dp2", "interleaved"])
+@pytest.mark.multiprocess
 def test_torch_pipe_matches_reference(layout, out_file):
     proc = run_cli("--system", "torch_pipe", *BASE, *layout, "--verify", "--out", str(out_file))
     assert_verified(proc)
@@ -33,7 +34,7 @@ def test_torch_pipe_matches_reference(layout, out_file):
 
 @pytest.mark.parametrize("args, message", [
     (["--system", "torch_pipe", *TINY, "--pp", "3", "--batch-size", "4", "--micro-batch-size", "1"], "do not divide into 3"),
-    (["--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "4", "--micro-batch-size", "3"], "not divisible by micro-batch"),
+    (["--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "4", "--micro-batch-size", "3"], "not divisible by --micro-batch-size"),
     (["--system", "torch_pipe", *TINY, "--tp", "2", "--batch-size", "4", "--micro-batch-size", "1"], "does not support --tp"),
     (["--system", "megatron", *TINY, "--tp", "3", "--batch-size", "4", "--micro-batch-size", "1"], "--tp 3 must divide"),
     (["--system", "ours", *TINY, "--pp", "2", "--slices", "10,10", "--batch-size", "4", "--micro-batch-size", "1"], "sum to 20"),
@@ -91,6 +92,7 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
+@pytest.mark.multiprocess
 def test_killed_rank_records_error_and_leaves_no_process(out_file):
     proc = subprocess.Popen([sys.executable, "-m", "runners.run", "--system", "torch_pipe", *TINY, "--pp", "2",
                              "--batch-size", "4", "--micro-batch-size", "1", "--steps", "100000", "--out", str(out_file)],
@@ -112,6 +114,7 @@ def test_killed_rank_records_error_and_leaves_no_process(out_file):
     assert _alive(family) == []
 
 
+@pytest.mark.multiprocess
 def test_timeout_records_timeout_and_leaves_no_process(out_file):
     proc = subprocess.Popen([sys.executable, "-m", "runners.run", "--system", "reference", *TINY, "--batch-size", "2",
                              "--micro-batch-size", "1", "--steps", "1000000", "--timeout", "8", "--out", str(out_file)],
@@ -125,6 +128,7 @@ def test_timeout_records_timeout_and_leaves_no_process(out_file):
     assert _alive(family) == []
 
 
+@pytest.mark.multiprocess
 def test_inner_command_of_a_multi_node_launch(out_file, tmp_path):
     """Two 'nodes' on this machine, one rank each, rendezvous at node 0: node 0 writes the one record."""
     from runners.launcher import free_port

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from runners.cluster import ClusterExecutor, parse_hostfile, placement
-from runners.sweep import (SWEEPS_DIR, PlannedRun, SweepError, adhoc_sweep, canonical_key, load_sweep, main,
-                           parse_layout, recorded_keys, run_sweep, sweep_from_dict)
+from runners.request import build_parser, config_from_args
+from runners.sweep.__main__ import main
+from runners.sweep.cluster import ClusterExecutor, parse_hostfile, placement
+from runners.sweep.execute import recorded_keys, run_sweep
+from runners.sweep.plan import (SWEEPS_DIR, PlannedRun, SweepError, adhoc_sweep, load_sweep, parse_layout,
+                                sweep_from_dict)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,12 +155,11 @@ def test_layout_notation():
 
 
 def _fake_record(run: PlannedRun, status: str = "ok", **config_changes) -> str:
-    from runners.config import build_parser, config_from_args
-
     cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
     # what the run command would write, with volatile fields changed: still the same run
-    d = cfg.replace(timeout=12.0, verify=True, **config_changes).to_dict()
-    return json.dumps({"system": run.system, "status": status, "median_step_time": 1.0, "config": d})
+    cfg = cfg.replace(timeout=12.0, verify=True, **config_changes)
+    return json.dumps({"system": run.system, "status": status, "median_step_time": 1.0, "config": cfg.to_dict(),
+                       "key": cfg.key()})
 
 
 def test_recorded_runs_are_skipped(tmp_path):
@@ -190,7 +192,7 @@ def test_exit_2_at_run_time_counts_as_invalid(tmp_path):
 
 
 def test_without_root_emulated_runs_are_skipped(tmp_path, monkeypatch):
-    import runners.sweep as sw
+    import runners.sweep.execute as sw
 
     monkeypatch.setattr(sw, "is_root", lambda: False)
     sweep = load_sweep(write(tmp_path, SMALL))
@@ -346,7 +348,7 @@ def test_cluster_dry_run_prints_netem_and_ssh(tmp_path):
 
 def test_cluster_failure_without_record_is_recorded(tmp_path, monkeypatch):
     """ssh cannot reach anything: the run is recorded as an error (nothing is ssh-ed: Popen is faked)."""
-    import runners.cluster as cl
+    import runners.sweep.cluster as cl
 
     sweep = sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 4, "micro_batch_size": 1},
                              "systems": ["ours"], "layouts": ["P-2"]})
@@ -368,7 +370,7 @@ def test_cluster_failure_without_record_is_recorded(tmp_path, monkeypatch):
     assert rc == 255 and "Could not resolve" in tail
     rec = json.loads(out.read_text())
     assert rec["status"] == "error" and "Could not resolve" in rec["error"]
-    assert canonical_key(rec["config"]) == sweep.runs[0].key  # so a re-run of the sweep skips it
+    assert rec["key"] == sweep.runs[0].key  # so a re-run of the sweep skips it
     assert all(a[0] == "ssh" for a in seen)
 
 
@@ -377,7 +379,8 @@ def test_run_all_sh_dry_run(tmp_path):
     p = subprocess.run(["bash", "runners/run_all.sh", "--dry-run", "--out", str(tmp_path / "l.jsonl")], cwd=REPO,
                        capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.count("runners.run") == 35 and "sweep local" in p.stdout
+    runs = len({r.key for r in load_sweep("local.toml").valid_runs})
+    assert p.stdout.count("runners.run") == runs and "sweep local" in p.stdout
     hf = write(tmp_path, "n0\nn1\n", "hosts")
     p = subprocess.run(["bash", "runners/run_all.sh", "--hostfile", str(hf), "--iface", "ens5", "--dry-run",
                         "--only", "ours", "--out", str(tmp_path / "c.jsonl")], cwd=REPO, capture_output=True,
@@ -387,3 +390,21 @@ def test_run_all_sh_dry_run(tmp_path):
     p = subprocess.run(["bash", "runners/run_all.sh", "--iface", "eth0"], cwd=REPO, capture_output=True, text=True,
                        timeout=30, env=env)
     assert p.returncode == 2 and "needs --hostfile" in p.stderr
+
+
+def test_the_same_run_twice_in_a_sweep_runs_once(tmp_path):
+    """torch_pipe written with and without its default schedule is one run; an option of another
+    system (ours' n_slices, trace) makes the combination invalid instead of a second identity."""
+    sweep = sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1},
+                             "layouts": ["P-2"],
+                             "systems": ["torch_pipe", {"name": "torch_pipe", "schedule": "gpipe"},
+                                         {"name": "torch_pipe", "n_slices": 4, "dp_mode": "sharded_ps"},
+                                         {"name": "torch_pipe", "trace": "t.json"}]})
+    valid, invalid = sweep.valid_runs, sweep.invalid_runs
+    assert len(valid) == 2 and valid[0].key == valid[1].key
+    assert [r.error for r in invalid] == ["--dp-mode is an option of ours, not of torch_pipe",
+                                          "--trace is an option of ours, not of torch_pipe"]
+    calls = []
+    res = run_sweep(sweep, tmp_path / "o.jsonl", executor=lambda r, o: calls.append(r.key) or (0, ""), probe=False,
+                    report=False, need_root_for_network=False, stream=io.StringIO())
+    assert len(calls) == 1 and res.skipped == 1 and res.invalid == 2

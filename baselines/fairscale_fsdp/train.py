@@ -29,16 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from runners.config import RunConfig
-from runners.context import Context, Measurements
-from runners.timing import StepOutput, run_steps
+from contract import RunConfig
+from contract.training import Context, Measurements, StepOutput, run_steps
 from workload.model import lm_loss
 from workload.partition import stage_specs
 from workload.training import autocast, checkpoint_blocks, make_optimizer
 
-from baselines import fairscale_cpu_shim  # noqa: E402
+from baselines.fairscale_fsdp import cpu_shim  # noqa: E402
 
-fairscale_cpu_shim.install()  # before FSDP is first used (no-op with CUDA)
+cpu_shim.install()  # before FSDP is first used (no-op with CUDA)
 
 from fairscale.nn import Pipe  # noqa: E402
 from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP  # noqa: E402

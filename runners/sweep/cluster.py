@@ -23,19 +23,18 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from network_emulation import NetemSession, parse_profile
 from network_emulation.netem import ssh_argv
-
-if TYPE_CHECKING:
-    from runners.sweep import PlannedRun, Sweep
+from runners.output import Pump
+from runners.record import append_line, append_record, build_record
+from runners.registry import get_system
+from runners.request import build_parser, config_from_args
+from runners.sweep.execute import SAFETY_MARGIN_S
+from runners.sweep.plan import PlannedRun, Sweep, SweepError
 
 PID_MARK = "@@sweep-remote-pid="
 GRACE_S = 20.0  # once a node has failed, how long the others get to stop on their own
-
-
-class HostfileError(ValueError):
-    pass
 
 
 def parse_hostfile(path: str | os.PathLike) -> list[str]:
@@ -44,8 +43,6 @@ def parse_hostfile(path: str | os.PathLike) -> list[str]:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        from runners.sweep import SweepError
-
         raise SweepError(f"cannot read hostfile {path}: {e.strerror}") from None
     hosts = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -53,13 +50,9 @@ def parse_hostfile(path: str | os.PathLike) -> list[str]:
         if not host:
             continue
         if host.startswith("-"):
-            from runners.sweep import SweepError
-
             raise SweepError(f"{path}:{n}: bad host name {host!r}")
         hosts.append(host)
     if not hosts:
-        from runners.sweep import SweepError
-
         raise SweepError(f"hostfile {path} lists no hosts")
     return hosts
 
@@ -94,15 +87,15 @@ class ClusterExecutor:
     def target(self, host: str) -> str:
         return f"{self.ssh_user}@{host}" if self.ssh_user else host
 
-    def place(self, run: "PlannedRun") -> tuple[int, int]:
+    def place(self, run: PlannedRun) -> tuple[int, int]:
         return placement(run.world, len(self.hosts), self.nproc_per_node or run.nproc_per_node)
 
-    def run_argv(self, run: "PlannedRun", node_rank: int, nnodes: int, remote_out: str) -> list[str]:
+    def run_argv(self, run: PlannedRun, node_rank: int, nnodes: int, remote_out: str) -> list[str]:
         """The run command on one node (an argument list)."""
         return [self.remote_python, "-m", "runners.run", *run.args, "--nnodes", str(nnodes),
                 "--node-rank", str(node_rank), "--rdzv-endpoint", f"{self.hosts[0]}:{self.port}", "--out", remote_out]
 
-    def node_argv(self, run: "PlannedRun", node_rank: int, nnodes: int, remote_out: str) -> list[str]:
+    def node_argv(self, run: PlannedRun, node_rank: int, nnodes: int, remote_out: str) -> list[str]:
         """ssh argv that starts the run command on node ``node_rank``: it reports its pid first (so
         that an interrupted sweep can stop it), then becomes the run command in the suite's directory."""
         script = (f"echo {shlex.quote(PID_MARK)}$$ && cd {shlex.quote(self.remote_dir)} && exec "
@@ -112,17 +105,15 @@ class ClusterExecutor:
     def remote_out(self) -> str:
         return posixpath.join(self.remote_dir, "results", f".cluster-{uuid.uuid4().hex[:12]}.jsonl")
 
-    def netem(self, run: "PlannedRun", hosts: Sequence[str], out=sys.stdout):
+    def netem(self, run: PlannedRun, hosts: Sequence[str], out=sys.stdout):
         if not run.emulated:
             return contextlib.nullcontext()
-        from network_emulation import NetemSession, parse_profile
-
         return NetemSession(parse_profile(run.network), self.iface, hosts=[self.target(h) for h in hosts],
                             dry_run=self.dry_run, sudo=self.sudo, out=out)
 
     # ------------------------------------------------------------------ dry run
 
-    def print_plan(self, sweep: "Sweep", runs: list["PlannedRun"], out: Path, stream=sys.stdout) -> int:
+    def print_plan(self, sweep: Sweep, runs: list[PlannedRun], out: Path, stream=sys.stdout) -> int:
         print(f"sweep {sweep.name} on {len(self.hosts)} host(s): {len(runs)} run(s), records into {out}", file=stream)
         for run in runs:
             if not run.valid:
@@ -147,7 +138,7 @@ class ClusterExecutor:
 
     # ------------------------------------------------------------------ one run
 
-    def __call__(self, run: "PlannedRun", out: Path) -> tuple[int, str]:
+    def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]:
         try:
             nnodes, _ = self.place(run)
         except ValueError as e:
@@ -171,33 +162,26 @@ class ClusterExecutor:
             rc = rc or 1
         return rc, "\n".join(tail)
 
-    def _launch(self, run: "PlannedRun", nnodes: int, remote_out: str, tail: list[str]) -> int:
-        from runners.sweep import SAFETY_MARGIN_S, _timeout_of
-
+    def _launch(self, run: PlannedRun, nnodes: int, remote_out: str, tail: list[str]) -> int:
         procs, pids, pumps = [], {}, []
         lock = threading.Lock()
 
-        def pump(i: int, proc: subprocess.Popen) -> None:
-            for line in proc.stdout:
+        def pid_of(i: int):
+            def intercept(line: str) -> bool:
                 if line.startswith(PID_MARK):
                     pids[i] = line[len(PID_MARK):].strip()
-                    continue
-                with lock:
-                    tail.append(f"[node {i}] {line.rstrip()}")
-                    del tail[:-40]
-                    if self.log:
-                        self.log.write(f"[node {i}] {line}")
-                        self.log.flush()
+                    return True
+                return False
+            return intercept
 
-        deadline = time.monotonic() + _timeout_of(run.args) + SAFETY_MARGIN_S
+        deadline = time.monotonic() + run.timeout + SAFETY_MARGIN_S
         try:
             for i in range(nnodes):
                 p = subprocess.Popen(self.node_argv(run, i, nnodes, remote_out), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 procs.append(p)
-                t = threading.Thread(target=pump, args=(i, p), daemon=True)
-                t.start()
-                pumps.append(t)
+                pumps.append(Pump(p.stdout, [self.log] if self.log else [], prefix=f"[node {i}] ", keep=40,
+                                  intercept=pid_of(i), lock=lock))
             failed_at = None
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
@@ -212,8 +196,9 @@ class ClusterExecutor:
         finally:
             if any(p.poll() is None for p in procs):
                 self._stop(procs, pids)
-            for t in pumps:
-                t.join(timeout=5)
+            for pump in pumps:
+                pump.join(timeout=5)
+            tail[:0] = [line.rstrip("\n") for pump in pumps for line in pump.lines]
         return procs[0].returncode if procs and procs[0].returncode is not None else 1
 
     def stop_argv(self, node_rank: int, pid: str) -> list[str]:
@@ -234,8 +219,6 @@ class ClusterExecutor:
 
     def _collect(self, host0: str, remote_out: str, out: Path) -> bool:
         """Copy node 0's record into ``out`` (then delete the remote file)."""
-        from runners.record import append_record
-
         try:
             p = subprocess.run(ssh_argv(self.target(host0), ["cat", remote_out]), capture_output=True, text=True,
                                timeout=60)
@@ -244,22 +227,12 @@ class ClusterExecutor:
             return False
         lines = [l for l in p.stdout.splitlines() if l.strip()] if p.returncode == 0 else []
         for line in lines:
-            append_record(out, _RawLine(line))
+            append_line(out, line)
         return bool(lines)
 
-    def _record_failure(self, run: "PlannedRun", out: Path, hosts: Sequence[str], error: str) -> None:
+    def _record_failure(self, run: PlannedRun, out: Path, hosts: Sequence[str], error: str) -> None:
         """No record came back (ssh or netem failed): record the failure so the report shows it."""
-        from runners.config import build_parser, config_from_args
-        from runners.record import append_record, build_record
-
         cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
         env = {"launcher_host": os.uname().nodename, "cluster_hosts": list(hosts), "device_count": run.world}
-        append_record(out, build_record(cfg, "error", error[:2000], None, env))
+        append_record(out, build_record(cfg, get_system(cfg.system), "error", error[:2000], None, env))
 
-
-@dataclass(frozen=True)
-class _RawLine:
-    text: str
-
-    def to_json(self) -> str:
-        return self.text

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from runners.config import RunConfig
-from runners.context import Context, Measurements
-from runners.timing import StepOutput, run_steps
+from contract import RunConfig
+from contract.training import Context, Measurements, StepOutput, run_steps
 from workload.model import lm_loss
 from workload.training import autocast, checkpoint_blocks, grad_scaler, make_optimizer
 

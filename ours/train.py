@@ -1,4 +1,4 @@
-"""ours: a token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism.
+"""ours: the training entry point the ranks call (``train``).
 
 Global rank r = dp_rank * pp + pp_rank. Stage pp_rank holds the layers of
 ``stage_specs(n_layer, pp)[pp_rank]``; each stage's DP group is the ranks with the same pp_rank.
@@ -10,30 +10,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from contract import RunConfig
+from contract.training import Context, Measurements, StepOutput, run_steps
+from ours import OursOptions
 from ours.dp import make_sync
 from ours.engine import StageEngine
+from ours.plan.auto import auto_slicing
 from ours.trace import Tracer
-from runners.config import RunConfig
-from runners.context import Context, Measurements
-from runners.timing import StepOutput, run_steps
 from workload.partition import stage_specs
 
 
 def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[int, ...]:
     """The token slicing every rank uses: explicit / K equal, or the planner's (rank 0 decides)."""
-    if not cfg.auto_slices:
-        return tuple(cfg.token_slices)
-    box: list = [None]
-    if ctx.rank == 0:
-        try:
-            from ours.plan.auto import auto_slicing
-        except ImportError as exc:
-            box[0] = RuntimeError(f"--n-slices auto needs ours.plan.auto.auto_slicing, which is not available: {exc}")
-        else:
-            box[0] = tuple(int(s) for s in auto_slicing(cfg, ctx.device))
+    options: OursOptions = cfg.options
+    if not options.auto:
+        return options.token_slices(cfg.model.seq_len)
+    box: list = [tuple(int(s) for s in auto_slicing(cfg, ctx.device)) if ctx.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
     slices = box[0]
     if sum(slices) != cfg.model.seq_len or any(s < 1 for s in slices):
         raise RuntimeError(f"auto slicing {slices} does not cover the sequence length {cfg.model.seq_len}")
@@ -77,8 +70,9 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     dp_rank, pp_rank = divmod(ctx.rank, pp)
     spec = stage_specs(cfg.model.n_layer, pp)[pp_rank]
     model = ctx.build_stage(spec)
+    options: OursOptions = cfg.options
     slices = resolve_slices(cfg, ctx)
-    tracer = Tracer(ctx.rank, enabled=cfg.trace is not None)
+    tracer = Tracer(ctx.rank, enabled=options.trace is not None)
 
     # every rank creates every stage's DP group, in the same order
     group = None
@@ -95,7 +89,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         recompute=cfg.recompute)
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    sync = make_sync(cfg.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
+    sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
                      server_rank=0 * pp + pp_rank)
     scaler = _LossScaler(cfg.mixed_precision and ctx.device.type == "cuda", ctx.device)
 
@@ -105,7 +99,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         engine.loss_scale = scaler.scale
         loss = engine.step(inputs, targets)
         dt = 0.0
-        with tracer.span("sync", f"dp {cfg.dp_mode} + optimizer" if dp > 1 else "optimizer"):
+        with tracer.span("sync", f"dp {options.dp_mode} + optimizer" if dp > 1 else "optimizer"):
             if scaler.check_and_unscale(params):
                 dt = sync.step()
             ctx.synchronize()
@@ -114,8 +108,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     m = run_steps(ctx, dp_rank, step)
     if cfg.verify:
         m.grads = sync.grads()
-    if cfg.trace:
-        tracer.write(cfg.trace, ctx.world_size)
-    m.extra.update(slices=list(slices), n_slices=len(slices), dp_mode=cfg.dp_mode,
-                   n_batch_slices=cfg.batch_size // cfg.micro_batch_size, auto_slices=cfg.auto_slices)
+    if options.trace:
+        tracer.write(options.trace, ctx.world_size)
+    m.extra.update(slices=list(slices), n_batch_slices=cfg.batch_size // cfg.micro_batch_size)
     return m

@@ -31,9 +31,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from baselines import megatron_cpu_shim
+from baselines.megatron import cpu_shim
 
-megatron_cpu_shim.install()  # before the first import of megatron (no-op with CUDA)
+cpu_shim.install()  # before the first import of megatron (no-op with CUDA)
 
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
@@ -45,10 +45,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-from baselines import megatron_convert as conv  # noqa: E402
-from runners.config import RunConfig  # noqa: E402
-from runners.context import Context, Measurements  # noqa: E402
-from runners.timing import StepOutput, run_steps  # noqa: E402
+from baselines.megatron import convert as conv  # noqa: E402
+from contract import RunConfig  # noqa: E402
+from contract.training import Context, Measurements, StepOutput, run_steps  # noqa: E402
 from workload.configs import ModelConfig  # noqa: E402
 from workload.model import GPT, init_weights  # noqa: E402
 
@@ -64,7 +63,7 @@ def transformer_config(cfg: RunConfig, cuda: bool, nccl: bool) -> TransformerCon
         normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
         activation_func=torch.nn.functional.gelu, init_method_std=0.02,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pp if cfg.virtual_pp > 1 else None,
+        virtual_pipeline_model_parallel_size=cfg.options.virtual_pp if cfg.options.virtual_pp > 1 else None,
         sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
         params_dtype=dtype, pipeline_dtype=dtype, fp16=fp16, bf16=bf16,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
@@ -102,7 +101,7 @@ def chunk_first_layer(chunk: GPTModel) -> int:
 
 
 def build_chunks(cfg: RunConfig, config: TransformerConfig) -> list[GPTModel]:
-    vpp = cfg.virtual_pp
+    vpp = cfg.options.virtual_pp
     chunks = []
     for vp in range(vpp):
         vp_stage = vp if vpp > 1 else None
@@ -160,7 +159,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         raise ValueError(f"megatron: vocab size {m.vocab_size} must divide by --tp {cfg.tp} (no vocab padding)")
     cuda = ctx.device.type == "cuda"
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-                                 virtual_pipeline_model_parallel_size=cfg.virtual_pp if cfg.virtual_pp > 1 else None)
+                                 virtual_pipeline_model_parallel_size=cfg.options.virtual_pp if cfg.options.virtual_pp > 1 else None)
     try:
         return _train(cfg, ctx, cuda)
     finally:

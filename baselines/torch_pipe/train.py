@@ -15,9 +15,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from runners.config import RunConfig
-from runners.context import Context, Measurements
-from runners.timing import StepOutput, run_steps
+from contract import RunConfig
+from contract.training import Context, Measurements, StepOutput, run_steps
 from workload.model import GPT, lm_loss
 from workload.partition import stage_specs
 from workload.training import autocast, checkpoint_blocks, grad_scaler, make_optimizer
@@ -36,9 +35,9 @@ def _with_autocast(module: GPT, device: torch.device) -> None:
 
 def build_schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn):
     n_mb = cfg.n_micro_batches
-    if cfg.schedule == "interleaved":
+    if cfg.options.schedule == "interleaved":
         return ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss_fn)
-    cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+    cls = ScheduleGPipe if cfg.options.schedule == "gpipe" else Schedule1F1B
     return cls(stages[0], n_mb, loss_fn=loss_fn)
 
 
@@ -48,7 +47,7 @@ def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 def train(cfg: RunConfig, ctx: Context) -> Measurements:
-    P, D, V = cfg.pp, cfg.dp, cfg.virtual_pp
+    P, D, V = cfg.pp, cfg.dp, cfg.options.virtual_pp
     dp_rank, pp_rank = divmod(ctx.rank, P)
     mesh = init_device_mesh(ctx.device.type, (D, P), mesh_dim_names=("dp", "pp"))
     specs = stage_specs(cfg.model.n_layer, P * V)

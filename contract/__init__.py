@@ -1,0 +1,18 @@
+"""The contract between the runner and every system: what a system is given, what it returns,
+how it is timed, and how it declares itself. It imports nothing of the suite but ``workload``.
+
+- ``contract.config``: ``RunConfig`` (the fields every run has), ``SystemOptions`` (the base of the
+  fields a system declares for itself, with ``option``; ``PipelineOptions`` for a schedule and its
+  model chunks per rank) and ``ConfigError``. Plain data, no torch.
+- ``contract.spec``: ``SystemSpec``, a system's declaration: its name, its options, the parallel
+  dimensions it supports, how many processes it needs, how its runs are labelled, and where its
+  ``train(config, context) -> Measurements`` lives. No torch.
+- ``contract.training``: ``Context`` (what a rank is given), ``Measurements`` (what it returns),
+  ``StepOutput`` and ``run_steps`` (the timing discipline: barrier, step, synchronise, barrier).
+
+A system imports this package and ``workload``, never the launcher, the sweep or the record file.
+"""
+from contract.config import ConfigError, PipelineOptions, RunConfig, SystemOptions, option
+from contract.spec import SystemSpec
+
+__all__ = ["ConfigError", "PipelineOptions", "RunConfig", "SystemOptions", "SystemSpec", "option"]

@@ -1,0 +1,102 @@
+"""SystemSpec: how a system declares itself to the runner.
+
+A system's spec module (what the registry lists) holds its options dataclass and one ``SPEC``; it
+must import nothing heavy (no torch, no framework), because the run command reads every spec to
+build its command line. The training code is named by ``SystemSpec.train`` and imported only in
+the ranks (Megatron's CPU shims, for one, must be installed before megatron is first imported).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from contract.config import ConfigError, RunConfig, SystemOptions
+
+DIMS = ("pp", "tp", "dp")
+
+
+def all_ranks(config: RunConfig) -> int:
+    return config.pp * config.tp * config.dp
+
+
+def one_device(config: RunConfig) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    train: str  # "package.module:function", the function being train(config, context) -> Measurements
+    description: str  # one line, shown in --help
+    options: type[SystemOptions] = SystemOptions  # the system's own options
+    dims: tuple[str, ...] = ()  # parallel dimensions it supports beyond 1, of "pp", "tp", "dp"
+    processes: Callable[[RunConfig], int] = all_ranks  # processes (ranks) a run starts
+    devices_per_process: Callable[[RunConfig], int] = one_device
+    label: Callable[[RunConfig], str] | None = None  # a run's column in reports (default: the name)
+    details: Callable[[dict[str, Any]], str] | None = None  # a run's resolved choices, from its record's options
+
+    def load(self) -> Callable:
+        """The system's train function (imports its training code)."""
+        module, _, function = self.train.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+    def run_label(self, config: RunConfig) -> str:
+        return self.label(config) if self.label else self.name
+
+    def run_details(self, options: dict[str, Any]) -> str:
+        return self.details(options) if self.details else ""
+
+    def validate(self, config: RunConfig) -> None:
+        """Raise ConfigError (one line) if this system cannot run ``config``: the fields every run
+        has, then the system's own options (their choices, then ``options.check``)."""
+        if config.system != self.name:
+            raise ConfigError(f"config of system {config.system!r} given to {self.name!r}")
+        if not isinstance(config.options, self.options):
+            raise ConfigError(f"system {self.name!r} takes {self.options.__name__}, got {type(config.options).__name__}")
+        check_common(config)
+        for dim in DIMS:
+            if getattr(config, dim) > 1 and dim not in self.dims:
+                supported = ", ".join(f"--{d}" for d in self.dims) or "none"
+                raise ConfigError(f"system {self.name!r} does not support --{dim} > 1 (it supports: {supported})")
+        for f in config.options.declared():
+            choices = f.metadata.get("choices")
+            value = getattr(config.options, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{self.name}: unknown --{f.name.replace('_', '-')} {value!r}; "
+                                  f"choose from {', '.join(choices)}")
+        config.options.check(config)
+
+
+def check_common(config: RunConfig) -> None:
+    """The fields every run has (ConfigError names the run command's flag)."""
+    m = config.model
+    positive = {"--pp": config.pp, "--tp": config.tp, "--dp": config.dp, "--batch-size": config.batch_size,
+                "--micro-batch-size": config.micro_batch_size, "--steps": config.steps,
+                "--num-layers": m.n_layer, "--hidden-size": m.n_embd, "--num-heads": m.n_head,
+                "--seq-length": m.seq_len, "--vocab-size": m.vocab_size}
+    for flag, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if config.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0, got {config.warmup}")
+    if not config.timeout > 0 or config.timeout == float("inf"):
+        raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {config.timeout}")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"--hidden-size {m.n_embd} is not divisible by --num-heads {m.n_head}")
+    if config.batch_size % config.micro_batch_size:
+        raise ConfigError(f"--batch-size {config.batch_size} is not divisible by --micro-batch-size "
+                          f"{config.micro_batch_size}")
+    if config.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"unknown --device {config.device!r}; choose from auto, cpu, cuda")
+    opt = config.optimizer
+    if opt.kind not in ("adam", "sgd"):
+        raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from adam, sgd")
+    if not 0 < opt.lr < float("inf"):
+        raise ConfigError(f"--lr must be a finite number > 0, got {opt.lr}")
+    if config.data is not None and m.vocab_size < 256:
+        raise ConfigError(f"--data uses byte tokens and needs --vocab-size >= 256, got {m.vocab_size}")
+    if m.n_layer % config.pp:
+        raise ConfigError(f"{m.n_layer} layers do not divide into {config.pp} pipeline stages (--pp {config.pp})")
+    if m.n_head % config.tp or m.n_embd % config.tp:
+        raise ConfigError(f"--tp {config.tp} must divide the heads ({m.n_head}) and the hidden size ({m.n_embd})")

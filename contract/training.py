@@ -1,0 +1,107 @@
+"""What a system's ranks are given (``Context``), what they give back (``Measurements``), and the
+timing discipline every system runs under (``run_steps``): barrier, step, device synchronise,
+barrier; warm-up steps run and their losses kept, their times excluded.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from contract.config import RunConfig
+from workload.data import TokenSource
+from workload.model import GPT, build_gpt
+from workload.partition import StageSpec, build_stage
+
+
+@dataclass
+class Measurements:
+    """One rank's measurements. ``losses`` covers every step (warm-up included) and is set only on
+    ranks that see the loss (a pipeline's last stage); the times cover the measured steps only."""
+
+    step_times: list[float]
+    losses: list[float] | None = None
+    dp_sync_times: list[float] = field(default_factory=list)  # data-parallel synchronisation inside each step
+    barrier_times: list[float] = field(default_factory=list)  # the step's closing barrier, waited on this rank
+    peak_memory_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # choices resolved at run time (e.g. the slicing)
+    # Under --verify: the last step's gradients (full tensors, averaged over data parallelism) of the
+    # parameters this rank holds, by the shared model's parameter names. Never written to a record.
+    grads: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything a rank needs besides the config: where it runs and the seeded workload."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str  # nccl on CUDA, gloo on CPU
+    config: RunConfig
+
+    @property
+    def data(self) -> TokenSource:
+        m = self.config.model
+        return TokenSource(seq_len=m.seq_len, vocab_size=m.vocab_size, seed=self.config.seed, text_path=self.config.data)
+
+    def batch(self, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of data-parallel replica dp_rank at this step, on this rank's device."""
+        x, y = self.data.replica_batch(step, self.config.batch_size, dp_rank, self.config.dp)
+        return x.to(self.device), y.to(self.device)
+
+    def build_model(self) -> GPT:
+        return build_gpt(self.config.model, self.config.seed, self.device)
+
+    def build_stage(self, spec: StageSpec) -> GPT:
+        return build_stage(self.config.model, spec, self.config.seed, self.device)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    loss: float | None  # the replica's loss on ranks that see it, else None
+    dp_sync_time: float = 0.0  # seconds of data-parallel synchronisation inside the step
+
+
+StepFn = Callable[[int, torch.Tensor, torch.Tensor], StepOutput]
+
+
+def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn) -> Measurements:
+    """Run the warm-up and measured steps of ``step_fn(step, inputs, targets)`` and time each one:
+    barrier, step, device synchronise, barrier. A step's time includes its closing barrier (every
+    rank has finished the step); ``barrier_times`` holds that barrier's share on this rank."""
+    cfg = ctx.config
+    m = Measurements(step_times=[])
+    losses: list[float] = []
+    for step in range(cfg.total_steps):
+        inputs, targets = ctx.batch(step, dp_rank)
+        dist.barrier()
+        start = time.perf_counter()
+        out = step_fn(step, inputs, targets)
+        ctx.synchronize()
+        done = time.perf_counter()
+        dist.barrier()
+        end = time.perf_counter()
+        warm = step < cfg.warmup
+        if not warm:
+            m.step_times.append(end - start)
+            m.barrier_times.append(end - done)
+            m.dp_sync_times.append(out.dp_sync_time)
+        if out.loss is not None:
+            losses.append(out.loss)
+        if ctx.rank == 0:
+            loss = f" loss {out.loss:.4f}" if out.loss is not None else ""
+            tag = " (warm-up)" if warm else ""
+            print(f"[{cfg.system}] step {step + 1}/{cfg.total_steps} {end - start:.3f} s{loss}{tag}",
+                  file=sys.stderr, flush=True)
+    m.losses = losses or None
+    return m

@@ -1,0 +1,91 @@
+"""Run the run command as a child process and read the record it appended: the one way the sweep,
+the benchmarks, the planner's evaluation and the tests start runs."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterable, Sequence
+
+from runners.lifetime import die_with_parent
+from runners.output import Pump
+
+REPO = Path(__file__).resolve().parent.parent
+STOP_GRACE_S = 30.0  # after SIGINT, how long the run command gets to stop its ranks before it is killed
+
+
+@dataclass(frozen=True)
+class Invocation:
+    returncode: int
+    record: dict | None  # the record the run appended to its --out (None: it wrote none)
+    output: str  # the last lines it printed (stdout and stderr)
+
+    @property
+    def last_line(self) -> str:
+        lines = [l for l in self.output.splitlines() if l.strip()]
+        return lines[-1] if lines else f"exit status {self.returncode}"
+
+
+def _records(path: Path) -> int:
+    return len([l for l in path.read_text().splitlines() if l.strip()]) if path.exists() else 0
+
+
+def _kill_on_parent_death() -> None:
+    die_with_parent(signal.SIGTERM)  # the run command stops its ranks and exits without a record
+
+
+def run_command(args: Sequence[str], *, out: str | os.PathLike | None = None, timeout: float | None = None,
+                python: str = sys.executable, sinks: Iterable[IO] = (), pass_fds: Sequence[int] = (),
+                env: dict[str, str] | None = None) -> Invocation:
+    """``python -m runners.run ARGS --out OUT`` (a temporary file when ``out`` is None); returns its exit
+    status, the record it appended, and its last output lines (also copied to ``sinks`` as they come).
+
+    Past ``timeout`` seconds it is interrupted (it stops its ranks) and, if it does not stop, killed.
+    If this process is interrupted (Ctrl-C, SIGTERM raised as an exception), the child is
+    interrupted too before the exception goes on; if this process dies, the child gets SIGTERM."""
+    temp = None
+    if out is None:
+        fd, temp = tempfile.mkstemp(suffix=".jsonl", prefix="run-")
+        os.close(fd)
+        out = temp
+    out = Path(out)
+    before = _records(out)
+    argv = [python, "-m", "runners.run", *args, "--out", str(out)]
+    try:
+        proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                           **(env or {})},
+                                pass_fds=tuple(pass_fds), preexec_fn=_kill_on_parent_death)
+        pump = Pump(proc.stdout, sinks, keep=40)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            pump.lines.append(f"stopped after {timeout:g} s\n")
+        except BaseException:
+            _stop(proc)
+            raise
+        finally:
+            pump.join()
+        record = None
+        if _records(out) > before:
+            record = json.loads([l for l in out.read_text().splitlines() if l.strip()][-1])
+        return Invocation(proc.returncode, record, pump.tail)
+    finally:
+        if temp:
+            Path(temp).unlink(missing_ok=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

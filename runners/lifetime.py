@@ -1,0 +1,49 @@
+"""Keeping a run's processes tied to the run command: whatever way it dies, they die with it.
+
+On Linux a process can ask the kernel for a signal when its parent dies (``prctl(PR_SET_PDEATHSIG)``):
+the torchrun agents ask for SIGKILL when the run command dies, and every rank asks for SIGKILL when
+its agent dies, so that nothing outlives a run command killed with SIGKILL (or a rank stopped with
+SIGSTOP, which SIGKILL still ends). Elsewhere these are no-ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask for ``sig`` when the parent dies; False where the platform cannot. Safe in a preexec_fn."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def die_with_parent_now() -> None:
+    """``die_with_parent`` for a process already running: if its parent died before the call (it was
+    re-parented to init), exit at once."""
+    if die_with_parent() and os.getppid() == 1:
+        os._exit(1)
+
+
+OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")  # cgroup v2, v1
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this memory cgroup so far, or None
+    where no counter is readable."""
+    for path in OOM_COUNTERS:
+        try:
+            for line in Path(path).read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None

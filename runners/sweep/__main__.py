@@ -1,0 +1,105 @@
+"""The sweep's command line.
+
+    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM]
+                                       [--hostfile FILE [--iface IFACE] [--nproc-per-node N] ...]
+    python -m runners.sweep --networks PROFILE... [--out FILE] [--dry-run] -- RUN_ARGS...   (netem_sweep.sh)
+
+A sweep file expands into run commands (``runners.sweep.plan``); they run one after another
+(``runners.sweep.execute``), locally or across a cluster's hosts over ssh (``runners.sweep.cluster``).
+Runs already recorded in the out file are skipped; at the end, a summary and the report.
+Exit status: 0 all ran, 1 some failed, 2 a bad sweep, hostfile or request, 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from network_emulation.profiles import SEED_PROFILES
+from network_emulation.signals import Terminated, signals_raise
+from runners.sweep.cluster import ClusterExecutor, parse_hostfile
+from runners.sweep.execute import run_sweep, select_runs
+from runners.sweep.plan import REPO, SweepError, adhoc_sweep, load_sweep
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m runners.sweep", description=__doc__.split("\n\n")[1])
+    ap.add_argument("sweep", nargs="?", help="a sweep file (TOML), e.g. runners/sweeps/local.toml")
+    ap.add_argument("--out", default=None, help="the record file (default results/<sweep name>.jsonl)")
+    ap.add_argument("--dry-run", action="store_true", help="print the run commands, run nothing")
+    ap.add_argument("--only", action="append", default=[], metavar="SYSTEM", help="only this system (repeatable)")
+    ap.add_argument("--retry-failed", action="store_true", help="re-run configurations recorded as failed")
+    ap.add_argument("--no-report", action="store_true", help="do not run report.py at the end")
+    ap.add_argument("--no-probe", action="store_true", help="do not probe the emulated networks first")
+    ap.add_argument("--plots", default=None, help="also write the report's plots into this directory")
+    ap.add_argument("--networks", nargs="*", default=None, metavar="PROFILE",
+                    help="ad-hoc sweep: the run arguments after -- across these network profiles "
+                         "(none given: the five seed profiles)")
+    c = ap.add_argument_group("cluster (real hosts over ssh; netem applied on each node)")
+    c.add_argument("--hostfile", default=None, help="one host per line, the first is node 0")
+    c.add_argument("--iface", default="eth0", help="network interface netem shapes on every node")
+    c.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default: as few nodes' worth as fit)")
+    c.add_argument("--ssh-user", default=None)
+    c.add_argument("--sudo", action="store_true", help="run tc through 'sudo -n' on the nodes")
+    c.add_argument("--remote-dir", default=str(REPO), help="the suite's directory on the nodes (default: this one)")
+    c.add_argument("--remote-python", default=None, help="python on the nodes (default: this interpreter's path)")
+    c.add_argument("--port", type=int, default=29500, help="rendezvous port on node 0")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, run_args = argv[:i], argv[i + 1:]
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        with signals_raise():  # SIGTERM / SIGHUP stop the sweep as Ctrl-C does
+            outcome = _sweep(args, run_args)
+    except SweepError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, Terminated) as e:
+        print("sweep: interrupted", file=sys.stderr)
+        return e.code if isinstance(e, Terminated) else 130
+    return 1 if outcome is not None and outcome.failed else 0
+
+
+def _sweep(args: argparse.Namespace, run_args: list[str]):
+    """The sweep of the parsed arguments: its outcome (None for a cluster dry run)."""
+    if args.networks is not None:
+        if args.sweep or not run_args:
+            raise SweepError("--networks takes the run arguments after --, and no sweep file")
+        sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES))
+    else:
+        if not args.sweep:
+            raise SweepError("give a sweep file (or --networks PROFILE... -- RUN_ARGS)")
+        if run_args:
+            raise SweepError("run arguments after -- go with --networks only")
+        sweep = load_sweep(args.sweep)
+    unknown = [s for s in args.only if s not in {r.system for r in sweep.runs}]
+    if unknown:
+        raise SweepError(f"--only {', '.join(unknown)}: not in this sweep (it has "
+                         f"{', '.join(sorted({r.system for r in sweep.runs}))})")
+    out = Path(args.out or f"results/{sweep.name}.jsonl")
+    if not out.is_absolute():
+        out = Path.cwd() / out
+    executor = None
+    if args.hostfile:
+        executor = ClusterExecutor(parse_hostfile(args.hostfile), iface=args.iface,
+                                   nproc_per_node=args.nproc_per_node, ssh_user=args.ssh_user, sudo=args.sudo,
+                                   remote_dir=args.remote_dir, remote_python=args.remote_python or sys.executable,
+                                   port=args.port, dry_run=args.dry_run)
+        if args.dry_run:
+            executor.print_plan(sweep, select_runs(sweep, args.only), out)
+            return None
+    return run_sweep(sweep, out, executor=executor, only=args.only, dry_run=args.dry_run,
+                     retry_failed=args.retry_failed, need_root_for_network=executor is None,
+                     probe=not args.no_probe, report=not args.no_report, plots=args.plots)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Running a planned sweep: the runs one after another, each through the run command, skipping the
+ones already recorded; a lock on the records file while it runs; progress, a summary and the report.
+
+A failed run is recorded by the run command and the sweep goes on. Before the runs, each emulated
+network profile is probed once. An executor runs one planned run: ``executor(run, out) -> (exit
+status, last output lines)``; ``LocalExecutor`` on this machine, ``ClusterExecutor`` over ssh.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Protocol
+
+from tqdm import tqdm
+
+from runners.invoke import run_command
+from runners.sweep.plan import REPO, PlannedRun, Sweep, SweepError
+
+SAFETY_MARGIN_S = 300.0  # beyond a run's own --timeout before the sweep stops it
+
+
+class Executor(Protocol):
+    cluster: bool
+
+    def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]: ...
+
+
+def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str]:
+    """The identities already recorded in ``out`` (only the ok ones with retry_failed)."""
+    p = Path(out)
+    keys: set[str] = set()
+    if not p.exists():
+        return keys
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+            continue
+        if retry_failed and rec.get("status") != "ok":
+            continue
+        keys.add(rec["key"])
+    return keys
+
+
+@contextlib.contextmanager
+def records_lock(out: Path) -> Iterator[int]:
+    """Held while a sweep writes to ``out``, and by the run command it is running (which inherits the
+    descriptor), so that a second sweep on the same file, or a resumed one while a run of the old one
+    is still stopping, is refused. Yields the locked descriptor."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out.with_name(out.name + ".sweep.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SweepError(f"another sweep (or a run it started) is writing to {out}; wait for it to end or stop it") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def probe_lines(networks: Iterable[str], python: str = sys.executable) -> list[str]:
+    """Run the probe once per emulated profile; its one-line measurement (or why it could not)."""
+    lines = []
+    for net in dict.fromkeys(networks):
+        if net == "none":
+            continue
+        p = subprocess.run([python, "-m", "network_emulation", "probe", "--profile", net, "--samples", "10"],
+                           cwd=REPO, capture_output=True, text=True)
+        text = (p.stdout.strip() or p.stderr.strip() or f"exit status {p.returncode}").splitlines()
+        lines.append(f"probe {net}: " + (text[-1] if p.returncode == 0 else f"unavailable ({text[-1]})"))
+    return lines
+
+
+def _fmt_elapsed(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+@dataclass
+class LocalExecutor:
+    """Runs one planned run on this machine through the run command (a child process)."""
+
+    python: str = sys.executable
+    log: IO | None = None
+    pass_fds: tuple[int, ...] = ()  # the records lock, held by the child too
+    cluster = False
+
+    def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]:
+        inv = run_command(run.args, out=out, timeout=run.timeout + SAFETY_MARGIN_S, python=self.python,
+                          sinks=[self.log] if self.log else [], pass_fds=self.pass_fds)
+        return inv.returncode, inv.output
+
+
+@dataclass
+class Outcome:
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0  # already recorded
+    invalid: int = 0  # bad combinations (judged before, or exit status 2)
+    not_run: int = 0  # emulated runs without root, runs that do not fit the cluster, or --only
+    failures: list[str] = field(default_factory=list)
+
+    def line(self, name: str, elapsed: float) -> str:
+        extra = f", {self.invalid} invalid" if self.invalid else ""
+        extra += f", {self.not_run} not run" if self.not_run else ""
+        return (f"sweep {name}: {self.ok} ok / {self.failed} failed / {self.skipped} skipped (already recorded)"
+                f"{extra} in {_fmt_elapsed(elapsed)}")
+
+
+def select_runs(sweep: Sweep, only: Sequence[str] = ()) -> list[PlannedRun]:
+    return [r for r in sweep.runs if not only or r.system in only]
+
+
+def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only: Sequence[str] = (),
+              dry_run: bool = False, retry_failed: bool = False, need_root_for_network: bool = True,
+              probe: bool = True, report: bool = True, plots: str | None = None, python: str = sys.executable,
+              stream: IO = sys.stdout) -> Outcome:
+    """Run (or with dry_run print) the sweep's runs; returns the counts."""
+    t0 = time.monotonic()
+    outcome = Outcome()
+    planned = select_runs(sweep, only)
+    outcome.not_run += len(sweep.runs) - len(planned)
+
+    def say(msg: str) -> None:
+        print(msg, file=stream, flush=True)
+
+    for r in planned:
+        if not r.valid:
+            say(f"skip (bad combination): {r.label()}\n    {r.error}")
+            outcome.invalid += 1
+    planned = [r for r in planned if r.valid]
+    done = recorded_keys(out, retry_failed) if out else set()
+    todo: list[PlannedRun] = []
+    seen: set[str] = set()
+    for r in planned:
+        if r.key in done or r.key in seen:
+            outcome.skipped += 1
+            continue
+        seen.add(r.key)
+        todo.append(r)
+    if need_root_for_network and not is_root():
+        emulated = [r for r in todo if r.emulated]
+        if emulated:
+            say(f"NOTE: {len(emulated)} run(s) under an emulated network need root (network namespaces, tc); "
+                f"not root, so they are skipped: {', '.join(sorted({r.network for r in emulated}))}")
+            outcome.not_run += len(emulated)
+            todo = [r for r in todo if not r.emulated]
+    say(f"sweep {sweep.name}: {len(sweep.runs)} planned, {len(todo)} to run, {outcome.skipped} already recorded "
+        f"in {out}" + (f", {outcome.invalid} invalid" if outcome.invalid else ""))
+    if dry_run:
+        for r in todo:
+            say(shlex.join(r.command(out, python)))
+        return outcome
+    with records_lock(out) as lock_fd:
+        interrupted = _run_all(sweep, todo, out, executor, outcome, lock_fd, probe, python, say, stream)
+    say(outcome.line(sweep.name, time.monotonic() - t0) + (" (interrupted)" if interrupted else ""))
+    if report and Path(out).exists():
+        md = Path(out).with_suffix(".md")
+        argv = [python, str(REPO / "report.py"), str(out), "--out", str(md)]
+        if plots:
+            argv += ["--plots", plots]
+        subprocess.run(argv, cwd=REPO)
+        say(f"report: {md}")
+    if interrupted:
+        raise KeyboardInterrupt
+    return outcome
+
+
+def _run_all(sweep: Sweep, todo: list[PlannedRun], out: Path, executor: Executor | None, outcome: Outcome,
+             lock_fd: int, probe: bool, python: str, say, stream: IO) -> bool:
+    """The runs, with a progress bar; True if interrupted."""
+    if probe and not getattr(executor, "cluster", False):
+        for line in probe_lines((r.network for r in todo if r.emulated), python):
+            say(line)
+    with open(Path(str(out) + ".log"), "a") as log:
+        execute = executor or LocalExecutor(python, log, (lock_fd,))
+        if getattr(execute, "log", None) is None:
+            execute.log = log
+        bar = tqdm(total=len(todo), desc=f"sweep {sweep.name}", unit="run", file=sys.stderr, dynamic_ncols=True,
+                   bar_format="{desc}: {n_fmt}/{total_fmt} runs |{bar}| elapsed {elapsed}, left ~{remaining}{postfix}")
+        try:
+            for r in todo:
+                bar.set_postfix_str(f"{r.system} {r.network}", refresh=True)
+                log.write(f"\n=== {shlex.join(r.command(out, python))}\n")
+                log.flush()
+                rc, tail = execute(r, out)
+                last = [l for l in tail.splitlines() if l.strip()]
+                if rc == 0:
+                    outcome.ok += 1
+                    bar.write(f"ok     {r.label()}\n       {last[-1] if last else ''}", file=stream)
+                elif rc == 2:
+                    outcome.invalid += 1
+                    bar.write(f"bad    {r.label()}\n       {last[-1] if last else 'exit status 2'}", file=stream)
+                elif rc in (130, 143):  # the run was interrupted (and wrote no record): so is the sweep
+                    raise KeyboardInterrupt
+                else:
+                    outcome.failed += 1
+                    outcome.failures.append(r.label())
+                    why = last[-1] if last else f"exit status {rc}"
+                    bar.write(f"FAILED {r.label()}\n       {why[:300]}", file=stream)
+                bar.update(1)
+        except KeyboardInterrupt:
+            return True
+        finally:
+            bar.close()
+    return False

@@ -1,0 +1,312 @@
+"""Planning a sweep: a sweep file (TOML) expanded into run commands, each judged before anything runs.
+
+A sweep file (see runners/sweeps/*.toml)::
+
+    name = "local"
+    [fixed]                        # settings of every run: any flag of the run command, snake_case
+    model = "tiny"                 #   (model, seq_length, batch_size, steps, warmup, mixed_precision,
+    batch_size = 4                 #    recompute, timeout, ...); booleans are switches
+    [[experiment]]                 # each experiment is its own cross-product
+    name = "network"
+    networks = ["default", "d10-1g"]          # network profiles (default ["none"])
+    layouts = ["P-2", "P-2 D-2"]              # seed notation T-/P-/D-, or {pp = 2, dp = 2}
+    micro_batch_sizes = [1]                   # (default: fixed micro_batch_size)
+    steps = 4                                 # any other key overrides [fixed] for this experiment
+    [[experiment.systems]]
+    name = "ours"                             # + the system's own options; a list is one more axis
+    n_slices = 4
+    dp_mode = "central_ps"
+    layouts = ["P-2"]                         # optional per-system layouts / micro_batch_sizes
+
+Every run is an argument list (never a shell string) for ``python -m runners.run``, judged with the
+run command's own parser and validation: a bad combination is reported and skipped, and an option
+given to a system that does not declare it is a bad combination too.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import os
+import re
+import shlex
+import sys
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contract import ConfigError
+from network_emulation.profiles import ProfileError, parse_profile
+from runners.registry import get_system
+from runners.request import OPTION_PREFIX, build_parser, config_from_args, judge
+
+REPO = Path(__file__).resolve().parents[2]
+SWEEPS_DIR = REPO / "runners" / "sweeps"
+# Flags a sweep controls itself: through its axes, or per run (out file, multi-node placement).
+AXIS_FLAGS = {"system": "systems", "pp": "layouts", "tp": "layouts", "dp": "layouts",
+              "micro_batch_size": "micro_batch_sizes", "network": "networks"}
+PLACEMENT_FLAGS = frozenset({"out", "nnodes", "node_rank", "rdzv_endpoint"})
+EXPERIMENT_KEYS = frozenset({"name", "description", "systems", "layouts", "micro_batch_sizes", "networks",
+                             "nproc_per_node"})
+SYSTEM_KEYS = frozenset({"name", "layouts", "micro_batch_sizes"})  # the rest of a system table: options
+ALIASES = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "seq_length": "seq_len"}
+
+
+class SweepError(ValueError):
+    """A sweep file, hostfile or sweep request that cannot be used; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    experiment: str
+    system: str
+    args: tuple[str, ...]  # run-command flags, without the interpreter, --out and placement flags
+    network: str = "none"
+    key: str | None = None  # the run's identity (None for an invalid combination)
+    error: str | None = None  # why the combination is invalid
+    world: int = 1  # processes the run needs
+    devices_per_process: int = 1  # devices each process uses (fairscale: its pipe's devices)
+    timeout: float = 3600.0  # the run's own --timeout
+    nproc_per_node: int | None = None  # placement hint from the sweep file (cluster mode)
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+    @property
+    def emulated(self) -> bool:
+        return self.network != "none"
+
+    @property
+    def devices(self) -> int:
+        return self.world * self.devices_per_process
+
+    def label(self) -> str:
+        return f"[{self.experiment}] " + shlex.join(self.args)
+
+    def command(self, out: str | os.PathLike, python: str = sys.executable) -> list[str]:
+        return [python, "-m", "runners.run", *self.args, "--out", str(out)]
+
+
+def _parser_flags() -> dict[str, argparse.Action]:
+    """Sweep-file key (snake_case, a system option by its own name) -> the run command's action."""
+    return {a.dest.removeprefix(OPTION_PREFIX): a for a in build_parser()._actions if a.option_strings}
+
+
+def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node: int | None = None) -> PlannedRun:
+    """One run's flags, judged by the run command's own parser and validation."""
+    system = args[args.index("--system") + 1] if "--system" in args[:-1] else "?"
+    base = dict(experiment=experiment, system=system, args=tuple(args), network=network,
+                nproc_per_node=nproc_per_node)
+    parser = build_parser()
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = parser.parse_args([*args, "--out", os.devnull])
+    except SystemExit:
+        msg = err.getvalue().strip().splitlines()
+        return PlannedRun(**base, error=(msg[-1] if msg else "bad arguments").removeprefix(f"{parser.prog}: error: "))
+    try:
+        cfg = config_from_args(ns)
+        judge(cfg)
+    except ConfigError as e:
+        return PlannedRun(**base, error=str(e))
+    spec = get_system(cfg.system)
+    return PlannedRun(**base, key=cfg.key(), world=spec.processes(cfg), devices_per_process=spec.devices_per_process(cfg),
+                      timeout=cfg.timeout)
+
+
+_LAYOUT_TOKEN = re.compile(r"^([TPD])-?(\d+)$", re.IGNORECASE)
+
+
+def parse_layout(value, where: str) -> dict[str, int]:
+    """'T-4 P-2' (the seed's notation; also 'P-12 D-4', '1' for one device) or {pp = 2, tp = 1, dp = 1}."""
+    if isinstance(value, dict):
+        bad = set(value) - {"pp", "tp", "dp"}
+        if bad or not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+            raise SweepError(f"{where}: layout {value!r} must have integer pp/tp/dp only")
+        return {"pp": value.get("pp", 1), "tp": value.get("tp", 1), "dp": value.get("dp", 1)}
+    if not isinstance(value, str):
+        raise SweepError(f"{where}: layout {value!r} must be a string like 'T-4 P-2' or a table {{pp = 2}}")
+    out = {"pp": 1, "tp": 1, "dp": 1}
+    if value.strip() in ("1", "single", "1 device"):
+        return out
+    seen = set()
+    for tok in value.split():
+        m = _LAYOUT_TOKEN.match(tok)
+        if not m or m.group(1).upper() in seen:
+            raise SweepError(f"{where}: cannot read layout {value!r}: expected e.g. 'T-4 P-2', 'P-12 D-4' or '1'")
+        seen.add(m.group(1).upper())
+        out[{"T": "tp", "P": "pp", "D": "dp"}[m.group(1).upper()]] = int(m.group(2))
+    if not seen:
+        raise SweepError(f"{where}: empty layout")
+    return out
+
+
+def setting_args(key: str, value, flags: dict[str, argparse.Action], where: str) -> list[str]:
+    """One sweep-file setting as run-command flags (checked against the run command's parser)."""
+    dest = ALIASES.get(key, key)
+    if dest in AXIS_FLAGS:
+        raise SweepError(f"{where}: {key!r} is set through the {AXIS_FLAGS[dest]!r} list, not as a setting")
+    if dest in PLACEMENT_FLAGS:
+        raise SweepError(f"{where}: {key!r} is set by the sweep itself (--out, --hostfile), not in a sweep file")
+    action = flags.get(dest)
+    if action is None:
+        known = sorted(k for k in flags if k not in AXIS_FLAGS and k not in PLACEMENT_FLAGS and k != "help")
+        raise SweepError(f"{where}: unknown setting {key!r}; known: {', '.join(known)}")
+    flag = max(action.option_strings, key=lambda s: s == "--" + key.replace("_", "-"))
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise SweepError(f"{where}: {key!r} is a switch: true or false, got {value!r}")
+        return [flag] if value else []
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise SweepError(f"{where}: {key!r} must be a string or a number, got {value!r}")
+    if isinstance(value, str) and value.startswith("-"):
+        raise SweepError(f"{where}: {key!r} = {value!r} looks like a flag")
+    return [flag, str(value)]
+
+
+def _list(value, what: str, where: str, kind=None) -> list:
+    if not isinstance(value, list) or not value:
+        raise SweepError(f"{where}: {what!r} must be a non-empty list, got {value!r}")
+    if kind is not None:
+        for v in value:
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise SweepError(f"{where}: {what!r} holds {v!r}, expected {kind.__name__}")
+    return value
+
+
+@dataclass
+class Sweep:
+    name: str
+    runs: list[PlannedRun] = field(default_factory=list)
+    description: str = ""
+
+    @property
+    def valid_runs(self) -> list[PlannedRun]:
+        return [r for r in self.runs if r.valid]
+
+    @property
+    def invalid_runs(self) -> list[PlannedRun]:
+        return [r for r in self.runs if not r.valid]
+
+
+def expand_experiment(exp: dict, fixed: dict, flags: dict, where: str) -> list[PlannedRun]:
+    name = str(exp.get("name", where))
+    settings = {**fixed, **{k: v for k, v in exp.items() if k not in EXPERIMENT_KEYS}}
+    if "micro_batch_size" in settings:  # a scalar default for the axis
+        mb = settings.pop("micro_batch_size")
+        exp = {"micro_batch_sizes": [mb], **exp}
+    if "network" in settings:
+        net = settings.pop("network")
+        exp = {"networks": [net], **exp}
+    if "model" not in settings:
+        raise SweepError(f"{where}: no 'model' (set it in [fixed] or in the experiment)")
+    if "batch_size" not in settings:
+        raise SweepError(f"{where}: no 'batch_size' (set it in [fixed] or in the experiment)")
+    model_keys = ("model", "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
+    ordered = sorted(settings, key=lambda k: (model_keys.index(k) if k in model_keys else len(model_keys), ))
+    base_model = [a for k in ordered if k in model_keys for a in setting_args(k, settings[k], flags, where)]
+    base_rest = [a for k in ordered if k not in model_keys for a in setting_args(k, settings[k], flags, where)]
+
+    systems = _list(exp.get("systems"), "systems", where)
+    default_layouts = [parse_layout(l, where) for l in _list(exp.get("layouts", ["1"]), "layouts", where)]
+    default_mbs = _list(exp.get("micro_batch_sizes"), "micro_batch_sizes", where, int) if "micro_batch_sizes" in exp else None
+    networks = _list(exp.get("networks", ["none"]), "networks", where, str)
+    nproc = exp.get("nproc_per_node")
+    if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
+        raise SweepError(f"{where}: 'nproc_per_node' must be a positive integer, got {nproc!r}")
+    for net in networks:
+        if net.startswith("-"):
+            raise SweepError(f"{where}: network {net!r} looks like a flag")
+        if net != "none":
+            try:
+                parse_profile(net)
+            except ProfileError as e:
+                raise SweepError(f"{where}: network {net!r}: {e}") from None
+
+    runs: list[PlannedRun] = []
+    for net in networks:
+        for i, s in enumerate(systems):
+            swhere = f"{where} system {i + 1}"
+            if isinstance(s, str):
+                s = {"name": s}
+            if not isinstance(s, dict) or not isinstance(s.get("name"), str):
+                raise SweepError(f"{swhere}: a system is a name or a table with 'name' and options, got {s!r}")
+            layouts = ([parse_layout(l, swhere) for l in _list(s["layouts"], "layouts", swhere)]
+                       if "layouts" in s else default_layouts)
+            mbs = _list(s["micro_batch_sizes"], "micro_batch_sizes", swhere, int) if "micro_batch_sizes" in s else default_mbs
+            if mbs is None:
+                raise SweepError(f"{where}: no 'micro_batch_sizes' (nor a fixed 'micro_batch_size')")
+            options = {k: v for k, v in s.items() if k not in SYSTEM_KEYS}
+            opt_names = sorted(options)
+            opt_values = [v if isinstance(v, list) else [v] for v in (options[k] for k in opt_names)]
+            for combo in itertools.product(*opt_values):
+                opt_args = [a for k, v in zip(opt_names, combo) for a in setting_args(k, v, flags, swhere)]
+                for lay in layouts:
+                    for mb in mbs:
+                        args = ["--system", s["name"], *base_model, "--pp", str(lay["pp"]), "--tp", str(lay["tp"]),
+                                "--dp", str(lay["dp"]), *_batch_first(base_rest),
+                                "--micro-batch-size", str(mb), *opt_args, "--network", net]
+                        runs.append(plan_run(args, name, net, nproc))
+    return runs
+
+
+def _batch_first(rest: list[str]) -> list[str]:
+    """--batch-size first among the remaining settings, for readable commands."""
+    if "--batch-size" in rest:
+        i = rest.index("--batch-size")
+        return rest[i:i + 2] + rest[:i] + rest[i + 2:]
+    return rest
+
+
+def load_sweep(path: str | os.PathLike) -> Sweep:
+    """Read and expand a sweep file; a malformed one raises SweepError with a clear message."""
+    p = Path(path)
+    if not p.exists() and not p.is_absolute() and (SWEEPS_DIR / p).exists():
+        p = SWEEPS_DIR / p
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise SweepError(f"no such sweep file: {path}") from None
+    except OSError as e:
+        raise SweepError(f"cannot read sweep file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SweepError(f"{p}: invalid TOML: {e}") from None
+    return sweep_from_dict(data, where=p.name)
+
+
+def sweep_from_dict(data: dict, where: str = "sweep") -> Sweep:
+    name = data.get("name", Path(where).stem)
+    fixed = data.get("fixed", {})
+    if not isinstance(fixed, dict):
+        raise SweepError(f"{where}: [fixed] must be a table")
+    flags = _parser_flags()
+    if "experiment" in data:
+        top = set(data) - {"name", "description", "fixed", "experiment"}
+        if top:
+            raise SweepError(f"{where}: unexpected top-level key(s) {', '.join(sorted(top))}: "
+                             "put them in [fixed] or in an [[experiment]]")
+        experiments = data["experiment"]
+        if not isinstance(experiments, list) or not all(isinstance(e, dict) for e in experiments):
+            raise SweepError(f"{where}: 'experiment' must be [[experiment]] tables")
+    else:  # the file itself is one experiment
+        experiments = [{k: v for k, v in data.items() if k not in ("fixed", "description")} | {"name": name}]
+    runs = []
+    for i, exp in enumerate(experiments):
+        runs += expand_experiment(exp, fixed, flags, f"{where} experiment {exp.get('name', i + 1)!r}")
+    return Sweep(str(name), runs, str(data.get("description", "")))
+
+
+def adhoc_sweep(run_args: Sequence[str], networks: Sequence[str], name: str = "netem_sweep") -> Sweep:
+    """One job's flags across network profiles (netem_sweep.sh)."""
+    for a in run_args:
+        flag = a.split("=", 1)[0]
+        if flag in ("--network", "--out", "--nnodes", "--node-rank", "--rdzv-endpoint"):
+            raise SweepError(f"{flag} is set by the sweep; leave it out of the run arguments")
+    if not networks:
+        raise SweepError("no network profiles given")
+    return Sweep(name, [plan_run([*run_args, "--network", net], "netem", net) for net in networks])

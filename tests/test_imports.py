@@ -1,0 +1,109 @@
+"""The suite's import graph: no cycle anywhere; the contract imports only itself and workload/;
+each system's training code imports only the contract, workload/ and its own package."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from runners.registry import systems
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation")
+
+
+def suite_modules() -> dict[str, Path]:
+    mods = {"report": REPO / "report.py"}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The suite modules ``name`` imports (module level or inside functions)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}  # "from pkg import submodule"
+    # a module's own packages are initialised before it runs: importing from them is not an edge
+    ancestors = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)}
+    return {m for m in found if m in mods and m != name and m not in ancestors}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = suite_modules()
+    return {name: imports_of(name, path, mods) for name, path in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def closure(g: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += g[m]
+    return seen
+
+
+def test_no_import_cycle_in_the_suite():
+    assert cycles(graph()) == []
+
+
+def test_cycle_finder_finds_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_contract_imports_only_itself_and_the_workload():
+    g = graph()
+    for name in (m for m in g if m.split(".")[0] == "contract"):
+        assert {m.split(".")[0] for m in closure(g, name)} <= {"contract", "workload"}, name
+
+
+def test_systems_import_only_the_contract_the_workload_and_themselves():
+    g = graph()
+    for spec in systems().values():
+        module = spec.train.partition(":")[0]
+        own = module.rpartition(".")[0] or module
+        allowed = ("contract", "workload", own)
+        bad = sorted(m for m in closure(g, module) if not any(m == a or m.startswith(a + ".") for a in allowed))
+        assert not bad, f"{spec.name}'s training code imports {bad}"
