@@ -166,8 +166,19 @@ class Agent:
             raise RuntimeError(f"the packet delayer did not start (exit {p.poll()})")
 
     def _ssh_port(self) -> str | None:
-        """The port this agent was reached on (SSH_CONNECTION: client, client port, server, server port)."""
-        words = os.environ.get("SSH_CONNECTION", "").split()
+        """The sshd port this agent was reached on: SSH_CONNECTION (client, client port, server, server
+        port) of its own environment or, under sudo (which drops it), of the nearest ancestor's."""
+        env, pid = os.environ.get("SSH_CONNECTION", ""), os.getpid()
+        for _ in range(8):
+            if env or pid <= 1:
+                break
+            try:
+                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                break
+            env = next((e[15:].decode() for e in environ if e.startswith(b"SSH_CONNECTION=")), "")
+        words = env.split()
         return words[3] if len(words) == 4 and words[3].isdigit() else None
 
     def rules(self) -> list[list[str]]:

@@ -17,7 +17,11 @@ session; the agent
 With a uniform profile every host's egress is rate-limited and every packet arriving on a host is
 held for the delay, so each direction between two hosts pays the delay once, as with netem on each
 sender. Matrix profiles need each host's address (``addresses``, in rank order): rates per
-destination (htb) on the sender, delays per source on the receiver.
+destination (htb) on the sender, delays per source on the receiver. The delayer leaves the sshd port
+out (control traffic only), so that a node whose delayer died is still reachable to be cleared.
+
+Each host needs the suite at ``remote_dir`` with ``remote_python`` (as for the cluster mode's runs),
+iproute2, iptables for the fallback, and GNU env with ``-C`` (coreutils 8.28 or later).
 
 ``probe`` measures a link between two hosts of the session over ssh with probe.py (server on one,
 client on the other, the nodes' own python). Hosts that share a kernel (virtual nodes) share a
@@ -284,9 +288,10 @@ class SshShapingSession:
 
     # ------------------------------------------------------------------ use
     def describe(self) -> dict[str, Any]:
-        """For the run record: the profile and, per host, the backend and the interface's address."""
+        """For the run record: the backend ("netem", "tbf+delayer", "none", or several joined by
+        commas when the hosts differ), the profile and, per host, its backend and address."""
         return {
-            "backend": sorted(set(self.backends.values())) if self.backends else [],
+            "backend": ",".join(sorted(set(self.backends.values()))) or None,
             "profile": self.profile.describe(),
             "hosts": [{"host": h or "localhost", "hostname": self.hostnames.get(h or "localhost"),
                        "iface": self.iface, "address": self.iface_addresses.get(h or "localhost"),

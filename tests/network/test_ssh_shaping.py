@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -29,6 +28,13 @@ pytestmark = [pytest.mark.network, needs_root, needs_sshd]
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VirtualNodes]:
     with VirtualNodes(2, tmp_path_factory.mktemp("shaping") / "nodes", log=None) as vn:
         yield vn
+
+
+# test_virtual_cluster.py's 0.3 ms, plus what this probe counts and that one does not: with the delayer on
+# the receiver's ingress the probe stamps a datagram when the server reads it, not when the kernel
+# received it (that is before the delay). Side by side under load 5-6 on 2 cores, medians of 5:
+# virtual cluster 10.24 ms, virtual nodes over ssh 10.36 ms.
+DELAY_TOLERANCE_MS = 0.4
 
 
 def session(vn: VirtualNodes, profile: str) -> SshShapingSession:
@@ -66,11 +72,11 @@ def test_d10_1g_measured_over_ssh_then_nothing_left(nodes: VirtualNodes) -> None
         if "tbf+delayer" in s.backends.values():
             assert all(left(nodes).values()) and len(left(nodes)) == 2       # rules, qdisc, agent, delayer
         def ok(m: LinkMeasurement) -> bool:
-            return abs(m.one_way_delay_ms - 10) <= 0.3 and abs(m.bandwidth_gbps - 1) <= 0.10
+            return abs(m.one_way_delay_ms - 10) <= DELAY_TOLERANCE_MS and abs(m.bandwidth_gbps - 1) <= 0.10
         m = probe_until(s, 0, 1, ok)
         print(f"d10-1g over ssh node01 -> node02 [{s.backends['node02']}]: {m}")
         assert m.one_way_method == SHARED_CLOCK                                # virtual nodes: one kernel, one clock
-        assert abs(m.one_way_delay_ms - 10) <= 0.3, m
+        assert abs(m.one_way_delay_ms - 10) <= DELAY_TOLERANCE_MS, m
         assert abs(m.bandwidth_gbps - 1) <= 0.10, m                           # TCP goodput, ~0.96 of the line rate
         back = probe_until(s, 1, 0, lambda r: abs(r.one_way_delay_ms - 10) <= 0.5, duration_s=0)
         assert abs(back.one_way_delay_ms - 10) <= 0.5, back                  # the other direction is delayed too
