@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import ctypes
-import io
 import ipaddress
 import json
 import os
@@ -434,7 +433,8 @@ def _reap_all() -> None:
 
 # ---------------------------------------------------------------------- commands
 def up(n_nodes: int, directory: Path, subnet: str | None, out: TextIO = sys.stdout) -> int:
-    """Start a keeper that brings ``n_nodes`` up and holds them; return when they answer ssh."""
+    """Start a keeper that brings ``n_nodes`` up and holds them; return when they answer ssh. Interrupted
+    (Ctrl-C, SIGTERM) or failing before that, it stops the keeper again, which removes its nodes."""
     VirtualNodes(n_nodes, directory, subnet=subnet)  # judge the arguments here, in one line
     netem.require_root("virtual nodes")
     _sshd()
@@ -444,33 +444,20 @@ def up(n_nodes: int, directory: Path, subnet: str | None, out: TextIO = sys.stdo
         raise NodesError(f"virtual nodes are already up in {directory} (owner pid {state['owner']['pid']}): run down first")
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    with open(directory / "keeper.log", "ab") as log:
-        keeper = subprocess.Popen(
-            [sys.executable, "-m", "network_emulation.nodes", "keep", "--nodes", str(n_nodes), "--dir", str(directory),
-             *(["--subnet", subnet] if subnet else [])],
-            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
-    assert keeper.stdout is not None
-    ready, _, _ = select.select([keeper.stdout], [], [], 60 + n_nodes)
-    line = keeper.stdout.readline().decode().strip() if ready else ""
-    keeper.stdout.close()
-    if line != "ready":
-        if keeper.poll() is None:
-            keeper.terminate()
-            try:
-                keeper.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                keeper.kill()
-                keeper.wait()
-        cleanup_stale(None)
-        tail = (directory / "keeper.log").read_text(errors="replace").strip().splitlines()[-3:]
-        raise RuntimeError("virtual nodes did not come up: " + (" | ".join(tail) or "no output"))
+    with signals_raise():
+        with open(directory / "keeper.log", "ab") as log:
+            keeper = subprocess.Popen(
+                [sys.executable, "-m", "network_emulation.nodes", "keep", "--nodes", str(n_nodes),
+                 "--dir", str(directory), *(["--subnet", subnet] if subnet else [])],
+                cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        try:
+            names = _await_keeper(keeper, directory, timeout_s=60 + n_nodes)
+        except BaseException:
+            with signals_deferred():
+                _stop_keeper(keeper)
+                cleanup_stale(None)
+            raise
     state = read_state(directory) or {}
-    names = [n["name"] for n in state.get("nodes", [])]
-    answers = check_nodes(directory / "ssh_config", names)
-    bad = [name for name, a in answers.items() if a != name]
-    if bad:
-        down(directory, out=io.StringIO())
-        raise RuntimeError(f"ssh to {', '.join(bad)} did not answer with its host name (see {directory}/*/sshd.log)")
     print(f"{len(names)} virtual node(s) up in {time.monotonic() - t0:.1f} s on {state['subnet']}.0/24 "
           f"(this machine is {state['host_address']}; keeper pid {state['owner']['pid']})\n"
           f"  hostfile:   {directory / 'hostfile'}\n"
@@ -481,33 +468,83 @@ def up(n_nodes: int, directory: Path, subnet: str | None, out: TextIO = sys.stdo
     return 0
 
 
+def _await_keeper(keeper: subprocess.Popen[bytes], directory: Path, timeout_s: float) -> list[str]:
+    """Until the keeper says ``ready`` and every node answers ssh with its own name; their names."""
+    assert keeper.stdout is not None
+    ready, _, _ = select.select([keeper.stdout], [], [], timeout_s)
+    line = keeper.stdout.readline().decode().strip() if ready else ""
+    keeper.stdout.close()
+    if line != "ready":
+        tail = (directory / "keeper.log").read_text(errors="replace").strip().splitlines()[-3:]
+        raise RuntimeError("virtual nodes did not come up: " + (" | ".join(tail) or "no output"))
+    names = [n["name"] for n in (read_state(directory) or {}).get("nodes", [])]
+    answers = check_nodes(directory / "ssh_config", names)
+    bad = [name for name, a in answers.items() if a != name]
+    if bad or not names:
+        raise RuntimeError(f"ssh to {', '.join(bad) or 'the nodes'} did not answer with its host name "
+                           f"(see {directory}/*/sshd.log)")
+    return names
+
+
+def _stop_keeper(keeper: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the keeper removes its nodes), SIGKILL if that takes more than 30 s."""
+    if keeper.poll() is None:
+        keeper.terminate()
+        try:
+            keeper.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            keeper.kill()
+            keeper.wait()
+
+
 def down(directory: Path, out: TextIO = sys.stdout, timeout_s: float = 30.0) -> int:
-    """Stop the keeper of ``directory`` (SIGTERM: it removes its nodes), then reap what a dead owner
-    left (namespaces, sshd, delayers inside them) and the generated files."""
+    """Stop the keeper of ``directory`` (SIGTERM: it removes its nodes; found by the state file, or by
+    its command line if the file is gone), then reap what a dead owner left (namespaces and what runs
+    in them) and the generated files."""
     t0 = time.monotonic()
     state = read_state(directory)
-    if state:
-        pid, start = state["owner"]["pid"], state["owner"]["start"]
+    owners = [(state["owner"]["pid"], state["owner"]["start"])] if state else []
+    owners += [o for o in _keepers_of(directory) if o not in owners]
+    for pid, start in owners:
+        if not _alive(pid, start):
+            continue
+        if not _is_keeper(pid):
+            raise NodesError(f"the virtual nodes in {directory} belong to process {pid}, not to a keeper: "
+                             "end that process (its nodes go with it)")
+        os.kill(pid, signal.SIGTERM)
+        end = time.monotonic() + timeout_s
+        while _alive(pid, start) and time.monotonic() < end:
+            time.sleep(0.05)
         if _alive(pid, start):
-            if not _is_keeper(pid):
-                raise NodesError(f"the virtual nodes in {directory} belong to process {pid}, not to a keeper: "
-                                 "end that process (its nodes go with it)")
-            os.kill(pid, signal.SIGTERM)
-            end = time.monotonic() + timeout_s
-            while _alive(pid, start) and time.monotonic() < end:
-                time.sleep(0.05)
-            if _alive(pid, start):
-                os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     removed = cleanup_stale(None)
     if state:
         node_ssh.remove_all(directory, [n["name"] for n in state["nodes"]])
         (directory / STATE).unlink(missing_ok=True)
-        print(f"{len(state['nodes'])} virtual node(s) down in {time.monotonic() - t0:.1f} s"
-              + (f" ({len(removed)} stale namespace(s) reaped)" if removed else ""), file=out)
-    else:
-        print(f"no virtual nodes in {directory}" + (f"; {len(removed)} stale namespace(s) reaped" if removed else ""),
-              file=out)
+    what = f"{len(state['nodes'])} virtual node(s) down" if state else f"no virtual nodes in {directory}"
+    if owners and not state:
+        what += f"; stopped {len(owners)} keeper(s) of it"
+    print(f"{what} in {time.monotonic() - t0:.1f} s" + (f" ({len(removed)} stale namespace(s) reaped)" if removed else ""),
+          file=out)
     return 0
+
+
+def _keepers_of(directory: Path) -> list[tuple[int, int]]:
+    """(pid, start time) of live keepers started for ``directory``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"network_emulation.nodes" in argv and b"keep" in argv and b"--dir" in argv and \
+                argv[argv.index(b"--dir") + 1] == os.fsencode(directory):
+            start = _start_time(int(d.name))
+            if start is not None:
+                found.append((int(d.name), start))
+    return found
 
 
 def status(directory: Path, out: TextIO = sys.stdout) -> int:
