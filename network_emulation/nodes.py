@@ -152,7 +152,7 @@ class VirtualNodes:
         self.host_link = f"vn{pid}"
         self.subnet = ""
         self.nodes: tuple[Node, ...] = ()
-        self._sshd: list[subprocess.Popen[bytes]] = []
+        self.node_inits: list[subprocess.Popen[bytes]] = []  # per node: unshare, whose child sshd is the node's pid 1
         self._guard = signals_raise()
         self._open = False
 
@@ -211,7 +211,7 @@ class VirtualNodes:
         self._build_topology()
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
         for n in self.nodes:
-            self._sshd.append(self._start_sshd(sshd, n))
+            self.node_inits.append(self._start_sshd(sshd, n))
         self._wait_listening(timeout_s=20 + 0.5 * self.n_nodes)
         write_state(self.directory, self.describe())
         if self.log:
@@ -224,9 +224,9 @@ class VirtualNodes:
         if not self._open:
             return
         with signals_deferred():
-            for p in self._sshd:
+            for p in self.node_inits:
                 _stop_node_init(p)
-            self._sshd = []
+            self.node_inits = []
             # The host-side link would go with the switch namespace, but only once the kernel has
             # finished dismantling it (asynchronously): delete it now.
             _run(["ip", "link", "del", self.host_link], check=False)
@@ -277,7 +277,7 @@ class VirtualNodes:
         end = time.monotonic() + timeout_s
         while waiting:
             for name, n in list(waiting.items()):
-                p = self._sshd[n.index]
+                p = self.node_inits[n.index]
                 if p.poll() is not None:
                     log = node_ssh.node_dir(self.directory, name) / "sshd.log"
                     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
@@ -396,7 +396,7 @@ def keep(n_nodes: int, directory: Path, subnet: str | None) -> int:
             with VirtualNodes(n_nodes, directory, subnet=subnet) as vn:
                 print("ready", flush=True)
                 os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the up command has stopped reading
-                _reap_until_signal({p.pid: p for p in vn._sshd})
+                _reap_until_signal({p.pid: p for p in vn.node_inits})
         except (Terminated, KeyboardInterrupt):
             pass
         finally:
