@@ -122,6 +122,12 @@ def host_shaping_argv(profile: Profile, src: int, iface: str, addresses: Sequenc
     return per_destination_argv(iface, links, kind)  # type: ignore[arg-type]
 
 
+def ssh_base(ssh_config: str | os.PathLike[str] | None = None) -> list[str]:
+    """The ssh client's own arguments: batch mode (never a password prompt), and ``-F ssh_config``
+    when given (e.g. virtual nodes' DIR/ssh_config) instead of ~/.ssh/config."""
+    return ["ssh", "-o", "BatchMode=yes", *(["-F", os.fspath(ssh_config)] if ssh_config else [])]
+
+
 def ssh_argv(host: str, argv: Sequence[str], ssh: Sequence[str] = ("ssh", "-o", "BatchMode=yes")) -> list[str]:
     """Run ``argv`` on ``host`` over ssh: the remote command line is shlex-quoted."""
     if host.startswith("-"):
@@ -137,10 +143,11 @@ class Runner:
     dry_run: bool = False
     sudo: bool = False
     out: TextIO = field(default=sys.stdout, compare=False)
+    ssh_config: str | None = None
 
     def wrap(self, argv: Sequence[str]) -> list[str]:
         argv = ["sudo", "-n", *argv] if self.sudo else list(argv)
-        return ssh_argv(self.host, argv) if self.host else argv
+        return ssh_argv(self.host, argv, ssh_base(self.ssh_config)) if self.host else argv
 
     def run(self, argv: Sequence[str], check: bool = True, quiet_errors: Sequence[str] = ()) -> str:
         full = self.wrap(argv)

@@ -2,12 +2,13 @@
 
 Standard library only; the same file is the script run inside each host:
 
-    python probe.py server --port 47000
+    python probe.py server --port 47000 [--watch-stdin]
     python probe.py client --address 10.77.0.2 --port 47000 --samples 20 --duration 1
 
-All virtual hosts share one kernel and so one clock: the one-way delay is
-measured directly (the kernel's receive timestamp of the datagram, SO_TIMESTAMPNS,
-minus the client's send time), not guessed as RTT/2. Bandwidth is TCP goodput (payload bytes) over the second half
+Hosts that share one kernel (virtual hosts, virtual nodes: the same boot id) share one
+clock: there the one-way delay is measured directly (the kernel's receive timestamp of the
+datagram, SO_TIMESTAMPNS, minus the client's send time). Between real hosts, whose clocks
+differ, it is reported as RTT/2 (``one_way_method`` says which). Bandwidth is TCP goodput (payload bytes) over the second half
 of the transfer, i.e. after slow start; the whole-transfer mean is kept too.
 TCP buffers are left to autotuning (the cluster raises tcp_rmem/tcp_wmem to 64 MB);
 setting SO_RCVBUF would cap them at net.core.rmem_max.
@@ -16,7 +17,9 @@ setting SO_RCVBUF would cap them at net.core.rmem_max.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import select
 import socket
 import statistics
@@ -24,7 +27,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +36,11 @@ PONG = struct.Struct("!IQQ")  # seq, client send time, server receive time
 DEFAULT_PORT = 47000
 CHUNK = 1 << 20
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+SHARED_CLOCK, RTT_HALF = "shared-clock", "rtt/2"
+STAMPS = ("kernel", "socket")
+PR_SET_TIMERSLACK = 29
+SOCKET_STAMP_PRIORITY = 5  # below the delayer's SCHED_FIFO priority
 
 
 @dataclass(frozen=True)
@@ -44,12 +52,14 @@ class LinkMeasurement:
     mean_bandwidth_gbps: float  # goodput over the whole transfer, slow start included
     transfer_s: float
     samples: int
+    one_way_method: str = SHARED_CLOCK  # "shared-clock": receive minus send time; "rtt/2": clocks differ
 
     def describe(self) -> dict[str, float]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
     def __str__(self) -> str:
-        text = (f"one-way delay {self.one_way_delay_ms:.3f} ms (p90 {self.one_way_delay_p90_ms:.3f}), "
+        how = "" if self.one_way_method == SHARED_CLOCK else f" [{self.one_way_method}]"
+        text = (f"one-way delay {self.one_way_delay_ms:.3f} ms{how} (p90 {self.one_way_delay_p90_ms:.3f}), "
                 f"rtt {self.rtt_ms:.3f} ms")
         if self.transfer_s > 0:
             text += (f", bandwidth {self.bandwidth_gbps:.3f} Gbit/s "
@@ -93,8 +103,35 @@ def _bulk_receive(conn: socket.socket) -> dict[str, float]:
     }
 
 
-def serve(port: int, timeout_s: float = 60.0) -> None:
-    """Echo UDP pings (adding the receive time) until one TCP bulk transfer is done; then exit."""
+def boot_id() -> str:
+    """This kernel's boot id: two processes with the same one read the same clock."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _prefer_cpu() -> None:
+    """Wake promptly on a loaded machine: no timer slack, SCHED_FIFO below the delayer's priority
+    (where permitted; otherwise the ordinary scheduler)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(SOCKET_STAMP_PRIORITY))
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(port: int, timeout_s: float = 60.0, watch_stdin: bool = False, stamp: str = "kernel") -> None:
+    """Echo UDP pings (adding the receive time) until one TCP bulk transfer is done; then exit.
+    Prints ``ready <boot id>`` once listening. With ``watch_stdin`` also exits when stdin reaches
+    EOF (the caller is gone, e.g. its ssh connection closed).
+
+    ``stamp``: "kernel" takes the kernel's receive time of the datagram (device receive, so the
+    server's scheduling latency does not count); "socket" the time the server reads it, needed
+    when the delay is added after the device receive (the delayer on the receiver's ingress,
+    raw PREROUTING): the server then runs SCHED_FIFO where permitted."""
+    if stamp == "socket":
+        _prefer_cpu()
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     udp.bind(("0.0.0.0", port))
@@ -102,13 +139,16 @@ def serve(port: int, timeout_s: float = 60.0) -> None:
     tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     tcp.bind(("0.0.0.0", port))
     tcp.listen(1)
-    print("ready", flush=True)
+    print(f"ready {boot_id()}", flush=True)
+    watched = [sys.stdin.fileno()] if watch_stdin else []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        readable, _, _ = select.select([udp, tcp], [], [], 1.0)
+        readable, _, _ = select.select([udp, tcp, *watched], [], [], 1.0)
+        if watched and watched[0] in readable and not os.read(watched[0], 4096):
+            return
         if udp in readable:
             data, anc, _, peer = udp.recvmsg(64, socket.CMSG_SPACE(16))
-            t = _kernel_rx_ns(anc)
+            t = _kernel_rx_ns(anc) if stamp == "kernel" else time.time_ns()
             if len(data) == PING.size:
                 seq, sent = PING.unpack(data)
                 udp.sendto(PONG.pack(seq, sent, t), peer)
@@ -168,51 +208,73 @@ def _bulk_send(address: str, port: int, duration_s: float) -> dict[str, float]:
 def client(address: str, port: int, samples: int, duration_s: float) -> dict[str, object]:
     one_way, rtt = _pings(address, port, samples)
     bulk = _bulk_send(address, port, duration_s) if duration_s > 0 else {}
-    return {"one_way_ms": one_way, "rtt_ms": rtt, "bulk": bulk}
+    return {"one_way_ms": one_way, "rtt_ms": rtt, "bulk": bulk, "boot_id": boot_id()}
 
 
-def summarize(raw: dict) -> LinkMeasurement:  # type: ignore[type-arg]
-    ow = sorted(raw["one_way_ms"])
+def summarize(raw: dict, server_boot_id: str | None = None) -> LinkMeasurement:  # type: ignore[type-arg]
+    """One measurement from the client's raw output. The one-way delay is measured when client and
+    server share a clock (same boot id, or ``server_boot_id`` not given), else it is RTT/2."""
+    rtt = sorted(raw["rtt_ms"])
+    client_boot = raw.get("boot_id", "unknown")
+    shared = server_boot_id is None or (server_boot_id == client_boot and client_boot != "unknown")
+    ow = sorted(raw["one_way_ms"]) if shared else [r / 2 for r in rtt]
     bulk = raw.get("bulk") or {}
     return LinkMeasurement(
         one_way_delay_ms=statistics.median(ow),
         bandwidth_gbps=float(bulk.get("steady_gbps", float("nan"))),
-        rtt_ms=statistics.median(raw["rtt_ms"]),
+        rtt_ms=statistics.median(rtt),
         one_way_delay_p90_ms=ow[min(len(ow) - 1, int(0.9 * len(ow)))],
         mean_bandwidth_gbps=float(bulk.get("mean_gbps", float("nan"))),
         transfer_s=float(bulk.get("seconds", 0.0)),
         samples=len(ow),
+        one_way_method=SHARED_CLOCK if shared else RTT_HALF,
     )
+
+
+Wrap = Callable[[list[str]], list[str]]
+"""Turns the probe script's own arguments (``["server", "--port", "47000"]``) into a full argv
+that runs it somewhere: inside a namespace, or on a node over ssh."""
+
+
+def measure_with(server: Wrap, client: Wrap, address: str, *, port: int = DEFAULT_PORT, samples: int = 20,
+                 duration_s: float = 1.0, stamp: str = "kernel") -> LinkMeasurement:
+    """Start the probe server through ``server``, then the client through ``client`` towards
+    ``address``; measure the client -> server direction. The server's stdin is a pipe held open
+    for the measurement: closing it ends the server wherever it runs. ``stamp``: see ``serve``."""
+    if stamp not in STAMPS:
+        raise ValueError(f"stamp must be one of {STAMPS}, got {stamp!r}")
+    srv = subprocess.Popen(server(["server", "--port", str(port), "--watch-stdin", "--stamp", stamp]),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = srv.stdout.readline().split() if srv.stdout else []
+        if line[:1] != ["ready"]:
+            raise RuntimeError(f"probe server did not start (exit {srv.poll()})")
+        out = subprocess.run(client(["client", "--address", address, "--port", str(port),
+                                     "--samples", str(samples), "--duration", str(duration_s)]),
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                             timeout=60 + samples + duration_s)
+        if out.returncode != 0:
+            raise RuntimeError(f"probe client failed: {out.stderr.strip().splitlines()[-1:]}")
+        return summarize(json.loads(out.stdout), line[1] if len(line) > 1 else None)
+    finally:
+        if srv.stdin:
+            srv.stdin.close()
+        try:
+            srv.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+        if srv.stdout:
+            srv.stdout.close()
 
 
 def measure(server_prefix: Sequence[str], client_prefix: Sequence[str], address: str, *,
             port: int = DEFAULT_PORT, samples: int = 20, duration_s: float = 1.0) -> LinkMeasurement:
     """Run the server under ``server_prefix`` (e.g. ``ip netns exec h1``) and the client under
-    ``client_prefix``; measure the client -> server direction."""
-    script = str(Path(__file__).resolve())
-    py = [sys.executable, "-I", script]
-    srv = subprocess.Popen([*server_prefix, *py, "server", "--port", str(port)],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    try:
-        line = srv.stdout.readline() if srv.stdout else ""
-        if line.strip() != "ready":
-            raise RuntimeError(f"probe server did not start (exit {srv.poll()})")
-        out = subprocess.run([*client_prefix, *py, "client", "--address", address, "--port", str(port),
-                              "--samples", str(samples), "--duration", str(duration_s)],
-                             stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                             timeout=60 + samples + duration_s)
-        if out.returncode != 0:
-            raise RuntimeError(f"probe client failed: {out.stderr.strip().splitlines()[-1:]}")
-        return summarize(json.loads(out.stdout))
-    finally:
-        if srv.poll() is None:
-            try:
-                srv.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                srv.kill()
-                srv.wait()
-        if srv.stdout:
-            srv.stdout.close()
+    ``client_prefix``, both with this Python; measure the client -> server direction."""
+    py = [sys.executable, "-I", str(Path(__file__).resolve())]
+    return measure_with(lambda args: [*server_prefix, *py, *args], lambda args: [*client_prefix, *py, *args],
+                        address, port=port, samples=samples, duration_s=duration_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="role", required=True)
     s = sub.add_parser("server")
     s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    s.add_argument("--watch-stdin", action="store_true", help="exit when stdin reaches EOF")
+    s.add_argument("--stamp", choices=STAMPS, default="kernel",
+                   help="receive time: the kernel's (default) or when read (delay added after device receive)")
     c = sub.add_parser("client")
     c.add_argument("--address", required=True)
     c.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -227,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--duration", type=float, default=1.0)
     a = ap.parse_args(argv)
     if a.role == "server":
-        serve(a.port)
+        serve(a.port, watch_stdin=a.watch_stdin, stamp=a.stamp)
     else:
         json.dump(client(a.address, a.port, a.samples, a.duration), sys.stdout)
 

@@ -44,12 +44,14 @@ DELAYER = Path(__file__).with_name("delayer.py")
 
 
 def _start_time(pid: int) -> int | None:
-    """Process start time in clock ticks since boot (field 22 of /proc/<pid>/stat), None if gone."""
+    """Process start time in clock ticks since boot (field 22 of /proc/<pid>/stat), None if gone
+    or a zombie (ended, not yet reaped: where PID 1 does not reap orphans it stays one for good)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _run(argv: list[str], input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -25,3 +25,16 @@ if [ "$(id -u)" = 0 ] && { ! command -v ip >/dev/null || ! command -v iptables >
       || echo "setup: could not install iproute2/iptables; network emulation tests will be skipped" >&2
   fi
 fi
+# Virtual nodes (network_emulation.nodes) run their own sshd: install openssh-server if missing. The nodes
+# never use /etc/ssh; where systemd runs, the machine-wide sshd the package would start is stopped again, so
+# the machine is left as it was (without systemd the package starts no daemon).
+if [ "$(id -u)" = 0 ] && ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ]; then
+  if command -v apt-get >/dev/null; then
+    echo "setup: installing openssh-server (virtual nodes' sshd)" >&2
+    if (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null); then
+      if [ -d /run/systemd/system ]; then systemctl disable --now ssh.service ssh.socket >/dev/null 2>&1 || true; fi
+    else
+      echo "setup: could not install openssh-server; virtual node tests will be skipped" >&2
+    fi
+  fi
+fi
