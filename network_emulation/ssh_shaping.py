@@ -20,7 +20,8 @@ sender. Matrix profiles need each host's address (``addresses``, in rank order):
 destination (htb) on the sender, delays per source on the receiver. The delayer leaves the sshd port
 out (control traffic only), so that a node whose delayer died is still reachable to be cleared.
 
-Each host needs the suite at ``remote_dir`` with ``remote_python`` (as for the cluster mode's runs),
+Each host needs the suite at ``remote_dir`` with ``remote_python`` (as for the cluster mode's runs;
+``{host}`` in either stands for the host's name, for nodes that keep the suite in a directory each),
 iproute2, iptables for the fallback, and GNU env with ``-C`` (coreutils 8.28 or later).
 
 ``probe`` measures a link between two hosts of the session over ssh with probe.py (server on one,
@@ -54,6 +55,11 @@ REPO = Path(__file__).resolve().parent.parent
 QUEUE_BASE = 4700  # NFQUEUE numbers of the delayer: QUEUE_BASE (uniform) or QUEUE_BASE + source rank
 START_TIMEOUT_S = 60.0
 CLEAR_TIMEOUT_S = 20.0
+
+
+def for_host(template: str, host: str | None) -> str:
+    """``template`` with ``{host}`` replaced by the host's name (without ``user@``); "localhost" for None."""
+    return template.replace("{host}", (host or "localhost").rpartition("@")[2])
 
 
 def delays_for(profile: Profile, index: int, addresses: Sequence[str]) -> list[list[Any]]:
@@ -203,7 +209,8 @@ class SshShapingSession:
 
     def agent_argv(self, host: str | None) -> list[str]:
         """The command that starts the agent on ``host`` (in the suite's directory there)."""
-        argv = ["env", "-C", self.remote_dir, self.remote_python, "-m", "network_emulation.shaping_agent"]
+        argv = ["env", "-C", for_host(self.remote_dir, host), for_host(self.remote_python, host), "-m",
+                "network_emulation.shaping_agent"]
         return self._on(host, ["sudo", "-n", *argv] if self.sudo else argv)
 
     def plan(self, index: int) -> dict[str, Any]:
@@ -326,13 +333,14 @@ def probe_over_ssh(server: str | None, client: str | None, address: str, *,
                    port: int = DEFAULT_PORT, stamp: str = "kernel") -> LinkMeasurement:
     """Run probe.py's server on ``server`` and its client on ``client`` (ssh names; None = here),
     the client sending to ``address`` (the server's address on the shaped interface). ``stamp``
-    "socket" when the server's node delays on its ingress (see probe.serve)."""
-    script = posixpath.join(remote_dir, "network_emulation", "probe.py")
+    "socket" when the server's node delays on its ingress (see probe.serve). ``{host}`` in
+    ``remote_dir`` and ``remote_python`` stands for each side's host name."""
     base = netem.ssh_base(ssh_config)
 
     def on(host: str | None):
         def wrap(args: list[str]) -> list[str]:
-            argv = [remote_python, "-I", script, *args]
+            script = posixpath.join(for_host(remote_dir, host), "network_emulation", "probe.py")
+            argv = [for_host(remote_python, host), "-I", script, *args]
             return netem.ssh_argv(host, argv, base) if host else argv
         return wrap
 

@@ -1,10 +1,19 @@
 """Copying a child process's output as it comes: one helper for the launcher, the sweep and the
-cluster mode."""
+cluster mode; and what a failed rank's words mean."""
 from __future__ import annotations
 
 import collections
 import threading
 from typing import IO, Callable, Iterable
+
+# How a rank that failed because another one did reports it (gloo's words): such an error is not
+# the cause; the launcher names the rank that failed first, the cluster mode the node.
+PEER_FAILURE = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "Socket closed")
+
+
+def is_peer_failure(text: str) -> bool:
+    """``text`` (an error) says that a peer went away, not what went wrong first."""
+    return any(p.lower() in text.lower() for p in PEER_FAILURE)
 
 
 class Pump:

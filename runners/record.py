@@ -17,7 +17,7 @@ from typing import Any
 
 from contract import RunConfig, SystemSpec
 
-STATUSES = ("ok", "oom", "error", "timeout")
+STATUSES = ("ok", "oom", "error", "timeout", "unfit")  # unfit: the cluster cannot hold the run (not run)
 
 
 @dataclass

@@ -3,29 +3,50 @@
 #
 #   runners/run_all.sh                      # local default: set up .venv, run runners/sweeps/local.toml
 #                                           # on this machine, report into results/local.md (+ results/plots)
-#   runners/run_all.sh --hostfile HOSTS [--iface eth0] [--sweep FILE] [--nproc-per-node N] [--ssh-user USER]
-#                                           # the cluster: every run across the hosts over ssh, netem on each
-#                                           # node's interface (default sweep: runners/sweeps/gpt3-xl-cluster.toml)
+#   runners/run_all.sh --hostfile HOSTS [--ssh-config FILE] [--iface eth0] [--sweep FILE] [--nproc-per-node N]
+#                      [--ssh-user USER] [--remote-dir DIR] [--setup-nodes]
+#                                           # the cluster: every run across the hosts over ssh, the network
+#                                           # shaped on each node (default sweep: runners/sweeps/gpt3-xl-cluster.toml);
+#                                           # HOSTS lines are 'host slots=GPUS'; --setup-nodes first copies the
+#                                           # suite to every node's DIR and builds its environment there
+#   runners/run_all.sh --rehearse N [--sweep FILE] [--nproc-per-node N]
+#                                           # rehearse the cluster on this machine (root): N virtual nodes with
+#                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down
 #
 # Other options go to the sweep (python -m runners.sweep --help): --dry-run, --only SYSTEM, --out FILE,
-# --retry-failed, --sudo, --remote-dir DIR, --remote-python PY, --port N.
+# --retry-failed, --sudo, --remote-python PY, --port N, --scale-down (with --rehearse: --out, --only,
+# --retry-failed, --dir DIR, --no-report).
 # PYTHON=/path/to/python skips the environment set-up and uses that interpreter.
 # A sweep that is run again skips the runs already in its record file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-hostfile="" sweep="" cluster_args=() extra=()
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+hostfile="" sweep="" rehearse="" setup_nodes="" cluster_args=() setup_args=() slots=() extra=()
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 need() { [ $# -ge 2 ] || { echo "run_all.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --hostfile) need "$@"; hostfile=$2; shift 2 ;;
     --sweep) need "$@"; sweep=$2; shift 2 ;;
-    --iface|--nproc-per-node|--ssh-user) need "$@"; cluster_args+=("$1" "$2"); shift 2 ;;
+    --rehearse) need "$@"; rehearse=$2; shift 2 ;;
+    --setup-nodes) setup_nodes=1; shift ;;
+    --ssh-config|--ssh-user|--remote-dir) need "$@"; cluster_args+=("$1" "$2"); setup_args+=("$1" "$2"); shift 2 ;;
+    --iface) need "$@"; cluster_args+=("$1" "$2"); shift 2 ;;
+    --nproc-per-node) need "$@"; slots=("$1" "$2"); shift 2 ;;
     *) extra+=("$1"); shift ;;
   esac
 done
+
+if [ -n "$rehearse" ]; then
+  [ -z "$hostfile" ] || { echo "run_all.sh: --rehearse makes its own nodes; leave out --hostfile" >&2; exit 2; }
+  [ ${#cluster_args[@]} -eq 0 ] || { echo "run_all.sh: ${cluster_args[0]} is set by --rehearse itself" >&2; exit 2; }
+  [ -z "$setup_nodes" ] || { echo "run_all.sh: --rehearse sets up its nodes itself; leave out --setup-nodes" >&2; exit 2; }
+elif [ -z "$hostfile" ]; then
+  for a in ${cluster_args[0]+"${cluster_args[0]}"} ${slots[0]+"${slots[0]}"} ${setup_nodes:+--setup-nodes}; do
+    echo "run_all.sh: $a needs --hostfile" >&2; exit 2
+  done
+fi
 
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
@@ -35,8 +56,10 @@ else
 fi
 
 status=0
-if [ -z "$hostfile" ]; then
-  [ ${#cluster_args[@]} -eq 0 ] || { echo "run_all.sh: ${cluster_args[0]} needs --hostfile" >&2; exit 2; }
+if [ -n "$rehearse" ]; then
+  "$PY" -m runners.rehearse "$rehearse" ${sweep:+--sweep "$sweep"} ${slots[@]+"${slots[@]}"} \
+    ${extra[@]+"${extra[@]}"} || status=$?
+elif [ -z "$hostfile" ]; then
   sweep=${sweep:-runners/sweeps/local.toml}
   if [ "$(id -u)" != 0 ]; then
     echo "run_all.sh: not root: the runs under emulated networks (network namespaces, tc) will be skipped;" \
@@ -45,7 +68,10 @@ if [ -z "$hostfile" ]; then
   "$PY" -m runners.sweep "$sweep" --plots results/plots ${extra[@]+"${extra[@]}"} || status=$?
 else
   sweep=${sweep:-runners/sweeps/gpt3-xl-cluster.toml}
+  if [ -n "$setup_nodes" ]; then
+    "$PY" -m runners.sweep.setup_nodes --hostfile "$hostfile" ${setup_args[@]+"${setup_args[@]}"} || exit $?
+  fi
   "$PY" -m runners.sweep "$sweep" --hostfile "$hostfile" --plots results/plots \
-    ${cluster_args[@]+"${cluster_args[@]}"} ${extra[@]+"${extra[@]}"} || status=$?
+    ${cluster_args[@]+"${cluster_args[@]}"} ${slots[@]+"${slots[@]}"} ${extra[@]+"${extra[@]}"} || status=$?
 fi
 exit $status

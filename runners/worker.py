@@ -27,13 +27,9 @@ import torch.distributed as dist  # noqa: E402
 
 from contract import RunConfig  # noqa: E402
 from contract.training import Context  # noqa: E402
+from runners.output import is_peer_failure  # noqa: E402
 from runners.registry import get_system  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
-
-
-# How a rank that failed because another one did reports it (gloo's words): such an error is not
-# the cause, and the launcher names the rank that failed first.
-PEER_FAILURE = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused", "Socket closed")
 
 
 def pick_device(requested: str, local_rank: int, devices_per_process: int = 1) -> tuple[torch.device, str]:
@@ -107,7 +103,7 @@ def main(run_dir: Path) -> int:
     except BaseException as exc:  # recorded for the launcher, then the rank dies and torchrun stops the rest
         status = "oom" if is_oom(exc) else "error"
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        peer = any(p.lower() in text.lower() for p in PEER_FAILURE)
+        peer = is_peer_failure(text)
         (run_dir / f"error-rank{rank}.json").write_text(json.dumps(
             {"rank": rank, "status": status, "error": text, "peer_failure": peer, "time": time.time(),
              "traceback": traceback.format_exc()}))

@@ -1,11 +1,12 @@
 """The sweep's command line.
 
-    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM]
-                                       [--hostfile FILE [--iface IFACE] [--nproc-per-node N] ...]
+    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down]
+                                       [--hostfile FILE [--ssh-config FILE] [--iface IFACE] [--nproc-per-node N] ...]
     python -m runners.sweep --networks PROFILE... [--out FILE] [--dry-run] -- RUN_ARGS...   (netem_sweep.sh)
 
 A sweep file expands into run commands (``runners.sweep.plan``); they run one after another
-(``runners.sweep.execute``), locally or across a cluster's hosts over ssh (``runners.sweep.cluster``).
+(``runners.sweep.execute``), locally or across a cluster's hosts over ssh (``runners.sweep.cluster``);
+``--scale-down`` plans the sweep scaled down to one small machine (``runners.sweep.scale``).
 Runs already recorded in the out file are skipped; at the end, a summary and the report.
 Exit status: 0 all ran, 1 some failed, 2 a bad sweep, hostfile or request, 130 interrupted.
 """
@@ -21,6 +22,7 @@ from network_emulation.signals import Terminated, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
 from runners.sweep.execute import run_sweep, select_runs
 from runners.sweep.plan import REPO, SweepError, adhoc_sweep, load_sweep
+from runners.sweep.scale import scale_down
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,17 +35,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-report", action="store_true", help="do not run report.py at the end")
     ap.add_argument("--no-probe", action="store_true", help="do not probe the emulated networks first")
     ap.add_argument("--plots", default=None, help="also write the report's plots into this directory")
+    ap.add_argument("--scale-down", action="store_true",
+                    help="the sweep scaled down to one small machine: same layouts, micro-batch sizes and networks, "
+                         "a tiny model, a smaller batch, fewer steps (the cluster rehearsal's sweep)")
     ap.add_argument("--networks", nargs="*", default=None, metavar="PROFILE",
                     help="ad-hoc sweep: the run arguments after -- across these network profiles "
                          "(none given: the five seed profiles)")
-    c = ap.add_argument_group("cluster (real hosts over ssh; netem applied on each node)")
-    c.add_argument("--hostfile", default=None, help="one host per line, the first is node 0")
-    c.add_argument("--iface", default="eth0", help="network interface netem shapes on every node")
-    c.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default: as few nodes' worth as fit)")
+    c = ap.add_argument_group("cluster (hosts over ssh; the network shaped on each node)")
+    c.add_argument("--hostfile", default=None,
+                   help="one host per line, 'HOST slots=N' (N GPUs; a bare name is one), the first is node 0")
+    c.add_argument("--ssh-config", default=None, help="ssh -F FILE for every ssh to the nodes (e.g. virtual nodes')")
+    c.add_argument("--iface", default="eth0",
+                   help="the nodes' network interface: shaped, and given to the ranks (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)")
+    c.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="every host has N GPU slots (overrides the hostfile's slots=)")
     c.add_argument("--ssh-user", default=None)
-    c.add_argument("--sudo", action="store_true", help="run tc through 'sudo -n' on the nodes")
-    c.add_argument("--remote-dir", default=str(REPO), help="the suite's directory on the nodes (default: this one)")
-    c.add_argument("--remote-python", default=None, help="python on the nodes (default: this interpreter's path)")
+    c.add_argument("--sudo", action="store_true", help="shape through 'sudo -n' on the nodes")
+    c.add_argument("--remote-dir", default=str(REPO),
+                   help="the suite's directory on the nodes, '{host}' for the host's name (default: this one)")
+    c.add_argument("--remote-python", default=None,
+                   help="python on the nodes (default: this interpreter's path, or REMOTE_DIR/.venv/bin/python "
+                        "with --remote-dir)")
     c.add_argument("--port", type=int, default=29500, help="rendezvous port on node 0")
     return ap
 
@@ -73,13 +85,15 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
     if args.networks is not None:
         if args.sweep or not run_args:
             raise SweepError("--networks takes the run arguments after --, and no sweep file")
+        if args.scale_down:
+            raise SweepError("--scale-down scales a sweep file, not --networks")
         sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES))
     else:
         if not args.sweep:
             raise SweepError("give a sweep file (or --networks PROFILE... -- RUN_ARGS)")
         if run_args:
             raise SweepError("run arguments after -- go with --networks only")
-        sweep = load_sweep(args.sweep)
+        sweep = load_sweep(args.sweep, scale_down if args.scale_down else None)
     unknown = [s for s in args.only if s not in {r.system for r in sweep.runs}]
     if unknown:
         raise SweepError(f"--only {', '.join(unknown)}: not in this sweep (it has "
@@ -89,10 +103,13 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
         out = Path.cwd() / out
     executor = None
     if args.hostfile:
-        executor = ClusterExecutor(parse_hostfile(args.hostfile), iface=args.iface,
-                                   nproc_per_node=args.nproc_per_node, ssh_user=args.ssh_user, sudo=args.sudo,
-                                   remote_dir=args.remote_dir, remote_python=args.remote_python or sys.executable,
-                                   port=args.port, dry_run=args.dry_run)
+        if args.ssh_config and not Path(args.ssh_config).is_file():
+            raise SweepError(f"--ssh-config {args.ssh_config}: no such file")
+        ssh_config = str(Path(args.ssh_config).absolute()) if args.ssh_config else None
+        executor = ClusterExecutor(parse_hostfile(args.hostfile, args.nproc_per_node), iface=args.iface,
+                                   ssh_config=ssh_config, ssh_user=args.ssh_user, sudo=args.sudo,
+                                   remote_dir=args.remote_dir, remote_python=args.remote_python, port=args.port,
+                                   dry_run=args.dry_run)
         if args.dry_run:
             executor.print_plan(sweep, select_runs(sweep, args.only), out)
             return None

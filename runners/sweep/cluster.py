@@ -1,17 +1,27 @@
-"""Cluster mode of the sweep: one run across real hosts over ssh, under netem.
+"""Cluster mode of the sweep: one run across hosts over ssh, with the run's network emulated on them.
 
-For each run: pick the nodes (the first N of the hostfile), apply the run's network profile on
-every node's interface (network_emulation's NetemSession over ssh), start the run command on every
-node with ``--nnodes N --node-rank i --rdzv-endpoint node0:PORT``, copy node 0's record back into
-the sweep's out file, and clear netem: always, also on errors and Ctrl-C.
+For each run: place its ranks on the hostfile's hosts (``hostfile.place``: GPU slots, as few ranks
+per node as fit; a run that does not fit is recorded with status ``unfit`` and skipped), shape the
+run's network on every node it uses (``SshShapingSession``: netem where the node has it, else tbf
+plus the delayer), probe the link between its first two nodes once per network setting, start the
+run command on every node with ``--nnodes N --node-rank i --rdzv-endpoint node0:PORT`` and the
+interface in ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, copy node 0's record back into the
+sweep's out file (with the shaping and the measured link in its environment), and clear the shaping:
+always, also on errors and Ctrl-C.
+
+When a node fails (its ssh connection ends because the node or its sshd died, it never answers, or
+its run command exits with an error) the others get ``GRACE_S`` to stop on their own, then are
+interrupted; the record's error names the node that failed first. ``{host}`` in the remote
+directory and python stands for each host's name (nodes that keep the suite in a directory each).
 
 Every command is an argument list; the one command line that crosses ssh is built with shlex
 quoting (``network_emulation.netem.ssh_argv``), so no value from a sweep file or hostfile reaches a
-shell unquoted. The run command does not apply netem itself when given multi-node flags.
+shell unquoted. The run command does not shape the network itself when given multi-node flags.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import posixpath
 import shlex
@@ -20,150 +30,189 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
-from network_emulation import NetemSession, parse_profile
-from network_emulation.netem import ssh_argv
-from runners.output import Pump
+from network_emulation import SshShapingSession, parse_profile
+from network_emulation.netem import ssh_argv, ssh_base
+from network_emulation.signals import signals_deferred
+from network_emulation.ssh_shaping import for_host
+from runners.output import Pump, is_peer_failure
 from runners.record import append_line, append_record, build_record
 from runners.registry import get_system
 from runners.request import build_parser, config_from_args
 from runners.sweep.execute import SAFETY_MARGIN_S
-from runners.sweep.plan import PlannedRun, Sweep, SweepError
+from runners.sweep.hostfile import DoesNotFit, Host, NodePlacement, parse_hostfile, place
+from runners.sweep.plan import REPO, PlannedRun, Sweep
+
+__all__ = ["ClusterExecutor", "DoesNotFit", "Host", "parse_hostfile"]
 
 PID_MARK = "@@sweep-remote-pid="
 GRACE_S = 20.0  # once a node has failed, how long the others get to stop on their own
-
-
-def parse_hostfile(path: str | os.PathLike) -> list[str]:
-    """One host per line (the first is node 0); blank lines and '#' comments are ignored.
-    A line is taken whole as the host name: it is never split or interpreted."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise SweepError(f"cannot read hostfile {path}: {e.strerror}") from None
-    hosts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        host = line.split("#", 1)[0].strip()
-        if not host:
-            continue
-        if host.startswith("-"):
-            raise SweepError(f"{path}:{n}: bad host name {host!r}")
-        hosts.append(host)
-    if not hosts:
-        raise SweepError(f"hostfile {path} lists no hosts")
-    return hosts
-
-
-def placement(world: int, n_hosts: int, nproc_per_node: int | None = None) -> tuple[int, int]:
-    """(nodes, ranks per node) for ``world`` ranks: the given ranks per node, or as few per node as
-    spreads the run over at most ``n_hosts`` nodes evenly. ValueError if it does not fit."""
-    if nproc_per_node is None:
-        nproc_per_node = next(n for n in range(-(-world // n_hosts), world + 1) if world % n == 0)
-    if world % nproc_per_node:
-        raise ValueError(f"{world} ranks do not divide into nodes of {nproc_per_node}")
-    nnodes = world // nproc_per_node
-    if nnodes > n_hosts:
-        raise ValueError(f"{world} ranks at {nproc_per_node} per node need {nnodes} nodes; the hostfile has {n_hosts}")
-    return nnodes, nproc_per_node
+STOP_S = 30.0  # after the interruption, how long a node's run command gets before SIGKILL
+SSH_LOST = 255  # ssh's exit status when the connection fails or ends
+BAD_REQUEST = 2  # the run command's exit status for a request it refused (it started nothing)
+IFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 @dataclass
 class ClusterExecutor:
-    hosts: list[str]
+    """Runs one planned run across ``hosts`` (``executor(run, out) -> (exit status, output tail)``;
+    raises DoesNotFit, after recording it, for a run the hosts cannot hold)."""
+
+    hosts: list[Host]
     iface: str = "eth0"
-    nproc_per_node: int | None = None  # overrides the sweep file's hint
+    ssh_config: str | None = None  # ssh -F FILE (e.g. virtual nodes' DIR/ssh_config)
     ssh_user: str | None = None
     sudo: bool = False
-    remote_dir: str = str(Path(__file__).resolve().parent.parent)
-    remote_python: str = sys.executable
+    remote_dir: str = str(REPO)  # the suite on the nodes ({host}: the host's name)
+    remote_python: str | None = None  # default: this interpreter, or REMOTE_DIR/.venv/bin/python
     port: int = 29500
     dry_run: bool = False
-    log: object = None
+    log: IO | None = None
+    measured: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)  # (network, src, dst) -> link
+    backends: dict[str, str] = field(default_factory=dict)  # host -> shaping backend found (skips re-probing netem)
     cluster = True
 
+    def __post_init__(self) -> None:
+        if self.remote_python is None:
+            same = os.path.realpath(self.remote_dir) == os.path.realpath(REPO)
+            self.remote_python = sys.executable if same else posixpath.join(self.remote_dir, ".venv", "bin", "python")
+
+    # ------------------------------------------------------------------ commands
     def target(self, host: str) -> str:
         return f"{self.ssh_user}@{host}" if self.ssh_user else host
 
-    def place(self, run: PlannedRun) -> tuple[int, int]:
-        return placement(run.world, len(self.hosts), self.nproc_per_node or run.nproc_per_node)
+    def ssh(self, host: str, argv: list[str]) -> list[str]:
+        """ssh argv running ``argv`` on ``host`` (quoted), through the ssh config when given."""
+        return ssh_argv(self.target(host), argv, ssh_base(self.ssh_config))
 
-    def run_argv(self, run: PlannedRun, node_rank: int, nnodes: int, remote_out: str) -> list[str]:
-        """The run command on one node (an argument list)."""
-        return [self.remote_python, "-m", "runners.run", *run.args, "--nnodes", str(nnodes),
-                "--node-rank", str(node_rank), "--rdzv-endpoint", f"{self.hosts[0]}:{self.port}", "--out", remote_out]
+    def dir_on(self, host: str) -> str:
+        return for_host(self.remote_dir, host)
 
-    def node_argv(self, run: PlannedRun, node_rank: int, nnodes: int, remote_out: str) -> list[str]:
+    def python_on(self, host: str) -> str:
+        assert self.remote_python is not None
+        return for_host(self.remote_python, host)
+
+    def place(self, run: PlannedRun) -> NodePlacement:
+        return place(run.world, self.hosts, devices_per_process=run.devices_per_process,
+                     ranks_per_node=run.nproc_per_node, emulated=run.emulated)
+
+    def run_argv(self, run: PlannedRun, nodes: NodePlacement, node_rank: int, remote_out: str) -> list[str]:
+        """The run command on one node (an argument list), with the interface for gloo and NCCL."""
+        host = nodes.hosts[node_rank]
+        return ["env", *(f"{v}={self.iface}" for v in IFACE_VARIABLES), self.python_on(host), "-m", "runners.run",
+                *run.args, "--nnodes", str(nodes.nnodes), "--node-rank", str(node_rank),
+                "--rdzv-endpoint", f"{nodes.hosts[0]}:{self.port}", "--out", remote_out]
+
+    def node_argv(self, run: PlannedRun, nodes: NodePlacement, node_rank: int, remote_out: str) -> list[str]:
         """ssh argv that starts the run command on node ``node_rank``: it reports its pid first (so
         that an interrupted sweep can stop it), then becomes the run command in the suite's directory."""
-        script = (f"echo {shlex.quote(PID_MARK)}$$ && cd {shlex.quote(self.remote_dir)} && exec "
-                  + shlex.join(self.run_argv(run, node_rank, nnodes, remote_out)))
-        return ssh_argv(self.target(self.hosts[node_rank]), ["sh", "-c", script])
+        host = nodes.hosts[node_rank]
+        script = (f"echo {shlex.quote(PID_MARK)}$$ && cd {shlex.quote(self.dir_on(host))} && mkdir -p results "
+                  f"&& exec {shlex.join(self.run_argv(run, nodes, node_rank, remote_out))}")
+        return self.ssh(host, ["sh", "-c", script])
 
-    def remote_out(self) -> str:
-        return posixpath.join(self.remote_dir, "results", f".cluster-{uuid.uuid4().hex[:12]}.jsonl")
+    def stop_argv(self, host: str, pid: str, signal: str = "INT") -> list[str]:
+        """Interrupt the run command on a node (it then stops its own ranks); KILL if it does not stop
+        (its torchrun agent and ranks die with it)."""
+        return self.ssh(host, ["kill", f"-{signal}", pid])
 
-    def netem(self, run: PlannedRun, hosts: Sequence[str], out=sys.stdout):
+    def remote_out(self, host0: str) -> str:
+        return posixpath.join(self.dir_on(host0), "results", f".cluster-{uuid.uuid4().hex[:12]}.jsonl")
+
+    def shaping(self, run: PlannedRun, hosts: tuple[str, ...], out: IO = sys.stdout):
         if not run.emulated:
             return contextlib.nullcontext()
-        return NetemSession(parse_profile(run.network), self.iface, hosts=[self.target(h) for h in hosts],
-                            dry_run=self.dry_run, sudo=self.sudo, out=out)
+        assert self.remote_python is not None
+        return SshShapingSession(parse_profile(run.network), self.iface, [self.target(h) for h in hosts],
+                                 dry_run=self.dry_run, sudo=self.sudo, out=out, ssh_config=self.ssh_config,
+                                 remote_dir=self.remote_dir, remote_python=self.remote_python, backends=self.backends)
 
     # ------------------------------------------------------------------ dry run
 
-    def print_plan(self, sweep: Sweep, runs: list[PlannedRun], out: Path, stream=sys.stdout) -> int:
-        print(f"sweep {sweep.name} on {len(self.hosts)} host(s): {len(runs)} run(s), records into {out}", file=stream)
+    def print_plan(self, sweep: Sweep, runs: list[PlannedRun], out: Path, stream: IO = sys.stdout) -> int:
+        slots = sum(h.slots for h in self.hosts)
+        print(f"sweep {sweep.name} on {len(self.hosts)} host(s) ({slots} GPU slots): {len(runs)} run(s), "
+              f"records into {out}", file=stream)
         for run in runs:
             if not run.valid:
                 print(f"\n# skip (bad combination): {run.label()}\n#   {run.error}", file=stream)
                 continue
             try:
-                nnodes, nproc = self.place(run)
-            except ValueError as e:
-                print(f"\n# skip (does not fit): {run.label()}\n#   {e}", file=stream)
+                nodes = self.place(run)
+            except DoesNotFit as e:
+                print(f"\n# skip (unfit): {run.label()}\n#   {e}", file=stream)
                 continue
-            print(f"\n# {run.label()}  ({nnodes} node(s) x {nproc} rank(s), network {run.network})", file=stream)
-            remote_out = self.remote_out()
-            hosts = self.hosts[:nnodes]
-            session = self.netem(run, hosts, out=stream)
-            if run.emulated:
-                session.__enter__()
-            for i in range(nnodes):
-                print(shlex.join(self.node_argv(run, i, nnodes, remote_out)), file=stream)
-            if run.emulated:
-                session.__exit__(None, None, None)
+            print(f"\n# {run.label()}  ({nodes.nnodes} node(s) x {nodes.ranks_per_node} rank(s): "
+                  f"{' '.join(nodes.hosts)}; network {run.network})", file=stream)
+            remote_out = self.remote_out(nodes.hosts[0])
+            with self.shaping(run, nodes.hosts, out=stream):
+                for i in range(nodes.nnodes):
+                    print(shlex.join(self.node_argv(run, nodes, i, remote_out)), file=stream)
         return 0
 
     # ------------------------------------------------------------------ one run
 
     def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]:
         try:
-            nnodes, _ = self.place(run)
-        except ValueError as e:
-            return 2, f"does not fit the cluster: {e}"
-        hosts = self.hosts[:nnodes]
-        remote_out = self.remote_out()
-        tail: list[str] = []
-        rc = 1
-        try:
-            with self.netem(run, hosts, out=self.log or sys.stdout):
-                rc = self._launch(run, nnodes, remote_out, tail)
-        except KeyboardInterrupt:
+            nodes = self.place(run)
+        except DoesNotFit as e:
+            self._record_unfit(run, out, str(e))
             raise
-        except Exception as e:  # netem or ssh trouble: the run did not happen
-            tail.append(f"cluster: {type(e).__name__}: {e}")
-            rc = 1
-        finally:
-            got = self._collect(hosts[0], remote_out, out)
-        if not got and rc != 2:
-            self._record_failure(run, out, hosts, tail[-1] if tail else f"no record from {hosts[0]}")
-            rc = rc or 1
-        return rc, "\n".join(tail)
+        remote_out = self.remote_out(nodes.hosts[0])
+        tail: list[str] = []
+        network: dict[str, Any] | None = None
+        blame: str | None = None
+        timed_out = False
+        t0 = time.monotonic()
+        try:
+            with self.shaping(run, nodes.hosts, out=self.log or sys.stdout) as session:
+                if session is not None:
+                    network = {**session.describe(), **self._measure(run, nodes.hosts, session)}
+                    self._note(f"cluster: {run.network} shaped on {nodes.nnodes} node(s) "
+                               f"({network['backend']}) in {time.monotonic() - t0:.1f} s")
+                t1 = time.monotonic()
+                blame, timed_out = self._launch(run, nodes, remote_out, tail)
+                self._note(f"cluster: the run took {time.monotonic() - t1:.1f} s on {nodes.nnodes} node(s)")
+        except Exception as e:  # shaping, probe or ssh trouble: the run did not happen
+            tail.append(f"cluster: {e}")
+        cluster_env = {"hosts": list(nodes.hosts), "ranks_per_node": nodes.ranks_per_node, "iface": self.iface}
+        status = self._collect(nodes.hosts[0], remote_out, out, network, cluster_env, blame)
+        if status is None:
+            status = "timeout" if timed_out else "error"
+            error = blame or (tail[-1] if tail else f"no record from {nodes.hosts[0]}")
+            self._record(run, out, status, error, {"cluster": cluster_env, **({"network": network} if network else {})})
+        if blame:
+            tail.append(blame)
+        return (0 if status == "ok" else 1), "\n".join(tail)
 
-    def _launch(self, run: PlannedRun, nnodes: int, remote_out: str, tail: list[str]) -> int:
-        procs, pids, pumps = [], {}, []
+    def _measure(self, run: PlannedRun, hosts: tuple[str, ...], session: SshShapingSession) -> dict[str, Any]:
+        """The link between the run's first two nodes, measured once per network setting (and pair)."""
+        key = (run.network, hosts[0], hosts[1])
+        if key not in self.measured:
+            try:
+                m = session.probe(0, 1)
+            except Exception as e:
+                raise RuntimeError(f"probing {hosts[0]} -> {hosts[1]} under {run.network} failed: {e}") from None
+            self.measured[key] = m.describe()
+            self._note(f"cluster: {run.network}: {hosts[0]} -> {hosts[1]}: {m}")
+        return {"measured_link": self.measured[key], "measured_between": list(key[1:])}
+
+    def _note(self, line: str) -> None:
+        if self.log:
+            self.log.write(line + "\n")
+            self.log.flush()
+
+    def _launch(self, run: PlannedRun, nodes: NodePlacement, remote_out: str,
+                tail: list[str]) -> tuple[str | None, bool]:
+        """Start the run command on every node and watch them, their output into ``tail``: (which
+        node failed first and how, or None; whether the run overran its timeout)."""
+        procs: list[subprocess.Popen] = []
+        pids: dict[int, str] = {}
+        pumps: list[Pump] = []
+        failed_at: dict[int, float] = {}
         lock = threading.Lock()
 
         def pid_of(i: int):
@@ -175,64 +224,139 @@ class ClusterExecutor:
             return intercept
 
         deadline = time.monotonic() + run.timeout + SAFETY_MARGIN_S
+        timed_out = False
         try:
-            for i in range(nnodes):
-                p = subprocess.Popen(self.node_argv(run, i, nnodes, remote_out), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(nodes.nnodes):
+                # Its own session: a Ctrl-C on the terminal reaches the sweep, which then stops the
+                # nodes' run commands in order, not the ssh clients (whose death would orphan them).
+                p = subprocess.Popen(self.node_argv(run, nodes, i, remote_out), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
                 procs.append(p)
-                pumps.append(Pump(p.stdout, [self.log] if self.log else [], prefix=f"[node {i}] ", keep=40,
+                pumps.append(Pump(p.stdout, [self.log] if self.log else [], prefix=f"[{nodes.hosts[i]}] ", keep=40,
                                   intercept=pid_of(i), lock=lock))
-            failed_at = None
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
+                for i, p in enumerate(procs):
+                    if p.poll() not in (None, 0) and i not in failed_at:
+                        failed_at[i] = now
                 if now > deadline:
-                    tail.append("cluster: run exceeded its timeout; stopping the nodes")
+                    timed_out = True
                     break
-                if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                    failed_at = now
-                if failed_at is not None and now - failed_at > GRACE_S:
-                    break
+                if failed_at and (now - min(failed_at.values()) > GRACE_S or any(
+                        procs[i].returncode == BAD_REQUEST or (procs[i].returncode == SSH_LOST and i not in pids)
+                        for i in failed_at)):
+                    break  # the grace is over, or a node never started its ranks: the others cannot complete
                 time.sleep(0.2)
         finally:
-            if any(p.poll() is None for p in procs):
-                self._stop(procs, pids)
-            for pump in pumps:
-                pump.join(timeout=5)
-            tail[:0] = [line.rstrip("\n") for pump in pumps for line in pump.lines]
-        return procs[0].returncode if procs and procs[0].returncode is not None else 1
+            with signals_deferred():
+                if any(p.poll() is None for p in procs):
+                    self._stop(procs, pids, nodes.hosts)
+                for pump in pumps:
+                    pump.join(timeout=5)
+        for i, p in enumerate(procs):
+            if p.returncode not in (None, 0) and i not in failed_at and not timed_out:
+                failed_at.setdefault(i, time.monotonic())  # ended between the last poll and the stop
+        for pump in [*pumps[1:], *pumps[:1]]:  # node 0's lines (its run's summary) last
+            tail.extend(line.rstrip("\n") for line in pump.lines)
+        blame = None
+        if timed_out:
+            blame = f"cluster: the run exceeded its timeout ({run.timeout:g} s + {SAFETY_MARGIN_S:g} s); nodes stopped"
+        elif failed_at:
+            blame = self._blame(nodes.hosts, procs, pumps, failed_at, pids)
+        return blame, timed_out
 
-    def stop_argv(self, node_rank: int, pid: str) -> list[str]:
-        """Interrupt the run command on a node (it then stops its own ranks)."""
-        return ssh_argv(self.target(self.hosts[node_rank]), ["kill", "-INT", pid])
+    @staticmethod
+    def _blame(hosts: tuple[str, ...], procs: list[subprocess.Popen], pumps: list[Pump], failed_at: dict[int, float],
+               pids: dict[int, str]) -> str:
+        """Which node failed first, and how: a lost ssh connection (the node or its sshd died, or it
+        never answered) before an error of its own, before an error that only says a peer went away."""
+        def last(i: int) -> str:
+            lines = [l.strip() for l in pumps[i].lines if l.strip()]
+            return lines[-1].removeprefix(f"[{hosts[i]}] ") if lines else ""
 
-    def _stop(self, procs: list[subprocess.Popen], pids: dict[int, str]) -> None:
-        for i, pid in pids.items():
-            if procs[i].poll() is None and pid.isdigit():
-                subprocess.run(self.stop_argv(i, pid), capture_output=True, timeout=30)
-        end = time.monotonic() + 30
+        def rank(i: int) -> tuple[int, int, float]:
+            return (procs[i].returncode != SSH_LOST, is_peer_failure(last(i)), failed_at[i])
+
+        i = min(failed_at, key=rank)
+        if procs[i].returncode == SSH_LOST:
+            how = ("it did not answer ssh" if i not in pids
+                   else "its ssh connection ended (the node went down or its sshd died)")
+        else:
+            how = f"its run command exited with status {procs[i].returncode}"
+        return f"{hosts[i]} failed first: {how}" + (f": {last(i)}" if last(i) else "")
+
+    def _stop(self, procs: list[subprocess.Popen], pids: dict[int, str], hosts: tuple[str, ...]) -> None:
+        """Interrupt every node's run command still running (SIGINT, then SIGKILL after STOP_S), then
+        the ssh clients."""
+        def signal_all(sig: str) -> None:
+            for i, pid in pids.items():
+                if procs[i].poll() is None and pid.isdigit():
+                    with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                        subprocess.run(self.stop_argv(hosts[i], pid, sig), stdin=subprocess.DEVNULL,
+                                       capture_output=True, timeout=30)
+
+        signal_all("INT")
+        end = time.monotonic() + STOP_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.2)
+        signal_all("KILL")
         for p in procs:
-            try:
-                p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            if p.poll() is None:
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
-    def _collect(self, host0: str, remote_out: str, out: Path) -> bool:
-        """Copy node 0's record into ``out`` (then delete the remote file)."""
+    def _collect(self, host0: str, remote_out: str, out: Path, network: dict[str, Any] | None,
+                 cluster_env: dict[str, Any], blame: str | None) -> str | None:
+        """Copy node 0's record into ``out`` (then delete the remote file), with the emulated network
+        (backend, hosts, measured link) and the placement in its environment, and the node that
+        failed first named in its error. Returns the record's status (None: no record came)."""
         try:
-            p = subprocess.run(ssh_argv(self.target(host0), ["cat", remote_out]), capture_output=True, text=True,
-                               timeout=60)
-            subprocess.run(ssh_argv(self.target(host0), ["rm", "-f", remote_out]), capture_output=True, timeout=60)
+            p = subprocess.run(self.ssh(host0, ["cat", remote_out]), stdin=subprocess.DEVNULL, capture_output=True,
+                               text=True, timeout=60)
+            subprocess.run(self.ssh(host0, ["rm", "-f", remote_out]), stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=60)
         except (OSError, subprocess.TimeoutExpired):
-            return False
+            return None
         lines = [l for l in p.stdout.splitlines() if l.strip()] if p.returncode == 0 else []
+        status = None
         for line in lines:
-            append_line(out, line)
-        return bool(lines)
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            status = rec.get("status")
+            env = rec.setdefault("environment", {})
+            env["cluster"] = cluster_env
+            if network is not None:
+                env["network"] = network
+            if blame and rec.get("status") != "ok":
+                rec["error"] = f"{blame}; node 0: {rec.get('error')}"
+            append_line(out, json.dumps(rec, allow_nan=False))
+        return status
 
-    def _record_failure(self, run: PlannedRun, out: Path, hosts: Sequence[str], error: str) -> None:
-        """No record came back (ssh or netem failed): record the failure so the report shows it."""
+    def _record(self, run: PlannedRun, out: Path, status: str, error: str, environment: dict[str, Any]) -> None:
+        """A record for a run that produced none (it did not fit, or ssh / shaping failed), so that
+        the report shows it."""
         cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
-        env = {"launcher_host": os.uname().nodename, "cluster_hosts": list(hosts), "device_count": run.world}
-        append_record(out, build_record(cfg, get_system(cfg.system), "error", error[:2000], None, env))
+        env = {"launcher_host": os.uname().nodename, "device_count": run.devices, **environment}
+        append_record(out, build_record(cfg, get_system(cfg.system), status, error[:2000], None, env))
 
+    def _record_unfit(self, run: PlannedRun, out: Path, error: str) -> None:
+        """Record an unfit run, unless the newest record of the run already says the same."""
+        newest = None
+        if out.exists():
+            for line in out.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line)
+                    if isinstance(rec, dict) and rec.get("key") == run.key:
+                        newest = rec
+        if newest and newest.get("status") == "unfit" and newest.get("error") == error:
+            return
+        slots = [f"{h.name} slots={h.slots}" for h in self.hosts]
+        self._record(run, out, "unfit", error, {"cluster": {"hostfile": slots}})

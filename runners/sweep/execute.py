@@ -23,6 +23,7 @@ from typing import IO, Protocol
 from tqdm import tqdm
 
 from runners.invoke import run_command
+from runners.sweep.hostfile import DoesNotFit
 from runners.sweep.plan import REPO, PlannedRun, Sweep, SweepError
 
 SAFETY_MARGIN_S = 300.0  # beyond a run's own --timeout before the sweep stops it
@@ -35,7 +36,7 @@ class Executor(Protocol):
 
 
 def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str]:
-    """The identities already recorded in ``out`` (only the ok ones with retry_failed)."""
+    """The identities already recorded in ``out`` (only the ok ones with retry_failed; never unfit ones)."""
     p = Path(out)
     keys: set[str] = set()
     if not p.exists():
@@ -47,8 +48,8 @@ def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str
             continue
         if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
             continue
-        if retry_failed and rec.get("status") != "ok":
-            continue
+        if rec.get("status") == "unfit" or (retry_failed and rec.get("status") != "ok"):
+            continue  # whether a run fits depends on the hostfile: judged again each time
         keys.add(rec["key"])
     return keys
 
@@ -199,7 +200,13 @@ def _run_all(sweep: Sweep, todo: list[PlannedRun], out: Path, executor: Executor
                 bar.set_postfix_str(f"{r.system} {r.network}", refresh=True)
                 log.write(f"\n=== {shlex.join(r.command(out, python))}\n")
                 log.flush()
-                rc, tail = execute(r, out)
+                try:
+                    rc, tail = execute(r, out)
+                except DoesNotFit as e:  # recorded by the executor as unfit
+                    outcome.not_run += 1
+                    bar.write(f"unfit  {r.label()}\n       {e}", file=stream)
+                    bar.update(1)
+                    continue
                 last = [l for l in tail.splitlines() if l.strip()]
                 if rc == 0:
                     outcome.ok += 1

@@ -33,7 +33,7 @@ import re
 import shlex
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -262,8 +262,9 @@ def _batch_first(rest: list[str]) -> list[str]:
     return rest
 
 
-def load_sweep(path: str | os.PathLike) -> Sweep:
-    """Read and expand a sweep file; a malformed one raises SweepError with a clear message."""
+def load_sweep(path: str | os.PathLike, transform: Callable[[dict], dict] | None = None) -> Sweep:
+    """Read and expand a sweep file; a malformed one raises SweepError with a clear message.
+    ``transform`` rewrites the file's contents before they are planned (e.g. ``scale.scale_down``)."""
     p = Path(path)
     if not p.exists() and not p.is_absolute() and (SWEEPS_DIR / p).exists():
         p = SWEEPS_DIR / p
@@ -276,7 +277,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         raise SweepError(f"cannot read sweep file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise SweepError(f"{p}: invalid TOML: {e}") from None
-    return sweep_from_dict(data, where=p.name)
+    return sweep_from_dict(transform(data) if transform else data, where=p.name)
 
 
 def sweep_from_dict(data: dict, where: str = "sweep") -> Sweep:

@@ -15,7 +15,8 @@ import pytest
 
 from runners.request import build_parser, config_from_args
 from runners.sweep.__main__ import main
-from runners.sweep.cluster import ClusterExecutor, parse_hostfile, placement
+from runners.sweep.cluster import ClusterExecutor
+from runners.sweep.hostfile import Host, NodePlacement, parse_hostfile
 from runners.sweep.execute import recorded_keys, run_sweep
 from runners.sweep.plan import (SWEEPS_DIR, PlannedRun, SweepError, adhoc_sweep, load_sweep, parse_layout,
                                 sweep_from_dict)
@@ -270,27 +271,6 @@ def test_netem_sweep_sh_dry_run(tmp_path):
 # ----------------------------------------------------------------------------------- cluster mode
 
 
-def test_hostfile_parsing(tmp_path):
-    hf = write(tmp_path, "# nodes\nnode0\n\n  node1  # the second\na;rm -rf /\n", "hosts")
-    assert parse_hostfile(hf) == ["node0", "node1", "a;rm -rf /"]
-    with pytest.raises(SweepError, match="bad host name"):
-        parse_hostfile(write(tmp_path, "node0\n-oProxyCommand=x\n", "h2"))
-    with pytest.raises(SweepError, match="no hosts"):
-        parse_hostfile(write(tmp_path, "# none\n", "h3"))
-
-
-def test_placement():
-    assert placement(12, 12) == (12, 1)
-    assert placement(48, 12) == (12, 4)
-    assert placement(8, 12) == (8, 1)
-    assert placement(8, 12, 8) == (1, 8)
-    assert placement(4, 3) == (2, 2)
-    with pytest.raises(ValueError):
-        placement(12, 12, 8)
-    with pytest.raises(ValueError):
-        placement(48, 4, 1)
-
-
 def _remote_words(argv: list[str]) -> list[str]:
     """What the remote side executes: ssh ... HOST -- LINE; LINE is 'sh -c SCRIPT' (shlex-quoted)."""
     assert argv[0] == "ssh" and "--" in argv
@@ -306,43 +286,47 @@ def test_ssh_commands_keep_hostile_values_quoted(tmp_path):
                                        "data": "my data; rm -rf ~/$(whoami) `x`.txt"},
                              "systems": ["ours"], "layouts": ["P-2"], "networks": ["d10-1g"]})
     run = sweep.runs[0]
-    ex = ClusterExecutor([hostile_host, "node1"], iface="eth0; reboot", ssh_user="bob",
-                         remote_dir="/srv/my suite's dir", remote_python="/opt/py 3/bin/python")
-    argv = ex.node_argv(run, 1, 2, "/srv/my suite's dir/results/.x.jsonl")
-    assert argv[argv.index("--") - 1] == "bob@node1"  # the host is one argument of ssh, never a shell word
+    ex = ClusterExecutor([Host(hostile_host), Host("node1")], iface="eth0; reboot", ssh_user="bob",
+                         ssh_config="/etc/my ssh config", remote_dir="/srv/{host}/my suite's dir",
+                         remote_python="/opt/py 3/bin/python")
+    nodes = NodePlacement((hostile_host, "node1"), 1)
+    argv = ex.node_argv(run, nodes, 1, "/srv/my suite's dir/results/.x.jsonl")
+    assert argv[:6] == ["ssh", "-o", "BatchMode=yes", "-F", "/etc/my ssh config", "bob@node1"]  # one argument each
     script = _remote_words(argv)[2]
-    # The script: echo MARK$$ && cd DIR && exec ARGV...; every value a single shell word.
-    first, cd, exec_part = script.split(" && ", 2)
-    assert shlex.split(cd) == ["cd", "/srv/my suite's dir"]
+    # The script: echo MARK$$ && cd DIR && mkdir -p results && exec ARGV...; every value a single shell word.
+    first, cd, mkdir, exec_part = script.split(" && ", 3)
+    assert shlex.split(cd) == ["cd", "/srv/node1/my suite's dir"]                # {host}: the node's own directory
     words = shlex.split(exec_part)
     assert words[0] == "exec"
-    assert words[1:] == ex.run_argv(run, 1, 2, "/srv/my suite's dir/results/.x.jsonl")
+    assert words[1:] == ex.run_argv(run, nodes, 1, "/srv/my suite's dir/results/.x.jsonl")
+    assert words[1:4] == ["env", "GLOO_SOCKET_IFNAME=eth0; reboot", "NCCL_SOCKET_IFNAME=eth0; reboot"]
     assert words[words.index("--rdzv-endpoint") + 1] == "a;rm -rf /:29500"
     assert words[words.index("--data") + 1] == "my data; rm -rf ~/$(whoami) `x`.txt"
     assert words[words.index("--node-rank") + 1] == "1" and words[words.index("--nnodes") + 1] == "2"
     # node 0's ssh target is the hostile name, as one argv element
-    argv0 = ex.node_argv(run, 0, 2, "/tmp/x.jsonl")
+    argv0 = ex.node_argv(run, nodes, 0, "/tmp/x.jsonl")
     assert argv0[argv0.index("--") - 1] == "bob@a;rm -rf /"
     # stopping an interrupted node: kill -INT PID, quoted
-    stop = ex.stop_argv(0, "1234")
+    stop = ex.stop_argv("node1", "1234")
     assert shlex.split(stop[-1]) == ["kill", "-INT", "1234"]
 
 
-def test_cluster_dry_run_prints_netem_and_ssh(tmp_path):
+def test_cluster_dry_run_prints_shaping_and_ssh(tmp_path):
     hf = write(tmp_path, "n0\nn1\n", "hosts")
     sf = write(tmp_path, "[fixed]\nmodel='tiny'\nbatch_size=4\nmicro_batch_size=1\n[[experiment]]\n"
                          "systems=[{name='ours', n_slices=2}]\nlayouts=['P-2', 'P-4']\nnetworks=['d10-1g']\n")
     p = subprocess.run([sys.executable, "-m", "runners.sweep", str(sf), "--hostfile", str(hf), "--iface", "ens5",
-                        "--nproc-per-node", "1", "--dry-run", "--out", str(tmp_path / "o.jsonl")], cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+                        "--nproc-per-node", "1", "--dry-run", "--out", str(tmp_path / "o.jsonl")], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    tc = [shlex.split(l) for l in lines if "tc qdisc" in l]
-    assert any(c[:4] == ["ssh", "-o", "BatchMode=yes", "n0"] and "netem" in c[-1] and "ens5" in c[-1] for c in tc)
-    assert any("n1" in c and "del" in c[-1] for c in tc)  # cleared afterwards
+    agents = [shlex.split(l) for l in lines if "network_emulation.shaping_agent" in l]
+    assert [a[3] for a in agents] == ["n0", "n1"]                                   # a shaping agent on each node
+    assert any("netem delay 10ms rate 1gbit" in l and "ens5" in l for l in lines)   # netem where the node has it
+    assert any("tbf rate 1gbit" in l for l in lines)                                # else tbf + the delayer
     runs = [l for l in lines if "runners.run" in l]
-    assert len(runs) == 2 and "--node-rank 1" in runs[1]
-    assert "does not fit" in p.stdout and "need 4 nodes" in p.stdout  # P-4 at 1 rank per node
+    assert len(runs) == 2 and "--node-rank 1" in runs[1] and "GLOO_SOCKET_IFNAME=ens5" in runs[0]
+    assert "does not fit: needs 4 GPUs, hostfile has 2" in p.stdout                 # P-4 on two 1-slot hosts
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -366,10 +350,11 @@ def test_cluster_failure_without_record_is_recorded(tmp_path, monkeypatch):
     monkeypatch.setattr(cl.subprocess, "Popen", FakeProc)
     monkeypatch.setattr(cl.subprocess, "run", lambda argv, **kw: (seen.append(argv), subprocess.CompletedProcess(argv, 255, "", "no"))[1])
     out = tmp_path / "o.jsonl"
-    rc, tail = ClusterExecutor(["n0", "n1"])(sweep.runs[0], out)
-    assert rc == 255 and "Could not resolve" in tail
+    rc, tail = ClusterExecutor([Host("n0"), Host("n1")])(sweep.runs[0], out)
+    assert rc == 1 and "Could not resolve" in tail
     rec = json.loads(out.read_text())
-    assert rec["status"] == "error" and "Could not resolve" in rec["error"]
+    assert rec["status"] == "error" and rec["error"].startswith("n0 failed first: it did not answer ssh")
+    assert "Could not resolve" in rec["error"] and rec["environment"]["cluster"]["hosts"] == ["n0", "n1"]
     assert rec["key"] == sweep.runs[0].key  # so a re-run of the sweep skips it
     assert all(a[0] == "ssh" for a in seen)
 
@@ -386,7 +371,7 @@ def test_run_all_sh_dry_run(tmp_path):
                         "--only", "ours", "--out", str(tmp_path / "c.jsonl")], cwd=REPO, capture_output=True,
                        text=True, timeout=60, env=env)
     assert p.returncode == 0, p.stderr
-    assert "gpt3-xl-cluster on 2 host(s)" in p.stdout and "2 node(s) x 6 rank(s)" in p.stdout and "--nnodes 2" in p.stdout
+    assert "gpt3-xl-cluster on 2 host(s)" in p.stdout and "does not fit: needs 12 GPUs, hostfile has 2" in p.stdout
     p = subprocess.run(["bash", "runners/run_all.sh", "--iface", "eth0"], cwd=REPO, capture_output=True, text=True,
                        timeout=30, env=env)
     assert p.returncode == 2 and "needs --hostfile" in p.stderr
