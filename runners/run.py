@@ -140,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:
+        # Importing torch swallows an exception raised inside it (the run then goes on with both
+        # signals ignored, and so does its torchrun): hold the signals until the import is done.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            import runners.launcher  # noqa: F401
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         record, verification = execute(cfg, placement, args.out)
     except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) \

@@ -50,7 +50,8 @@ __all__ = ["ClusterExecutor", "DoesNotFit", "Host", "parse_hostfile"]
 
 PID_MARK = "@@sweep-remote-pid="
 GRACE_S = 20.0  # once a node has failed, how long the others get to stop on their own
-STOP_S = 30.0  # after the interruption, how long a node's run command gets before SIGKILL
+STOP_S = 20.0  # after the interruption, how long a node's run command gets before SIGKILL
+PID_WAIT_S = 15.0  # how long a node being stopped gets to say its run command's pid (ssh's connection time)
 SSH_LOST = 255  # ssh's exit status when the connection fails or ends
 BAD_REQUEST = 2  # the run command's exit status for a request it refused (it started nothing)
 IFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -250,13 +251,14 @@ class ClusterExecutor:
                 time.sleep(0.2)
         finally:
             with signals_deferred():
+                now = time.monotonic()
+                for i, p in enumerate(procs):  # failed on their own (what the stop ends is not to blame)
+                    if p.poll() not in (None, 0) and not timed_out:
+                        failed_at.setdefault(i, now)
                 if any(p.poll() is None for p in procs):
                     self._stop(procs, pids, nodes.hosts)
                 for pump in pumps:
                     pump.join(timeout=5)
-        for i, p in enumerate(procs):
-            if p.returncode not in (None, 0) and i not in failed_at and not timed_out:
-                failed_at.setdefault(i, time.monotonic())  # ended between the last poll and the stop
         for pump in [*pumps[1:], *pumps[:1]]:  # node 0's lines (its run's summary) last
             tail.extend(line.rstrip("\n") for line in pump.lines)
         blame = None
@@ -288,7 +290,11 @@ class ClusterExecutor:
 
     def _stop(self, procs: list[subprocess.Popen], pids: dict[int, str], hosts: tuple[str, ...]) -> None:
         """Interrupt every node's run command still running (SIGINT, then SIGKILL after STOP_S), then
-        the ssh clients."""
+        the ssh clients. A node whose ssh has not yet said its run command's pid gets PID_WAIT_S."""
+        end = time.monotonic() + PID_WAIT_S
+        while any(p.poll() is None and i not in pids for i, p in enumerate(procs)) and time.monotonic() < end:
+            time.sleep(0.1)
+
         def signal_all(sig: str) -> None:
             for i, pid in pids.items():
                 if procs[i].poll() is None and pid.isdigit():
