@@ -463,7 +463,8 @@ def up(n_nodes: int, directory: Path, subnet: str | None, out: TextIO = sys.stdo
           f"  hostfile:   {directory / 'hostfile'}\n"
           f"  ssh config: {directory / 'ssh_config'}\n"
           f"  try:        ssh -F {directory / 'ssh_config'} {names[0]} hostname\n"
-          f"  cluster:    runners/run_all.sh --hostfile {directory / 'hostfile'} ... (with ssh -F {directory / 'ssh_config'})\n"
+          f"  cluster:    runners/run_all.sh --hostfile {directory / 'hostfile'} "
+          f"--ssh-config {directory / 'ssh_config'} ...\n"
           f"  stop:       python -m network_emulation.nodes down --dir {directory}", file=out)
     return 0
 

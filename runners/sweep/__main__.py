@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one host per line, 'HOST slots=N' (N GPUs; a bare name is one), the first is node 0")
     c.add_argument("--ssh-config", default=None, help="ssh -F FILE for every ssh to the nodes (e.g. virtual nodes')")
     c.add_argument("--iface", default="eth0",
-                   help="the nodes' network interface: shaped, and given to the ranks (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)")
+                   help="the nodes' network interface: shaped, and given to the ranks "
+                        "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)")
     c.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="every host has N GPU slots (overrides the hostfile's slots=)")
     c.add_argument("--ssh-user", default=None)

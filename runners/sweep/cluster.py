@@ -190,7 +190,10 @@ class ClusterExecutor:
         return (0 if status == "ok" else 1), "\n".join(tail)
 
     def _measure(self, run: PlannedRun, hosts: tuple[str, ...], session: SshShapingSession) -> dict[str, Any]:
-        """The link between the run's first two nodes, measured once per network setting (and pair)."""
+        """The link between the run's first two nodes, measured once per network setting (and pair);
+        nothing for a run on one node (it has no link between nodes)."""
+        if len(hosts) < 2:
+            return {"measured_link": None}
         key = (run.network, hosts[0], hosts[1])
         if key not in self.measured:
             try:
@@ -295,12 +298,16 @@ class ClusterExecutor:
         while any(p.poll() is None and i not in pids for i, p in enumerate(procs)) and time.monotonic() < end:
             time.sleep(0.1)
 
-        def signal_all(sig: str) -> None:
-            for i, pid in pids.items():
-                if procs[i].poll() is None and pid.isdigit():
-                    with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                        subprocess.run(self.stop_argv(hosts[i], pid, sig), stdin=subprocess.DEVNULL,
-                                       capture_output=True, timeout=30)
+        def signal_all(sig: str) -> None:  # over ssh, to every node at once
+            kills = [subprocess.Popen(self.stop_argv(hosts[i], pid, sig), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for i, pid in pids.items() if procs[i].poll() is None and pid.isdigit()]
+            for k in kills:
+                try:
+                    k.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    k.kill()
+                    k.wait()
 
         signal_all("INT")
         end = time.monotonic() + STOP_S

@@ -34,7 +34,8 @@ MAX_HEADS = 16  # head dimension at least HIDDEN / MAX_HEADS = 4
 def _heads(heads: int | None, tp_degrees: set[int]) -> int:
     """The largest head count <= MAX_HEADS that divides HIDDEN and every tensor-parallel degree's
     need (heads divisible by T), preferring the original count when it fits."""
-    if isinstance(heads, int) and heads <= MAX_HEADS and HIDDEN % heads == 0 and all(heads % t == 0 for t in tp_degrees):
+    fits = isinstance(heads, int) and heads <= MAX_HEADS and HIDDEN % heads == 0
+    if fits and all(heads % t == 0 for t in tp_degrees):
         return heads
     for h in range(MAX_HEADS, 0, -1):
         if HIDDEN % h == 0 and all(h % t == 0 for t in tp_degrees):

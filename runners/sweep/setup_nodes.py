@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hostfile", required=True, help="the cluster's hostfile (see runners.sweep.hostfile)")
     ap.add_argument("--ssh-config", default=None, help="ssh -F FILE")
     ap.add_argument("--ssh-user", default=None)
-    ap.add_argument("--remote-dir", default=str(REPO), help="the suite's directory on the nodes ('{host}': the host's name)")
+    ap.add_argument("--remote-dir", default=str(REPO),
+                    help="the suite's directory on the nodes ('{host}': the host's name)")
     ap.add_argument("--share-venv", default=None, metavar="VENV",
                     help="nodes that share this file system: link each node's .venv to VENV instead of building one")
     return ap
