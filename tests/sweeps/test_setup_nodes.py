@@ -1,0 +1,64 @@
+"""Node set-up without nodes: what is copied and its stamp, a node that does not answer, bad requests.
+(The set-up over real ssh, and a second one that copies nothing, are in tests/network/test_rehearsal.py.)"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runners.sweep.setup_nodes import suite_files
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+def test_copied_files_and_stamp(tmp_path: Path) -> None:
+    root = tmp_path / "suite"
+    (root / "pkg").mkdir(parents=True)
+    (root / "results").mkdir()
+    (root / "pkg" / "a.py").write_text("A = 1\n")
+    (root / "results" / "r.jsonl").write_text("{}\n")
+    (root / ".gitignore").write_text("*.log\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (root / "pkg" / "new.py").write_text("B = 2\n")             # untracked: copied
+    (root / "x.log").write_text("log\n")                        # ignored: not copied
+    first = suite_files(root)
+    assert first.files == (".gitignore", "pkg/a.py", "pkg/new.py")  # results/ is output, not the suite
+    assert first.stamp.startswith(first.commit + "-") and len(first.commit) == 12
+    assert suite_files(root).stamp == first.stamp
+    (root / "results" / "r.jsonl").write_text("{}\n{}\n")      # outputs do not change what a node holds
+    assert suite_files(root).stamp == first.stamp
+    (root / "pkg" / "a.py").write_text("A = 3\n")               # an edit does
+    assert suite_files(root).stamp != first.stamp
+
+
+def test_a_node_that_does_not_answer_is_named(tmp_path: Path) -> None:
+    config = tmp_path / "ssh_config"
+    config.write_text("Host *\n  HostName 127.0.0.1\n  Port 1\n  BatchMode yes\n  ConnectTimeout 5\n")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("down01 slots=1\n")
+    p = subprocess.run([sys.executable, "-m", "runners.sweep.setup_nodes", "--hostfile", str(hosts), "--ssh-config",
+                        str(config), "--remote-dir", str(tmp_path / "{host}" / "suite")], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "down01: FAILED: check: the node did not answer ssh" in p.stdout
+    assert p.stderr.count("\n") == 1 and "failed on down01: check: the node did not answer ssh" in p.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--share-venv", "/nonexistent"], "--share-venv /nonexistent: not a venv set up by scripts/setup_env.sh"),
+    (["--ssh-config", "/nonexistent"], "--ssh-config /nonexistent: no such file"),
+])
+def test_bad_requests_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("n1\n")
+    p = subprocess.run([sys.executable, "-m", "runners.sweep.setup_nodes", "--hostfile", str(hosts), *args],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
