@@ -4,11 +4,12 @@
 #   runners/run_all.sh                      # local default: set up .venv, run runners/sweeps/local.toml
 #                                           # on this machine, report into results/local.md (+ results/plots)
 #   runners/run_all.sh --hostfile HOSTS [--ssh-config FILE] [--iface eth0] [--sweep FILE] [--nproc-per-node N]
-#                      [--ssh-user USER] [--remote-dir DIR] [--setup-nodes]
+#                      [--ssh-user USER] [--remote-dir DIR] [--setup-nodes [--share-venv VENV]]
 #                                           # the cluster: every run across the hosts over ssh, the network
 #                                           # shaped on each node (default sweep: runners/sweeps/gpt3-xl-cluster.toml);
 #                                           # HOSTS lines are 'host slots=GPUS'; --setup-nodes first copies the
 #                                           # suite to every node's DIR and builds its environment there
+#                                           # (--share-venv: nodes sharing this file system link this venv)
 #   runners/run_all.sh --rehearse N [--sweep FILE] [--nproc-per-node N]
 #                                           # rehearse the cluster on this machine (root): N virtual nodes with
 #                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down
@@ -21,8 +22,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-hostfile="" sweep="" rehearse="" setup_nodes="" cluster_args=() setup_args=() slots=() extra=()
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+hostfile="" sweep="" rehearse="" setup_nodes="" dry_run="" cluster_args=() setup_args=() slots=() extra=()
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 need() { [ $# -ge 2 ] || { echo "run_all.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -32,6 +33,8 @@ while [ $# -gt 0 ]; do
     --rehearse) need "$@"; rehearse=$2; shift 2 ;;
     --setup-nodes) setup_nodes=1; shift ;;
     --ssh-config|--ssh-user|--remote-dir) need "$@"; cluster_args+=("$1" "$2"); setup_args+=("$1" "$2"); shift 2 ;;
+    --share-venv) need "$@"; setup_args+=("$1" "$2"); shift 2 ;;
+    --dry-run) dry_run=1; extra+=("$1"); shift ;;
     --iface) need "$@"; cluster_args+=("$1" "$2"); shift 2 ;;
     --nproc-per-node) need "$@"; slots=("$1" "$2"); shift 2 ;;
     *) extra+=("$1"); shift ;;
@@ -40,10 +43,15 @@ done
 
 if [ -n "$rehearse" ]; then
   [ -z "$hostfile" ] || { echo "run_all.sh: --rehearse makes its own nodes; leave out --hostfile" >&2; exit 2; }
-  [ ${#cluster_args[@]} -eq 0 ] || { echo "run_all.sh: ${cluster_args[0]} is set by --rehearse itself" >&2; exit 2; }
+  for a in ${cluster_args[0]+"${cluster_args[0]}"} ${setup_args[0]+"${setup_args[0]}"}; do
+    echo "run_all.sh: $a is set by --rehearse itself" >&2; exit 2
+  done
   [ -z "$setup_nodes" ] || { echo "run_all.sh: --rehearse sets up its nodes itself; leave out --setup-nodes" >&2; exit 2; }
+elif [ -n "$hostfile" ] && [ -z "$setup_nodes" ] && [[ " ${setup_args[*]:-} " == *" --share-venv "* ]]; then
+  echo "run_all.sh: --share-venv goes with --setup-nodes" >&2; exit 2
 elif [ -z "$hostfile" ]; then
-  for a in ${cluster_args[0]+"${cluster_args[0]}"} ${slots[0]+"${slots[0]}"} ${setup_nodes:+--setup-nodes}; do
+  for a in ${cluster_args[0]+"${cluster_args[0]}"} ${slots[0]+"${slots[0]}"} ${setup_nodes:+--setup-nodes} \
+           ${setup_args[0]+"${setup_args[0]}"}; do
     echo "run_all.sh: $a needs --hostfile" >&2; exit 2
   done
 fi
@@ -68,7 +76,9 @@ elif [ -z "$hostfile" ]; then
   "$PY" -m runners.sweep "$sweep" --plots results/plots ${extra[@]+"${extra[@]}"} || status=$?
 else
   sweep=${sweep:-runners/sweeps/gpt3-xl-cluster.toml}
-  if [ -n "$setup_nodes" ]; then
+  if [ -n "$setup_nodes" ] && [ -n "$dry_run" ]; then
+    echo "# would set up the nodes first: $PY -m runners.sweep.setup_nodes --hostfile $hostfile ${setup_args[*]:-}"
+  elif [ -n "$setup_nodes" ]; then
     "$PY" -m runners.sweep.setup_nodes --hostfile "$hostfile" ${setup_args[@]+"${setup_args[@]}"} || exit $?
   fi
   "$PY" -m runners.sweep "$sweep" --hostfile "$hostfile" --plots results/plots \

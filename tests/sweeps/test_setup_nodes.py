@@ -62,3 +62,36 @@ def test_bad_requests_exit_2(tmp_path: Path, args: list[str], message: str) -> N
     p = subprocess.run([sys.executable, "-m", "runners.sweep.setup_nodes", "--hostfile", str(hosts), *args],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rehearse", "2", "--iface", "eth1"], "--iface is set by --rehearse itself"),
+    (["--rehearse", "2", "--share-venv", "v"], "--share-venv is set by --rehearse itself"),
+    (["--rehearse", "2", "--hostfile", "h"], "--rehearse makes its own nodes; leave out --hostfile"),
+    (["--rehearse", "2", "--setup-nodes"], "--rehearse sets up its nodes itself; leave out --setup-nodes"),
+    (["--setup-nodes"], "--setup-nodes needs --hostfile"),
+    (["--ssh-config", "c"], "--ssh-config needs --hostfile"),
+    (["--hostfile", "h", "--share-venv", "v"], "--share-venv goes with --setup-nodes"),
+])
+def test_run_all_sh_refuses_mixed_modes(args: list[str], message: str) -> None:
+    p = subprocess.run(["bash", "runners/run_all.sh", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert p.returncode == 2 and p.stderr == f"run_all.sh: {message}\n", p.stderr
+
+
+def test_setup_nodes_dry_run_copies_nothing(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("n0 slots=2\nn1 slots=2\n")
+    p = subprocess.run(["bash", "runners/run_all.sh", "--hostfile", str(hosts), "--setup-nodes", "--remote-dir",
+                        "/srv/{host}/suite", "--sweep", "rehearsal-4.toml", "--dry-run", "--out",
+                        str(tmp_path / "o.jsonl")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert p.returncode == 0, p.stderr
+    assert "# would set up the nodes first:" in p.stdout and "--remote-dir /srv/{host}/suite" in p.stdout
+    runs = [l for l in p.stdout.splitlines() if "runners.run" in l]
+    assert len(runs) == 6                                          # 3 runs x 2 nodes of 2 ranks
+    for host in ("n0", "n1"):                                       # each node runs from its own directory
+        mine = [r for r in runs if f" {host} -- " in r]
+        assert len(mine) == 3 and all(f"cd /srv/{host}/suite" in r and f"/srv/{host}/suite/.venv/bin/python" in r
+                                      for r in mine), mine
+    assert not (tmp_path / "o.jsonl").exists()
