@@ -1,0 +1,288 @@
+"""This machine: profiles, calibration from runs without emulated delay, and the validation against
+emulated runs (predicted against measured).
+
+    calibrate_here(): profile each model shape (cached), measure how many cores two processes really
+        get, run the calibration set with ``--network none`` and fit every system's overheads;
+    validate(): probe each network profile of the validation set, predict every run, run it through
+        the run command (``--network PROFILE``), print predicted against measured with the errors.
+
+Runs go through ``python -m runners.run`` (a subprocess, an argument list), each appending its record
+to a JSON-lines file; the record's median step time is the measurement.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from runners.predict.calibrate import fit_overheads
+from runners.predict.compute import CpuCompute, Overheads
+from runners.predict.glue import local_link, spec_from_record
+from runners.predict.predict import predict
+from workload.configs import ModelConfig, get_model_config
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "results" / "predict"
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """One run of the run command on this machine (fp32, no recompute)."""
+
+    system: str
+    model: str
+    network: str = "none"
+    pp: int = 2
+    dp: int = 1
+    batch: int = 2
+    micro: int = 1
+    seq: int = 128
+    n_slices: int = 1
+    dp_mode: str = "allreduce"
+    schedule: str = "gpipe"
+
+    @property
+    def name(self) -> str:
+        what = self.system if self.system != "torch_pipe" else f"torch_pipe {self.schedule}"
+        if self.system == "ours":
+            what += f" K={self.n_slices}" + (f" {self.dp_mode}" if self.dp > 1 else "")
+        layout = f"P-{self.pp}" + (f" D-{self.dp}" if self.dp > 1 else "")
+        return f"{what} {self.model} s{self.seq} {layout} B={self.batch} b={self.micro}"
+
+    def argv(self, out: Path, steps: int, warmup: int) -> list[str]:
+        a = [sys.executable, "-m", "runners.run", "--system", self.system, "--model", self.model,
+             "--seq-length", str(self.seq), "--pp", str(self.pp), "--dp", str(self.dp), "--batch-size",
+             str(self.batch), "--micro-batch-size", str(self.micro), "--steps", str(steps), "--warmup", str(warmup),
+             "--network", self.network, "--out", str(out), "--timeout", "600"]
+        if self.system == "ours":
+            a += ["--n-slices", str(self.n_slices), "--dp-mode", self.dp_mode]
+        else:
+            a += ["--schedule", self.schedule]
+        return a
+
+    def shape(self) -> ModelConfig:
+        return get_model_config(self.model).with_overrides(seq_len=self.seq)
+
+
+# Runs without emulated delay whose step times fix the overheads (two per system that differ in the
+# number of micro-batches or slices, so that per-step and per-unit costs separate).
+CALIBRATION_RUNS = (
+    LocalRun("torch_pipe", "tiny", batch=2),
+    LocalRun("torch_pipe", "tiny", batch=4),
+    LocalRun("torch_pipe", "cpu-small", batch=2),
+    LocalRun("ours", "tiny", n_slices=1),
+    LocalRun("ours", "tiny", n_slices=4),
+    LocalRun("ours", "cpu-small", n_slices=4),
+    LocalRun("ours", "tiny", dp=2, n_slices=4, dp_mode="central_ps"),
+)
+
+# Emulated networks, none of them used in calibration.
+VALIDATION_RUNS = (
+    LocalRun("torch_pipe", "tiny", network="d5-2g"),
+    LocalRun("torch_pipe", "tiny", network="d10-1g"),
+    LocalRun("torch_pipe", "tiny", network="d50-1g"),
+    LocalRun("ours", "tiny", network="d5-2g", n_slices=4),
+    LocalRun("ours", "tiny", network="d10-1g", n_slices=4),
+    LocalRun("ours", "tiny", network="d50-1g", n_slices=4),
+    LocalRun("ours", "tiny", network="d10-1g", dp=2, n_slices=4, dp_mode="central_ps"),
+    LocalRun("torch_pipe", "cpu-small", network="d10-1g"),
+    LocalRun("ours", "cpu-small", network="d10-1g", n_slices=4),
+)
+
+
+def run_and_read(argv: list[str], out: Path, timeout: float = 900) -> dict | None:
+    """Run the run command and return the record it appended to ``out`` (None if it wrote none)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    before = len(out.read_text().splitlines()) if out.exists() else 0
+    subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    lines = out.read_text().splitlines() if out.exists() else []
+    return json.loads(lines[-1]) if len(lines) > before else None
+
+
+def shape_key(m: ModelConfig) -> str:
+    return f"h{m.n_embd}-a{m.n_head}-s{m.seq_len}-v{m.vocab_size}"
+
+
+def load_profile(m: ModelConfig, directory: Path = RESULTS, make: bool = True, p2p: bool = True) -> dict:
+    """The profile of shape ``m`` (cached as profile-<shape>.json; measured if missing and ``make``)."""
+    path = directory / f"profile-{shape_key(m)}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    if not make:
+        raise FileNotFoundError(f"no profile {path}")
+    from runners.predict.profile import profile
+
+    prof = profile(m, (1, 2), reps=5, p2p=p2p, progress=False)
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof, indent=1))
+    return prof
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything fitted on this machine: overheads per system, the loopback link, the cores two
+    single-thread processes got when the calibration ran."""
+
+    overhead: dict
+    loopback: tuple[float, float]
+    cores: float
+    runs: tuple = ()
+    stall_bytes: float | None = None
+
+    def compute(self, m: ModelConfig, directory: Path = RESULTS) -> CpuCompute:
+        return CpuCompute(load_profile(m, directory), dict(self.overhead))
+
+    def to_json(self) -> dict:
+        return dict(kind="runners.predict.calibration", overhead={k: asdict(v) for k, v in self.overhead.items()},
+                    loopback=list(self.loopback), cores=self.cores, stall_bytes=self.stall_bytes, runs=list(self.runs))
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Calibration":
+        return cls({k: Overheads(**v) for k, v in d["overhead"].items()}, tuple(d["loopback"]), d["cores"],
+                   tuple(d.get("runs") or ()), d.get("stall_bytes"))
+
+    def link(self, network: str, probed: dict | None = None):
+        return local_link(network, self.loopback, probed, self.stall_bytes)
+
+
+def effective_cores() -> float:
+    from runners.machine import parallel_capacity
+
+    return min(2.0, parallel_capacity(2, seconds=1.0).effective_cores)
+
+
+def load_stall(directory: Path = RESULTS, make: bool = True, log=print) -> float | None:
+    """The emulated links' per-message stall (``message_probe``), cached as stall-probe.json."""
+    path = directory / "stall-probe.json"
+    if path.exists():
+        return json.loads(path.read_text())["stall_bytes"]
+    if not make:
+        return None
+    from runners.predict.message_probe import probe_stall
+
+    res = probe_stall(log=log)
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    return res["stall_bytes"]
+
+
+def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 3, warmup: int = 1, directory: Path = RESULTS,
+                   log=print) -> Calibration:
+    """Profile the shapes, run the calibration set without emulated delay, fit the overheads."""
+    shapes = {shape_key(r.shape()): r.shape() for r in runs}
+    profiles = {k: load_profile(m, directory) for k, m in shapes.items()}
+    fits = [p["p2p_fit"] for p in profiles.values() if p.get("p2p_fit")]
+    loopback = (statistics.median(f["latency"] for f in fits), statistics.median(f["bandwidth"] for f in fits)) \
+        if fits else (50e-6, 2e9)
+    cores = effective_cores()
+    log(f"calibration: loopback latency {loopback[0] * 1e6:.0f} us, {loopback[1] / 1e9:.2f} GB/s; "
+        f"{cores:.2f} effective cores")
+    measured = []
+    out = directory / "calibration-runs.jsonl"
+    for r in runs:
+        t = time.perf_counter()
+        rec = run_and_read(r.argv(out, steps, warmup), out)
+        ok = rec is not None and rec.get("status") == "ok"
+        log(f"  {r.name}: {rec['median_step_time'] if ok else 'failed'} ({time.perf_counter() - t:.0f} s)")
+        if ok:
+            measured.append((r, rec))
+    link = local_link("none", loopback)
+    overhead: dict = {}
+    report: list = []
+    for system, params in (("torch_pipe", ("step", "unit")), ("ours", ("step", "unit_layer"))):
+        rows = [(spec_from_record(rec, link), rec["median_step_time"],
+                 CpuCompute(profiles[shape_key(r.shape())], dict(overhead)))
+                for r, rec in measured if r.system == system and r.dp == 1]
+        if rows:
+            overhead[system], rep = fit_overheads(system, rows, cores, params)
+            report += rep
+    dp_rows = [(spec_from_record(rec, link), rec["median_step_time"], CpuCompute(profiles[shape_key(r.shape())], dict(overhead)))
+               for r, rec in measured if r.system == "ours" and r.dp > 1]
+    if dp_rows:
+        overhead["ours"], rep = fit_overheads("ours", dp_rows, cores, ("dp",))
+        report += rep
+    for row in report:
+        log(f"  fitted {row['system']} {row['model']} P-{row['pp']} D-{row['dp']} B={row['batch']} K={row['slices']}: "
+            f"measured {row['measured']:.4f} s, simulated {row['fitted']:.4f} s ({row['error'] * 100:+.1f} %)")
+    for k, v in overhead.items():
+        log(f"  overheads {k}: {v}")
+    cal = Calibration(overhead, loopback, cores, tuple(report), load_stall(directory, log=log))
+    (directory / "calibration.json").write_text(json.dumps(cal.to_json(), indent=1))
+    return cal
+
+
+def load_calibration(directory: Path = RESULTS) -> Calibration:
+    return Calibration.from_json(json.loads((directory / "calibration.json").read_text()))
+
+
+def probe_links(networks, log=print) -> dict[str, dict]:
+    """One probe per network profile between two hosts of a virtual cluster (root needed)."""
+    from network_emulation import VirtualCluster
+
+    out = {}
+    for name in networks:
+        with VirtualCluster(2, name, name="predict", log=None) as vc:
+            out[name] = vc.probe(0, 1).describe()
+        log(f"  probe {name}: one-way {out[name]['one_way_delay_ms']:.2f} ms, {out[name]['bandwidth_gbps']:.2f} Gbit/s")
+    return out
+
+
+def predict_local(run: LocalRun, cal: Calibration, probed: dict | None = None, directory: Path = RESULTS):
+    """The prediction of a LocalRun (spec built from the run command's own config)."""
+    from runners.config import build_parser, config_from_args
+
+    argv = run.argv(Path("/dev/null"), 3, 1)[3:]  # the run command's flags
+    cfg = config_from_args(build_parser().parse_args(argv))
+    from runners.predict.glue import spec_from_config
+
+    spec = spec_from_config(cfg, cal.link(run.network, probed))
+    return predict(spec, cal.compute(run.shape(), directory), cal.cores)
+
+
+def validate(runs=VALIDATION_RUNS, steps: int = 3, warmup: int = 1, directory: Path = RESULTS,
+             cal: Calibration | None = None, log=print) -> list[dict]:
+    """Predict, then run, every run of ``runs``; print predicted against measured with the errors."""
+    cal = cal or load_calibration(directory)
+    cores = effective_cores()
+    cal = Calibration(cal.overhead, cal.loopback, cores, cal.runs, cal.stall_bytes)
+    log(f"validate: {cores:.2f} effective cores now")
+    probes = probe_links(sorted({r.network for r in runs if r.network != "none"}), log)
+    out = directory / "validation-runs.jsonl"
+    rows = []
+    for r in runs:
+        pred = predict_local(r, cal, probes.get(r.network), directory)
+        t = time.perf_counter()
+        rec = run_and_read(r.argv(out, steps, warmup), out)
+        ok = rec is not None and rec.get("status") == "ok"
+        m = rec["median_step_time"] if ok else None
+        row = dict(run=r.name, network=r.network, predicted=pred.step_time, measured=m,
+                   error=(pred.step_time - m) / m if m else None, parts=pred.parts(),
+                   measured_link=((rec or {}).get("environment") or {}).get("network", {}).get("measured_link"))
+        rows.append(row)
+        got = "-" if m is None else f"{m:.4f} s ({row['error'] * 100:+.1f} %)"
+        log(f"  {r.name} @ {r.network}: predicted {pred.step_time:.4f} s, measured {got} "
+            f"({time.perf_counter() - t:.0f} s)")
+    log(table(rows))
+    (directory / "validation.json").write_text(json.dumps(dict(cores=cores, probes=probes, rows=rows), indent=1))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| run | network | predicted (s) | measured (s) | error |", "| --- | --- | --- | --- | --- |"]
+    errs = []
+    for r in rows:
+        e = r.get("error")
+        if e is not None:
+            errs.append(abs(e))
+        got = "-" if r["measured"] is None else f"{r['measured']:.4f}"
+        err = "-" if e is None else f"{e * 100:+.1f} %"
+        lines.append(f"| {r['run']} | {r['network']} | {r['predicted']:.4f} | {got} | {err} |")
+    if errs:
+        lines.append("")
+        lines.append(f"median absolute error {statistics.median(errs) * 100:.1f} %, largest {max(errs) * 100:.1f} % "
+                     f"({len(errs)} runs)")
+    return "\n".join(lines)
