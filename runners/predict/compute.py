@@ -7,7 +7,8 @@ ranks share cores):
   parallelism;
 - ``layer_backward_input(b, l, c, tp)`` / ``layer_wgrad(b, l, tp)``: its backward, split into the input
   gradients and the weight gradients (which ours defers);
-- ``head_forward / head_backward_input / head_wgrad(tokens, tp)``: ln_f + lm_head + loss;
+- ``head_forward / head_backward_input / head_wgrad(tokens, tp, width)``: ln_f + the output layer
+  (``width`` outputs: the vocabulary for a language model) + the loss;
 - ``embed(tokens)``: embeddings forward and backward; ``optimizer(params)``: one Adam step;
 - ``overheads(system)``: the framework's own time per step and per micro-batch (or ours' unit),
   calibrated from runs without emulated delay (``runners.predict.calibrate``).
@@ -48,9 +49,9 @@ class ComputeModel:
     def layer_forward(self, b: int, l: int, c: int, tp: int = 1) -> float: ...
     def layer_backward_input(self, b: int, l: int, c: int, tp: int = 1) -> float: ...
     def layer_wgrad(self, b: int, l: int, tp: int = 1) -> float: ...
-    def head_forward(self, tokens: int, tp: int = 1) -> float: ...
-    def head_backward_input(self, tokens: int, tp: int = 1) -> float: ...
-    def head_wgrad(self, tokens: int, tp: int = 1) -> float: ...
+    def head_forward(self, tokens: int, tp: int = 1, width: int | None = None) -> float: ...
+    def head_backward_input(self, tokens: int, tp: int = 1, width: int | None = None) -> float: ...
+    def head_wgrad(self, tokens: int, tp: int = 1, width: int | None = None) -> float: ...
     def embed(self, tokens: int) -> float: ...
     def optimizer(self, params: int) -> float: ...
     def overheads(self, system: str) -> Overheads: ...
@@ -99,14 +100,14 @@ class GpuCompute(ComputeModel):
     def layer_wgrad(self, b, l, tp=1):
         return self._t(layer_flops(self.model.n_embd, b, l, 0)[2], tp)
 
-    def head_forward(self, tokens, tp=1):
-        return self._t(2.0 * tokens * self.model.n_embd * self.model.vocab_size, tp)
+    def head_forward(self, tokens, tp=1, width=None):
+        return self._t(2.0 * tokens * self.model.n_embd * (width or self.model.vocab_size), tp)
 
-    def head_backward_input(self, tokens, tp=1):
-        return self.head_forward(tokens, tp)
+    def head_backward_input(self, tokens, tp=1, width=None):
+        return self.head_forward(tokens, tp, width)
 
-    def head_wgrad(self, tokens, tp=1):
-        return self.head_forward(tokens, tp)
+    def head_wgrad(self, tokens, tp=1, width=None):
+        return self.head_forward(tokens, tp, width)
 
     def embed(self, tokens):
         return 0.0
@@ -199,9 +200,18 @@ class CpuCompute(ComputeModel):
     name = "cpu"
 
     def _table(self, key: str) -> Table3:
+        """The profile's points of one quantity; at c = 0 made non-decreasing in l (least squares), so
+        that a measurement slowed by contention does not make a longer slice look cheaper."""
         cache = self.__dict__.setdefault("_tables", {})
         if key not in cache:
-            cache[key] = Table3(tuple((p["b"], p["l"], p["c"], p[key]) for p in self.profile["layer"]))
+            from ours.plan.latency import isotonic
+
+            pts = [(p["b"], p["l"], p["c"], p[key]) for p in self.profile["layer"]]
+            out = [q for q in pts if q[2] > 0]
+            for b in sorted({q[0] for q in pts}):
+                row = sorted(q for q in pts if q[0] == b and q[2] == 0)
+                out += [(b, l, 0, float(t)) for (_, l, _, _), t in zip(row, isotonic([q[3] for q in row]))]
+            cache[key] = Table3(tuple(out))
         return cache[key]
 
     def layer_forward(self, b, l, c, tp=1):
@@ -213,14 +223,18 @@ class CpuCompute(ComputeModel):
     def layer_wgrad(self, b, l, tp=1):
         return max(0.0, self._table("wgrad")(b, l, 0)) / tp
 
-    def head_forward(self, tokens, tp=1):
-        return self.profile["head"]["fwd_per_token"] * tokens / tp
+    def _head(self, key: str, tokens: int, tp: int, width: int | None) -> float:
+        scale = (width / self.profile["model"]["vocab_size"]) if width else 1.0
+        return self.profile["head"][key] * tokens * scale / tp
 
-    def head_backward_input(self, tokens, tp=1):
-        return self.profile["head"]["bwd_in_per_token"] * tokens / tp
+    def head_forward(self, tokens, tp=1, width=None):
+        return self._head("fwd_per_token", tokens, tp, width)
 
-    def head_wgrad(self, tokens, tp=1):
-        return self.profile["head"]["wgrad_per_token"] * tokens / tp
+    def head_backward_input(self, tokens, tp=1, width=None):
+        return self._head("bwd_in_per_token", tokens, tp, width)
+
+    def head_wgrad(self, tokens, tp=1, width=None):
+        return self._head("wgrad_per_token", tokens, tp, width)
 
     def embed(self, tokens):
         return self.profile["embed_per_token"] * tokens
@@ -247,14 +261,16 @@ class CpuCompute(ComputeModel):
         return cls(d["profile"], {k: Overheads(**v) for k, v in (d.get("overhead") or {}).items()})
 
 
-def stage_params(model: ModelConfig, layers: int, first: bool, last: bool, tp: int = 1) -> int:
-    """Parameters a stage (or one tensor-parallel rank of it) holds."""
+def stage_params(model: ModelConfig, layers: int, first: bool, last: bool, tp: int = 1,
+                 head: int | None = None) -> int:
+    """Parameters a stage (or one tensor-parallel rank of it) holds; ``head``: the output layer's width
+    (None: the vocabulary)."""
     h = model.n_embd
     n = layers * (12 * h * h + 13 * h) // tp
     if first:
         n += (model.vocab_size * h) // tp + model.seq_len * h
     if last:
-        n += 2 * h + (model.vocab_size * h) // tp
+        n += 2 * h + ((head or model.vocab_size) * h) // tp
     return n
 
 

@@ -307,7 +307,10 @@ class Simulator:
                 st.pc += 1
             return
         st.state, st.remaining, st.compute_kind, st.compute_start, st.fill = "computing", seconds, kind, self.now, fill
-        self.computing.add(r)
+        if self.cores is None:  # a device of its own: the end is known now
+            self._at(self.now + seconds, "computed", r)
+        else:
+            self.computing.add(r)
 
     def _finish_compute(self, r: int) -> None:
         st = self.ranks[r]
@@ -439,6 +442,9 @@ class Simulator:
             self.in_transit[pair] -= 1
             self._try_link(pair)
             return self._wake(payload)
+        if kind == "computed":
+            self._finish_compute(payload)
+            return [payload]
         if kind == "group":
             members = self.groups.pop(payload)
             for r in members:

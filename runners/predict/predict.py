@@ -20,10 +20,14 @@ PART_OF = {
 
 def predict(spec: RunSpec, compute: ComputeModel, cores: float | None = None) -> Prediction:
     """The step time of ``spec`` with operation times from ``compute``; ``cores``: CPU cores the ranks
-    share (None: one device per rank). The second of two simulated steps is the one reported."""
-    built = build(spec, compute, steps=2)
+    share (None: one device per rank). Over gloo the second of two simulated steps is the one reported
+    (its ranks start as the first one's closing barrier left them); over nccl the opening barrier is a
+    collective every rank leaves at once, so one step is enough."""
+    steps = 1 if spec.transport == "nccl" else 2
+    built = build(spec, compute, steps=steps)
     res = Simulator(built.programs, built.network, cores, built.procs).run()
-    windows = [res.window(r, "start1", "end1") for r in range(len(built.programs))]
+    last = steps - 1
+    windows = [res.window(r, f"start{last}", f"end{last}") for r in range(len(built.programs))]
     elapsed = [w[0] for w in windows]
     crit = max(range(len(elapsed)), key=lambda r: (elapsed[r], -r))
     acc = windows[crit][1]

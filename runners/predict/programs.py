@@ -54,6 +54,10 @@ class _Step:
         self.n_chunks = spec.pp * spec.virtual_pp
         self.layers = m.n_layer // self.n_chunks  # per model chunk
         self.tp = spec.tp if spec.system == "megatron" else 1
+        self.width = spec.head_classes  # None: the vocabulary
+
+    def params(self, layers: int, first: bool, last: bool, tp: int = 1) -> int:
+        return stage_params(self.spec.model, layers, first, last, tp, self.width)
 
     # ---- the math of one stage chunk on one micro-batch -------------------------------------
     def forward(self, chunk: int, b: int, l: int, c: int) -> list:
@@ -65,7 +69,7 @@ class _Step:
             ops.append(Compute(cm.embed(b * l) / 3, "embed"))
         ops += self._layers("forward", L, b, l, c)
         if chunk == self.n_chunks - 1 and self.spec.system != "ours":
-            ops.append(Compute(cm.head_forward(b * l, tp), "head"))
+            ops.append(Compute(cm.head_forward(b * l, tp, self.width), "head"))
             ops += self._tp_comm(b * l, "head")
         return ops
 
@@ -74,8 +78,9 @@ class _Step:
         ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
         if chunk == self.n_chunks - 1:
             if self.spec.system == "ours":
-                ops.append(Compute(cm.head_forward(b * l), "head"))
-            ops.append(Compute(cm.head_backward_input(b * l, tp) + cm.head_wgrad(b * l, tp), "head"))
+                ops.append(Compute(cm.head_forward(b * l, 1, self.width), "head"))
+            ops.append(Compute(cm.head_backward_input(b * l, tp, self.width) + cm.head_wgrad(b * l, tp, self.width),
+                               "head"))
             ops += self._tp_comm(b * l, "head")
         if self.spec.recompute:
             ops += self._layers("recompute", L, b, l, c)
@@ -117,8 +122,7 @@ class _Step:
         return [Compute(self.cm.optimizer(params), "optimizer")]
 
     def act_bytes(self, b: int, l: int) -> int:
-        el = 4 if self.spec.system == "ours" else self.spec.activation_bytes
-        return b * l * self.h * el
+        return b * l * self.h * self.spec.activation_bytes
 
 
 def _key(step: int, *parts) -> tuple:
@@ -134,7 +138,7 @@ def _fsdp_sizes(spec: RunSpec, s: int) -> tuple[int, int]:
     if s == 0:
         root += (m.vocab_size * h + m.seq_len * h) * 4
     if s == spec.pp - 1:
-        root += (2 * h + m.vocab_size * h) * 4
+        root += (2 * h + (spec.head_classes or m.vocab_size) * h) * 4
     return block, root
 
 
@@ -254,7 +258,7 @@ def torch_pipe(st: _Step, rank: int) -> list:
             bi += 1
         if send_work:
             ops.append(Wait(tuple(send_work)))
-    params = stage_params(spec.model, L, s == 0, s == P - 1)
+    params = st.params(L, s == 0, s == P - 1)
     return ops + st.optimizer(params // D if fsdp else params)
 
 
@@ -322,7 +326,7 @@ def _interleaved(st: _Step, rank: int, d: int, s: int, blocking: bool) -> list:
     if pending:
         ops.append(Wait(tuple(pending)))
     layers = st.layers * V
-    return ops + st.optimizer(stage_params(spec.model, layers, s == 0, s == P - 1))
+    return ops + st.optimizer(st.params(layers, s == 0, s == P - 1))
 
 
 # ---- megatron ------------------------------------------------------------------------------------
@@ -367,10 +371,10 @@ def megatron(st: _Step, rank: int) -> list:
             ops += pair([], [(bk(j, s + 1), nxt)] if s < P - 1 else [])
             ops += st.backward(s, mb, seq, 0)
             ops += pair([(bk(j, s), prev)] if s > 0 else [], [])
-        opt = st.optimizer(stage_params(spec.model, st.layers, s == 0, s == P - 1, st.tp))[0]
+        opt = st.optimizer(st.params(st.layers, s == 0, s == P - 1, st.tp))[0]
     if D > 1:
         dp_group = tuple(k * P + s for k in range(D))
-        grads = stage_params(spec.model, st.layers * st.V, s == 0, s == P - 1, st.tp) * 4  # fp32 grad buffers
+        grads = st.params(st.layers * st.V, s == 0, s == P - 1, st.tp) * 4  # fp32 grad buffers
         ops += coll.collective(st.net.transport, "allreduce", dp_group, rank, _key(st.step, "dp", s), grads,
                                st.net.link, "dp")
     return ops + [opt]
@@ -422,7 +426,8 @@ def ours(st: _Step, rank: int) -> list:
             ops.append(FillWait(_key(st.step, "b", d, s + 1, u), "wgrad"))
         ops.append(Compute(st.o.per_unit(L) / 2, "overhead"))
         if last:
-            ops.append(Compute(cm.head_forward(mb * l) + cm.head_backward_input(mb * l), "head"))
+            ops.append(Compute(cm.head_forward(mb * l, 1, st.width) + cm.head_backward_input(mb * l, 1, st.width),
+                               "head"))
         if spec.recompute:
             ops.append(Compute(L * cm.layer_forward(mb, l, c), "recompute"))
         ops.append(Compute(L * cm.layer_backward_input(mb, l, c), "backward"))
@@ -430,7 +435,7 @@ def ours(st: _Step, rank: int) -> list:
             ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
         chunks = [cm.layer_wgrad(mb, l) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
         if last:
-            chunks.append(cm.head_wgrad(mb * l))
+            chunks.append(cm.head_wgrad(mb * l, 1, st.width))
         ops.append(Defer(tuple(chunks)))
         if not first:
             key = _key(st.step, "b", d, s, u)
@@ -439,7 +444,7 @@ def ours(st: _Step, rank: int) -> list:
     ops.append(Flush("wgrad"))
     if sends:
         ops.append(Wait(tuple(sends)))
-    params = stage_params(spec.model, L, first, last)
+    params = st.params(L, first, last)
     if D == 1:
         return ops + st.optimizer(params)
     ops.append(Compute(st.o.dp, "overhead"))

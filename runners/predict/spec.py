@@ -75,6 +75,10 @@ class RunSpec:
         receive reached the sender; collectives as gloo's algorithms, message by message) or "nccl"
         (data leaves once both sides posted; collectives by closed-form ring / chain costs).
     ranks_per_host: ranks sharing one host (intra_link between them).
+    head_classes: the output layer's width when it is not the vocabulary (a classification head, as the
+    seed's QQP workload had), None for a language model.
+    message_bytes: bytes per element of the activations and gradients sent between stages; None: what
+    the system sends (ours: fp32 always; the baselines: 2 bytes under mixed precision, else 4).
     """
 
     system: str
@@ -94,6 +98,8 @@ class RunSpec:
     transport: str = "gloo"
     intra_link: Link | None = None
     ranks_per_host: int = 1
+    head_classes: int | None = None
+    message_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -130,7 +136,9 @@ class RunSpec:
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes per element of the activations and gradients sent between stages (ours sends fp32)."""
+        """Bytes per element of the activations and gradients sent between stages."""
+        if self.message_bytes is not None:
+            return self.message_bytes
         return 2 if self.precision == "mixed" and self.system != "ours" else 4
 
     def replace(self, **changes) -> "RunSpec":

@@ -1,0 +1,64 @@
+"""python -m runners.predict {calibrate,validate,seed}: the simulator's calibration and checks.
+
+    python -m runners.predict calibrate     # this machine: profiles, stall probe, runs without delay, overheads
+    python -m runners.predict validate      # emulated runs: predicted against measured (root)
+    python -m runners.predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
+
+Predicting one run from the run command's flags and report.py's predicted column are wired by the
+run command's owner (``runners.predict.glue.spec_from_config`` is the one place that reads a RunConfig).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from runners.predict.local import RESULTS
+
+
+def _calibrate(args) -> int:
+    from runners.predict.local import calibrate_here
+
+    calibrate_here(steps=args.steps, warmup=args.warmup)
+    return 0
+
+
+def _validate(args) -> int:
+    from runners.predict.local import validate
+
+    validate(steps=args.steps, warmup=args.warmup)
+    return 0
+
+
+def _seed(args) -> int:
+    from runners.predict.seed import calibrate_seed, fp16_check, markdown, predict_seed
+
+    dev = calibrate_seed("fp32", write=not args.no_write)
+    res = predict_seed(dev)
+    fp16 = fp16_check()
+    text = markdown(res, fp16)
+    print(text)
+    if not args.no_write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "seed-predictions.json").write_text(json.dumps(dict(fp32=res, fp16=fp16), indent=1))
+        (RESULTS / "seed-predictions.md").write_text(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runners.predict", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, fn in (("calibrate", _calibrate), ("validate", _validate)):
+        q = sub.add_parser(name)
+        q.add_argument("--steps", type=int, default=3)
+        q.add_argument("--warmup", type=int, default=1)
+        q.set_defaults(fn=fn)
+    q = sub.add_parser("seed")
+    q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")
+    q.set_defaults(fn=_seed)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
