@@ -147,7 +147,7 @@ def torch_pipe(st: _Step, rank: int) -> list:
     P, D, m = spec.pp, spec.dp, spec.n_micro_batches
     d, s = divmod(rank, P)
     if spec.schedule == "interleaved":
-        return _interleaved(st, rank, d, s, blocking=False)
+        return _interleaved(st, rank, d, s)
     mb, seq = spec.micro_batch_size, st.seq
     nb = st.act_bytes(mb, seq)
     prev, nxt = rank - 1, rank + 1
@@ -263,11 +263,12 @@ def torch_pipe(st: _Step, rank: int) -> list:
 
 
 # ---- interleaved (Megatron's order; also used for torch's Interleaved1F1B) -------------------------
-def _interleaved(st: _Step, rank: int, d: int, s: int, blocking: bool) -> list:
+def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
     """Megatron's interleaved 1F1B on rank s with V chunks: the k-th forward runs chunk (k // P) % V of
     micro-batch (k // (P V)) P + k % P; warm-up (P - s - 1) 2 + (V - 1) P forwards. Receives are posted
-    right before their use and waited; sends are waited right away (``blocking``, Megatron) or at the
-    end of the step."""
+    right before their use and waited; sends are waited at the end of the step (Megatron pairs each
+    send with the next receive instead; the difference is a send's completion, which a receiver that
+    posted early makes immediate)."""
     spec = st.spec
     P, V, m = spec.pp, spec.virtual_pp, spec.n_micro_batches
     mb, seq = spec.micro_batch_size, st.seq
@@ -299,10 +300,7 @@ def _interleaved(st: _Step, rank: int, d: int, s: int, blocking: bool) -> list:
             if vs < st.n_chunks - 1:
                 key = _key(st.step, "f", d, vs, i)
                 ops.append(Send(key, owner(vs + 1), nb))
-                if blocking:
-                    ops.append(Wait((key,)))
-                else:
-                    pending.append(key)
+                pending.append(key)
         else:
             if vs < st.n_chunks - 1:
                 key = _key(st.step, "b", d, vs + 1, i)
@@ -311,10 +309,7 @@ def _interleaved(st: _Step, rank: int, d: int, s: int, blocking: bool) -> list:
             if vs > 0:
                 key = _key(st.step, "b", d, vs, i)
                 ops.append(Send(key, owner(vs - 1), nb))
-                if blocking:
-                    ops.append(Wait((key,)))
-                else:
-                    pending.append(key)
+                pending.append(key)
 
     for k in range(warm):
         do(k, True)
@@ -335,7 +330,7 @@ def megatron(st: _Step, rank: int) -> list:
     P, D, m = spec.pp, spec.dp, spec.n_micro_batches
     d, s = divmod(rank, P)
     if spec.schedule == "interleaved":
-        ops = _interleaved(st, rank, d, s, blocking=True)
+        ops = _interleaved(st, rank, d, s)
         opt = ops.pop()
     else:
         mb, seq = spec.micro_batch_size, st.seq
