@@ -55,11 +55,12 @@ def _lstsq(a: list[list[float]], y: list[float]) -> list[float] | None:
     return [m[i][k] / m[i][i] for i in range(k)]
 
 
-def fit_overheads(system: str, runs: list[tuple[RunSpec, float, CpuCompute]], cores: float | None,
+def fit_overheads(system: str, runs: list[tuple], cores: float | None,
                   params: tuple[str, ...] = ("step", "unit")) -> tuple[Overheads, list[dict]]:
     """The overheads of ``system`` that make the simulated step times of ``runs`` (spec, measured
-    seconds, the compute model of its shape) closest in relative terms; only ``params`` are free, the
-    others stay as the first run's compute model has them.
+    seconds, the compute model of its shape[, the cores the run had]) closest in relative terms; only
+    ``params`` are free, the others stay as the first run's compute model has them. ``cores``: for
+    runs that do not say.
 
     The step time is nearly linear in each overhead; the fit linearises it twice (around zero, then
     around the first solution) and solves a non-negative least squares problem."""
@@ -68,7 +69,8 @@ def fit_overheads(system: str, runs: list[tuple[RunSpec, float, CpuCompute]], co
 
     def times(values) -> list[float]:
         o = replace(base, **dict(zip(params, values)))
-        return [predict(spec, cm.with_overheads(system, o), cores).step_time for spec, _, cm in runs]
+        return [predict(run[0], run[2].with_overheads(system, o), run[3] if len(run) > 3 else cores).step_time
+                for run in runs]
 
     for _ in range(2):
         t0 = times(x)
@@ -78,17 +80,18 @@ def fit_overheads(system: str, runs: list[tuple[RunSpec, float, CpuCompute]], co
             xd = list(x)
             xd[j] += delta
             grads.append([(a - b) / delta for a, b in zip(times(xd), t0)])
-        measured = [m for _, m, _ in runs]
+        measured = [run[1] for run in runs]
         rows = [[grads[j][i] / m for j in range(len(params))] for i, m in enumerate(measured)]
         # relative residual of the linearisation: (t0 + G (x' - x)) / m - 1
         y = [1.0 - (t0[i] - sum(grads[j][i] * x[j] for j in range(len(params)))) / m for i, m in enumerate(measured)]
         x = _nnls(rows, y)
     fitted = replace(base, **dict(zip(params, x)))
     report = []
-    for (spec, m, _), p in zip(runs, times(x)):
+    for run, p in zip(runs, times(x)):
+        spec, m = run[0], run[1]
         report.append(dict(system=spec.system, model=spec.model.name, pp=spec.pp, dp=spec.dp, batch=spec.batch_size,
                            slices=len(spec.token_slices), dp_mode=spec.dp_mode, measured=m, fitted=p,
-                           error=(p - m) / m))
+                           error=(p - m) / m, cores=run[3] if len(run) > 3 else cores))
     return fitted, report
 
 

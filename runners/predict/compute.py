@@ -200,17 +200,21 @@ class CpuCompute(ComputeModel):
     name = "cpu"
 
     def _table(self, key: str) -> Table3:
-        """The profile's points of one quantity; at c = 0 made non-decreasing in l (least squares), so
-        that a measurement slowed by contention does not make a longer slice look cheaper."""
+        """The profile's points of one quantity; at c = 0 cleaned of contention outliers (points more
+        than 25 % off what their neighbours predict, as the planner's fit does) and made non-decreasing
+        in l, so that a measurement slowed by contention does not make a longer slice look cheaper."""
         cache = self.__dict__.setdefault("_tables", {})
         if key not in cache:
-            from ours.plan.latency import isotonic
+            import numpy as np
+
+            from ours.plan.latency import clean_outliers, isotonic
 
             pts = [(p["b"], p["l"], p["c"], p[key]) for p in self.profile["layer"]]
             out = [q for q in pts if q[2] > 0]
             for b in sorted({q[0] for q in pts}):
                 row = sorted(q for q in pts if q[0] == b and q[2] == 0)
-                out += [(b, l, 0, float(t)) for (_, l, _, _), t in zip(row, isotonic([q[3] for q in row]))]
+                ys, _ = clean_outliers(np.array([q[1] for q in row], float), np.array([q[3] for q in row], float))
+                out += [(b, l, 0, float(t)) for (_, l, _, _), t in zip(row, isotonic(ys))]
             cache[key] = Table3(tuple(out))
         return cache[key]
 

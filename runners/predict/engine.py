@@ -167,10 +167,12 @@ class SimResult:
 class Simulator:
     """Run ``programs`` (one list of ops per rank, ranks 0..n-1) over ``network``.
 
-    cores: CPU cores the ranks share (None: every rank has its own device); procs[r]: processes rank r
-    stands for in the processor sharing (a simulated rank may represent a tensor-parallel group)."""
+    cores: CPU cores the ranks share (None: every rank has its own device), or the capacity measured for
+    1, 2, ... processes computing at once (``cores[k - 1]``: cores' worth of work k processes get
+    together; the last entry holds for more), e.g. on a host shared with other work; procs[r]: processes
+    rank r stands for in the processor sharing (a simulated rank may represent a tensor-parallel group)."""
 
-    def __init__(self, programs: list[list], network: Network, cores: float | None = None,
+    def __init__(self, programs: list[list], network: Network, cores: float | tuple | None = None,
                  procs: list[int] | None = None):
         self.ranks = [_Rank(list(p)) for p in programs]
         self.net = network
@@ -204,6 +206,8 @@ class Simulator:
         if self.cores is None or not self.computing:
             return 1.0
         active = sum(self.procs[r] for r in self.computing)
+        if isinstance(self.cores, tuple):
+            return min(1.0, self.cores[min(active, len(self.cores)) - 1] / active)
         return min(1.0, self.cores / active)
 
     def _advance(self, t: float) -> None:

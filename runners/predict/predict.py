@@ -18,9 +18,10 @@ PART_OF = {
 }
 
 
-def predict(spec: RunSpec, compute: ComputeModel, cores: float | None = None) -> Prediction:
+def predict(spec: RunSpec, compute: ComputeModel, cores: float | tuple | None = None) -> Prediction:
     """The step time of ``spec`` with operation times from ``compute``; ``cores``: CPU cores the ranks
-    share (None: one device per rank). Over gloo the second of two simulated steps is the one reported
+    share, or the capacity for 1, 2, ... computing processes (see ``engine.Simulator``); None: one device
+    per rank. Over gloo the second of two simulated steps is the one reported
     (its ranks start as the first one's closing barrier left them); over nccl the opening barrier is a
     collective every rank leaves at once, so one step is enough."""
     steps = 1 if spec.transport == "nccl" else 2
