@@ -27,7 +27,7 @@ def _calibrate(args) -> int:
 def _validate(args) -> int:
     from runners.predict.local import validate
 
-    validate(steps=args.steps, warmup=args.warmup)
+    validate(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
     return 0
 
 
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "calibrate":
             q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (the fastest kept, "
                            "with every earlier one in calibration-runs.jsonl)")
+        else:
+            q.add_argument("--repeats", type=int, default=1, help="runs of each validation config (the fastest kept)")
         q.set_defaults(fn=fn)
     q = sub.add_parser("seed")
     q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")

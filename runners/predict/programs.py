@@ -142,124 +142,147 @@ def _fsdp_sizes(spec: RunSpec, s: int) -> tuple[int, int]:
     return block, root
 
 
-def torch_pipe(st: _Step, rank: int) -> list:
-    spec = st.spec
-    P, D, m = spec.pp, spec.dp, spec.n_micro_batches
-    d, s = divmod(rank, P)
-    if spec.schedule == "interleaved":
-        return _interleaved(st, rank, d, s)
-    mb, seq = spec.micro_batch_size, st.seq
-    nb = st.act_bytes(mb, seq)
-    prev, nxt = rank - 1, rank + 1
-    dp_group = tuple(k * P + s for k in range(D))
-    block_bytes, root_bytes = _fsdp_sizes(spec, s)
-    L = st.layers
-    fsdp = D > 1
-    ops: list = [Compute(st.o.step, "overhead")]
+class _Stage:
+    """One torch_pipe rank's view of its step: its stage, neighbours, message keys, and the ops of a
+    micro-batch's forward and backward (with FSDP2's collectives when D > 1)."""
 
-    def gather(tag, nbytes):
-        return coll.collective(st.net.transport, "allgather", dp_group, rank, _key(st.step, "fsdp", s, *tag),
-                               nbytes, st.net.link, "fsdp") if fsdp else []
+    def __init__(self, st: _Step, rank: int):
+        spec = st.spec
+        self.st, self.rank = st, rank
+        self.P, self.m = spec.pp, spec.n_micro_batches
+        self.d, self.s = divmod(rank, self.P)
+        self.nb = st.act_bytes(spec.micro_batch_size, st.seq)
+        self.prev, self.nxt = rank - 1, rank + 1
+        self.first, self.last = self.s == 0, self.s == self.P - 1
+        self.group = tuple(k * self.P + self.s for k in range(spec.dp))
+        self.block_bytes, self.root_bytes = _fsdp_sizes(spec, self.s)
+        self.fsdp = spec.dp > 1
 
-    def fwd(i):
-        out = []
-        if fsdp:
-            if i == 0 and root_bytes:
-                out += gather(("root",), root_bytes)
-            for j in range(L):
-                out += gather(("f", i, j), block_bytes)
-        return out + st.forward(s, mb, seq, 0)
+    def fk(self, i: int, src: int) -> tuple:  # activation of micro-batch i leaving stage src
+        return _key(self.st.step, "f", self.d, src, i)
 
-    def bwd(i):
-        out = []
-        if fsdp and i == 0:
-            for j in range(L):
-                out += gather(("b", j), block_bytes)
-        out += st.backward(s, mb, seq, 0)
-        if fsdp and i == m - 1:
-            for j in range(L):
-                out += coll.collective(st.net.transport, "reduce_scatter", dp_group, rank,
-                                       _key(st.step, "fsdp-rs", s, j), block_bytes, st.net.link, "fsdp")
-            if root_bytes:
-                out += coll.collective(st.net.transport, "reduce_scatter", dp_group, rank,
-                                       _key(st.step, "fsdp-rs", s, "root"), root_bytes, st.net.link, "fsdp")
+    def bk(self, i: int, src: int) -> tuple:  # gradient of micro-batch i leaving stage src
+        return _key(self.st.step, "b", self.d, src, i)
+
+    def _coll(self, op: str, tag: tuple, nbytes: int) -> list:
+        st = self.st
+        return coll.collective(st.net.transport, op, self.group, self.rank, _key(st.step, "fsdp", self.s, *tag),
+                               nbytes, st.net.link, "fsdp")
+
+    def fwd(self, i: int) -> list:
+        st, out = self.st, []
+        if self.fsdp:
+            if i == 0 and self.root_bytes:
+                out += self._coll("allgather", ("root",), self.root_bytes)
+            for j in range(st.layers):
+                out += self._coll("allgather", ("f", i, j), self.block_bytes)
+        return out + st.forward(self.s, st.spec.micro_batch_size, st.seq, 0)
+
+    def bwd(self, i: int) -> list:
+        st, out = self.st, []
+        if self.fsdp and i == 0:
+            for j in range(st.layers):
+                out += self._coll("allgather", ("b", j), self.block_bytes)
+        out += st.backward(self.s, st.spec.micro_batch_size, st.seq, 0)
+        if self.fsdp and i == self.m - 1:
+            for j in range(st.layers):
+                out += self._coll("reduce_scatter", ("rs", j), self.block_bytes)
+            if self.root_bytes:
+                out += self._coll("reduce_scatter", ("rs", "root"), self.root_bytes)
         return out
 
-    fk = lambda i, src: _key(st.step, "f", d, src, i)  # activation of micro-batch i leaving stage src
-    bk = lambda i, src: _key(st.step, "b", d, src, i)  # gradient of micro-batch i leaving stage src
-    if spec.schedule == "gpipe":
-        sends = []
-        for i in range(m):
-            if s > 0:
-                ops += [Recv(fk(i, s - 1), prev, nb), Wait((fk(i, s - 1),))]
-            ops += fwd(i)
-            if s < P - 1:
-                ops.append(Send(fk(i, s), nxt, nb))
-                sends.append(fk(i, s))
-        if sends:
-            ops.append(Wait(tuple(sends)))
-        sends = []
-        for i in range(m):
-            if s < P - 1:
-                ops += [Recv(bk(i, s + 1), nxt, nb), Wait((bk(i, s + 1),))]
-            ops += bwd(i)
-            if s > 0:
-                ops.append(Send(bk(i, s), prev, nb))
-                sends.append(bk(i, s))
-        if sends:
-            ops.append(Wait(tuple(sends)))
-    else:  # torch's Schedule1F1B
-        warm = min(m, P - s)
-        fi = bi = 0
-        send_work: list = []
-        fwd_sends: list = []
-        for _ in range(warm):
-            if s > 0:
-                ops += [Recv(fk(fi, s - 1), prev, nb), Wait((fk(fi, s - 1),))]
-            ops += fwd(fi)
-            if send_work:
-                ops.append(Wait(tuple(send_work)))
-                send_work = []
-            fwd_sends = [fk(fi, s)] if s < P - 1 else []
-            if fi != warm - 1:
-                ops += [Send(k, nxt, nb) for k in fwd_sends]
-                send_work, fwd_sends = fwd_sends, []
-            fi += 1
-        while True:
-            recvs = [bk(bi, s + 1)] if s < P - 1 else []
-            ops += [Send(k, nxt, nb) for k in fwd_sends] + [Recv(k, nxt, nb) for k in recvs]
-            if fwd_sends or recvs:
-                ops.append(Wait(tuple(fwd_sends + recvs)))
-            fwd_sends = []
-            ops += bwd(bi)
-            bwd_sends = [bk(bi, s)] if s > 0 else []
-            bi += 1
-            if fi == m:
-                break
-            recvs = [fk(fi, s - 1)] if s > 0 else []
-            ops += [Send(k, prev, nb) for k in bwd_sends] + [Recv(k, prev, nb) for k in recvs]
-            if bwd_sends or recvs:
-                ops.append(Wait(tuple(bwd_sends + recvs)))
-            ops += fwd(fi)
-            fwd_sends = [fk(fi, s)] if s < P - 1 else []
-            fi += 1
-        ops += [Send(k, prev, nb) for k in bwd_sends]
-        send_work = bwd_sends
-        while bi < m:
-            recvs = [bk(bi, s + 1)] if s < P - 1 else []
-            ops += [Recv(k, nxt, nb) for k in recvs]
-            if recvs:
-                ops.append(Wait(tuple(recvs)))
-            ops += bwd(bi)
-            if send_work:
-                ops.append(Wait(tuple(send_work)))
-            send_work = [bk(bi, s)] if s > 0 else []
-            ops += [Send(k, prev, nb) for k in send_work]
-            bi += 1
+
+def torch_pipe(st: _Step, rank: int) -> list:
+    spec = st.spec
+    if spec.schedule == "interleaved":
+        return _interleaved(st, rank, *divmod(rank, spec.pp))
+    p = _Stage(st, rank)
+    ops = [Compute(st.o.step, "overhead")]
+    ops += _gpipe(p) if spec.schedule == "gpipe" else _torch_1f1b(p)
+    params = st.params(st.layers, p.first, p.last)
+    return ops + st.optimizer(params // spec.dp if p.fsdp else params)
+
+
+def _gpipe(p: _Stage) -> list:
+    """torch's ScheduleGPipe: each receive posted and waited right before its micro-batch; a phase's
+    sends waited at its end."""
+    ops, sends = [], []
+    for i in range(p.m):
+        if not p.first:
+            ops += [Recv(p.fk(i, p.s - 1), p.prev, p.nb), Wait((p.fk(i, p.s - 1),))]
+        ops += p.fwd(i)
+        if not p.last:
+            ops.append(Send(p.fk(i, p.s), p.nxt, p.nb))
+            sends.append(p.fk(i, p.s))
+    if sends:
+        ops.append(Wait(tuple(sends)))
+    sends = []
+    for i in range(p.m):
+        if not p.last:
+            ops += [Recv(p.bk(i, p.s + 1), p.nxt, p.nb), Wait((p.bk(i, p.s + 1),))]
+        ops += p.bwd(i)
+        if not p.first:
+            ops.append(Send(p.bk(i, p.s), p.prev, p.nb))
+            sends.append(p.bk(i, p.s))
+    if sends:
+        ops.append(Wait(tuple(sends)))
+    return ops
+
+
+def _torch_1f1b(p: _Stage) -> list:
+    """torch's Schedule1F1B: P - s warm-up forwards (the last one's send held back); then a forward's
+    send goes out with the next backward's receive and a backward's send with the next forward's
+    receive, each pair waited together; cool-down backwards, each send waited after the next backward."""
+    ops: list = []
+    warm = min(p.m, p.P - p.s)
+    fi = bi = 0
+    send_work: list = []
+    fwd_sends: list = []
+    for _ in range(warm):
+        if not p.first:
+            ops += [Recv(p.fk(fi, p.s - 1), p.prev, p.nb), Wait((p.fk(fi, p.s - 1),))]
+        ops += p.fwd(fi)
         if send_work:
             ops.append(Wait(tuple(send_work)))
-    params = st.params(L, s == 0, s == P - 1)
-    return ops + st.optimizer(params // D if fsdp else params)
+            send_work = []
+        fwd_sends = [p.fk(fi, p.s)] if not p.last else []
+        if fi != warm - 1:
+            ops += [Send(k, p.nxt, p.nb) for k in fwd_sends]
+            send_work, fwd_sends = fwd_sends, []
+        fi += 1
+    while True:
+        recvs = [p.bk(bi, p.s + 1)] if not p.last else []
+        ops += [Send(k, p.nxt, p.nb) for k in fwd_sends] + [Recv(k, p.nxt, p.nb) for k in recvs]
+        if fwd_sends or recvs:
+            ops.append(Wait(tuple(fwd_sends + recvs)))
+        ops += p.bwd(bi)
+        bwd_sends = [p.bk(bi, p.s)] if not p.first else []
+        bi += 1
+        if fi == p.m:
+            break
+        recvs = [p.fk(fi, p.s - 1)] if not p.first else []
+        ops += [Send(k, p.prev, p.nb) for k in bwd_sends] + [Recv(k, p.prev, p.nb) for k in recvs]
+        if bwd_sends or recvs:
+            ops.append(Wait(tuple(bwd_sends + recvs)))
+        ops += p.fwd(fi)
+        fwd_sends = [p.fk(fi, p.s)] if not p.last else []
+        fi += 1
+    ops += [Send(k, p.prev, p.nb) for k in bwd_sends]
+    send_work = bwd_sends
+    while bi < p.m:
+        recvs = [p.bk(bi, p.s + 1)] if not p.last else []
+        ops += [Recv(k, p.nxt, p.nb) for k in recvs]
+        if recvs:
+            ops.append(Wait(tuple(recvs)))
+        ops += p.bwd(bi)
+        if send_work:
+            ops.append(Wait(tuple(send_work)))
+        send_work = [p.bk(bi, p.s)] if not p.first else []
+        ops += [Send(k, p.prev, p.nb) for k in send_work]
+        bi += 1
+    if send_work:
+        ops.append(Wait(tuple(send_work)))
+    return ops
 
 
 # ---- interleaved (Megatron's order; also used for torch's Interleaved1F1B) -------------------------
