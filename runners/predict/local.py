@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from runners.predict.calibrate import fit_overheads
@@ -94,13 +93,16 @@ VALIDATION_RUNS = (
 )
 
 
-def run_and_read(argv: list[str], out: Path, timeout: float = 900) -> dict | None:
-    """Run the run command and return the record it appended to ``out`` (None if it wrote none)."""
+def run_and_read(argv: list[str], out: Path, timeout: float = 900) -> tuple[dict | None, float | None]:
+    """Run the run command; (the record it appended to ``out`` or None, the host's background load over
+    its measured steps: other runnable processes, see ``runners.predict.load``)."""
+    from runners.predict.load import watch_run
+
     out.parent.mkdir(parents=True, exist_ok=True)
     before = len(out.read_text().splitlines()) if out.exists() else 0
-    subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    _, background = watch_run(argv, REPO, timeout)
     lines = out.read_text().splitlines() if out.exists() else []
-    return json.loads(lines[-1]) if len(lines) > before else None
+    return (json.loads(lines[-1]) if len(lines) > before else None), background
 
 
 def shape_key(m: ModelConfig) -> str:
@@ -130,10 +132,9 @@ class Calibration:
 
     overhead: dict
     loopback: tuple[float, float]
-    cores: tuple  # capacity for 1 and 2 computing processes when calibrated (see machine_capacity)
+    cores: tuple  # cores' worth 1, 2, ... computing ranks get (a quiet host: (1, 2))
     runs: tuple = ()
     stall_bytes: float | None = None
-    quiet_gflops: float | None = None
 
     def compute(self, m: ModelConfig, directory: Path = RESULTS) -> CpuCompute:
         return CpuCompute(load_profile(m, directory), dict(self.overhead))
@@ -141,26 +142,15 @@ class Calibration:
     def to_json(self) -> dict:
         return dict(kind="runners.predict.calibration", overhead={k: asdict(v) for k, v in self.overhead.items()},
                     loopback=list(self.loopback), cores=list(self.cores), stall_bytes=self.stall_bytes,
-                    quiet_gflops=self.quiet_gflops, runs=list(self.runs))
+                    runs=list(self.runs))
 
     @classmethod
     def from_json(cls, d: dict) -> "Calibration":
         return cls({k: Overheads(**v) for k, v in d["overhead"].items()}, tuple(d["loopback"]), tuple(d["cores"]),
-                   tuple(d.get("runs") or ()), d.get("stall_bytes"), d.get("quiet_gflops"))
+                   tuple(d.get("runs") or ()), d.get("stall_bytes"))
 
     def link(self, network: str, probed: dict | None = None):
         return local_link(network, self.loopback, probed, self.stall_bytes)
-
-
-def machine_capacity(quiet_gflops: float | None = None) -> tuple[tuple[float, float], float]:
-    """(cores for 1 and 2 computing processes, this check's single-process GFLOP/s), in units of a quiet
-    core: ``runners.machine.parallel_capacity``'s matmul rates over ``quiet_gflops`` (the fastest single
-    process seen; the profile's minimum times are a quiet core's)."""
-    from runners.machine import parallel_capacity
-
-    cap = parallel_capacity(2, seconds=1.0)
-    quiet = max(quiet_gflops or 0.0, cap.alone_gflops)
-    return (min(1.0, cap.alone_gflops / quiet), min(2.0, 2 * cap.together_gflops / quiet)), cap.alone_gflops
 
 
 def load_stall(directory: Path = RESULTS, make: bool = True, log=print) -> float | None:
@@ -192,25 +182,42 @@ def matches(run: LocalRun, record: dict) -> bool:
     return c.get("schedule") == run.schedule
 
 
-def fastest_records(runs, path: Path) -> list[tuple[LocalRun, dict]]:
-    """For each run, its fastest ok record in ``path`` (every repetition ever appended there):
-    contention on a shared host only ever slows a run down."""
+def loads_file(path: Path) -> Path:
+    return path.with_name(path.stem + "-loads.jsonl")
+
+
+def record_load(path: Path, record: dict, background: float | None) -> None:
+    """Keep a run's background load beside its record (by run_id) in <records>-loads.jsonl."""
+    with open(loads_file(path), "a") as f:
+        f.write(json.dumps({"run_id": record["run_id"], "background": background}) + "\n")
+
+
+def recorded_runs(runs, path: Path) -> list[tuple[LocalRun, dict, float]]:
+    """Every ok record in ``path`` of each run, with the background load measured during it (0 where
+    none was recorded)."""
     from runners.record import read_records
 
     records = [x for x in read_records(path) if x.get("status") == "ok"] if path.exists() else []
-    out = []
-    for r in runs:
-        mine = [x for x in records if matches(r, x)]
-        if mine:
-            out.append((r, min(mine, key=lambda x: x["median_step_time"])))
-    return out
+    lf = loads_file(path)
+    loads = {}
+    if lf.exists():
+        for line in lf.read_text().splitlines():
+            if line.strip():
+                d = json.loads(line)
+                loads[d["run_id"]] = d["background"]
+    return [(r, x, loads.get(x["run_id"]) or 0.0) for r in runs for x in records if matches(r, x)]
+
+
+QUIET_CORES = 2.0  # this host's cores, as the simulator sees them when nothing else runs
 
 
 def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 3, warmup: int = 1, directory: Path = RESULTS,
                    repeats: int = 2, log=print) -> Calibration:
-    """Profile the shapes, run the calibration set without emulated delay (each ``repeats`` times, the
-    fastest kept), fit the overheads. The machine is taken as two quiet cores; each run's machine check
-    is logged, not used."""
+    """Profile the shapes, run the calibration set without emulated delay (``repeats`` more times each),
+    fit the overheads to every recorded repetition, each simulated with the background load measured
+    while it ran (``runners.predict.load``): two cores shared with that many other processes."""
+    from runners.predict.load import cores_with_background
+
     shapes = {shape_key(r.shape()): r.shape() for r in runs}
     profiles = {k: load_profile(m, directory) for k, m in shapes.items()}
     fits = [p["p2p_fit"] for p in profiles.values() if p.get("p2p_fit")]
@@ -221,36 +228,40 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 3, warmup: int = 1, direc
     for r in runs:
         for _ in range(repeats):
             t = time.perf_counter()
-            cap, gflops = machine_capacity()
-            rec = run_and_read(r.argv(out, steps, warmup), out)
+            rec, background = run_and_read(r.argv(out, steps, warmup), out)
             ok = rec is not None and rec.get("status") == "ok"
-            log(f"  {r.name}: {rec['median_step_time'] if ok else 'failed'} (machine check: {gflops:.0f} GFLOP/s "
-                f"alone, {cap[1]:.2f} cores for two; {time.perf_counter() - t:.0f} s)")
-    measured = fastest_records(runs, out)
-    cores = (1.0, 2.0)
+            if ok:
+                record_load(out, rec, background)
+            bg = "-" if background is None else f"{background:.1f}"
+            log(f"  {r.name}: {rec['median_step_time'] if ok else 'failed'} (background load {bg}; "
+                f"{time.perf_counter() - t:.0f} s)")
+    measured = recorded_runs(runs, out)
+    cores = (1.0, QUIET_CORES)
     link = local_link("none", loopback)
     overhead: dict = {}
     report: list = []
+
+    def rows(select):
+        return [(spec_from_record(rec, link), rec["median_step_time"],
+                 CpuCompute(profiles[shape_key(r.shape())], dict(overhead)), cores_with_background(QUIET_CORES, bg))
+                for r, rec, bg in measured if select(r)]
+
     for system, params in (("torch_pipe", ("step", "unit")), ("ours", ("step", "unit_layer"))):
-        rows = [(spec_from_record(rec, link), rec["median_step_time"],
-                 CpuCompute(profiles[shape_key(r.shape())], dict(overhead)))
-                for r, rec in measured if r.system == system and r.dp == 1]
-        if rows:
-            overhead[system], rep = fit_overheads(system, rows, cores, params)
+        sel = rows(lambda r: r.system == system and r.dp == 1)
+        if sel:
+            overhead[system], rep = fit_overheads(system, sel, cores, params)
             report += rep
-    dp_rows = [(spec_from_record(rec, link), rec["median_step_time"],
-                CpuCompute(profiles[shape_key(r.shape())], dict(overhead)))
-               for r, rec in measured if r.system == "ours" and r.dp > 1]
-    if dp_rows:
-        overhead["ours"], rep = fit_overheads("ours", dp_rows, cores, ("dp",))
+    sel = rows(lambda r: r.system == "ours" and r.dp > 1)
+    if sel:
+        overhead["ours"], rep = fit_overheads("ours", sel, cores, ("dp",))
         report += rep
     for row in report:
         log(f"  fitted {row['system']} {row['model']} P-{row['pp']} D-{row['dp']} B={row['batch']} K={row['slices']}: "
-            f"measured {row['measured']:.4f} s, simulated {row['fitted']:.4f} s ({row['error'] * 100:+.1f} %)")
+            f"measured {row['measured']:.4f} s, simulated {row['fitted']:.4f} s ({row['error'] * 100:+.1f} %; "
+            f"{row['cores'][1]:.2f} cores for two)")
     for k, v in overhead.items():
         log(f"  overheads {k}: {v}")
-    quiet = max([p.get("quiet_matmul_gflops") or 0.0 for p in profiles.values()]) or None
-    cal = Calibration(overhead, loopback, cores, tuple(report), load_stall(directory, log=log), quiet)
+    cal = Calibration(overhead, loopback, cores, tuple(report), load_stall(directory, log=log))
     (directory / "calibration.json").write_text(json.dumps(cal.to_json(), indent=1))
     return cal
 
@@ -285,34 +296,37 @@ def predict_local(run: LocalRun, cal: Calibration, probed: dict | None = None, d
 
 def validate(runs=VALIDATION_RUNS, steps: int = 3, warmup: int = 1, directory: Path = RESULTS,
              cal: Calibration | None = None, repeats: int = 1, log=print) -> list[dict]:
-    """Predict, then run (``repeats`` times, the fastest kept, as in calibration), every run of ``runs``;
-    print predicted against measured with the errors. Nothing measured here feeds a prediction."""
+    """Predict, then run (``repeats`` times), every run of ``runs``; print predicted against measured.
+
+    Two predictions per run: ``predicted`` for the host as calibrated (two quiet cores), made before the
+    run; ``predicted_loaded`` the same model with the background load measured while the run's steps
+    ran (other runnable processes on the host, ``runners.predict.load``) sharing the cores. Nothing
+    measured about the run's own steps feeds either."""
+    from runners.predict.load import cores_with_background
+
     cal = cal or load_calibration(directory)
     probes = probe_links(sorted({r.network for r in runs if r.network != "none"}), log)
     out = directory / "validation-runs.jsonl"
     rows = []
     for r in runs:
         pred = predict_local(r, cal, probes.get(r.network), directory)
-        recs, checks = [], []
-        t = time.perf_counter()
         for _ in range(repeats):
-            cores, _ = machine_capacity(cal.quiet_gflops)  # logged: how loaded the host is for this run
-            rec = run_and_read(r.argv(out, steps, warmup), out)
-            if rec is not None and rec.get("status") == "ok":
-                recs.append(rec)
-                checks.append(cores)
-        best = min(range(len(recs)), key=lambda i: recs[i]["median_step_time"]) if recs else None
-        m = recs[best]["median_step_time"] if recs else None
-        row = dict(run=r.name, network=r.network, cores=checks[best] if recs else None, predicted=pred.step_time,
-                   measured=m, measured_all=[x["median_step_time"] for x in recs],
-                   error=(pred.step_time - m) / m if m else None, parts=pred.parts(),
-                   measured_link=((recs[best] if recs else {}).get("environment") or {}).get("network", {})
-                   .get("measured_link"))
-        rows.append(row)
-        got = "-" if m is None else f"{m:.4f} s ({row['error'] * 100:+.1f} %)"
-        check = "" if not recs else f"machine check {checks[best][0]:.2f} / {checks[best][1]:.2f} quiet cores; "
-        log(f"  {r.name} @ {r.network}: predicted {pred.step_time:.4f} s, measured {got} ({check}"
-            f"{time.perf_counter() - t:.0f} s)")
+            t = time.perf_counter()
+            rec, background = run_and_read(r.argv(out, steps, warmup), out)
+            ok = rec is not None and rec.get("status") == "ok"
+            m = rec["median_step_time"] if ok else None
+            bg = background or 0.0
+            loaded = predict_local(r, replace(cal, cores=cores_with_background(QUIET_CORES, bg)),
+                                   probes.get(r.network), directory)
+            row = dict(run=r.name, network=r.network, background=background, predicted=pred.step_time,
+                       predicted_loaded=loaded.step_time, measured=m,
+                       error=(pred.step_time - m) / m if m else None,
+                       error_loaded=(loaded.step_time - m) / m if m else None, parts=pred.parts(),
+                       measured_link=((rec or {}).get("environment") or {}).get("network", {}).get("measured_link"))
+            rows.append(row)
+            got = "-" if m is None else f"{m:.4f} s ({row['error'] * 100:+.1f} %; with the load {row['error_loaded'] * 100:+.1f} %)"
+            log(f"  {r.name} @ {r.network}: predicted {pred.step_time:.4f} s ({loaded.step_time:.4f} s with a "
+                f"background load of {bg:.1f}), measured {got} ({time.perf_counter() - t:.0f} s)")
     log(table(rows))
     (directory / "validation.json").write_text(json.dumps(dict(probes=probes, repeats=repeats, rows=rows), indent=1))
     (directory / "validation.md").write_text(table(rows) + "\n")
@@ -320,19 +334,21 @@ def validate(runs=VALIDATION_RUNS, steps: int = 3, warmup: int = 1, directory: P
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | network | machine check (quiet cores for 1 / 2) | predicted (s) | measured (s) | error |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    errs = []
+    lines = ["| run | network | background load | predicted, quiet host (s) | predicted with the load (s) | "
+             "measured (s) | error | error with the load |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    errs, errs_l = [], []
     for r in rows:
-        e = r.get("error")
+        e, el = r.get("error"), r.get("error_loaded")
         if e is not None:
             errs.append(abs(e))
+            errs_l.append(abs(el))
         got = "-" if r["measured"] is None else f"{r['measured']:.4f}"
-        err = "-" if e is None else f"{e * 100:+.1f} %"
-        cores = "/".join(f"{c:.2f}" for c in r.get("cores") or ())
-        lines.append(f"| {r['run']} | {r['network']} | {cores} | {r['predicted']:.4f} | {got} | {err} |")
+        bg = "-" if r.get("background") is None else f"{r['background']:.1f}"
+        pe = lambda x: "-" if x is None else f"{x * 100:+.1f} %"
+        lines.append(f"| {r['run']} | {r['network']} | {bg} | {r['predicted']:.4f} | {r['predicted_loaded']:.4f} | "
+                     f"{got} | {pe(e)} | {pe(el)} |")
     if errs:
-        lines.append("")
-        lines.append(f"median absolute error {statistics.median(errs) * 100:.1f} %, largest {max(errs) * 100:.1f} % "
-                     f"({len(errs)} runs)")
+        lines += ["", f"Median absolute error: quiet-host prediction {statistics.median(errs) * 100:.1f} % (largest "
+                  f"{max(errs) * 100:.1f} %); with the measured background load {statistics.median(errs_l) * 100:.1f} % "
+                  f"(largest {max(errs_l) * 100:.1f} %); {len(errs)} runs."]
     return "\n".join(lines)

@@ -124,21 +124,6 @@ def head_rates(cfg: ModelConfig, reps: int = 3, tokens: int | None = None) -> di
                 wgrad_per_token=max(0.0, b_full - b_in) / n)
 
 
-def quiet_matmul_gflops(trials: int = 40) -> float:
-    """The best of many short single-thread 512 x 512 matmul bursts (the kernel of
-    ``runners.machine``'s capacity check): what a quiet core does, for relating later checks to this
-    profile's (minimum) times."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    a @ b
-    best = 0.0
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        best = max(best, 4 * 2 * 512**3 / (time.perf_counter() - t) / 1e9)
-    return best
-
-
 def fit_p2p(points: list[dict]) -> dict:
     """latency + bytes / bandwidth by least squares over the ping-pong's one-way times."""
     from ours.plan.latency import fit_comm
@@ -168,7 +153,6 @@ def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 
             if bar:
                 bar.update()
         head = head_rates(cfg, reps)
-        gflops = quiet_matmul_gflops()
         rates = overhead_rates(cfg, torch.device("cpu"), reps)
         if bar:
             bar.update()
@@ -186,5 +170,4 @@ def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 
                                seq_len=cfg.seq_len, vocab_size=cfg.vocab_size),
         layer=layer, head=head, embed_per_token=rates["embed_per_token"],
         optimizer_per_param=rates["optimizer_per_param"], p2p=p2p_points, p2p_fit=fit_p2p(p2p_points),
-        quiet_matmul_gflops=gflops,
         seconds=time.perf_counter() - started)
