@@ -194,3 +194,14 @@ def test_breakdown_adds_up():
     p = predict(s, Fixed(0.01, 0.02, wgrad=0.3, overheads=Overheads(step=0.003, unit_layer=0.001, dp=0.002)), cores=2.0)
     assert sum(p.parts().values()) == pytest.approx(p.step_time, rel=1e-6)
     assert p.dp_sync > 0 and p.barrier > 0 and p.overhead > 0
+
+
+def test_background_load_shares_the_cores():
+    from runners.predict.load import cores_with_background
+
+    assert cores_with_background(2.0, 0.0)[:3] == (1.0, 2.0, 2.0)
+    cores = cores_with_background(2.0, 2.0)
+    assert cores[0] == pytest.approx(2 / 3) and cores[1] == pytest.approx(1.0)
+    progs = [[Compute(1.0, "forward"), Mark("end")] for _ in range(2)]
+    res = Simulator(progs, Network(FAST), cores=cores).run()
+    assert res.marks[0]["end"][0] == pytest.approx(2.0)  # two ranks and two others on two cores: half a core each
