@@ -1,9 +1,9 @@
 """How busy the host is with other work while a run measures its steps.
 
 This machine is shared: other processes compete for its cores. ``watch_run`` runs the run command and
-samples, every ``period`` seconds, how many processes on the host are runnable and not the run's own
-(its process tree); rank 0's "step k/N" lines mark the measured steps, and the mean over them is the
-run's background load: B processes that keep competing for the cores. With c quiet cores, k computing
+samples, every ``period`` seconds, how many threads on the host are runnable (``/proc/loadavg``) and not
+the run's own (its process tree's threads, this sampler's); rank 0's "step k/N" lines mark the measured
+steps, and the mean over them is the run's background load: B threads that keep competing for the cores. With c quiet cores, k computing
 ranks then get ``cores_with_background(c, B)[k - 1]`` cores' worth between them (processor sharing).
 """
 from __future__ import annotations
@@ -32,11 +32,10 @@ def _processes() -> dict[int, tuple[int, str]]:
     return out
 
 
-def others_runnable(root: int, me: int) -> int:
-    """Runnable processes that are neither in ``root``'s tree nor this sampler (``me``)."""
-    procs = _processes()
+def tree(root: int) -> set[int]:
+    """``root`` and its descendants."""
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in procs.items():
+    for pid, (ppid, _) in _processes().items():
         children.setdefault(ppid, []).append(pid)
     mine, stack = set(), [root]
     while stack:
@@ -44,7 +43,25 @@ def others_runnable(root: int, me: int) -> int:
         if pid not in mine:
             mine.add(pid)
             stack.extend(children.get(pid, []))
-    return sum(1 for pid, (_, state) in procs.items() if state == "R" and pid not in mine and pid != me)
+    return mine
+
+
+def _running_threads(pids) -> int:
+    n = 0
+    for pid in pids:
+        try:
+            for t in (PROC / str(pid) / "task").iterdir():
+                text = (t / "stat").read_text()
+                n += text[text.rfind(")") + 2] == "R"
+        except OSError:
+            continue
+    return n
+
+
+def others_runnable(mine: set[int]) -> int:
+    """Runnable threads on the host (``/proc/loadavg``) that are neither ``mine`` nor this sampler."""
+    running = int((PROC / "loadavg").read_text().split()[3].split("/")[0])
+    return max(0, running - _running_threads(mine) - 1)
 
 
 def cores_with_background(cores: float, background: float, n: int = 8) -> tuple[float, ...]:
@@ -53,7 +70,7 @@ def cores_with_background(cores: float, background: float, n: int = 8) -> tuple[
                  for k in range(1, n + 1))
 
 
-def watch_run(argv: list[str], cwd: Path, timeout: float = 900, period: float = 0.1) -> tuple[int, float | None]:
+def watch_run(argv: list[str], cwd: Path, timeout: float = 900, period: float = 0.02) -> tuple[int, float | None]:
     """Run ``argv`` (the run command); (exit status, mean background load over the measured steps, or
     None if no measured step was seen)."""
     samples: list[tuple[float, int]] = []
@@ -62,9 +79,12 @@ def watch_run(argv: list[str], cwd: Path, timeout: float = 900, period: float = 
     done = threading.Event()
 
     def sample():
+        mine, refreshed = set(), 0.0
         while not done.is_set():
             try:
-                samples.append((time.monotonic(), others_runnable(proc.pid, os.getpid())))
+                if time.monotonic() - refreshed > 0.5:  # the run's processes come and go: re-read its tree
+                    mine, refreshed = tree(proc.pid) | {os.getpid()}, time.monotonic()
+                samples.append((time.monotonic(), others_runnable(mine)))
             except (OSError, ValueError, IndexError):
                 pass
             done.wait(period)

@@ -1,13 +1,15 @@
 """This machine: profiles, calibration from runs without emulated delay, and the validation against
 emulated runs (predicted against measured).
 
-    calibrate_here(): profile each model shape (cached), measure how many cores two processes really
-        get, run the calibration set with ``--network none`` and fit every system's overheads;
+    calibrate_here(): profile each model shape (cached), run the calibration set with ``--network none``
+        and fit every system's overheads;
     validate(): probe each network profile of the validation set, predict every run, run it through
         the run command (``--network PROFILE``), print predicted against measured with the errors.
 
 Runs go through ``python -m runners.run`` (a subprocess, an argument list), each appending its record
-to a JSON-lines file; the record's median step time is the measurement.
+to a JSON-lines file; the record's median step time is the measurement. The host is shared: while a
+run measures its steps, the other runnable threads on the host are counted (``runners.predict.load``)
+and the simulation can share the two cores with them.
 """
 from __future__ import annotations
 
@@ -127,8 +129,8 @@ def load_profile(m: ModelConfig, directory: Path = RESULTS, make: bool = True, p
 
 @dataclass(frozen=True)
 class Calibration:
-    """Everything fitted on this machine: overheads per system, the loopback link, the cores two
-    single-thread processes got when the calibration ran."""
+    """Everything fitted on this machine: overheads per system, the loopback link (gloo between two local
+    processes), the cores (a quiet host), the emulated links' per-message stall, the fit's report."""
 
     overhead: dict
     loopback: tuple[float, float]
