@@ -16,7 +16,6 @@ ranks share cores):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -277,8 +276,3 @@ def stage_params(model: ModelConfig, layers: int, first: bool, last: bool, tp: i
         n += 2 * h + ((head or model.vocab_size) * h) // tp
     return n
 
-
-def finite(x: float) -> float:
-    if not math.isfinite(x):
-        raise ValueError(f"non-finite duration {x}")
-    return x
