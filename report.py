@@ -89,7 +89,8 @@ def fmt_time(t: float | None) -> str:
 
 def cell(row: pd.Series) -> str:
     if row["status"] == "ok":
-        return fmt_time(row["median_step_time"])
+        pred = row.get("predicted")
+        return fmt_time(row["median_step_time"]) + (f" (pred {fmt_time(pred).removesuffix(' s')})" if pred == pred and pred else "")
     if row["status"] == "unfit":
         return f"Fail ({row['error']})"
     return FAIL.get(row["status"], f"Fail ({row['status']})")
@@ -138,6 +139,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "emulated": r["network"] != "none",
             "status": r["status"],
             "median_step_time": r.get("median_step_time"),
+            "predicted": (r.get("prediction") or {}).get("step_time"),
             "tokens_per_s": r.get("tokens_per_s"),
             "mfu": r.get("mfu"),
             "peak_mem_mb": max(r.get("peak_memory_bytes") or [0]) / 2**20,
@@ -149,7 +151,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     if df.empty:
         return df
     # The newest record of the same run wins (a re-run replaces an older measurement).
-    df = df.sort_values("timestamp").drop_duplicates("key", keep="last").reset_index(drop=True)
+    df = df.sort_values("timestamp", kind="stable").drop_duplicates("key", keep="last").reset_index(drop=True)
     df["column"] = df["system"] + " " + df["layout"]
     return df
 

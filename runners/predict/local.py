@@ -111,6 +111,20 @@ def shape_key(m: ModelConfig) -> str:
     return f"h{m.n_embd}-a{m.n_head}-s{m.seq_len}-v{m.vocab_size}"
 
 
+def find_profile(m: ModelConfig, directory: Path = RESULTS) -> dict:
+    """A profile that covers shape ``m``: its own, else the shortest one of a longer sequence with the
+    same hidden size, heads and vocabulary (its (b, l, c) points hold every shorter slice and context).
+    FileNotFoundError if none."""
+    import re
+
+    pattern = re.compile(rf"^profile-h{m.n_embd}-a{m.n_head}-s(\d+)-v{m.vocab_size}\.json$")
+    found = sorted((int(g.group(1)), p) for p in directory.glob("profile-*.json") if (g := pattern.match(p.name)))
+    longer = [p for s, p in found if s >= m.seq_len]
+    if not longer:
+        raise FileNotFoundError(f"no profile covers {shape_key(m)} in {directory} (python -m runners.predict calibrate)")
+    return json.loads(longer[0].read_text())
+
+
 def load_profile(m: ModelConfig, directory: Path = RESULTS, make: bool = True, p2p: bool = True,
                  batch_slices: tuple[int, ...] = (1, 2)) -> dict:
     """The profile of shape ``m`` (cached as profile-<shape>.json; measured if missing and ``make``)."""
@@ -286,12 +300,11 @@ def probe_links(networks, log=print) -> dict[str, dict]:
 
 def predict_local(run: LocalRun, cal: Calibration, probed: dict | None = None, directory: Path = RESULTS):
     """The prediction of a LocalRun (spec built from the run command's own config)."""
-    from runners.config import build_parser, config_from_args
+    from runners.predict.glue import spec_from_config
+    from runners.request import build_parser, config_from_args
 
     argv = run.argv(Path("/dev/null"), 3, 1)[3:]  # the run command's flags
     cfg = config_from_args(build_parser().parse_args(argv))
-    from runners.predict.glue import spec_from_config
-
     spec = spec_from_config(cfg, cal.link(run.network, probed))
     return predict(spec, cal.compute(run.shape(), directory), cal.cores)
 

@@ -65,7 +65,7 @@ def test_efficiency_round_trip():
 
 
 def test_spec_from_a_run_config():
-    from runners.config import build_parser, config_from_args
+    from runners.request import build_parser, config_from_args
 
     args = build_parser().parse_args(["--system", "ours", "--model", "tiny", "--pp", "2", "--dp", "2", "--batch-size",
                                       "2", "--micro-batch-size", "1", "--n-slices", "4", "--dp-mode", "central_ps"])
@@ -86,3 +86,18 @@ def test_seed_gpipe_column_from_the_default_row():
     for net, seed in GPIPE.items():
         if net != "default":
             assert predict(gpipe_spec(net), dev).step_time == pytest.approx(seed, rel=0.15), net
+
+
+def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_path, monkeypatch):
+    from runners.predict.glue import NotModelled, record_prediction
+    from runners.request import build_parser, config_from_args
+
+    monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))  # no fitted model: the rule of thumb
+    cfg = lambda *a: config_from_args(build_parser().parse_args(["--model", "tiny", "--batch-size", "2",
+                                                                 "--micro-batch-size", "1", *a]))
+    link = Link.from_ms_gbps(0.1, 10)
+    assert spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices == (64, 64)
+    with pytest.raises(NotModelled):
+        spec_from_config(cfg("--system", "fairscale_fsdp"), link)
+    assert record_prediction(cfg("--system", "reference")) is None  # a record without a prediction
+
