@@ -1,10 +1,8 @@
-"""The one place that knows the run command's RunConfig: a RunSpec from a config (or a record's config),
-the link a local run under ``--network`` sees, and the prediction a record carries.
-"""
+"""The one place that knows the run command's RunConfig: a RunSpec from a config (or a record's config)."""
 from __future__ import annotations
 
 from contract import RunConfig
-from runners.predict.spec import SYSTEMS, Link, Prediction, RunSpec
+from runners.predict.spec import SYSTEMS, Link, RunSpec
 from runners.registry import get_system
 
 
@@ -44,49 +42,3 @@ def config_of_record(record: dict) -> RunConfig:
 
 def spec_from_record(record: dict, link: Link, transport: str = "gloo") -> RunSpec:
     return spec_from_config(config_of_record(record), link, transport)
-
-
-def predict_here(cfg: RunConfig, probed: dict | None = None) -> Prediction:
-    """The prediction of a run on this machine from its calibration (``results/predict``): the link is
-    the probed one under emulation (``probed``: a LinkMeasurement.describe() dict), else the profile's.
-    FileNotFoundError without a calibration or a profile that covers the shape; NotModelled."""
-    from runners.predict.local import find_profile, load_calibration
-    from runners.predict.compute import CpuCompute
-    from runners.predict.predict import predict
-
-    cal = load_calibration()
-    spec = spec_from_config(cfg, cal.link(cfg.network, probed))
-    return predict(spec, CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.cores)
-
-
-def record_prediction(cfg: RunConfig, probed: dict | None = None) -> dict | None:
-    """What a record carries: the predicted step time and its parts, or None where this machine has no
-    calibration for the run (a GPU cluster, an unprofiled shape) or the simulator does not model it."""
-    if cfg.device == "cuda":
-        return None
-    try:
-        p = predict_here(cfg, probed)
-    except (FileNotFoundError, NotModelled):
-        return None
-    return {"step_time": p.step_time, **p.parts(), "source": "runners.predict, this machine's calibration"}
-
-
-def local_link(network: str, loopback: tuple[float, float], probed: dict | None = None,
-               stall_bytes: float | None = None) -> Link:
-    """The link between two ranks of a local run: gloo over loopback for ``none``; under a network
-    profile the probe's one-way delay and bandwidth (``probed``: a LinkMeasurement.describe() dict),
-    or the profile's own values where there is no probe, plus gloo's own per-message latency;
-    ``stall_bytes``: the emulator's per-message stall (``Link.stall``)."""
-    lat, bw = loopback
-    if network == "none":
-        return Link(lat, bw)
-    from network_emulation.profiles import parse_profile
-
-    spec = parse_profile(network).link(0, 1)
-    delay_ms, gbps = spec.delay_ms, spec.bandwidth_gbps
-    if probed:
-        delay_ms = probed.get("one_way_delay_ms") or delay_ms
-        measured = probed.get("bandwidth_gbps")
-        if measured and measured == measured and measured > 0:  # not NaN
-            gbps = measured
-    return Link(delay_ms / 1e3 + lat, min(gbps * 1e9 / 8, bw), stall_bytes=stall_bytes)

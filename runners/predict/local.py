@@ -20,10 +20,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from contract import RunConfig
+from network_emulation.profiles import parse_profile
 from runners.predict.calibrate import fit_overheads
 from runners.predict.compute import CpuCompute, Overheads
-from runners.predict.glue import local_link, spec_from_record
+from runners.predict.glue import NotModelled, spec_from_config, spec_from_record
 from runners.predict.predict import predict
+from runners.predict.spec import Link, Prediction
 from workload.configs import ModelConfig, get_model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -298,9 +301,48 @@ def probe_links(networks, log=print) -> dict[str, dict]:
     return out
 
 
+def predict_here(cfg: RunConfig, probed: dict | None = None) -> Prediction:
+    """The prediction of a run on this machine from its calibration (``results/predict``): the link is
+    the probed one under emulation (``probed``: a LinkMeasurement.describe() dict), else the profile's.
+    FileNotFoundError without a calibration or a profile that covers the shape; NotModelled."""
+    cal = load_calibration()
+    spec = spec_from_config(cfg, cal.link(cfg.network, probed))
+    return predict(spec, CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.cores)
+
+
+def record_prediction(cfg: RunConfig, probed: dict | None = None) -> dict | None:
+    """What a record carries: the predicted step time and its parts, or None where this machine has no
+    calibration for the run (a GPU cluster, an unprofiled shape) or the simulator does not model it."""
+    if cfg.device == "cuda":
+        return None
+    try:
+        p = predict_here(cfg, probed)
+    except (FileNotFoundError, NotModelled):
+        return None
+    return {"step_time": p.step_time, **p.parts(), "source": "runners.predict, this machine's calibration"}
+
+
+def local_link(network: str, loopback: tuple[float, float], probed: dict | None = None,
+               stall_bytes: float | None = None) -> Link:
+    """The link between two ranks of a local run: gloo over loopback for ``none``; under a network
+    profile the probe's one-way delay and bandwidth (``probed``: a LinkMeasurement.describe() dict),
+    or the profile's own values where there is no probe, plus gloo's own per-message latency;
+    ``stall_bytes``: the emulator's per-message stall (``Link.stall``)."""
+    lat, bw = loopback
+    if network == "none":
+        return Link(lat, bw)
+    spec = parse_profile(network).link(0, 1)
+    delay_ms, gbps = spec.delay_ms, spec.bandwidth_gbps
+    if probed:
+        delay_ms = probed.get("one_way_delay_ms") or delay_ms
+        measured = probed.get("bandwidth_gbps")
+        if measured and measured == measured and measured > 0:  # not NaN
+            gbps = measured
+    return Link(delay_ms / 1e3 + lat, min(gbps * 1e9 / 8, bw), stall_bytes=stall_bytes)
+
+
 def predict_local(run: LocalRun, cal: Calibration, probed: dict | None = None, directory: Path = RESULTS):
     """The prediction of a LocalRun (spec built from the run command's own config)."""
-    from runners.predict.glue import spec_from_config
     from runners.request import build_parser, config_from_args
 
     argv = run.argv(Path("/dev/null"), 3, 1)[3:]  # the run command's flags

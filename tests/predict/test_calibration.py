@@ -8,7 +8,8 @@ import pytest
 
 from runners.predict.calibrate import fit_efficiency, fit_overheads
 from runners.predict.compute import CpuCompute, GpuCompute, Overheads, Table3, load_device
-from runners.predict.glue import local_link, spec_from_config
+from runners.predict.glue import spec_from_config
+from runners.predict.local import local_link
 from runners.predict.predict import predict
 from runners.predict.spec import Link, RunSpec
 from workload.configs import ModelConfig
@@ -89,7 +90,8 @@ def test_seed_gpipe_column_from_the_default_row():
 
 
 def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_path, monkeypatch):
-    from runners.predict.glue import NotModelled, record_prediction
+    from runners.predict.glue import NotModelled
+    from runners.predict.local import record_prediction
     from runners.request import build_parser, config_from_args
 
     monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))  # no fitted model: the rule of thumb

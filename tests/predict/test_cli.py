@@ -44,7 +44,7 @@ def test_a_sweep_predicted_in_the_reports_shape(tmp_path):
 
 
 def test_a_record_carries_the_prediction_where_this_machine_is_calibrated():
-    from runners.predict.glue import record_prediction
+    from runners.predict.local import record_prediction
     from runners.request import build_parser, config_from_args
 
     pred = record_prediction(config_from_args(build_parser().parse_args(RUN)))
