@@ -1,13 +1,18 @@
-"""Turn run records into markdown tables shaped like the seed's GPT-3 XL results.
+"""Turn run records into a report that answers first, then shows tables shaped like the seed's GPT-3 XL results.
 
     python report.py [RESULTS_DIR_OR_FILES ...] [--out REPORT.md] [--plots DIR]
 
-Reads only RunRecords (JSON lines). Tables:
-- layout tables (one per system and fixed setting): rows = micro-batch size, columns = layouts
-  written as in the seed (``T-8``, ``P-8``, ``T-4 P-2``), cells ``19.71 s`` or ``Fail (OOM)``;
-- network tables: rows = network setting, columns = systems and DP degree;
-- a summary of every run with tokens/s, MFU and memory.
-Each table is headed by what is fixed (model, hardware, precision, recompute, batch).
+Reads only RunRecords (JSON lines; a line that is not a record is skipped with a warning). The report:
+- a summary: per table, per row (micro-batch size, or network setting), the fastest system and its margin
+  over the best baseline (or, where a baseline is fastest, how far ours is behind it);
+- layout tables, for runs without network emulation: rows = micro-batch size, columns = system and layout
+  in the seed's notation (``T-4 P-2``), cells ``19.71 s`` or ``Fail (OOM)``;
+- network tables, for runs under emulation: rows = the network settings (fastest to slowest), columns =
+  system and layout (DP degree);
+- every run (tokens/s, MFU, peak memory per rank, sync times, the choices a system made) and the failures.
+Each table is headed once by what is fixed in it. A table holds the runs of exactly one configuration
+apart from its axes, so a cell never mixes runs of different configs; of several records of the same
+run, the newest wins. Plots (``--plots``): step time (log scale) against the one-way delay, per table.
 """
 from __future__ import annotations
 
@@ -18,8 +23,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from network_emulation.profiles import ProfileError, parse_profile
+
 REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
+# The fields a table's cells share, in the order its heading states them (the rest of a run's
+# identity, beyond the axes, is added to the heading when it is not the default).
+HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "steps")
 
 
 def load_records(paths: list[str]) -> list[dict]:
@@ -46,28 +56,28 @@ def load_records(paths: list[str]) -> list[dict]:
     return records
 
 
-def layout_label(layout: dict, system: str = "") -> str:
+def layout_label(layout: dict) -> str:
     parts = [f"{k[0].upper()}-{layout[k]}" for k in ("tp", "pp", "dp") if layout.get(k, 1) > 1]
     return " ".join(parts) or "1 device"
 
 
+def _link(name: str):
+    try:
+        return parse_profile(name).link(0, 1)
+    except ProfileError:
+        return None
+
+
 def network_label(name: str) -> str:
     try:
-        from network_emulation.profiles import parse_profile
-
         return parse_profile(name).label
-    except Exception:
+    except ProfileError:
         return name
 
 
 def network_order(name: str) -> tuple[float, float]:
     """Rows go from the fastest network to the slowest: by delay, then by falling bandwidth."""
-    try:
-        from network_emulation.profiles import parse_profile
-
-        link = parse_profile(name).link(0, 1)
-    except Exception:
-        return (float("inf"), 0.0)
+    link = _link(name)
     return (-1.0, 0.0) if link is None else (link.delay_ms, -link.bandwidth_gbps)
 
 
@@ -78,31 +88,58 @@ def fmt_time(t: float | None) -> str:
 
 
 def cell(row: pd.Series) -> str:
-    return fmt_time(row["median_step_time"]) if row["status"] == "ok" else FAIL.get(row["status"], row["status"])
+    if row["status"] == "ok":
+        pred = row.get("predicted")
+        return fmt_time(row["median_step_time"]) + (f" (pred {fmt_time(pred).removesuffix(' s')})" if pred == pred and pred else "")
+    if row["status"] == "unfit":
+        return f"Fail ({row['error']})"
+    return FAIL.get(row["status"], f"Fail ({row['status']})")
+
+
+def _rest_of_identity(r: dict) -> str:
+    """Identity fields of a run that are neither axes nor in HEADING, as text (e.g. 'seed 3, lr 0.001')."""
+    c = r.get("config") or {}
+    opt = c.get("optimizer") or {}
+    parts = []
+    if c.get("seed", 0) != 0:
+        parts.append(f"seed {c['seed']}")
+    if opt and (opt.get("kind"), opt.get("lr")) != ("adam", 1e-4):
+        parts.append(f"{opt.get('kind')} lr {opt.get('lr'):g}")
+    if c.get("data"):
+        parts.append(f"data {c['data']}")
+    return ", ".join(parts)
 
 
 def to_frame(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in records:
         env = r.get("environment") or {}
+        c = r.get("config") or {}
+        shape = r["model_shape"]
+        options = {k: v for k, v in ((r.get("config") or {}).get("options") or {}).items()}
         rows.append({
-            "key": r.get("key") or json.dumps(r.get("config"), sort_keys=True),
+            "key": r.get("key") or json.dumps(c, sort_keys=True),
             "timestamp": r.get("timestamp", ""),
             "system": r.get("label") or r["system"],
+            "role": r.get("role") or "baseline",
+            "options": json.dumps(options, sort_keys=True),
             "model": r["model"],
-            "shape": "L{n_layer} h{n_embd} a{n_head} s{seq_len}".format(**r["model_shape"]),
+            "shape": "L{n_layer} h{n_embd} a{n_head} s{seq_len}".format(**shape),
             "hardware": str(env.get("device_name", env.get("device_kind", "?"))),
             "devices": env.get("device_count"),
-            "precision": r["precision"],
-            "recompute": "recompute" if r["recompute"] else "no recompute",
-            "batch": r["batch_size"],
-            "global_batch": r["global_batch_size"],
+            "precision": r.get("precision", "fp32"),
+            "recompute": "recompute" if r.get("recompute") else "no recompute",
+            "batch": f"{r['batch_size']} per pipeline",  # (global: x the DP degree)
+            "steps": f"{c.get('steps', '?')} measured steps after {c.get('warmup', '?')} warm-up",
+            "rest": _rest_of_identity(r),
             "mb": r["micro_batch_size"],
             "layout": layout_label(r["layout"]),
             "dp": r["layout"].get("dp", 1),
             "network": r["network"],
+            "emulated": r["network"] != "none",
             "status": r["status"],
             "median_step_time": r.get("median_step_time"),
+            "predicted": (r.get("prediction") or {}).get("step_time"),
             "tokens_per_s": r.get("tokens_per_s"),
             "mfu": r.get("mfu"),
             "peak_mem_mb": max(r.get("peak_memory_bytes") or [0]) / 2**20,
@@ -113,61 +150,140 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    # The newest record of the same configuration wins (a re-run replaces an older measurement).
-    return df.sort_values("timestamp").drop_duplicates("key", keep="last").reset_index(drop=True)
+    # The newest record of the same run wins (a re-run replaces an older measurement).
+    df = df.sort_values("timestamp", kind="stable").drop_duplicates("key", keep="last").reset_index(drop=True)
+    df["column"] = df["system"] + " " + df["layout"]
+    return df
+
+
+def _columns(g: pd.DataFrame, row_axis: str) -> pd.DataFrame:
+    """Columns (system and layout) that stand for one run per row: where runs of different options
+    share a column (ours at K = 4 and K = 8, say), the differing options are added to its name."""
+    g = g.copy()
+    for col, same in g.groupby("column"):
+        if same.groupby(row_axis)["key"].nunique().max() > 1:
+            opts = [json.loads(o) for o in same["options"]]
+            varying = sorted(k for k in set().union(*opts) if len({json.dumps(o.get(k)) for o in opts}) > 1)
+            for i, o in zip(same.index, opts):
+                g.loc[i, "column"] = col + " (" + ", ".join(f"{k} {_short(o.get(k))}" for k in varying) + ")"
+    return g
+
+
+def _short(value) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value)) if len(value) <= 4 else f"{len(value)} values"
+    return str(value)
+
+
+def _tables(df: pd.DataFrame, emulated: bool) -> list[tuple[dict, pd.DataFrame]]:
+    """(heading fields, runs) of each table: runs sharing every identity field but the table's axes."""
+    part = df[df["emulated"] == emulated]
+    keys = [*HEADING, "rest"] + (["mb"] if emulated else ["network"])
+    out = []
+    for fixed, g in part.groupby(keys, sort=False):
+        out.append((dict(zip(keys, fixed)), _columns(g, "network" if emulated else "mb")))
+    return out
 
 
 def heading(fixed: dict) -> str:
-    return "; ".join(f"{k}: {v}" for k, v in fixed.items())
+    """What a table's runs share, stated once: 'model: tiny (L4 h128 a4 s128); hardware: cpu; ...'."""
+    parts = [f"model: {fixed['model']} ({fixed['shape']})", f"hardware: {fixed['hardware']}",
+             f"precision: {fixed['precision']}", fixed["recompute"], f"batch: {fixed['batch']}",
+             fixed["steps"]]
+    if "mb" in fixed:
+        parts.append(f"micro-batch: {fixed['mb']}")
+    if fixed.get("rest"):
+        parts.append(fixed["rest"])
+    return "; ".join(parts)
 
 
-def markdown(df: pd.DataFrame) -> str:
-    return df.to_markdown(tablefmt="github")
+def _pivot(g: pd.DataFrame, row_axis: str) -> pd.DataFrame:
+    """Cells by row and column; columns in the order their runs were recorded (a sweep's order)."""
+    table = g.assign(cell=g.apply(cell, axis=1)).pivot_table(index=row_axis, columns="column", values="cell",
+                                                             aggfunc="last").fillna("")
+    table = table[list(g.sort_values("timestamp", kind="stable")["column"].unique())]
+    table.columns.name = None
+    return table
 
 
-def layout_tables(df: pd.DataFrame) -> list[str]:
+def layout_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
     out = []
-    keys = ["system", "model", "shape", "hardware", "precision", "recompute", "batch", "network"]
-    for fixed, g in df.groupby(keys, sort=False):
-        fixed = dict(zip(keys, fixed))
-        table = g.assign(cell=g.apply(cell, axis=1)).pivot_table(
-            index="mb", columns="layout", values="cell", aggfunc="last").fillna("")
-        table.index.name = "Micro batch size"
-        table.columns.name = None
-        fixed["network"] = network_label(fixed["network"])
-        out.append(f"### {fixed.pop('system')}: layouts\n\n{heading(fixed)}\n\n" + markdown(table))
-    return out
-
-
-def network_tables(df: pd.DataFrame) -> list[str]:
-    out = []
-    keys = ["model", "shape", "hardware", "precision", "recompute", "batch", "mb"]
-    for fixed, g in df.groupby(keys, sort=False):
-        if g["network"].nunique() < 2:
+    for fixed, g in tables:
+        table = _pivot(g, "mb")
+        if table.size < 2:  # one run: it is in the table of every run
             continue
-        fixed = dict(zip(keys, fixed))
-        g = g.assign(cell=g.apply(cell, axis=1), column=g["system"] + " " + g["layout"],
-                     order=g["network"].map(network_order), setting=g["network"].map(network_label))
-        g = g.sort_values("order")
-        table = g.pivot_table(index="setting", columns="column", values="cell", aggfunc="last").fillna("")
-        table = table.reindex(g["setting"].unique())
-        table.index.name = "Network setting"
-        table.columns.name = None
-        out.append(f"### Step time by network setting\n\n{heading(fixed)}\n\n" + markdown(table))
+        table.index.name = "Micro batch size"
+        out.append(f"### Layouts: {fixed['model']}, batch {fixed['batch']}\n\n{heading(fixed)}; no network emulation"
+                   f"\n\n" + table.to_markdown(tablefmt="github"))
     return out
 
 
-def summary_table(df: pd.DataFrame) -> str:
-    cols = ["system", "model", "layout", "devices", "mb", "batch", "network", "status", "median_step_time", "tokens_per_s", "mfu",
-            "peak_mem_mb", "dp_sync_time", "details"]
+def network_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
+    out = []
+    for fixed, g in tables:
+        g = g.assign(order=g["network"].map(network_order)).sort_values("order")
+        table = _pivot(g.assign(setting=g["network"].map(network_label)), "setting")
+        if table.size < 2:
+            continue
+        table = table.reindex(g["network"].map(network_label).unique())
+        table.index.name = "Network setting"
+        out.append(f"### Step time by network setting: {fixed['model']}, micro-batch {fixed['mb']}\n\n"
+                   f"{heading(fixed)}\n\n" + table.to_markdown(tablefmt="github"))
+    return out
+
+
+def _verdict(row: pd.DataFrame) -> str | None:
+    """The fastest run of one row and its margin over the best baseline (or ours' gap to it)."""
+    ok = row[(row["status"] == "ok") & (row["role"] != "reference")]
+    if ok.empty:
+        return None
+    fastest = ok.loc[ok["median_step_time"].idxmin()]
+    baselines = ok[ok["role"] == "baseline"]
+    ours = ok[ok["role"] == "ours"]
+    name = f"`{fastest['column']}`" + (f" [{fastest['details']}]" if fastest["details"] else "")
+    text = f"fastest {name} {fmt_time(fastest['median_step_time'])}"
+    if fastest["role"] == "ours" and not baselines.empty:
+        best = baselines.loc[baselines["median_step_time"].idxmin()]
+        text += (f", **{best['median_step_time'] / fastest['median_step_time']:.2f}x** faster than the best "
+                 f"baseline `{best['column']}` ({fmt_time(best['median_step_time'])})")
+    elif fastest["role"] == "baseline" and not ours.empty:
+        mine = ours.loc[ours["median_step_time"].idxmin()]
+        text += (f"; ours at best `{mine['column']}` {fmt_time(mine['median_step_time'])}, "
+                 f"**{mine['median_step_time'] / fastest['median_step_time']:.2f}x** slower")
+    return text
+
+
+def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict, pd.DataFrame]]) -> str:
+    lines = []
+    for fixed, g in layouts:
+        rows = [(mb, _verdict(r)) for mb, r in g.groupby("mb")]
+        rows = [(mb, v) for mb, v in rows if v]
+        if rows and len(g) > 1:
+            lines.append(f"- **Layouts**, {heading(fixed)}:")
+            lines += [f"  - micro-batch {mb}: {v}" for mb, v in rows]
+    for fixed, g in networks:
+        g = g.assign(order=g["network"].map(network_order)).sort_values("order")
+        rows = [(net, _verdict(r)) for net, r in g.groupby("network", sort=False)]
+        rows = [(net, v) for net, v in rows if v]
+        if rows and len(g) > 1:
+            lines.append(f"- **Networks**, {heading(fixed)}:")
+            lines += [f"  - {network_label(net)}: {v}" for net, v in rows]
+    return "## Summary\n\n" + "\n".join(lines) if lines else ""
+
+
+def all_runs(df: pd.DataFrame) -> str:
+    cols = ["system", "model", "layout", "devices", "mb", "batch", "network", "status", "median_step_time",
+            "tokens_per_s", "mfu", "peak_mem_mb", "dp_sync_time", "details"]
     t = df[cols].copy()
     t["median_step_time"] = t["median_step_time"].map(fmt_time)
     t["tokens_per_s"] = t["tokens_per_s"].map(lambda v: f"{v:,.0f}" if v == v and v is not None else "")
     t["mfu"] = t["mfu"].map(lambda v: f"{v:.1%}" if v == v and v is not None else "")
     t["peak_mem_mb"] = t["peak_mem_mb"].map(lambda v: f"{v:,.0f}")
-    t["dp_sync_time"] = t["dp_sync_time"].map(lambda v: fmt_time(v) if v else "")
-    t["network"] = t["network"].map(network_label)
-    return "### All runs\n\n" + t.to_markdown(index=False, tablefmt="github")
+    t["dp_sync_time"] = t["dp_sync_time"].map(lambda v: fmt_time(v) if v == v and v else "")
+    t["network"] = t["network"].map(lambda n: "none" if n == "none" else network_label(n))
+    t = t.rename(columns={"median_step_time": "step", "peak_mem_mb": "peak MiB per rank (max)",
+                          "dp_sync_time": "DP sync"})
+    return "## Every run\n\n" + t.to_markdown(index=False, tablefmt="github")
 
 
 def failures(df: pd.DataFrame) -> str:
@@ -176,43 +292,58 @@ def failures(df: pd.DataFrame) -> str:
         return ""
     lines = [f"- {r.system} {r.layout} mb={r.mb} ({network_label(r.network)}): {r.status}: {r.error[:200]}"
              for r in bad.itertuples()]
-    return "### Failed runs\n\n" + "\n".join(lines)
-
-
-def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    ok = df[df["status"] == "ok"]
-    for i, ((model, mb), g) in enumerate(ok.groupby(["model", "mb"])):
-        if g["network"].nunique() < 2:
-            continue
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for col, s in g.assign(column=g["system"] + " " + g["layout"], order=g["network"].map(network_order)).groupby("column"):
-            s = s.sort_values("order")
-            ax.plot(s["network"].map(network_label), s["median_step_time"], marker="o", label=col)
-        ax.set_ylabel("median step time (s)")
-        ax.set_title(f"{model}, micro-batch {mb}")
-        ax.tick_params(axis="x", rotation=20)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"network-{model}-mb{mb}-{i}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    return "## Failed runs\n\n" + "\n".join(lines)
 
 
 def render(records: list[dict]) -> str:
     df = to_frame(records)
     if df.empty:
         return "No run records found.\n"
-    parts = ["# Results", *network_tables(df), *layout_tables(df), summary_table(df), failures(df)]
+    layouts, networks = _tables(df, emulated=False), _tables(df, emulated=True)
+    parts = ["# Results", summary(layouts, networks)]
+    net, lay = network_tables(networks), layout_tables(layouts)
+    if lay:
+        parts += ["## Layouts (no network emulation)", *lay]
+    if net:
+        parts += ["## Networks (emulated)", *net]
+    parts += [all_runs(df), failures(df)]
     return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
+    """One plot per network table: median step time (log) against the one-way delay (ms, log),
+    one line per column, each line labelled at its right end inside the picture."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for i, (fixed, g) in enumerate(_tables(df, emulated=True)):
+        g = g[g["status"] == "ok"].assign(delay=g["network"].map(lambda n: getattr(_link(n), "delay_ms", None)))
+        g = g[g["delay"].notna()]
+        if g["network"].nunique() < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 4.8))
+        for col, s in g.groupby("column"):
+            s = s.sort_values("delay")
+            (line,) = ax.plot(s["delay"], s["median_step_time"], marker="o")
+            ax.annotate(col, (s["delay"].iloc[-1], s["median_step_time"].iloc[-1]), xytext=(-4, 4),
+                        textcoords="offset points", ha="right", fontsize=8, color=line.get_color())
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("one-way delay (ms); bandwidth as the network setting says")
+        ax.set_ylabel("median step time (s)")
+        ax.set_title(f"{fixed['model']} {fixed['shape']}, micro-batch {fixed['mb']}, batch {fixed['batch']}",
+                     fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        fig.tight_layout()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"network-{fixed['model']}-mb{fixed['mb']}-{i}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ class SystemSpec:
     devices_per_process: Callable[[RunConfig], int] = one_device
     label: Callable[[RunConfig], str] | None = None  # a run's column in reports (default: the name)
     details: Callable[[dict[str, Any]], str] | None = None  # a run's resolved choices, from its record's options
+    role: str = "baseline"  # "baseline", "ours" or "reference": how reports compare it (ours against the best baseline)
 
     def load(self) -> Callable:
         """The system's train function (imports its training code)."""

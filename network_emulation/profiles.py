@@ -15,8 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from .delayer import QUEUE_MAXLEN
+
 MAX_DELAY_MS = 10_000.0  # 10 s
 MAX_BANDWIDTH_GBPS = 1_000.0  # 1 Tbit/s
+# What the shaping backends can emulate (checked before a run starts, ``check_emulable``): below
+# 10 Mbit/s the probe's bulk transfer and gloo's rendezvous take minutes; the delayer holds at most
+# QUEUE_MAXLEN packets per link, so the bytes in flight (bandwidth x delay) must fit in that many
+# MTU-sized packets (netem's queue limit is sized from the same product).
+MIN_EMULATED_BANDWIDTH_GBPS = 0.01
+MAX_IN_FLIGHT_BYTES = QUEUE_MAXLEN * 1500
 
 
 class ProfileError(ValueError):
@@ -230,3 +238,19 @@ def matrix_profile(data: Any, name: str = "matrix", label: str = "matrix") -> Ma
         return tuple(out)
 
     return MatrixProfile(name=name, label=label, delay_ms=rows("delay_ms"), bandwidth_gbps=rows("bandwidth_gbps"))
+
+
+def check_emulable(profile: Profile) -> None:
+    """Raise ProfileError if the shaping backends cannot emulate every link of ``profile``."""
+    n = profile.n_hosts if isinstance(profile, MatrixProfile) else 2
+    links = {profile.link(i, j) for i in range(n) for j in range(n) if i != j} - {None}
+    for link in links:
+        if link.bandwidth_gbps < MIN_EMULATED_BANDWIDTH_GBPS:
+            raise ProfileError(f"bandwidth {link.bandwidth_gbps * 1e3:g} Mbit/s is below what the emulation can do "
+                               f"(at least {MIN_EMULATED_BANDWIDTH_GBPS * 1e3:g} Mbit/s)")
+        in_flight = link.bandwidth_gbps * 1e9 / 8 * link.delay_ms / 1e3
+        if in_flight > MAX_IN_FLIGHT_BYTES:
+            raise ProfileError(f"delay {link.delay_ms:g} ms at {link.bandwidth_gbps:g} Gbit/s keeps "
+                               f"{in_flight / 2**20:.0f} MiB in flight, more than the emulation holds "
+                               f"({MAX_IN_FLIGHT_BYTES / 2**20:.0f} MiB): lower the delay or the bandwidth")
+

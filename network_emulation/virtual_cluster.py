@@ -11,8 +11,10 @@ Shaping, per the kernel's abilities:
 - ``none``: plain bridge.
 
 Everything lives inside the cluster's namespaces, so deleting them removes links, bridge, qdiscs and
-iptables rules at once. Namespace names carry the owner's pid and start time: a cluster whose owner
-died (even by SIGKILL) is removed by the next VirtualCluster start or by ``cleanup_stale()``. The
+iptables rules at once. A watchdog process (``watchdog.py``) deletes them when its pipe from the
+owner closes, so a cluster whose owner died (even by SIGKILL) is gone within a second or two; as a
+second line, namespace names carry the owner's pid and start time, and the next VirtualCluster start
+or ``cleanup_stale()`` removes any whose owner is gone. The
 delayer exits when its stdin pipe from the owner closes, i.e. when the owner dies.
 """
 
@@ -149,6 +151,7 @@ class VirtualCluster:
         self._requested_backend = backend
         pid = os.getpid()
         tag = f"{PREFIX}{pid}.{_start_time(pid):x}-{name}"
+        self.tag = tag + "-"
         self.switch_namespace = f"{tag}-sw"
         self.hosts: tuple[VirtualHost, ...] = tuple(
             VirtualHost(k, f"{tag}-h{k}", f"{subnet}.{k + 1}") for k in range(n_hosts))
@@ -156,6 +159,7 @@ class VirtualCluster:
         self.delayer: subprocess.Popen[str] | None = None
         self.delayer_queues: dict[int, float] = {}
         self.delayer_realtime = False
+        self.watchdog: subprocess.Popen[bytes] | None = None
         self._guard = signals_raise()
         self._open = False
 
@@ -184,6 +188,10 @@ class VirtualCluster:
         if self.switch_namespace in existing:
             raise RuntimeError(f"a virtual cluster named {self.name!r} is already running in this process")
         self._open = True
+        # Whatever way this process ends, the watchdog deletes the cluster's namespaces.
+        self.watchdog = subprocess.Popen([sys.executable, "-m", "network_emulation.watchdog", "--tag", self.tag],
+                                         stdin=subprocess.PIPE, cwd=Path(__file__).resolve().parents[1],
+                                         start_new_session=True)
         self._build_topology()
         self.backend = self._choose_backend()
         if self.log:
@@ -213,6 +221,10 @@ class VirtualCluster:
             for h in self.hosts:
                 destroy_namespace(h.namespace)
             destroy_namespace(self.switch_namespace)
+            if self.watchdog is not None:  # nothing left for it to delete
+                self.watchdog.stdin.close()
+                self.watchdog.wait()
+                self.watchdog = None
             self._open = False
 
     # ------------------------------------------------------------------ building

@@ -46,8 +46,9 @@ def uniform_slices(seq_len: int, k: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class OursOptions(SystemOptions):
-    n_slices: int | str = option(1, "K equal token slices, or 'auto' for the planner's optimal slicing",
-                                 parse=slice_count, metavar="K|auto")
+    n_slices: int | str = option("auto", "K equal token slices, or 'auto': the planner's optimal slicing where a "
+                                 "fitted latency model covers the shape, else K equal slices of >= 128 tokens "
+                                 "(at most 4 per stage, never 1)", parse=slice_count, metavar="K|auto")
     slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",
                                             parse=slice_lengths, metavar="L1,L2,...")
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
@@ -55,7 +56,7 @@ class OursOptions(SystemOptions):
                                output_path=True, metavar="FILE")
 
     def __post_init__(self) -> None:
-        if self.slices is not None and self.n_slices == 1:  # one canonical form of an explicit slicing
+        if self.slices is not None and self.n_slices == "auto":  # one canonical form of an explicit slicing
             object.__setattr__(self, "n_slices", len(self.slices))
 
     @property
@@ -102,7 +103,8 @@ def describe_slicing(options: dict[str, Any]) -> str:
             run = [s, 1]
     parts.append(run)
     text = ",".join(f"{s}x{n}" if n > 1 else str(s) for s, n in parts)
-    how = "auto: " if options.get("n_slices") == "auto" else ""
+    source = str(options.get("slicing", ""))
+    how = f"auto, {source.split(' ')[0]}: " if options.get("n_slices") == "auto" and source else ""
     return f"{how}K={len(slices)} ({text})"
 
 
@@ -114,4 +116,5 @@ SPEC = SystemSpec(
     dims=("pp", "dp"),
     label=lambda config: "ours" if config.dp == 1 else f"ours {config.options.dp_mode}",
     details=describe_slicing,
+    role="ours",
 )

@@ -20,17 +20,18 @@ from ours.trace import Tracer
 from workload.partition import stage_specs
 
 
-def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[int, ...]:
-    """The token slicing every rank uses: explicit / K equal, or the planner's (rank 0 decides)."""
+def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[tuple[int, ...], str]:
+    """The token slicing every rank uses and how it was chosen: explicit / K equal slices, or
+    ``auto`` (rank 0 decides: the planner, or the rule of thumb; see ``ours.plan.auto``)."""
     options: OursOptions = cfg.options
     if not options.auto:
-        return options.token_slices(cfg.model.seq_len)
-    box: list = [tuple(int(s) for s in auto_slicing(cfg, ctx.device)) if ctx.rank == 0 else None]
+        return options.token_slices(cfg.model.seq_len), "given"
+    box: list = [auto_slicing(cfg, ctx.device) if ctx.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    slices = box[0]
-    if sum(slices) != cfg.model.seq_len or any(s < 1 for s in slices):
-        raise RuntimeError(f"auto slicing {slices} does not cover the sequence length {cfg.model.seq_len}")
-    return slices
+    chosen = box[0]
+    if sum(chosen.slices) != cfg.model.seq_len or any(s < 1 for s in chosen.slices):
+        raise RuntimeError(f"auto slicing {chosen.slices} does not cover the sequence length {cfg.model.seq_len}")
+    return chosen.slices, chosen.source
 
 
 class _LossScaler:
@@ -71,7 +72,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     spec = stage_specs(cfg.model.n_layer, pp)[pp_rank]
     model = ctx.build_stage(spec)
     options: OursOptions = cfg.options
-    slices = resolve_slices(cfg, ctx)
+    slices, slicing_source = resolve_slices(cfg, ctx)
     tracer = Tracer(ctx.rank, enabled=options.trace is not None)
 
     # every rank creates every stage's DP group, in the same order
@@ -110,5 +111,5 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         m.grads = sync.grads()
     if options.trace:
         tracer.write(options.trace, ctx.world_size)
-    m.extra.update(slices=list(slices), n_batch_slices=cfg.batch_size // cfg.micro_batch_size)
+    m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.batch_size // cfg.micro_batch_size)
     return m

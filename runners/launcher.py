@@ -23,11 +23,12 @@ import torch
 
 from contract import RunConfig
 from network_emulation import VirtualCluster, parse_profile
-from runners.lifetime import die_with_parent, oom_kills
+from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.output import Pump
 from runners.request import Placement
 
 REPO = Path(__file__).resolve().parent.parent
+RUN_DIR_PREFIX = "pipebench-run-"  # + the run command's owner tag: a directory whose owner died is removed
 # torchrun's failure summary: "rank : 1 (local_rank: 1)" followed by "exitcode : -9 (pid: 123)"
 _TORCHRUN_EXIT = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
@@ -115,6 +116,10 @@ def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result
                 time.sleep(2.0)  # torchrun stops its own workers first, writing their error files
                 break
             time.sleep(0.1)
+    except BaseException:  # interrupted: what the stopping agents and ranks print is noise
+        for pump in pumps:
+            pump.mute()
+        raise
     finally:
         for p in procs:
             _kill_group(p)
@@ -152,9 +157,13 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
     if own:
         first = own[0]
         return LaunchResult(first["status"], f"rank {first['rank']}: {first['error']}", ranks, grads, run_dir)
+    # torchrun lists the failures, the first observed one under "Root Cause"; it stops the others itself
+    # (SIGTERM), so a rank killed by a signal of its own comes first
+    root = log_tail.rpartition("Root Cause")[2] if "Root Cause" in log_tail else ""
     killed = {int(r): -int(code) for r, code in _TORCHRUN_EXIT.findall(log_tail) if int(code) < 0}
+    first = [int(r) for r, code in _TORCHRUN_EXIT.findall(root) if int(code) < 0]
     if killed:
-        rank = min(killed)
+        rank = first[0] if first else min(killed, key=lambda r: (killed[r] == signal.SIGTERM, r))
         how = f"rank {rank} was killed by {_signal_name(killed[rank])}"
         if oom_killed:
             return LaunchResult("oom", how + " (the kernel's OOM killer)", ranks, grads, run_dir)
@@ -185,13 +194,22 @@ def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
     return result
 
 
+def reap_stale_run_dirs() -> None:
+    """Remove the run directories of run commands that died without removing them (SIGKILL)."""
+    for d in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
+        tag = d.name.removeprefix(RUN_DIR_PREFIX).rpartition("-")[0]
+        if d.is_dir() and not owner_alive(tag):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
     """Launch ``world`` ranks for ``cfg`` on this node (or this node's share of a multi-node run).
 
     Under ``--network`` on one node the ranks run in a local virtual cluster; on a real cluster the
     network is shaped by the cluster runner (on each node), not here. If the launch is interrupted,
     its run directory is removed before the interruption goes on."""
-    run_dir = Path(tempfile.mkdtemp(prefix="run-"))
+    reap_stale_run_dirs()
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{owner_tag()}-"))
     try:
         (run_dir / "config.json").write_text(cfg.to_json())
         if cfg.network != "none" and placement.nnodes == 1:

@@ -47,3 +47,28 @@ def oom_kills() -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def start_time(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (with its pid, a name no later process
+    reuses); None if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def owner_tag() -> str:
+    """``<pid>.<start time>`` of this process, for names of things it owns (see ``owner_alive``)."""
+    pid = os.getpid()
+    return f"{pid}.{start_time(pid) or 0:x}"
+
+
+def owner_alive(tag: str) -> bool:
+    pid, _, start = tag.partition(".")
+    try:
+        return start_time(int(pid)) == int(start, 16)
+    except ValueError:
+        return False
+

@@ -41,6 +41,11 @@ class Pump:
                     sink.write(text)
                     sink.flush()
 
+    def mute(self) -> None:
+        """Keep reading (and keeping the last lines) but write nothing more to the sinks."""
+        with self._lock:
+            self.sinks = []
+
     def join(self, timeout: float | None = 5.0) -> None:
         self._thread.join(timeout)
 

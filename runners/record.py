@@ -17,13 +17,14 @@ from typing import Any
 
 from contract import RunConfig, SystemSpec
 
-STATUSES = ("ok", "oom", "error", "timeout", "unfit")  # unfit: the cluster cannot hold the run (not run)
+STATUSES = ("ok", "oom", "error", "timeout", "unfit")  # unfit: not run, it does not fit the cluster (error says why)
 
 
 @dataclass
 class RunRecord:
     system: str
     label: str  # the run's column in reports (the system's spec makes it, e.g. "torch_pipe gpipe")
+    role: str  # baseline | ours | reference (from the spec): reports compare ours with the best baseline
     model: str
     model_shape: dict[str, int]
     layout: dict[str, int]
@@ -53,6 +54,7 @@ class RunRecord:
     dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync
     barrier_time: float | None = None  # median over steps of the step's closing barrier on the last rank to arrive
     verify: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None  # runners.predict's step time and parts, where this machine is calibrated
     config: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # the run's identity (RunConfig.key): a sweep skips it when recorded, a report cell keeps the newest
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -92,7 +94,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     for r in ranks or []:  # choices a system resolved at run time (e.g. the planner's slicing)
         options.update(r.get("extra") or {})
     rec = RunRecord(
-        system=cfg.system, label=spec.run_label(cfg), model=m.name,
+        system=cfg.system, label=spec.run_label(cfg), role=spec.role, model=m.name,
         model_shape={"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "seq_len": m.seq_len,
                      "vocab_size": m.vocab_size, "params": count_params(m, include_embeddings=True)},
         layout={"pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp}, batch_size=cfg.batch_size,

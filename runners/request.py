@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec
-from network_emulation.profiles import ProfileError, parse_profile
+from network_emulation.profiles import ProfileError, check_emulable, parse_profile
 from runners.registry import get_system, systems
 from workload.configs import MODEL_CONFIGS, OptimizerConfig, get_model_config
 
@@ -172,21 +173,32 @@ def judge(cfg: RunConfig) -> None:
     spec.validate(cfg)
     if cfg.network != "none":
         try:
-            parse_profile(cfg.network).check_hosts(spec.processes(cfg))
+            profile = parse_profile(cfg.network)
+            profile.check_hosts(spec.processes(cfg))
+            check_emulable(profile)
         except ProfileError as exc:
             raise ConfigError(f"--network: {exc}") from None
 
 
 def check_writable(path: str, flag: str) -> None:
-    """A file the run will write (appended to, or created) can be: ConfigError otherwise."""
+    """A file the run will append to can be written (a record file is rewritten beside itself and
+    renamed over it): it is a regular file or does not exist yet, and its directory takes a new file.
+    Tried for real: root passes every permission check but not a read-only file system."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{flag} {path} is a directory, not a file")
-    parent = p.resolve().parent
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"{flag} {path} is not a regular file")
+    parent = Path(os.path.realpath(p)).parent
     if not parent.is_dir():
         raise ConfigError(f"{flag} {path}: no such directory {parent}")
-    target = p if p.exists() else parent
-    if not os.access(target, os.W_OK):
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".write-check-")
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write in {parent} ({exc.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+    if p.exists() and not os.access(p, os.W_OK):
         raise ConfigError(f"{flag} {path}: not writable")
 
 

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -32,7 +33,7 @@ def test_layout_table_like_the_seed():
     for col in ("T-8", "P-8", "T-4 P-2", "T-2 P-4"):
         assert col in header
     assert "19.71 s" in text and "Fail (OOM)" in text and "Fail (error)" in text
-    assert "precision: fp32" in text and "batch: 64" in text
+    assert "precision: fp32" in text and "batch: 64 per pipeline" in text
 
 
 def test_network_table_like_the_seed():
@@ -59,3 +60,58 @@ def test_cli_reads_a_directory_and_writes_the_report(tmp_path):
     assert "19.71 s" in out.read_text() and "Fail (timeout)" in out.read_text()
     bad = subprocess.run([sys.executable, "report.py", str(tmp_path / "missing")], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2
+
+
+def _with(rec, **config):
+    """The record as another config would have made it (a different run: another identity key)."""
+    d = dict(rec.__dict__)
+    d["config"] = {**d["config"], **config}
+    d["key"] = d["key"] + json.dumps(config, sort_keys=True)
+    return d
+
+
+def test_a_cell_shows_only_runs_of_its_exact_config():
+    """An ok run is not masked by a later failed run of another config (more steps): they go to
+    tables of their own, each headed by its steps."""
+    ok = [_rec(pp=8, t=19.71).__dict__, _rec(tp=8, t=25.0).__dict__]
+    failed = [_with(_rec(pp=8, status="error"), steps=20), _with(_rec(tp=8, t=24.0), steps=20)]
+    text = render(ok + failed)
+    tables = text.split("### ")[1:]
+    first = next(t for t in tables if "10 measured steps" in t)
+    second = next(t for t in tables if "20 measured steps" in t)
+    assert "19.71 s" in first and "25.00 s" in first and "Fail" not in first
+    assert "Fail (error)" in second and "24.00 s" in second
+
+
+def test_runs_that_differ_in_an_option_get_columns_of_their_own():
+    a = _rec(system="ours", pp=2, t=2.0)
+    b = _rec(system="ours", pp=2, t=1.5)
+    b.config = {**b.config, "options": {**b.config["options"], "n_slices": 8}}
+    b.key = b.key + "K8"
+    text = render([a.__dict__, b.__dict__, _rec(system="torch_pipe", pp=2, t=3.0).__dict__])
+    header = next(l for l in text.splitlines() if "Micro batch size" in l)
+    assert "ours P-2 (n_slices auto)" in header and "ours P-2 (n_slices 8)" in header
+
+
+def test_the_report_answers_first_and_has_no_single_cell_table():
+    recs = [_rec(system="ours", pp=12, network=net, t=t1) for net, t1 in (("default", 10.0), ("d10-1g", 14.0))]
+    recs += [_rec(system="torch_pipe", pp=12, network=net, t=t1) for net, t1 in (("default", 15.16), ("d10-1g", 22.9))]
+    recs += [_rec(pp=8, t=19.71)]  # alone in its table: only in the table of every run
+    text = render([r.__dict__ for r in recs])
+    assert text.index("## Summary") < text.index("### ")
+    assert "fastest `ours P-12`" in text and "**1.52x** faster than the best baseline `torch_pipe gpipe P-12`" in text
+    for table in text.split("### ")[1:]:
+        rows = [l for l in table.splitlines() if l.startswith("|")][2:]
+        cells = [c for l in rows for c in l.split("|")[2:-1]]
+        assert len(cells) > 1, table
+    assert "19.71 s" in text.split("## Every run")[1]
+
+
+def test_a_line_that_is_not_a_record_is_skipped_with_a_warning(tmp_path):
+    path = tmp_path / "r.jsonl"
+    append_record(path, _rec(pp=8, t=19.71))
+    with open(path, "a") as f:
+        f.write('{"a": 1}\nnot json\n')
+    proc = subprocess.run([sys.executable, "report.py", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and "19.71 s" in proc.stdout
+    assert "r.jsonl:2: not a run record" in proc.stderr and "r.jsonl:3: not JSON" in proc.stderr

@@ -7,4 +7,5 @@ SPEC = SystemSpec(
     train="baselines.reference.train:train",
     description="single-process training of the whole model: the reference every system is verified against",
     processes=lambda config: 1,
+    role="reference",
 )

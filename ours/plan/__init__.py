@@ -4,7 +4,7 @@
 - ``ours.plan.latency``: the latency model t(b, l, c) + communication, its fit (``LatencyModel``, ``fit``);
 - ``ours.plan.planner``: model -> optimal (batch slice, token slicing) (``plan``);
 - ``ours.plan.profile``: the measurements; ``ours.plan.evaluate``: predicted vs measured;
-- ``ours.plan.auto``: ``auto_slicing(config, device)`` for ``--n-slices auto``.
+- ``ours.plan.auto``: ``auto_slicing(config, device)`` for ``--n-slices auto`` (ours' default).
 """
 from ours.plan.latency import LatencyModel, fit
 from ours.plan.planner import Plan, plan

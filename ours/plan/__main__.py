@@ -28,10 +28,10 @@ def _model(args):
 
 
 def _load_latency_model(args, cfg):
-    from ours.plan.auto import cache_key, cached_model_path
+    from ours.plan.auto import cache_key, fitted_model_path
     from ours.plan.latency import LatencyModel
 
-    path = Path(args.latency_model) if args.latency_model else cached_model_path(cfg, args.device)
+    path = Path(args.latency_model) if args.latency_model else fitted_model_path(cfg, args.device)
     if path is None or not path.exists():
         sys.exit(f"python -m ours.plan: error: no fitted latency model for {cache_key(cfg, args.device)}; "
                  f"run profile and fit first, or give --latency-model")

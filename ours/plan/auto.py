@@ -1,25 +1,34 @@
-"""``--n-slices auto``: the optimal token slicing of a run, from a cached fitted latency model.
+"""``--n-slices auto`` (ours' default): the token slicing of a run, chosen before it starts.
 
-Where the fitted model comes from, first found wins:
-1. the file named by ``$OURS_PLAN_MODEL``;
-2. ``<plan dir>/<key>.json`` (written by ``python -m ours.plan fit``), the plan dir being
-   ``$OURS_PLAN_DIR`` or ``results/plan`` under the repository;
-3. ``<plan dir>/<key>-quick.json`` (an earlier quick fit);
-4. a quick profile + fit now (a few seconds, coarse grid, no communication term), saved as 3 so
-   that later runs on the same shape and device reuse it.
-The key names the device kind and the layer shape (hidden, heads, sequence, vocabulary).
+- With a fitted latency model for the layer shape, the planner's optimal slicing. A model is found
+  as the file named by ``$OURS_PLAN_MODEL``, or in the plan directory (``$OURS_PLAN_DIR``, default
+  ``results/plan`` under the repository) as ``<device>-h<hidden>-a<heads>-s<seq>-v<vocab>.json``,
+  written by ``python -m ours.plan fit``; a model profiled at a longer sequence covers shorter ones
+  (its measurements hold every slice length and context up to its own sequence).
+- Without one, a rule of thumb (``rule_of_thumb``): K equal slices of at least 128 tokens, at most
+  4 per stage, and never one slice when the sequence can be cut. Deterministic, no profiling at run time.
 """
 from __future__ import annotations
 
 import os
-import sys
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from ours.plan.latency import LatencyModel, fit
+from ours import uniform_slices
+from ours.plan.latency import LatencyModel
 from ours.plan.planner import plan
 from workload.configs import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
+MIN_SLICE_TOKENS = 128  # below this a slice's fixed costs dominate (measured on cpu-small: 64 tokens cost 2/3 of 128)
+MAX_SLICES_PER_STAGE = 4
+
+
+@dataclass(frozen=True)
+class AutoSlicing:
+    slices: tuple[int, ...]
+    source: str  # how they were chosen: "planner (<model file>)" or "rule (<why>)"
 
 
 def plan_dir() -> Path:
@@ -31,15 +40,17 @@ def cache_key(model: ModelConfig, device) -> str:
     return f"{kind}-h{model.n_embd}-a{model.n_head}-s{model.seq_len}-v{model.vocab_size}"
 
 
-def cached_model_path(model: ModelConfig, device) -> Path | None:
+def fitted_model_path(model: ModelConfig, device) -> Path | None:
+    """The fitted latency model that covers ``model``'s layer shape on this device kind, if any:
+    the exact sequence length first, else the shortest longer one."""
     explicit = os.environ.get("OURS_PLAN_MODEL")
     if explicit:
         return Path(explicit)
-    d, key = plan_dir(), cache_key(model, device)
-    for name in (f"{key}.json", f"{key}-quick.json"):
-        if (d / name).exists():
-            return d / name
-    return None
+    kind = str(device).split(":")[0]
+    pattern = re.compile(rf"^{kind}-h{model.n_embd}-a{model.n_head}-s(\d+)-v{model.vocab_size}\.json$")
+    found = sorted((int(m.group(1)), p) for p in plan_dir().glob("*.json") if (m := pattern.match(p.name)))
+    longer = [(s, p) for s, p in found if s >= model.seq_len]
+    return longer[0][1] if longer else None
 
 
 def default_granularity(seq_len: int) -> int:
@@ -47,41 +58,19 @@ def default_granularity(seq_len: int) -> int:
     return max(8, -(-seq_len // 256))
 
 
-def quick_model(model: ModelConfig, device, batch_slices: tuple[int, ...] = (1,)) -> LatencyModel:
-    from ours.plan.profile import ProfileGrid, profile
-
-    grid = ProfileGrid.quick(batch_slices=batch_slices, seq_len=model.seq_len)
-    grid = ProfileGrid(**{**grid.__dict__, "p2p": False})
-    import torch
-
-    with torch.random.fork_rng(devices=[]):  # leave the caller's random state untouched
-        prof = profile(model, grid, device, progress=False)
-    return fit(prof)
+def rule_of_thumb(seq_len: int, n_stages: int) -> tuple[int, ...]:
+    """K equal slices: as many as keep slices at 128 tokens or more, at most 4 per stage, at least 2."""
+    k = max(2, min(seq_len // MIN_SLICE_TOKENS, MAX_SLICES_PER_STAGE * n_stages))
+    return uniform_slices(seq_len, min(k, seq_len))
 
 
-def load_or_fit(model: ModelConfig, device, batch_slices: tuple[int, ...] = (1,),
-                save: bool = True) -> LatencyModel:
-    path = cached_model_path(model, device)
-    if path is not None:
-        return LatencyModel.load(path)
-    print(f"[ours.plan] no fitted latency model for {cache_key(model, device)}: quick profile", file=sys.stderr,
-          flush=True)
-    lm = quick_model(model, device, batch_slices)
-    if save:
-        try:
-            lm.save(plan_dir() / f"{cache_key(model, device)}-quick.json")
-        except OSError as exc:
-            print(f"[ours.plan] could not cache the quick fit: {exc}", file=sys.stderr)
-    return lm
-
-
-def auto_slicing(config, device) -> tuple[int, ...]:
-    """The optimal token slicing (lengths summing to the sequence length) for ``config``: K =
-    config.pp stages, batch slice = config.micro_batch_size. Deterministic given the fitted model."""
+def auto_slicing(config, device) -> AutoSlicing:
+    """The slicing for ``config`` (K = config.pp stages, batch slice = config.micro_batch_size)."""
     m = config.model
-    b = config.micro_batch_size
-    lm = load_or_fit(m, device, batch_slices=(b,))
-    p = plan(lm, n_layer=m.n_layer, n_stages=config.pp, batch_size=config.batch_size, seq_len=m.seq_len,
-             granularity=default_granularity(m.seq_len), batch_slices=[b])
+    path = fitted_model_path(m, device)
+    if path is None:
+        return AutoSlicing(rule_of_thumb(m.seq_len, config.pp), f"rule (no fitted latency model for {cache_key(m, device)})")
+    p = plan(LatencyModel.load(path), n_layer=m.n_layer, n_stages=config.pp, batch_size=config.batch_size,
+             seq_len=m.seq_len, granularity=default_granularity(m.seq_len), batch_slices=[config.micro_batch_size])
     assert sum(p.slices) == m.seq_len
-    return tuple(int(x) for x in p.slices)
+    return AutoSlicing(tuple(int(x) for x in p.slices), f"planner ({path.name})")

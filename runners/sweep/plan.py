@@ -206,10 +206,23 @@ def expand_experiment(exp: dict, fixed: dict, flags: dict, where: str) -> list[P
         raise SweepError(f"{where}: no 'model' (set it in [fixed] or in the experiment)")
     if "batch_size" not in settings:
         raise SweepError(f"{where}: no 'batch_size' (set it in [fixed] or in the experiment)")
-    model_keys = ("model", "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
-    ordered = sorted(settings, key=lambda k: (model_keys.index(k) if k in model_keys else len(model_keys), ))
-    base_model = [a for k in ordered if k in model_keys for a in setting_args(k, settings[k], flags, where)]
-    base_rest = [a for k in ordered if k not in model_keys for a in setting_args(k, settings[k], flags, where)]
+    axes = sorted(k for k, v in settings.items() if isinstance(v, list))  # a list is one more axis
+    for k in axes:
+        _list(settings[k], k, where)
+    runs: list[PlannedRun] = []
+    for combo in itertools.product(*(settings[k] for k in axes)):
+        runs += _expand_systems(exp, {**settings, **dict(zip(axes, combo))}, flags, where, name)
+    return runs
+
+
+MODEL_KEYS = ("model", "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
+
+
+def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: str) -> list[PlannedRun]:
+    """One experiment's systems x options x layouts x micro-batch sizes x networks, at fixed settings."""
+    ordered = sorted(settings, key=lambda k: (MODEL_KEYS.index(k) if k in MODEL_KEYS else len(MODEL_KEYS), ))
+    base_model = [a for k in ordered if k in MODEL_KEYS for a in setting_args(k, settings[k], flags, where)]
+    base_rest = [a for k in ordered if k not in MODEL_KEYS for a in setting_args(k, settings[k], flags, where)]
 
     systems = _list(exp.get("systems"), "systems", where)
     default_layouts = [parse_layout(l, where) for l in _list(exp.get("layouts", ["1"]), "layouts", where)]

@@ -1,4 +1,4 @@
-"""auto_slicing: valid, deterministic given the fitted model, cached; the CLI end to end on a small shape."""
+"""auto_slicing: the planner with a fitted model that covers the shape, else the rule of thumb; the CLI end to end on a small shape."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ours.plan.auto import auto_slicing, cache_key, default_granularity
+from ours.plan.auto import auto_slicing, default_granularity, fitted_model_path, rule_of_thumb
 from ours.plan.latency import LatencyModel
 from contract import RunConfig
 from ours import OursOptions
@@ -24,19 +24,26 @@ def _config(model="tiny", pp=2, batch=2, micro=1, **over):
                      options=OursOptions(n_slices="auto"))
 
 
-def test_auto_slicing_tiny_quick_profile_then_cache(tmp_path, monkeypatch):
+def test_without_a_fitted_model_the_rule_of_thumb_never_gives_one_slice(tmp_path, monkeypatch):
     monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
     monkeypatch.delenv("OURS_PLAN_MODEL", raising=False)
-    cfg = _config()
-    state = torch.random.get_rng_state()
-    slices = auto_slicing(cfg, torch.device("cpu"))
-    assert torch.equal(state, torch.random.get_rng_state())  # the caller's random stream is untouched
-    assert sum(slices) == cfg.model.seq_len and all(isinstance(s, int) and s >= 1 for s in slices)
-    cached = tmp_path / f"{cache_key(cfg.model, 'cpu')}-quick.json"
-    assert cached.exists()
-    # deterministic given the profile: the cached fit is reused and gives the same answer
-    assert auto_slicing(cfg, torch.device("cpu")) == slices
-    assert auto_slicing(cfg.replace(pp=4), torch.device("cpu"))  # other K, same model file
+    chosen = auto_slicing(_config(), torch.device("cpu"))  # tiny: 128 tokens
+    assert chosen.slices == (64, 64) and chosen.source.startswith("rule (no fitted latency model for cpu-h128")
+    assert rule_of_thumb(1024, 2) == (128,) * 8 and rule_of_thumb(512, 2) == (128,) * 4
+    assert rule_of_thumb(2048, 12) == (128,) * 16 and rule_of_thumb(3, 2) == (2, 1) and rule_of_thumb(2, 1) == (1, 1)
+
+
+def test_a_model_fitted_at_a_longer_sequence_covers_shorter_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
+    monkeypatch.delenv("OURS_PLAN_MODEL", raising=False)
+    _toy_model(256).save(tmp_path / "cpu-h128-a4-s256-v512.json")
+    _toy_model(512).save(tmp_path / "cpu-h128-a4-s512-v512.json")
+    assert fitted_model_path(_config().model, "cpu").name == "cpu-h128-a4-s256-v512.json"  # shortest that covers
+    assert fitted_model_path(_config(seq_len=512).model, "cpu").name == "cpu-h128-a4-s512-v512.json"
+    assert fitted_model_path(_config(seq_len=1024).model, "cpu") is None
+    assert fitted_model_path(_config(vocab_size=1024).model, "cpu") is None
+    chosen = auto_slicing(_config(), torch.device("cpu"))
+    assert sum(chosen.slices) == 128 and chosen.source == "planner (cpu-h128-a4-s256-v512.json)"
 
 
 def _toy_model(seq_len: int) -> LatencyModel:
@@ -50,9 +57,9 @@ def test_auto_slicing_uses_explicit_model_file(tmp_path, monkeypatch):
     _toy_model(128).save(path)
     monkeypatch.setenv("OURS_PLAN_MODEL", str(path))
     cfg = _config()
-    slices = auto_slicing(cfg, torch.device("cpu"))
+    slices = auto_slicing(cfg, torch.device("cpu")).slices
     assert sum(slices) == 128 and len(slices) > 1
-    assert slices == auto_slicing(cfg, torch.device("cpu"))
+    assert slices == auto_slicing(cfg, torch.device("cpu")).slices
     assert list(slices) == sorted(slices, reverse=True)  # context cost: later slices no longer
     assert default_granularity(2048) == 8 and default_granularity(8192) == 32
 

@@ -1,4 +1,4 @@
-"""--n-slices auto through the run command."""
+"""--n-slices auto (the default) through the run command."""
 from __future__ import annotations
 
 import pytest
@@ -8,11 +8,14 @@ from tests.conftest import read_jsonl, run_cli
 pytestmark = pytest.mark.multiprocess
 
 
-def test_run_ours_with_auto_slices(tmp_path, out_file):
-    proc = run_cli("--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1",
-                   "--n-slices", "auto", "--steps", "2", "--warmup", "0", "--out", str(out_file), timeout=300,
-                   env={"OURS_PLAN_DIR": str(tmp_path / "plan")})
+def test_ours_slices_by_default_on_cpu_small(out_file):
+    """--n-slices left out: the planner's slicing from the fitted cpu-small model in results/plan (more
+    than one slice), recorded with how it was chosen."""
+    proc = run_cli("--system", "ours", "--model", "cpu-small", "--num-layers", "2", "--pp", "2", "--batch-size", "1",
+                   "--micro-batch-size", "1", "--steps", "1", "--warmup", "0", "--out", str(out_file), timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    recs = read_jsonl(out_file)
-    assert recs and recs[-1]["status"] == "ok", recs[-1] if recs else proc.stderr[-3000:]
-    assert list((tmp_path / "plan").glob("*-quick.json"))  # rank 0 profiled, fitted and cached
+    (rec,) = read_jsonl(out_file)
+    assert rec["status"] == "ok" and rec["options"]["n_slices"] == "auto"
+    assert len(rec["options"]["slices"]) > 1 and sum(rec["options"]["slices"]) == 1024
+    assert rec["options"]["slicing"].startswith("planner (cpu-h512-a8-s1024-v1024.json)")
+    assert rec["details"].startswith(f"auto, planner: K={len(rec['options']['slices'])}")

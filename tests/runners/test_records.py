@@ -75,3 +75,32 @@ def test_verification_detects_differences():
     v = compare(missing, ok, 1e-5)
     assert not v.passed and "no gradient" in v.reason
     assert "FAIL" in v.line()
+
+
+def test_append_keeps_the_mode_and_writes_through_a_symlink(tmp_path):
+    target = tmp_path / "real.jsonl"
+    target.write_text("")
+    os.chmod(target, 0o644)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    append_record(link, build_record(_cfg(), TORCH_PIPE, "ok", None, None, {}))
+    assert link.is_symlink() and len(read_records(target)) == 1
+    assert os.stat(target).st_mode & 0o777 == 0o644
+    fresh = tmp_path / "new.jsonl"
+    append_record(fresh, build_record(_cfg(), TORCH_PIPE, "ok", None, None, {}))
+    assert os.stat(fresh).st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_record_is_strict_json_with_label_key_and_options_from_the_spec():
+    rec = build_record(_cfg(), TORCH_PIPE, "error", "x", None, {}, verify={"max_abs_loss_diff": float("nan")})
+    d = json.loads(rec.to_json())  # a NaN would not be valid JSON: it becomes null
+    assert d["verify"]["max_abs_loss_diff"] is None
+    assert d["label"] == "torch_pipe gpipe" and d["role"] == "baseline"
+    assert d["options"] == {"schedule": "gpipe", "virtual_pp": 1} and d["key"] == _cfg().key()
+    assert _cfg(timeout=5.0, verify=True).key() == _cfg().key() != _cfg(steps=3).key()

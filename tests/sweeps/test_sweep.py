@@ -64,6 +64,13 @@ def flags(run: PlannedRun) -> dict[str, str]:
     return {a[i]: a[i + 1] for i in range(len(a) - 1) if a[i].startswith("--") and not a[i + 1].startswith("--")}
 
 
+def test_a_list_setting_is_one_more_axis():
+    sweep = sweep_from_dict({"fixed": {"model": "tiny", "micro_batch_size": 1, "batch_size": [1, 2], "steps": [2, 3]},
+                             "systems": ["reference"]})
+    assert sorted((flags(r)["--batch-size"], flags(r)["--steps"]) for r in sweep.runs) == [
+        ("1", "2"), ("1", "3"), ("2", "2"), ("2", "3")]
+
+
 def test_cross_product_and_system_options(tmp_path):
     sweep = load_sweep(write(tmp_path, SMALL))
     net = [r for r in sweep.runs if r.experiment == "net"]
@@ -128,8 +135,10 @@ def test_unsupported_dimension_is_invalid():
     ("[fixed]\nmodel='tiny'\nbatch_size=2\n[[experiment]]\nsystems=['ours']", "micro_batch_sizes"),
     ("[fixed]\nbatch_size=2\n[[experiment]]\nsystems=['ours']\nmicro_batch_sizes=[1]", "no 'model'"),
     ("[fixed]\nmodel='tiny'\nbatch_size=2\n[[experiment]]\nsystems=[]\nmicro_batch_sizes=[1]", "non-empty list"),
-    ("[fixed]\nmodel='tiny'\nbatch_size=2\nsteps=[1,2]\n[[experiment]]\nsystems=['ours']\nmicro_batch_sizes=[1]",
+    ("[fixed]\nmodel='tiny'\nbatch_size=2\nsteps={a=1}\n[[experiment]]\nsystems=['ours']\nmicro_batch_sizes=[1]",
      "must be a string or a number"),
+    ("[fixed]\nmodel='tiny'\nbatch_size=[]\n[[experiment]]\nsystems=['ours']\nmicro_batch_sizes=[1]",
+     "non-empty list"),
     ("stray = 1\n[[experiment]]\nsystems=['ours']", "unexpected top-level key"),
 ])
 def test_bad_sweep_files_fail_clearly(tmp_path, text, message):
@@ -229,8 +238,15 @@ def test_shipped_sweep_files_expand():
     local = load_sweep(SWEEPS_DIR / "local.toml")
     assert not local.invalid_runs, [(r.label(), r.error) for r in local.invalid_runs]
     net = [r for r in local.runs if r.emulated]
-    assert sorted({r.network for r in net}) == sorted(["default", "d1-5g", "d5-2g", "d10-1g", "d50-1g"])
-    assert len(net) == 20 and len(local.runs) == 35
+    settings = ["default", "d1-5g", "d5-2g", "d10-1g", "d50-1g"]
+    assert sorted({r.network for r in net}) == sorted(settings)
+    per_setting = {s: sorted(r.label().replace(s, "") for r in net if r.network == s) for s in settings}
+    assert all(v == per_setting["default"] for v in per_setting.values())  # the same runs under every setting
+    modes = {flags(r).get("--dp-mode") for r in net if r.system == "ours" and flags(r)["--dp"] == "2"}
+    assert modes == {"allreduce", "central_ps", "sharded_ps"} and any(r.system == "torch_pipe" for r in net)
+    layout = [r for r in local.runs if r.experiment.startswith("layout")]
+    assert {flags(r)["--seq-length"] for r in layout} == {"1024"} and {flags(r)["--batch-size"] for r in layout} == {"1", "2"}
+    assert {r.system for r in layout} >= {"reference", "torch_pipe", "ours", "megatron"}
     xl = load_sweep(SWEEPS_DIR / "gpt3-xl-cluster.toml")
     assert not xl.invalid_runs, [(r.label(), r.error) for r in xl.invalid_runs]
     ours_dp4 = [flags(r) for r in xl.runs if r.system == "ours" and flags(r)["--dp"] == "4"]
@@ -393,3 +409,30 @@ def test_the_same_run_twice_in_a_sweep_runs_once(tmp_path):
     res = run_sweep(sweep, tmp_path / "o.jsonl", executor=lambda r, o: calls.append(r.key) or (0, ""), probe=False,
                     report=False, need_root_for_network=False, stream=io.StringIO())
     assert len(calls) == 1 and res.skipped == 1 and res.invalid == 2
+
+
+@pytest.mark.faults
+def test_a_second_sweep_on_the_same_records_is_refused(tmp_path, capsys):
+    from runners.sweep.execute import records_lock
+
+    out = tmp_path / "o.jsonl"
+    sweep_file = write(tmp_path, SMALL)
+    with records_lock(out):  # a sweep running (or a run command of a killed one, which inherits the lock)
+        assert main([str(sweep_file), "--out", str(out), "--no-probe", "--no-report", "--only", "megatron"]) == 2
+    assert "another sweep (or a run it started) is writing to" in capsys.readouterr().err
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("hostfile, message", [
+    (None, "cannot read hostfile"),
+    ("# nothing\n\n", "lists no hosts"),
+    ("-oProxyCommand=x\n", "bad host name"),
+])
+def test_hostfile_errors_exit_2_with_one_line(tmp_path, hostfile, message):
+    path = tmp_path / "hosts"
+    if hostfile is not None:
+        path.write_text(hostfile)
+    p = subprocess.run([sys.executable, "-m", "runners.sweep", "local.toml", "--hostfile", str(path), "--dry-run"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr

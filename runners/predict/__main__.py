@@ -1,0 +1,191 @@
+"""python -m runners.predict: a run's step time without running it, and the simulator's calibration and checks.
+
+    python -m runners.predict --system ours --model cpu-small --pp 2 ... [--network d10-1g]
+                              [--device-file runners/predict/devices/v100.json]   # one run: the run command's flags
+    python -m runners.predict sweep SWEEP_FILE [--device-file FILE]   # the predicted report tables of a sweep
+    python -m runners.predict calibrate     # this machine: profiles, stall probe, runs without delay, overheads
+    python -m runners.predict validate      # emulated runs: predicted against measured (root)
+    python -m runners.predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
+    python -m runners.predict plan-check [EVALUATION.json]   # the planner's evaluation: formula vs simulator
+
+Without --device-file a run is predicted for this machine (its calibration in results/predict and a
+profile of the model's shape); with one, for that GPU (NCCL; links from the network profile, one
+message in flight per link and direction, as the seed's GPipe; ``--network none``: NVLink).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from runners.predict.local import RESULTS
+
+
+def _calibrate(args) -> int:
+    from runners.predict.local import calibrate_here
+
+    calibrate_here(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    return 0
+
+
+def _validate(args) -> int:
+    from runners.predict.local import validate
+
+    validate(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    return 0
+
+
+def _seed(args) -> int:
+    from runners.predict.seed import calibrate_seed, fp16_check, markdown, predict_seed
+
+    dev = calibrate_seed("fp32", write=not args.no_write)
+    res = predict_seed(dev)
+    fp16 = fp16_check()
+    text = markdown(res, fp16)
+    print(text)
+    if not args.no_write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "seed-predictions.json").write_text(json.dumps(dict(fp32=res, fp16=fp16), indent=1))
+        (RESULTS / "seed-predictions.md").write_text(text)
+    return 0
+
+
+def _plan_check(args) -> int:
+    from runners.predict.planner import check_evaluation, markdown
+
+    res = check_evaluation(args.evaluation)
+    text = markdown(res)
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "plan-check.md").write_text(text)
+    (RESULTS / "plan-check.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def _target(device_file: str | None, cfg, in_flight: int | None):
+    """(compute model, link, cores, transport) of a prediction: this machine, or a GPU's device file."""
+    from runners.predict.compute import CpuCompute, load_device
+    from runners.predict.local import find_profile, load_calibration
+
+    if device_file is None:
+        cal = load_calibration()
+        return CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.link(cfg.network), cal.cores, "gloo"
+    from network_emulation.profiles import parse_profile
+    from runners.predict.seed import NVLINK
+    from runners.predict.spec import Link
+
+    link = parse_profile(cfg.network).link(0, 1)
+    link = NVLINK if link is None else Link.from_ms_gbps(link.delay_ms, link.bandwidth_gbps, in_flight)
+    return load_device(device_file, cfg.model, cfg.precision), link, None, "nccl"
+
+
+def _predict(cfg, device_file: str | None, in_flight: int | None):
+    from runners.predict.glue import spec_from_config
+    from runners.predict.predict import predict
+
+    compute, link, cores, transport = _target(device_file, cfg, in_flight)
+    return predict(spec_from_config(cfg, link, transport), compute, cores)
+
+
+def _target_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--device-file", default=None)
+    p.add_argument("--in-flight", type=int, default=1, help="messages in flight per link and direction (GPU links)")
+    return p.parse_known_args(argv)
+
+
+def predict_run(argv: list[str]) -> int:
+    """One run from the run command's own flags: its predicted step time and breakdown."""
+    from contract import ConfigError
+    from runners.predict.glue import NotModelled
+    from runners.request import build_parser, config_from_args, judge
+
+    target, rest = _target_args(argv)
+    parser = build_parser()
+    parser.prog = "python -m runners.predict"
+    args = parser.parse_args([*rest, "--out", "/dev/null"] if "--out" not in rest else rest)
+    try:
+        cfg = config_from_args(args)
+        judge(cfg)
+        p = _predict(cfg, target.device_file, target.in_flight)
+    except (ConfigError, NotModelled, FileNotFoundError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    where = target.device_file or "this machine"
+    print(f"{cfg.system} {cfg.model.name} pp={cfg.pp} tp={cfg.tp} dp={cfg.dp} mb={cfg.micro_batch_size} "
+          f"batch={cfg.batch_size} network {cfg.network} on {where}:")
+    print(p.line())
+    print("per rank: " + ", ".join(f"{t:.4f}" for t in p.per_rank) + " s")
+    return 0
+
+
+def predict_sweep(argv: list[str]) -> int:
+    """The sweep file's runs predicted, shown as report.py shows measured ones."""
+    from contract import ConfigError
+    from report import render
+    from runners.predict.glue import NotModelled
+    from runners.record import build_record
+    from runners.registry import get_system
+    from runners.request import build_parser, config_from_args
+    from runners.sweep.plan import SweepError, load_sweep
+
+    target, rest = _target_args(argv)
+    if len(rest) != 1:
+        print("usage: python -m runners.predict sweep SWEEP_FILE [--device-file FILE]", file=sys.stderr)
+        return 2
+    try:
+        sweep = load_sweep(rest[0])
+    except SweepError as exc:
+        print(f"python -m runners.predict: error: {exc}", file=sys.stderr)
+        return 2
+    records, skipped = [], []
+    for run in sweep.valid_runs:
+        cfg = config_from_args(build_parser().parse_args([*run.args, "--out", "/dev/null"]))
+        try:
+            p = _predict(cfg, target.device_file, target.in_flight)
+        except (ConfigError, NotModelled, FileNotFoundError) as exc:
+            skipped.append(f"{run.label()}: {exc}")
+            continue
+        rec = build_record(cfg, get_system(cfg.system), "ok", None, None,
+                           {"device_name": target.device_file or "this machine (predicted)"})
+        rec.median_step_time = p.step_time
+        records.append(rec.__dict__)
+    print(render(records).replace("# Results", f"# Predicted: sweep {sweep.name}", 1))
+    for line in skipped:
+        print(f"not predicted: {line}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = ("calibrate", "validate", "seed", "plan-check", "sweep")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sweep":
+        return predict_sweep(argv[1:])
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        return predict_run(argv)
+    p = argparse.ArgumentParser(prog="python -m runners.predict", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, fn in (("calibrate", _calibrate), ("validate", _validate)):
+        q = sub.add_parser(name)
+        q.add_argument("--steps", type=int, default=3)
+        q.add_argument("--warmup", type=int, default=1)
+        if name == "calibrate":
+            q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (the fastest kept, "
+                           "with every earlier one in calibration-runs.jsonl)")
+        else:
+            q.add_argument("--repeats", type=int, default=1, help="runs of each validation config (the fastest kept)")
+        q.set_defaults(fn=fn)
+    q = sub.add_parser("seed")
+    q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")
+    q.set_defaults(fn=_seed)
+    q = sub.add_parser("plan-check")
+    q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json")
+    q.set_defaults(fn=_plan_check)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The per-message stall of this machine's emulated links, measured with gloo itself.
+
+On the virtual cluster (tbf + the userspace NFQUEUE delayer) a gloo message of n bytes sent in reply
+arrives about min(1, n / S) one-way delays later than its bytes and the delay alone explain (S about
+24 KiB here: 64 KiB messages take two one-way delays, 2 KiB messages one). ``probe_stall`` measures
+it once, at a setting none of the seed's profiles uses, with a ping-pong of several sizes between two
+gloo ranks on two virtual hosts, and fits S (``Link.stall_bytes``).
+
+    python -m runners.predict.message_probe RANK SIZE ITERS   # one rank (inside a virtual host)
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SIZES = (2048, 4096, 8192, 16384, 32768, 65536, 262144)
+PROBE_NETWORK = "delay 20ms bandwidth 1Gbps"
+
+
+def _rank(rank: int, nbytes: int, iters: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    x, y = torch.zeros(max(1, nbytes // 4)), torch.zeros(max(1, nbytes // 4))
+    times = []
+    for i in range(iters + 2):
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(y, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(y, 0)
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"bytes": nbytes, "round_trip": statistics.median(times)}))
+
+
+def fit_stall(points: list[dict], delay: float, bandwidth: float) -> float:
+    """S of stall(n) = delay * min(1, n / S) that best fits the one-way extras (least squares over a
+    grid of S)."""
+    extras = [(p["bytes"], p["round_trip"] / 2 - delay - p["bytes"] / bandwidth) for p in points]
+    best, best_err = 1.0, float("inf")
+    for k in range(200):
+        s = 1024 * 1.03 ** k
+        err = sum((e - delay * min(1.0, n / s)) ** 2 for n, e in extras)
+        if err < best_err:
+            best, best_err = s, err
+    return best
+
+
+def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=print) -> dict:
+    """Ping-pong of each size between two virtual hosts under ``network`` (root needed)."""
+    from network_emulation import VirtualCluster
+
+    points = []
+    with VirtualCluster(2, network, name="stall", log=None) as vc:
+        measured = vc.probe(0, 1, duration_s=0).describe()
+        delay = measured["one_way_delay_ms"] / 1e3
+        for nbytes in sizes:
+            procs = []
+            for h in vc.hosts:
+                env = {**os.environ, **h.env(), "MASTER_ADDR": vc.hosts[0].address, "MASTER_PORT": "29541",
+                       "PYTHONPATH": str(REPO)}
+                argv = [*h.command_prefix(), "env", *[f"{k}={v}" for k, v in env.items() if k in (
+                    "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "PATH")],
+                        sys.executable, "-m", "runners.predict.message_probe", str(h.index), str(nbytes), str(iters)]
+                procs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            try:
+                outs = [p.communicate(timeout=120) for p in procs]
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+            points.append(json.loads(outs[0][0].strip().splitlines()[-1]))
+            log(f"  {nbytes} bytes: round trip {points[-1]['round_trip'] * 1e3:.1f} ms")
+    from network_emulation.profiles import parse_profile
+
+    bandwidth = parse_profile(network).link(0, 1).bandwidth_gbps * 1e9 / 8
+    stall = fit_stall(points, delay, bandwidth)
+    log(f"  stall: {stall / 1024:.1f} KiB (one-way delay {delay * 1e3:.2f} ms)")
+    return dict(network=network, one_way_delay_ms=delay * 1e3, points=points, stall_bytes=stall)
+
+
+if __name__ == "__main__":
+    _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

@@ -1,0 +1,105 @@
+"""Calibration round trips (overheads on CPU, efficiency on GPU), the profile's interpolation, the glue
+to RunConfig, and the seed's tables predicted from its default GPipe row."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runners.predict.calibrate import fit_efficiency, fit_overheads
+from runners.predict.compute import CpuCompute, GpuCompute, Overheads, Table3, load_device
+from runners.predict.glue import spec_from_config
+from runners.predict.local import local_link
+from runners.predict.predict import predict
+from runners.predict.spec import Link, RunSpec
+from workload.configs import ModelConfig
+
+TOY = ModelConfig("toy", n_layer=4, n_embd=64, n_head=4, seq_len=64, vocab_size=128)
+
+
+def synthetic_profile() -> dict:
+    """t(b, l, c) = b (1e-4 + 1e-5 l + 1e-7 l c) for the forward; the backward twice, half of it weights."""
+    layer = []
+    for b in (1, 2):
+        for l in (8, 16, 32, 48, 64):
+            for c in (0, 16, 32):
+                if c + l <= 64:
+                    fwd = b * (1e-4 + 1e-5 * l + 1e-7 * l * c)
+                    layer.append(dict(b=b, l=l, c=c, fwd=fwd, bwd_in=fwd, wgrad=fwd, bwd_full=2 * fwd))
+    return dict(model=dict(n_embd=64, n_head=4, seq_len=64, vocab_size=128), layer=layer,
+                head=dict(fwd_per_token=1e-6, bwd_in_per_token=1e-6, wgrad_per_token=1e-6), embed_per_token=1e-7,
+                optimizer_per_param=1e-9, p2p_fit=dict(latency=1e-4, bandwidth=1e9))
+
+
+def test_table_interpolates_the_grid_and_the_context_term():
+    t = Table3(tuple((p["b"], p["l"], p["c"], p["fwd"]) for p in synthetic_profile()["layer"]))
+    assert t(1, 24, 0) == pytest.approx(1e-4 + 1e-5 * 24)
+    assert t(1, 16, 40) == pytest.approx(1e-4 + 1e-5 * 16 + 1e-7 * 16 * 40)
+    assert t(2, 8, 0) == pytest.approx(2 * (1e-4 + 8e-5))
+
+
+def test_profile_rows_are_made_non_decreasing_in_length():
+    prof = synthetic_profile()
+    slow = next(p for p in prof["layer"] if p["b"] == 1 and p["l"] == 16 and p["c"] == 0)
+    slow["fwd"] *= 5  # a measurement slowed by contention
+    cm = CpuCompute(prof)
+    assert cm.layer_forward(1, 16, 0) <= cm.layer_forward(1, 32, 0) * 1.0001
+
+
+def test_overheads_round_trip():
+    truth = Overheads(step=0.004, unit=0.002)
+    cm = CpuCompute(synthetic_profile())
+    link = Link(2e-4, 1e9)
+    specs = [RunSpec("torch_pipe", TOY, b, 1, link, pp=2) for b in (2, 4, 8)]
+    measured = [predict(s, cm.with_overheads("torch_pipe", truth), cores=2.0).step_time for s in specs]
+    fitted, report = fit_overheads("torch_pipe", [(s, m, cm) for s, m in zip(specs, measured)], 2.0, ("step", "unit"))
+    assert fitted.step == pytest.approx(truth.step, rel=0.02)
+    assert fitted.unit == pytest.approx(truth.unit, rel=0.02)
+    assert max(abs(r["error"]) for r in report) < 1e-3
+
+
+def test_efficiency_round_trip():
+    dev = GpuCompute("gpu", TOY, {"fp32": 10.0, "fp16": 80.0}, {"fp32": 0.4})
+    spec = RunSpec("ours", TOY, 8, 1, Link.from_ms_gbps(0.1, 10, 1), pp=2, slices=(64,), transport="nccl")
+    measured = predict(spec, dev).step_time
+    assert fit_efficiency(spec, dev.with_efficiency(0.9), measured) == pytest.approx(0.4, rel=1e-3)
+
+
+def test_spec_from_a_run_config():
+    from runners.request import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--system", "ours", "--model", "tiny", "--pp", "2", "--dp", "2", "--batch-size",
+                                      "2", "--micro-batch-size", "1", "--n-slices", "4", "--dp-mode", "central_ps"])
+    link = local_link("d10-1g", (1e-4, 2e9), {"one_way_delay_ms": 10.2, "bandwidth_gbps": 0.9}, 24576)
+    spec = spec_from_config(config_from_args(args), link)
+    assert spec.slices == (32, 32, 32, 32) and spec.dp == 2 and spec.dp_mode == "central_ps"
+    assert spec.link.latency == pytest.approx(10.3e-3) and spec.link.bandwidth == pytest.approx(0.9e9 / 8)
+    assert spec.link.stall_bytes == 24576
+
+
+def test_seed_gpipe_column_from_the_default_row():
+    """The V100 device file is fitted on the default row only; the other four rows within 15 %."""
+    from runners.predict.seed import DEVICE_FILE, GPIPE, WORKLOAD, gpipe_spec
+
+    dev = load_device(DEVICE_FILE, WORKLOAD, "fp32")
+    assert json.loads(DEVICE_FILE.read_text())["calibrated_on"]["fp32"]
+    assert predict(gpipe_spec("default"), dev).step_time == pytest.approx(GPIPE["default"], rel=0.005)
+    for net, seed in GPIPE.items():
+        if net != "default":
+            assert predict(gpipe_spec(net), dev).step_time == pytest.approx(seed, rel=0.15), net
+
+
+def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_path, monkeypatch):
+    from runners.predict.glue import NotModelled
+    from runners.predict.local import record_prediction
+    from runners.request import build_parser, config_from_args
+
+    monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))  # no fitted model: the rule of thumb
+    cfg = lambda *a: config_from_args(build_parser().parse_args(["--model", "tiny", "--batch-size", "2",
+                                                                 "--micro-batch-size", "1", *a]))
+    link = Link.from_ms_gbps(0.1, 10)
+    assert spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices == (64, 64)
+    with pytest.raises(NotModelled):
+        spec_from_config(cfg("--system", "fairscale_fsdp"), link)
+    assert record_prediction(cfg("--system", "reference")) is None  # a record without a prediction
+

@@ -1,0 +1,207 @@
+"""The simulator on cases that can be checked by hand: closed forms of the schedules, links, handshakes,
+shared cores, deferred work, the parameter server's bytes."""
+from __future__ import annotations
+
+import pytest
+
+from runners.predict import collectives as coll
+from runners.predict.compute import ComputeModel, Overheads
+from runners.predict.engine import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Simulator, Wait
+from runners.predict.predict import predict
+from runners.predict.spec import Link, RunSpec
+from workload.configs import ModelConfig
+
+MODEL = ModelConfig("toy", n_layer=6, n_embd=64, n_head=4, seq_len=128, vocab_size=128)
+FAST = Link(0.0, 1e15)
+
+
+class Fixed(ComputeModel):
+    """Every layer takes f forward and b backward on a whole sequence (in proportion to the tokens of a
+    slice, independent of its context); no head, embeddings or optimizer; wgrad: the share of b that is
+    weight gradients."""
+
+    def __init__(self, f: float, b: float, wgrad: float = 0.0, overheads: Overheads = Overheads()):
+        self.f, self.b, self.w, self.o = f, b, wgrad, overheads
+
+    def layer_forward(self, b, l, c, tp=1):
+        return self.f * b * l / MODEL.seq_len / tp
+
+    def layer_backward_input(self, b, l, c, tp=1):
+        return self.b * (1 - self.w) * b * l / MODEL.seq_len / tp
+
+    def layer_wgrad(self, b, l, tp=1):
+        return self.b * self.w * b * l / MODEL.seq_len / tp
+
+    def head_forward(self, tokens, tp=1, width=None):
+        return 0.0
+
+    head_backward_input = head_wgrad = head_forward
+
+    def embed(self, tokens):
+        return 0.0
+
+    def optimizer(self, params):
+        return 0.0
+
+    def overheads(self, system):
+        return self.o
+
+
+def spec(system="torch_pipe", pp=2, batch=4, link=FAST, transport="nccl", **kw) -> RunSpec:
+    return RunSpec(system, MODEL.with_overrides(n_layer=pp), batch_size=batch, micro_batch_size=1, link=link, pp=pp,
+                   transport=transport, **kw)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (3, 5), (2, 1)])
+def test_gpipe_without_network_is_m_plus_p_minus_1_slots(pp, m):
+    t = predict(spec(pp=pp, batch=m), Fixed(0.01, 0.02)).step_time
+    assert t == pytest.approx((m + pp - 1) * 0.03, rel=1e-6)
+
+
+@pytest.mark.parametrize("d", [0.001, 0.01])
+def test_gpipe_2_stages_with_latency_closed_form(d):
+    """torch's GPipe posts each receive after the previous micro-batch, so every message of a phase
+    pays its delay one after the other (one in flight): (m + 1)(f + b) + 2 m d, plus the closing
+    barrier's 2 d."""
+    m, f, b = 4, 0.01, 0.02
+    t = predict(spec(batch=m, link=Link(d, 1e15)), Fixed(f, b)).step_time
+    assert t == pytest.approx((m + 1) * (f + b) + 2 * m * d + 2 * d, rel=1e-6)
+
+
+def test_1f1b_has_the_gpipe_bubble_without_network():
+    for system, schedule in (("torch_pipe", "1f1b"), ("megatron", "1f1b")):
+        t = predict(spec(system, batch=6, schedule=schedule), Fixed(0.01, 0.02)).step_time
+        assert t == pytest.approx((6 + 2 - 1) * 0.03, rel=1e-6), system
+
+
+def test_interleaved_shrinks_the_bubble():
+    cm = Fixed(0.01, 0.02)
+    four = MODEL.with_overrides(n_layer=4)
+    plain = predict(RunSpec("megatron", four, 4, 1, FAST, pp=2, schedule="1f1b", transport="nccl"), cm)
+    inter = predict(RunSpec("megatron", four, 4, 1, FAST, pp=2, schedule="interleaved", virtual_pp=2,
+                            transport="nccl"), cm)
+    # per stage 2 layers: 1F1B (m + p - 1) * 2 (f + b); interleaved halves the fill and drain
+    assert plain.step_time == pytest.approx(5 * 0.06, rel=1e-6)
+    assert inter.step_time == pytest.approx(4 * 0.06 + 0.03, rel=1e-6)
+
+
+@pytest.mark.parametrize("pp,k", [(2, 4), (3, 8)])
+def test_ours_slices_follow_terapipe_when_communication_is_free(pp, k):
+    """K equal token slices over P stages: sum_i t_i + (P - 1) max_i t_i (no weight gradients to defer)."""
+    s = spec("ours", pp=pp, batch=1, slices=(MODEL.seq_len // k,) * k)
+    t = predict(s, Fixed(0.04, 0.08)).step_time
+    per_slice = 0.12 / k
+    assert t == pytest.approx(k * per_slice + (pp - 1) * per_slice, rel=1e-6)
+
+
+def test_ours_deferred_weight_gradients_fill_the_wait():
+    """With half of the backward deferred, the first stage runs its queued weight gradients while it
+    waits for the next gradient: the step shrinks by the wgrad share of the drain."""
+    k, s = 4, spec("ours", pp=2, batch=1, slices=(32,) * 4)
+    full = predict(s, Fixed(0.04, 0.08, wgrad=0.0)).step_time
+    deferred = predict(s, Fixed(0.04, 0.08, wgrad=0.5)).step_time
+    per_slice, wgrad = 0.12 / k, 0.04 / k
+    assert full == pytest.approx(k * per_slice + per_slice, rel=1e-6)
+    assert deferred == pytest.approx(k * per_slice + per_slice - wgrad, rel=1e-6)
+
+
+def _three_messages(link: Link, transport: str = "nccl") -> list[float]:
+    keys = [("m", i) for i in range(3)]
+    p0 = [Send(k, 1, 1000) for k in keys] + [Wait(tuple(keys))]
+    p1 = [Recv(k, 0, 1000) for k in keys] + [x for k in keys for x in (Wait((k,)), Mark(str(k[1])))]
+    res = Simulator([p0, p1], Network(link, transport)).run()
+    return [res.marks[1][str(i)][0] for i in range(3)]
+
+
+def test_one_message_in_flight_serialises_messages():
+    d, wire = 0.01, 1000 / 1e6
+    assert _three_messages(Link(d, 1e6, in_flight=1)) == pytest.approx([(i + 1) * (wire + d) for i in range(3)])
+    assert _three_messages(Link(d, 1e6)) == pytest.approx([(i + 1) * wire + d for i in range(3)])
+
+
+def test_gloo_waits_for_the_receive_posted_notice():
+    """gloo sends the data only once the receiver's notice arrived: a receive posted at t costs t + 2 d."""
+    d = 0.01
+    p0 = [Send("x", 1, 8), Wait(("x",))]
+    p1 = [Compute(0.1, "forward"), Recv("x", 0, 8), Wait(("x",)), Mark("got")]
+    for transport, expect in (("gloo", 0.1 + 2 * d), ("nccl", 0.1 + d)):
+        res = Simulator([p0, p1], Network(Link(d, 1e15), transport)).run()
+        assert res.marks[1]["got"][0] == pytest.approx(expect), transport
+
+
+def test_emulated_link_stall():
+    d = 0.02
+    link = Link(d, 1e15, stall_bytes=24576)
+    assert link.transfer(1024) == pytest.approx(d + d * 1024 / 24576)
+    assert link.transfer(65536) == pytest.approx(2 * d)
+    assert Link(d, 1e6, stall_bytes=24576).transfer(1e6) == pytest.approx(1.0 + d)  # the wire dominates
+
+
+def test_shared_cores_stretch_compute():
+    progs = [[Compute(1.0, "forward"), Mark("end")] for _ in range(2)]
+    one = Simulator(progs, Network(FAST), cores=1.0).run()
+    two = Simulator(progs, Network(FAST), cores=2.0).run()
+    assert one.marks[0]["end"][0] == pytest.approx(2.0) and two.marks[0]["end"][0] == pytest.approx(1.0)
+
+
+def test_fill_wait_runs_deferred_chunks_while_waiting():
+    p0 = [Defer((0.3, 0.3, 0.3)), Recv("g", 1, 8), FillWait("g"), Mark("got"), Flush(), Mark("end")]
+    p1 = [Compute(0.5, "backward"), Send("g", 0, 8), Wait(("g",))]
+    res = Simulator([p0, p1], Network(FAST, "nccl")).run()
+    # two chunks start before the gradient arrives at 0.5 (the second finishes at 0.6), the third after
+    assert res.marks[0]["got"][0] == pytest.approx(0.6)
+    assert res.marks[0]["end"][0] == pytest.approx(0.9)
+
+
+def _bytes(ops, server: int) -> tuple[float, float]:
+    sent = sum(op.nbytes for op in ops if isinstance(op, Send))
+    received = sum(op.nbytes for op in ops if isinstance(op, Recv))
+    return sent, received
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_central_ps_bytes_through_the_server(n):
+    """gloo's reduce to the server: a ring reduce-scatter ((n-1)/n of the buffer in and out of every
+    rank) then the other ranks' chunks to the root; the broadcast sends the whole buffer down a binomial
+    tree (the root sends it log2 n times)."""
+    nbytes, ranks = 4 * 2 ** 20, tuple(range(n))
+    red = coll.reduce(ranks, 0, 0, "t", nbytes, "dp")
+    sent, received = _bytes(red, 0)
+    assert received == pytest.approx((n - 1) / n * nbytes + (n - 1) * nbytes / n, rel=0.01)
+    assert sent == pytest.approx((n - 1) / n * nbytes, rel=0.01)
+    bsent, _ = _bytes(coll.broadcast(ranks, 0, 0, "t", nbytes, "dp"), 0)
+    assert bsent == pytest.approx(nbytes * (n.bit_length() - 1))
+
+
+def test_central_ps_over_nccl_pushes_and_pulls_each_stage_once():
+    d, gbps = 0.001, 1.0
+    link = Link.from_ms_gbps(d * 1e3, gbps)
+    base = spec("ours", pp=2, batch=1, slices=(128,), link=link, dp=1)
+    dp4 = base.replace(dp=4, dp_mode="central_ps")
+    cm = Fixed(0.01, 0.02)
+    sync = predict(dp4, cm).dp_sync
+    from runners.predict.compute import stage_params
+    from runners.predict.programs import _buckets
+
+    nbytes = stage_params(base.model, 1, True, False) * 4
+    buckets = _buckets(nbytes)
+    expect = sum(2 * (3 * link.latency + b / link.bandwidth) for b in buckets)
+    assert sync == pytest.approx(expect, rel=0.05)
+
+
+def test_breakdown_adds_up():
+    s = spec("ours", pp=2, batch=2, slices=(64, 64), link=Link(0.005, 1e8), transport="gloo", dp=2, dp_mode="central_ps")
+    p = predict(s, Fixed(0.01, 0.02, wgrad=0.3, overheads=Overheads(step=0.003, unit_layer=0.001, dp=0.002)), cores=2.0)
+    assert sum(p.parts().values()) == pytest.approx(p.step_time, rel=1e-6)
+    assert p.dp_sync > 0 and p.barrier > 0 and p.overhead > 0
+
+
+def test_background_load_shares_the_cores():
+    from runners.predict.load import cores_with_background
+
+    assert cores_with_background(2.0, 0.0)[:3] == (1.0, 2.0, 2.0)
+    cores = cores_with_background(2.0, 2.0)
+    assert cores[0] == pytest.approx(2 / 3) and cores[1] == pytest.approx(1.0)
+    progs = [[Compute(1.0, "forward"), Mark("end")] for _ in range(2)]
+    res = Simulator(progs, Network(FAST), cores=cores).run()
+    assert res.marks[0]["end"][0] == pytest.approx(2.0)  # two ranks and two others on two cores: half a core each
