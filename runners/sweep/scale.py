@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 from runners.sweep.plan import parse_layout
@@ -94,21 +95,30 @@ def scale_down(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _each(value: Any, scale: Callable[[int | float], int | float]) -> Any:
+    """``scale`` applied to a number, or to every number of a list (a list setting is a sweep axis);
+    anything else is left for the planner to judge."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if number(value):
+        return scale(value)
+    if isinstance(value, list) and value and all(number(v) for v in value):
+        return list(dict.fromkeys(scale(v) for v in value))
+    return value
+
+
 def _scaled_settings(merged: dict[str, Any], exp: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
     model = MODEL_CONFIGS.get(merged.get("model")) if isinstance(merged.get("model"), str) else None
     layers = merged.get("num_layers", model.n_layer if model else None)
     heads = merged.get("num_heads", model.n_head if model else None)
     new: dict[str, Any] = {"model": MODEL, "hidden_size": HIDDEN, "num_heads": _heads(heads, _tp_degrees(exp)),
                            "seq_length": SEQ_LENGTH, "vocab_size": VOCAB}
-    if isinstance(layers, int):
+    if layers is not None:
         new["num_layers"] = layers
-    if isinstance(merged.get("batch_size"), int):
-        new["batch_size"] = scaled_batch(merged["batch_size"], _micro_batch_sizes(exp, fixed))
-    steps = merged.get("steps")
-    if isinstance(steps, int):
-        new["steps"] = min(steps, MAX_STEPS)
-    if isinstance(merged.get("warmup"), int):
-        new["warmup"] = min(merged["warmup"], MAX_WARMUP, max(0, new.get("steps", MAX_STEPS) - 1))
-    if isinstance(merged.get("timeout"), (int, float)) and not isinstance(merged.get("timeout"), bool):
-        new["timeout"] = min(merged["timeout"], TIMEOUT_S)
+    sizes = _micro_batch_sizes(exp, fixed)
+    for key, scale in (("batch_size", lambda b: scaled_batch(int(b), sizes)), ("steps", lambda n: min(n, MAX_STEPS)),
+                       ("warmup", lambda w: min(w, MAX_WARMUP)), ("timeout", lambda t: min(t, TIMEOUT_S))):
+        if key in merged:
+            new[key] = _each(merged[key], scale)
     return new

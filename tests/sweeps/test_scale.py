@@ -69,3 +69,11 @@ def test_scale_down_flag_plans_the_scaled_sweep(tmp_path):
     p = subprocess.run([sys.executable, "-m", "runners.sweep", "--scale-down", "--networks", "none", "--",
                         "--system", "ours"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--scale-down scales a sweep file" in p.stderr
+
+
+def test_list_settings_are_scaled_axis_by_axis():
+    small = scale_down({"fixed": {"model": "gpt3-xl", "batch_size": [32, 64], "micro_batch_size": 1, "steps": [2, 5]},
+                        "experiment": [{"systems": ["ours"], "layouts": ["P-2"]}]})
+    exp = small["experiment"][0]
+    assert exp["batch_size"] == [8, 16] and exp["steps"] == [2, 3]
+    assert len(sweep_from_dict(small).valid_runs) == 4
