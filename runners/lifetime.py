@@ -59,16 +59,30 @@ def start_time(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid; 0 where there is none)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def owner_tag() -> str:
-    """``<pid>.<start time>`` of this process, for names of things it owns (see ``owner_alive``)."""
+    """``<pid>.<start time>.<pid namespace>`` of this process, for names of things it owns (see
+    ``owner_alive``)."""
     pid = os.getpid()
-    return f"{pid}.{start_time(pid) or 0:x}"
+    return f"{pid}.{start_time(pid) or 0:x}.{pid_namespace():x}"
 
 
 def owner_alive(tag: str) -> bool:
-    pid, _, start = tag.partition(".")
+    """The owner of ``tag`` still runs. An owner in another pid namespace counts as alive: it cannot
+    be seen from here (virtual nodes share this machine's /tmp, each in a pid namespace of its own)."""
     try:
-        return start_time(int(pid)) == int(start, 16)
+        pid, start, *namespace = tag.split(".")
+        owner = (int(pid), int(start, 16))
+        if namespace and int(namespace[0], 16) != pid_namespace():
+            return True
+        return start_time(owner[0]) == owner[1]
     except ValueError:
         return False
 
