@@ -46,6 +46,11 @@ def node_dir(directory: Path, name: str) -> Path:
     return directory / name
 
 
+def tmp_dir(directory: Path, name: str) -> Path:
+    """The node's temporary directory (its sessions' TMPDIR)."""
+    return node_dir(directory, name) / "tmp"
+
+
 def sshd_config(directory: Path, node: NodeAddress, port: int = 22) -> str:
     """One node's sshd configuration: its own host key, the set's authorized key, no PAM, keys only."""
     d = node_dir(directory, node.name)
@@ -66,6 +71,9 @@ def sshd_config(directory: Path, node: NodeAddress, port: int = 22) -> str:
         "MaxStartups 64:30:128",
         "MaxSessions 64",
         f"AcceptEnv {' '.join(ACCEPT_ENV)}",
+        # A temporary directory of its own, as a machine has: run directories are reaped by their
+        # owner's pid, which only the node's own pid namespace can judge.
+        f"SetEnv TMPDIR={tmp_dir(directory, node.name)}",
         "Subsystem sftp internal-sftp",
         "",
     ])
@@ -132,6 +140,7 @@ def write_all(directory: Path, nodes: Sequence[NodeAddress]) -> None:
     for n in nodes:
         d = node_dir(directory, n.name)
         d.mkdir(exist_ok=True)
+        tmp_dir(directory, n.name).mkdir(mode=0o1777, exist_ok=True)
         host_keys.append(keygen(d / "ssh_host_ed25519_key", n.name))
         (d / "sshd_config").write_text(sshd_config(directory, n))
     (directory / "known_hosts").write_text(known_hosts(nodes, host_keys))
