@@ -53,4 +53,5 @@ SPEC = SystemSpec(
     options=MegatronOptions,
     dims=("pp", "tp", "dp"),
     label=lambda config: label(config.options),
+    half_weights=True,  # --mixed-precision: megatron's Float16Module, bf16 (fp16 on CUDA) weights, fp32 main params
 )
