@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 
 from baselines.torch_pipe import SCHEDULES
+from ours import slice_count
 from runners.invoke import run_command
 from runners.machine import parallel_capacity
 
@@ -116,7 +117,7 @@ def print_machine(capacities: list[float], P: int, what: str) -> None:
               f"on a machine with {P} free cores")
 
 
-def ours_args(P: int, batch: int, k: int | None = None, slices: str | None = None) -> list[str]:
+def ours_args(P: int, batch: int, k: int | str | None = None, slices: str | None = None) -> list[str]:
     args = ["--system", "ours", "--pp", str(P), "--batch-size", str(batch), "--micro-batch-size", "1"]
     return args + (["--n-slices", str(k)] if k is not None else ["--slices", slices])
 
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "at its best K, on cpu-small, P=2")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4], help="batch sizes per pipeline")
     b.add_argument("--reps", type=int, default=3, help="alternating repetitions of every configuration")
-    b.add_argument("--slices", type=int, nargs="+", default=[2, 4, 8], help="token slice counts K of ours to run")
+    b.add_argument("--slices", type=slice_count, nargs="+", default=[2, 4, 8], metavar="K|auto",
+                   help="token slice counts K of ours to run ('auto': the planner's slicing)")
     b.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
                    help="the Torch Pipe schedules to run (each where it can run the batch)")
     b.add_argument("--model", default="cpu-small")

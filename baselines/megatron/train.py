@@ -28,7 +28,7 @@ gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowPa
 one layer per group). ``--mixed-precision``: megatron's own mixed precision (Float16Module:
 half-precision parameters and activations, fp32 main parameters and gradients in the optimizer):
 fp16 with dynamic loss scaling on CUDA, bf16 on CPU. (Not the reference's autocast: --verify
-compares it with its own tolerance, see ``runners.run``.)
+compares it with the autocast reference under a tolerance of its own, see ``runners.tolerance``.)
 ``dp_sync_time``: the wall time of ``finalize_model_grads`` (DP gradient all-reduce, or
 reduce-scatter with the distributed optimizer) and of the distributed optimizer's parameter
 all-gather.
@@ -294,6 +294,8 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
         return StepOutput(loss=loss, dp_sync_time=sync["t"])
 
     result = run_steps(ctx, dp_rank, step)
+    inner = getattr(opt, "chained_optimizers", [opt])
+    result.extra["megatron_optimizer"] = "+".join(sorted({type(o).__name__ for o in inner}))
     result.extra["megatron_layout"] = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
                                            pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank)
     if cfg.verify:

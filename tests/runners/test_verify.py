@@ -1,5 +1,6 @@
 """--verify's tolerances per precision policy: loose enough for half-precision rounding, tight
-enough that a real bug fails. Real bf16 gradients of the tiny model, computed in this process."""
+enough that a real bug fails (real bf16 gradients of the tiny model, computed in this process);
+and every system verified under --mixed-precision through the run command."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from contract import RunConfig
 from runners.launcher import LaunchResult
 from runners.run import compare
 from runners.tolerance import FP32_TOLERANCE, verify_tolerance
+from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
 from workload.configs import get_model_config
 from workload.data import TokenSource
 from workload.model import build_gpt, lm_loss
@@ -80,3 +82,24 @@ def test_verify_line_says_which_policy_and_tolerance():
     assert compare(ref, ref, FP32_TOLERANCE).line().startswith("verify (fp32, tol 1e-5): ")
     assert compare(ref, ref, _policy(False)).line().startswith("verify (bf16 autocast, tol 5e-2 rel, loss 1e-3): ")
     assert compare(ref, ref, _policy(True)).line().startswith("verify (bf16 weights + fp32 main params, tol ")
+
+
+MIXED = {
+    "torch_pipe-zbv": ["--system", "torch_pipe", "--pp", "2", "--schedule", "zbv"],
+    "fairscale_fsdp": ["--system", "fairscale_fsdp", "--pp", "2"],
+    "ours": ["--system", "ours", "--pp", "2", "--n-slices", "2"],
+    "megatron-pp2": ["--system", "megatron", "--pp", "2"],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("system", MIXED, ids=list(MIXED))
+def test_mixed_precision_verifies_under_its_policy(system, out_file):
+    proc = run_cli(*MIXED[system], *TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "2",
+                   "--warmup", "0", "--mixed-precision", "--verify", "--out", str(out_file))
+    assert_verified(proc)
+    policy = "bf16 weights + fp32 main params" if system.startswith("megatron") else "bf16 autocast"
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("verify (")]
+    assert line.startswith(f"verify ({policy}, tol "), line
+    (rec,) = read_jsonl(out_file)
+    assert rec["precision"] == "mixed" and rec["verify"]["tolerance"].startswith(policy)
