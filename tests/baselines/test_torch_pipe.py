@@ -67,3 +67,12 @@ def test_zero_bubble_and_dualpipev_match_reference(schedule, out_file):
     assert rec["label"] == f"torch_pipe {schedule}" and rec["options"]["virtual_pp"] == 2
     placement = [[0, 2], [1, 3]] if schedule == "zb" else [[0, 3], [1, 2]]  # looped, or the V
     assert rec["options"]["stage_placement"] == placement
+
+
+@pytest.mark.multiprocess
+def test_zbv_with_fsdp2_data_parallelism_matches_reference(out_file):
+    # 4 ranks: 2 pipelines of 2 stages; under zbv the last stage's block gradients were lost when each
+    # block was an FSDP unit of its own (see baselines/torch_pipe/train.py)
+    proc = run_cli("--system", "torch_pipe", *TINY, "--pp", "2", "--dp", "2", "--schedule", "zbv", "--batch-size", "2",
+                   "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--verify", "--out", str(out_file))
+    assert_verified(proc)
