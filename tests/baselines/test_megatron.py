@@ -47,4 +47,4 @@ def test_megatron_distributed_optimizer_and_sequence_parallel_match_reference(ar
     distributed = "--distributed-optimizer" in args
     assert rec["options"]["distributed_optimizer"] is distributed and rec["options"]["sequence_parallel"] is not distributed
     assert rec["label"] == ("megatron +distopt" if distributed else "megatron +sp")
-    assert rec["options"]["megatron_optimizer"] == ("DistributedOptimizer" if distributed else "Float32Optimizer")
+    assert rec["options"]["megatron_optimizer"] == ("DistributedOptimizer" if distributed else "FP32Optimizer")
