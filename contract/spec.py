@@ -36,6 +36,10 @@ class SystemSpec:
     label: Callable[[RunConfig], str] | None = None  # a run's column in reports (default: the name)
     details: Callable[[dict[str, Any]], str] | None = None  # a run's resolved choices, from its record's options
     role: str = "baseline"  # "baseline", "ours" or "reference": how reports compare it (ours against the best baseline)
+    # Its --mixed-precision keeps the weights themselves in half precision (fp32 main copies in the
+    # optimizer, as megatron) rather than autocasting fp32 weights as the reference does: --verify
+    # then judges it by that policy's tolerance.
+    half_weights: bool = False
 
     def load(self) -> Callable:
         """The system's train function (imports its training code)."""

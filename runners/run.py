@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING
 from contract import ConfigError, RunConfig, SystemOptions
 from runners.registry import get_system
 from runners.request import Placement, build_parser, check_environment, config_from_args, judge, placement_from_args
+from runners.tolerance import Tolerance, relative, verify_tolerance
 
 if TYPE_CHECKING:  # torch is imported only once a request has been judged runnable
     from runners.launcher import LaunchResult
     from runners.record import RunRecord
-
-VERIFY_TOLERANCE = 1e-5  # fp32
 
 
 class Interrupted(BaseException):
@@ -44,14 +43,17 @@ def _interrupt(signum, frame):
 class Verification:
     max_abs_loss_diff: float
     max_abs_grad_diff: float
+    max_rel_grad_diff: float  # of a parameter's largest reference |gradient|
     n_grads: int
     passed: bool
     reason: str = ""
+    tolerance: str = ""  # the policy and tolerance judged by (Tolerance.describe)
 
     def line(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         why = f" ({self.reason})" if self.reason else ""
-        return (f"verify: max_abs_loss_diff={self.max_abs_loss_diff:.3e} max_abs_grad_diff={self.max_abs_grad_diff:.3e} "
+        return (f"verify ({self.tolerance}): max_abs_loss_diff={self.max_abs_loss_diff:.3e} "
+                f"max_abs_grad_diff={self.max_abs_grad_diff:.3e} max_rel_grad_diff={self.max_rel_grad_diff:.3e} "
                 f"grads={self.n_grads} {verdict}{why}")
 
 
@@ -61,27 +63,32 @@ def reference_config(cfg: RunConfig) -> RunConfig:
                        options=SystemOptions())
 
 
-def compare(run: LaunchResult, ref: LaunchResult, tolerance: float) -> Verification:
+def compare(run: LaunchResult, ref: LaunchResult, tolerance: Tolerance) -> Verification:
     from runners.record import merged_losses
 
+    nan = float("nan")
+    tol = tolerance.describe()
     if ref.status != "ok":
-        return Verification(float("nan"), float("nan"), 0, False, f"reference run {ref.status}: {ref.error}")
+        return Verification(nan, nan, nan, 0, False, f"reference run {ref.status}: {ref.error}", tol)
     if run.status != "ok":
-        return Verification(float("nan"), float("nan"), 0, False, f"run {run.status}")
+        return Verification(nan, nan, nan, 0, False, f"run {run.status}", tol)
     losses, ref_losses = merged_losses(run.ranks), merged_losses(ref.ranks)
     if len(losses) != len(ref_losses) or not losses:
-        return Verification(float("nan"), float("nan"), 0, False, f"{len(losses)} losses against {len(ref_losses)}")
+        return Verification(nan, nan, nan, 0, False, f"{len(losses)} losses against {len(ref_losses)}", tol)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     missing = sorted(set(ref.grads) - set(run.grads))
     extra = sorted(set(run.grads) - set(ref.grads))
-    grad_diff = max((float((run.grads[n] - ref.grads[n]).abs().max()) for n in ref.grads if n in run.grads), default=float("nan"))
+    diffs = {n: float((run.grads[n] - ref.grads[n]).abs().max()) for n in ref.grads if n in run.grads}
+    grad_diff = max(diffs.values(), default=nan)
+    rel_diff = max((relative(d, float(ref.grads[n].abs().max())) for n, d in diffs.items()), default=nan)
     reason = ""
     if missing:
         reason = f"no gradient for {len(missing)} parameters, e.g. {missing[0]}"
     elif extra:
         reason = f"gradients for unknown parameters, e.g. {extra[0]}"
-    passed = not reason and loss_diff <= tolerance and grad_diff <= tolerance
-    return Verification(loss_diff, grad_diff, len(run.grads), passed, reason)
+    judged = rel_diff if tolerance.relative else grad_diff
+    passed = not reason and loss_diff <= tolerance.loss and judged <= tolerance.grad
+    return Verification(loss_diff, grad_diff, rel_diff, len(run.grads), passed, reason, tol)
 
 
 def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunRecord, Verification | None]:
@@ -98,7 +105,8 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
         if cfg.verify:
             ref = launch(reference_config(cfg), 1, Placement())
             try:
-                verification = compare(result, ref, VERIFY_TOLERANCE)
+                cuda = bool(result.ranks) and str(result.ranks[0].get("device", "")).startswith("cuda")
+                verification = compare(result, ref, verify_tolerance(cfg, spec.half_weights, cuda))
             finally:
                 shutil.rmtree(ref.run_dir, ignore_errors=True)
         if result.network is not None:

@@ -30,7 +30,7 @@ TINY = ["--model", "tiny", "--num-layers", "4", "--hidden-size", "64", "--num-he
 
 def assert_verified(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("verify:")]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("verify (")]
     assert lines and lines[-1].endswith("PASS"), proc.stdout
 
 

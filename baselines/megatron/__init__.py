@@ -13,8 +13,21 @@ SCHEDULES = ("1f1b", "interleaved")
 @dataclass(frozen=True)
 class MegatronOptions(PipelineOptions):
     schedule: str = option("1f1b", "pipeline schedule", choices=SCHEDULES)
+    distributed_optimizer: bool = option(False, "megatron's distributed optimizer: gradients reduce-scattered, "
+                                                "optimizer state and fp32 main parameters sharded over the dp ranks, "
+                                                "parameters all-gathered after the step (Adam only)")
+    sequence_parallel: bool = option(False, "sequence parallelism: LayerNorms, dropout and residuals split along "
+                                            "the sequence over the tp ranks (needs --tp > 1 dividing --seq-length)")
 
     def check(self, config: RunConfig) -> None:
+        if self.distributed_optimizer and config.optimizer.kind != "adam":
+            raise ConfigError(f"megatron's distributed optimizer takes only Adam, got --optimizer {config.optimizer.kind}")
+        if self.sequence_parallel and config.tp < 2:
+            raise ConfigError("megatron's --sequence-parallel splits the sequence over the tensor-parallel ranks: "
+                              "it needs --tp > 1")
+        if self.sequence_parallel and config.model.seq_len % config.tp:
+            raise ConfigError(f"megatron's --sequence-parallel needs --seq-length {config.model.seq_len} to divide "
+                              f"by --tp {config.tp}")
         if self.schedule == "interleaved" and config.pp < 2:
             raise ConfigError("megatron's interleaved schedule needs --pp >= 2")
         super().check(config)
@@ -26,11 +39,19 @@ class MegatronOptions(PipelineOptions):
                               f"to divide by --pp {config.pp}")
 
 
+def label(options: MegatronOptions) -> str:
+    """'megatron', then the schedule if not 1F1B, then '+distopt' and '+sp' for the switches."""
+    parts = ["megatron"] + ([options.schedule] if options.schedule != "1f1b" else [])
+    parts += ["+distopt"] * options.distributed_optimizer + ["+sp"] * options.sequence_parallel
+    return " ".join(parts)
+
+
 SPEC = SystemSpec(
     name="megatron",
     train="baselines.megatron.train:train",
     description="megatron-core tensor/pipeline/data parallelism",
     options=MegatronOptions,
     dims=("pp", "tp", "dp"),
-    label=lambda config: "megatron" if config.options.schedule == "1f1b" else f"megatron {config.options.schedule}",
+    label=lambda config: label(config.options),
+    half_weights=True,  # --mixed-precision: megatron's Float16Module, bf16 (fp16 on CUDA) weights, fp32 main params
 )

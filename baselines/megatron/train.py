@@ -15,17 +15,29 @@ Loss: the model returns per-token losses; each micro-batch's loss is their mean 
 schedule divides by the number of micro-batches, so the replica's loss is the mean over all its
 tokens, as ``workload.model.lm_loss`` on the whole batch.
 
+``--distributed-optimizer``: megatron's DDP with ``use_distributed_optimizer`` and its
+DistributedOptimizer (Adam only): gradients reduce-scattered over DP, each DP rank updates its
+shard of the fp32 main parameters and optimizer state, then the parameters are all-gathered.
+``--sequence-parallel`` (TP > 1, the sequence length divisible by TP): the activations outside the
+tensor-parallel matmuls (LayerNorms, dropout, residuals) are split along the sequence over the TP
+ranks; megatron's own torch LayerNorm refuses it, so the layer spec and the block's final norm use
+``SequenceParallelLayerNorm`` (torch's LayerNorm with parameters marked ``sequence_parallel``, whose
+gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowParallel biases).
+
 ``--recompute``: full activation recomputation of every layer (granularity full, method uniform,
 one layer per group). ``--mixed-precision``: megatron's own mixed precision (Float16Module:
 half-precision parameters and activations, fp32 main parameters and gradients in the optimizer):
-fp16 with dynamic loss scaling on CUDA, bf16 on CPU. (Not bit-comparable with the reference's
-autocast; --verify tolerances are for fp32.)
-``dp_sync_time``: the wall time of ``finalize_model_grads`` (DP gradient all-reduce).
+fp16 with dynamic loss scaling on CUDA, bf16 on CPU. (Not the reference's autocast: --verify
+compares it with the autocast reference under a tolerance of its own, see ``runners.tolerance``.)
+``dp_sync_time``: the wall time of ``finalize_model_grads`` (DP gradient all-reduce, or
+reduce-scatter with the distributed optimizer) and of the distributed optimizer's parameter
+all-gather.
 
 On CPU, ``baselines.megatron_cpu_shim`` is installed before megatron is imported.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -41,6 +53,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,  # noqa: E402
+                                                         get_num_layers_to_build)
+from megatron.core.distributed.param_and_grad_buffer import shard_buffer  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
@@ -64,7 +80,7 @@ def transformer_config(cfg: RunConfig, cuda: bool, nccl: bool) -> TransformerCon
         activation_func=torch.nn.functional.gelu, init_method_std=0.02,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.options.virtual_pp if cfg.options.virtual_pp > 1 else None,
-        sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False,
+        sequence_parallel=cfg.options.sequence_parallel, use_cpu_initialization=True, perform_initialization=False,
         params_dtype=dtype, pipeline_dtype=dtype, fp16=fp16, bf16=bf16,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -100,13 +116,38 @@ def chunk_first_layer(chunk: GPTModel) -> int:
     return min((layer.layer_number - 1 for layer in layers), default=0)
 
 
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm, built as megatron's specs build a norm, with its weight and bias marked
+    ``sequence_parallel`` when sequence parallelism is on: each TP rank then normalises only its
+    slice of the sequence, and ``finalize_model_grads`` sums their gradients over the TP group."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(config: TransformerConfig, vp_stage: int | None) -> ModuleSpec:
+    """The local (non-TE) GPT layer spec; with sequence parallelism, the whole block's spec with
+    ``SequenceParallelLayerNorm`` for the layers' two norms and the block's final norm."""
+    layer = get_gpt_layer_local_spec()
+    if not config.sequence_parallel:
+        return layer
+    sub = dataclasses.replace(layer.submodules, input_layernorm=SequenceParallelLayerNorm,
+                              pre_mlp_layernorm=SequenceParallelLayerNorm)
+    layer = dataclasses.replace(layer, submodules=sub)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * n, layer_norm=SequenceParallelLayerNorm))
+
+
 def build_chunks(cfg: RunConfig, config: TransformerConfig) -> list[GPTModel]:
     vpp = cfg.options.virtual_pp
     chunks = []
     for vp in range(vpp):
         vp_stage = vp if vpp > 1 else None
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=cfg.model.vocab_size,
+            config=config, transformer_layer_spec=layer_spec(config, vp_stage), vocab_size=cfg.model.vocab_size,
             max_sequence_length=cfg.model.seq_len,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -129,6 +170,21 @@ def load_shared_weights(cfg: RunConfig, chunks: list[GPTModel]) -> None:
             p.copy_(conv.shard(gname, full.pop(gname), tp, tp_rank).to(p.dtype))
     if full:
         raise RuntimeError(f"shared weights with no megatron parameter: {sorted(full)[:3]}")
+
+
+@torch.no_grad()
+def gather_grad_shards(chunks: list[DistributedDataParallel]) -> None:
+    """With the distributed optimizer each DP rank holds only its shard of the reduced gradients
+    (the rest of its grad buffer is its own unreduced ones): all-gather the shards, so every
+    ``main_grad`` is the full averaged gradient (for --verify, after the last step)."""
+    for c in chunks:
+        for group in c.bucket_groups:
+            size = group.intra_distributed_optimizer_instance_size
+            rank = group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                shards = shard_buffer(bucket.grad_data, size)
+                dist.all_gather_into_tensor(bucket.grad_data, shards[rank].clone(),
+                                            group=group.intra_distributed_optimizer_instance_group)
 
 
 @torch.no_grad()
@@ -179,26 +235,31 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
         from megatron.core.transformer.module import Float16Module
 
         wrapped = [Float16Module(config, c) for c in models]
+    distributed_optimizer = cfg.options.distributed_optimizer
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+                                               use_distributed_optimizer=distributed_optimizer)
     chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
               for i, c in enumerate(wrapped)]
 
     sync = {"t": 0.0}
 
-    def timed_finalize(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return finalize_model_grads(*args, **kwargs)
-        finally:
-            sync["t"] += time.perf_counter() - start
+    def timed(fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync["t"] += time.perf_counter() - start
+        return run
 
-    config.finalize_model_grads_func = timed_finalize
+    config.finalize_model_grads_func = timed(finalize_model_grads)
+    for c in chunks:  # the distributed optimizer's parameter all-gather (called by its step)
+        c.start_param_sync = timed(c.start_param_sync)
     opt_cfg = cfg.optimizer
     opt_config = OptimizerConfig(
         optimizer=opt_cfg.kind, lr=opt_cfg.lr, min_lr=opt_cfg.lr, weight_decay=0.0, adam_beta1=opt_cfg.beta1,
         adam_beta2=opt_cfg.beta2, adam_eps=opt_cfg.eps, sgd_momentum=0.0, clip_grad=0.0, fp16=config.fp16,
-        bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=False)
+        bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer)
     opt = get_megatron_optimizer(opt_config, chunks)
     forward_backward = get_forward_backward_func()
     n_micro = cfg.n_micro_batches
@@ -233,9 +294,13 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
         return StepOutput(loss=loss, dp_sync_time=sync["t"])
 
     result = run_steps(ctx, dp_rank, step)
+    inner = getattr(opt, "chained_optimizers", [opt])
+    result.extra["megatron_optimizer"] = "+".join(sorted({type(o).__name__ for o in inner}))
     result.extra["megatron_layout"] = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
                                            pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank)
     if cfg.verify:
+        if distributed_optimizer:
+            gather_grad_shards(chunks)
         grads = gather_grads(cfg, models)
         keep = dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
         result.grads = grads if keep else {}

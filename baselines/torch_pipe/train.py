@@ -1,5 +1,5 @@
-"""Torch Pipe: torch.distributed.pipelining over P ranks (GPipe, 1F1B, or interleaved 1F1B with
-several stages per rank), data parallel over D pipelines with FSDP2 ``fully_shard`` on the dp mesh
+"""Torch Pipe: torch.distributed.pipelining over P ranks (the schedules and stage placements of
+``baselines.torch_pipe``), data parallel over D pipelines with FSDP2 ``fully_shard`` on the dp mesh
 dimension (FSDP1 and DDP do not combine correctly with pipelining in torch 2.13).
 
 Stages are built by hand from the shared model (``workload.partition``), so parameter names are the
@@ -12,9 +12,12 @@ from functools import partial
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor
 
+from baselines.torch_pipe import stage_indices
 from contract import RunConfig
 from contract.training import Context, Measurements, StepOutput, run_steps
 from workload.model import GPT, lm_loss
@@ -33,12 +36,21 @@ def _with_autocast(module: GPT, device: torch.device) -> None:
     module.forward = autocast_forward
 
 
+# torch 2.13: under these schedules, blocks of the last stage wrapped as FSDP2 units of their own end
+# the step with no gradient at all (found by --verify at --dp 2; DualPipeV and interleaved 1F1B are
+# not affected), so each stage is one FSDP unit there.
+ONE_FSDP_UNIT = frozenset({"zb", "zbv"})
+SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MULTI_STAGE = {"interleaved": ScheduleInterleaved1F1B, "zb": ScheduleInterleavedZeroBubble,
+               "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+
+
 def build_schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn):
-    n_mb = cfg.n_micro_batches
-    if cfg.options.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n_mb, loss_fn=loss_fn)
-    cls = ScheduleGPipe if cfg.options.schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], n_mb, loss_fn=loss_fn)
+    """The schedule over this rank's stages (placed by ``stage_indices`` for the same schedule)."""
+    name, n_mb = cfg.options.schedule, cfg.n_micro_batches
+    if name in SINGLE_STAGE:
+        return SINGLE_STAGE[name](stages[0], n_mb, loss_fn=loss_fn)
+    return MULTI_STAGE[name](stages, n_mb, loss_fn=loss_fn)
 
 
 def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
@@ -51,7 +63,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     dp_rank, pp_rank = divmod(ctx.rank, P)
     mesh = init_device_mesh(ctx.device.type, (D, P), mesh_dim_names=("dp", "pp"))
     specs = stage_specs(cfg.model.n_layer, P * V)
-    mine = [specs[pp_rank + v * P] for v in range(V)]  # round-robin placement of the model chunks
+    mine = [specs[i] for i in stage_indices(cfg.options.schedule, P, pp_rank, V)]
     modules = [ctx.build_stage(spec) for spec in mine]
     for module in modules:
         if cfg.recompute:
@@ -59,8 +71,9 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         if cfg.mixed_precision:
             _with_autocast(module, ctx.device)
         if D > 1:
-            for block in module.blocks.values():
-                fully_shard(block, mesh=mesh["dp"])
+            if cfg.options.schedule not in ONE_FSDP_UNIT:
+                for block in module.blocks.values():
+                    fully_shard(block, mesh=mesh["dp"])
             fully_shard(module, mesh=mesh["dp"])
     stages = [PipelineStage(m, s.index, P * V, ctx.device, group=mesh["pp"].get_group()) for m, s in zip(modules, mine)]
     scaler = grad_scaler(ctx.device, cfg.mixed_precision)
@@ -87,5 +100,6 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     m = run_steps(ctx, dp_rank, step)
     if cfg.verify:
         m.grads = {n: full_grad(p) for module in modules for n, p in module.named_parameters()}
-    m.extra = {"stages_per_rank": V}
+    m.extra = {"stages_per_rank": V, "stage_placement": [list(stage_indices(cfg.options.schedule, P, r, V))
+                                                         for r in range(P)]}
     return m

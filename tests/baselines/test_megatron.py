@@ -33,3 +33,18 @@ def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):
     assert_verified(proc)
     (rec,) = read_jsonl(out_file)
     assert rec["layout"]["tp"] == 2 and rec["layout"]["pp"] == 2 and rec["options"]["schedule"] == "interleaved" and rec["label"] == "megatron interleaved"
+
+
+@pytest.mark.parametrize("args", [
+    ["--dp", "2", "--distributed-optimizer"],
+    ["--tp", "2", "--sequence-parallel"],
+], ids=["dp2-distributed-optimizer", "tp2-sequence-parallel"])
+def test_megatron_distributed_optimizer_and_sequence_parallel_match_reference(args, out_file):
+    proc = run_cli("--system", "megatron", *TINY, *args, "--batch-size", "4", "--micro-batch-size", "2",
+                   "--steps", "3", "--warmup", "0", "--verify", "--out", str(out_file))
+    assert_verified(proc)
+    (rec,) = read_jsonl(out_file)
+    distributed = "--distributed-optimizer" in args
+    assert rec["options"]["distributed_optimizer"] is distributed and rec["options"]["sequence_parallel"] is not distributed
+    assert rec["label"] == ("megatron +distopt" if distributed else "megatron +sp")
+    assert rec["options"]["megatron_optimizer"] == ("DistributedOptimizer" if distributed else "FP32Optimizer")

@@ -28,3 +28,24 @@ def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
     rows = [l for l in proc.stdout.splitlines() if l.strip().startswith("1 |")]
     assert any("torch_pipe GPipe" in r for r in rows) and any("ours K=2" in r for r in rows), proc.stdout
     assert "best: ours K=2, torch_pipe GPipe / ours = " in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_side():
+    # batch 1 on P = 2: 1f1b and dualpipev cannot run it (judged before launching, not run)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runners.bench", "ours-vs-best", "--model", "tiny", "--batch", "1", "--reps", "1",
+         "--slices", "2", "--schedules", "gpipe", "1f1b", "zbv", "dualpipev", "--steps", "2", "--warmup", "1",
+         "--no-capacity-check"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "failed" not in proc.stdout, proc.stdout + proc.stderr
+    assert "torch_pipe 1f1b skipped: " in proc.stderr and "torch_pipe dualpipev skipped: " in proc.stderr
+    rows = [l.split("|") for l in proc.stdout.splitlines() if l.strip().startswith("1 |")]
+    configs = [r[1].strip() for r in rows if len(r) == 7]
+    assert configs == ["torch_pipe gpipe", "torch_pipe zbv", "ours K=2"], proc.stdout
+    for r in rows[:3]:
+        assert all(int(mb) > 0 for mb in r[5].strip().split("/")) and len(r[5].strip().split("/")) == 2  # MB per rank
+    (best,) = [r for r in rows if len(r) == 10]  # the per-batch summary
+    assert best[1].strip() in ("GPipe", "ZBV zero bubble") and best[3].strip() == "K=2"
+    assert float(best[5].strip().rstrip("x")) > 0 and best[7].strip().startswith("1.3x ")

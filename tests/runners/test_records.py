@@ -11,6 +11,7 @@ from runners import record as record_mod
 from runners.launcher import LaunchResult
 from runners.record import append_record, build_record, read_records
 from runners.run import compare
+from runners.tolerance import FP32_TOLERANCE
 from workload.configs import get_model_config
 
 
@@ -66,13 +67,13 @@ def test_verification_detects_differences():
     g = {"a": torch.ones(3)}
     ok = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.0])], g)
     same = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.0 + 5e-6])], {"a": torch.ones(3) + 5e-6})
-    assert compare(same, ok, 1e-5).passed
+    assert compare(same, ok, FP32_TOLERANCE).passed
     off_loss = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.1])], g)
-    assert not compare(off_loss, ok, 1e-5).passed
+    assert not compare(off_loss, ok, FP32_TOLERANCE).passed
     off_grad = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.0])], {"a": torch.tensor([1.0, 1.0, 1.001])})
-    assert not compare(off_grad, ok, 1e-5).passed
+    assert not compare(off_grad, ok, FP32_TOLERANCE).passed
     missing = LaunchResult("ok", None, [_rank(0, [1.0], [2.0, 1.0])], {})
-    v = compare(missing, ok, 1e-5)
+    v = compare(missing, ok, FP32_TOLERANCE)
     assert not v.passed and "no gradient" in v.reason
     assert "FAIL" in v.line()
 

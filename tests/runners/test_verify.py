@@ -1,0 +1,105 @@
+"""--verify's tolerances per precision policy: loose enough for half-precision rounding, tight
+enough that a real bug fails (real bf16 gradients of the tiny model, computed in this process);
+and every system verified under --mixed-precision through the run command."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contract import RunConfig
+from runners.launcher import LaunchResult
+from runners.run import compare
+from runners.tolerance import FP32_TOLERANCE, verify_tolerance
+from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
+from workload.configs import get_model_config
+from workload.data import TokenSource
+from workload.model import build_gpt, lm_loss
+from workload.training import autocast
+
+MODEL = get_model_config("tiny").with_overrides(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=128)
+CPU = torch.device("cpu")
+
+
+def _grads(micro_batches: int, mixed: bool, keep=None) -> tuple[float, dict[str, torch.Tensor]]:
+    """The mean loss and gradients of one batch of 4, accumulated over ``micro_batches`` (as the
+    reference does); ``keep``: the indices of the micro-batches whose share counts (a bug drops some)."""
+    model = build_gpt(MODEL, seed=0)
+    x, y = TokenSource(seq_len=MODEL.seq_len, vocab_size=MODEL.vocab_size, seed=0).replica_batch(0, 4, 0, 1)
+    total = 0.0
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        with autocast(CPU, mixed):
+            loss = lm_loss(model(xs), ys) / micro_batches
+        if keep is None or i in keep:
+            loss.backward()
+        total += float(loss.detach())
+    return total, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _result(loss: float, grads: dict[str, torch.Tensor]) -> LaunchResult:
+    return LaunchResult("ok", None, [{"rank": 0, "losses": [loss]}], grads)
+
+
+def _policy(half_weights: bool):
+    cfg = RunConfig(system="reference", model=MODEL, batch_size=4, micro_batch_size=1, mixed_precision=True)
+    return verify_tolerance(cfg, half_weights, cuda=False)
+
+
+@pytest.mark.parametrize("half_weights", [False, True], ids=["autocast", "half-weights"])
+def test_mixed_tolerance_passes_rounding_and_fails_real_bugs(half_weights):
+    tol = _policy(half_weights)
+    ref = _result(*_grads(4, mixed=True))
+    # The same batch in 2 micro-batches of 2: other bf16 roundings of the same computation.
+    regrouped = _result(*_grads(2, mixed=True))
+    v = compare(regrouped, ref, tol)
+    assert v.passed and 0 < v.max_abs_grad_diff, v.line()
+    # bf16 against fp32 is rounding too: it passes the mixed tolerance, not the fp32 one.
+    fp32 = _result(*_grads(4, mixed=False))
+    assert compare(fp32, ref, tol).passed
+    assert not compare(fp32, ref, FP32_TOLERANCE).passed
+
+    loss, grads = _grads(4, mixed=True)
+    # A micro-batch's share of every gradient lost (a schedule that skips one backward).
+    _, dropped = _grads(4, mixed=True, keep={0, 1, 2})
+    assert not compare(_result(loss, dropped), ref, tol).passed
+    # One parameter's gradient off by 1/8 (e.g. one slice of 8 missing from a weight's gradient).
+    off = dict(grads, **{"blocks.1.attn.c_proj.weight": grads["blocks.1.attn.c_proj.weight"] * (1 - 1 / 8)})
+    v = compare(_result(loss, off), ref, tol)
+    assert not v.passed and v.max_rel_grad_diff > tol.grad, v.line()
+    # A LayerNorm's gradient half of what it should be (a sequence-parallel all-reduce forgotten).
+    half = dict(grads, **{"blocks.0.ln_1.weight": grads["blocks.0.ln_1.weight"] / 2})
+    assert not compare(_result(loss, half), ref, tol).passed
+    # A perturbation the size of the tolerance on a small-gradient parameter: relative, so it fails.
+    small = min(grads, key=lambda n: float(grads[n].abs().max()))
+    bumped = grads[small].clone()
+    bumped.view(-1)[0] += 2 * tol.grad * float(grads[small].abs().max())
+    assert not compare(_result(loss, dict(grads, **{small: bumped})), ref, tol).passed
+    # The loss off by more than its tolerance.
+    assert not compare(_result(loss + 2 * tol.loss, grads), ref, tol).passed
+
+
+def test_verify_line_says_which_policy_and_tolerance():
+    ref = _result(*_grads(1, mixed=False))
+    assert compare(ref, ref, FP32_TOLERANCE).line().startswith("verify (fp32, tol 1e-5): ")
+    assert compare(ref, ref, _policy(False)).line().startswith("verify (bf16 autocast, tol 5e-2 rel, loss 1e-3): ")
+    assert compare(ref, ref, _policy(True)).line().startswith("verify (bf16 weights + fp32 main params, tol ")
+
+
+MIXED = {
+    "torch_pipe-zbv": ["--system", "torch_pipe", "--pp", "2", "--schedule", "zbv"],
+    "fairscale_fsdp": ["--system", "fairscale_fsdp", "--pp", "2"],
+    "ours": ["--system", "ours", "--pp", "2", "--n-slices", "2"],
+    "megatron-pp2": ["--system", "megatron", "--pp", "2"],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("system", MIXED, ids=list(MIXED))
+def test_mixed_precision_verifies_under_its_policy(system, out_file):
+    proc = run_cli(*MIXED[system], *TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "2",
+                   "--warmup", "0", "--mixed-precision", "--verify", "--out", str(out_file))
+    assert_verified(proc)
+    policy = "bf16 weights + fp32 main params" if system.startswith("megatron") else "bf16 autocast"
+    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("verify (")]
+    assert line.startswith(f"verify ({policy}, tol "), line
+    (rec,) = read_jsonl(out_file)
+    assert rec["precision"] == "mixed" and rec["verify"]["tolerance"].startswith(policy)
