@@ -20,6 +20,7 @@ class Measurements:
     step_times: list[float]
     losses: list[float] | None = None
     dp_sync_times: list[float] = field(default_factory=list)
+    barrier_times: list[float] = field(default_factory=list)  # the closing barrier of each measured step
     peak_memory_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     # Under --verify: the last step's gradients (full tensors, averaged over data parallelism) of the

@@ -57,6 +57,7 @@ class RunRecord:
     peak_memory_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     dp_sync_time: float | None = None
+    barrier_time: float | None = None  # the closing barrier, as paid by the rank whose step took longest
     verify: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -105,6 +106,10 @@ def build_record(cfg: RunConfig, status: str, error: str | None, ranks: list[dic
     rec.peak_memory_bytes = [r["peak_memory_bytes"] for r in ranks]
     syncs = [max(s) for s in zip(*(r["dp_sync_times"] for r in ranks))] if all(r["dp_sync_times"] for r in ranks) else []
     rec.dp_sync_time = statistics.median(syncs) if syncs else None
+    if per_step and all(r.get("barrier_times") for r in ranks):
+        # per step, the barrier of the rank that set the step time (its work plus this is the step)
+        rec.barrier_time = statistics.median(
+            max(zip(ts, bs))[1] for ts, bs in zip(zip(*(r["step_times"] for r in ranks)), zip(*(r["barrier_times"] for r in ranks))))
     rec.peak_tflops = statistics.mean(r["peak_tflops"] for r in ranks)
     rec.peak_source = ranks[0]["peak_source"]
     if per_step:

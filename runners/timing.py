@@ -1,6 +1,7 @@
 """The timing discipline every system runs under: barrier, step, device synchronise, barrier.
 
-Warm-up steps are run and their losses kept, but their times are excluded.
+Warm-up steps are run and their losses kept, but their times are excluded. The closing barrier's own
+seconds are measured apart (``barrier_times``): on a slow network it pays delays of its own.
 """
 from __future__ import annotations
 
@@ -30,22 +31,26 @@ def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn) -> Measurements:
     times: list[float] = []
     losses: list[float] = []
     syncs: list[float] = []
+    barriers: list[float] = []
     for step in range(cfg.total_steps):
         inputs, targets = ctx.batch(step, dp_rank)
         dist.barrier()
         start = time.perf_counter()
         out = step_fn(step, inputs, targets)
         ctx.synchronize()
+        closing = time.perf_counter()
         dist.barrier()
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
         warm = step < cfg.warmup
         if not warm:
             times.append(elapsed)
             syncs.append(out.dp_sync_time)
+            barriers.append(end - closing)
         if out.loss is not None:
             losses.append(out.loss)
         if ctx.rank == 0:
             loss = f" loss {out.loss:.4f}" if out.loss is not None else ""
             tag = " (warm-up)" if warm else ""
             print(f"[{cfg.system}] step {step + 1}/{cfg.total_steps} {elapsed:.3f} s{loss}{tag}", file=sys.stderr, flush=True)
-    return Measurements(step_times=times, losses=losses or None, dp_sync_times=syncs)
+    return Measurements(step_times=times, losses=losses or None, dp_sync_times=syncs, barrier_times=barriers)
