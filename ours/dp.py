@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ours.trace import Tracer
 from workload.training import OptimizerConfig, make_optimizer
 
 BUCKET_BYTES = 4 * 1024 * 1024  # small buckets pipeline push, reduction and what comes back
@@ -170,8 +171,9 @@ class PointToPointSync:
 
     def __init__(self, named, opt_cfg: OptimizerConfig, *, group, ranks: list[int], dp_rank: int, layout: str,
                  serve: bool, order: list[torch.nn.Parameter] | None = None, wire_dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, tracer: Tracer | None = None):
         self.named, self.group, self.ranks, self.dp_rank = named, group, list(ranks), dp_rank
+        self.tracer = tracer or Tracer(dp_rank, enabled=False)
         self.dp, self.layout, self.serve, self.wire_dtype = len(ranks), layout, serve, wire_dtype
         self.peers = [j for j in range(self.dp) if j != dp_rank]
         self.buckets = [_Bucket(tuple(ps), n, _ranges(n, self.dp, layout))
@@ -228,6 +230,10 @@ class PointToPointSync:
     @torch.no_grad()
     def _push(self, i: int) -> None:
         """Flatten bucket i's gradient; send each peer the range it reduces."""
+        with self.tracer.span("dp", f"push b{i}"):
+            self._push_bucket(i)
+
+    def _push_bucket(self, i: int) -> None:
         b, flat = self.buckets[i], self._grad[i]
         torch.cat([p.grad.reshape(-1) for p in b.params], out=flat)
         wire = flat.to(self.wire_dtype)
@@ -248,7 +254,8 @@ class PointToPointSync:
             if j == self.dp_rank:
                 acc.add_(self._grad[i][lo:hi])  # (may still be on its way to peers: read only)
             else:
-                recvs.pop(("grad", i, j)).wait()
+                with self.tracer.span("dp", f"wait push b{i} from {j}"):
+                    recvs.pop(("grad", i, j)).wait()
                 acc.add_(self._grads_in[i][j])
         acc.div_(self.dp)
         self._last_grad[i] = acc
@@ -278,11 +285,13 @@ class PointToPointSync:
         for i, b in enumerate(self.buckets):  # what the peers send back, bucket by bucket
             for j in self.peers:
                 if self._returned(i, j):
-                    recvs.pop(("back", i, j)).wait()
+                    with self.tracer.span("dp", f"wait back b{i} from {j}"):
+                        recvs.pop(("back", i, j)).wait()
             back = self._back[i].float()
             _unflatten_into(back, [p.data if self.serve else p.grad for p in b.params])
-        for _, work in self._sends:
-            work.wait()
+        with self.tracer.span("dp", "wait dp sends"):
+            for _, work in self._sends:
+                work.wait()
         self._sends = []
         self.readiness.reset()
         dt = time.perf_counter() - t0
@@ -314,12 +323,13 @@ class PointToPointSync:
 
 
 def make_sync(mode: str, named, opt_cfg: OptimizerConfig, *, group, dp: int, dp_rank: int, ranks: list[int],
-              order: list[torch.nn.Parameter] | None = None, wire_dtype: torch.dtype = torch.float32):
+              order: list[torch.nn.Parameter] | None = None, wire_dtype: torch.dtype = torch.float32,
+              tracer: Tracer | None = None):
     """The DP sync of one stage. ``ranks``: the global ranks of the stage's DP group, by dp_rank;
     ``order``: the parameters in the order the pipeline reports their gradients final."""
     if dp == 1:
         return LocalSync(named, opt_cfg)
-    common = dict(group=group, ranks=ranks, dp_rank=dp_rank, order=order, wire_dtype=wire_dtype)
+    common = dict(group=group, ranks=ranks, dp_rank=dp_rank, order=order, wire_dtype=wire_dtype, tracer=tracer)
     if mode == "allreduce":
         return PointToPointSync(named, opt_cfg, layout="replicated" if dp == 2 else "sharded", serve=False, **common)
     if mode == "central_ps":

@@ -96,7 +96,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     named = list(model.named_parameters())
     params = [p for _, p in named]
     sync = make_sync(cfg.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
-                     ranks=[d * pp + pp_rank for d in range(dp)], order=engine.grad_order())
+                     ranks=[d * pp + pp_rank for d in range(dp)], order=engine.grad_order(), tracer=tracer)
     scaler = _LossScaler(cfg.mixed_precision and ctx.device.type == "cuda", ctx.device)
     if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
         engine.grads_ready = sync.grads_ready
