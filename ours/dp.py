@@ -18,9 +18,11 @@ the D gradients in dp_rank order (the same sum on every rank) and averages:
 
 Every receive is posted a step ahead (``post_receives``): gloo sends a message only once the
 receiver's notice that its receive is posted has arrived, so a receive posted late costs that message
-a second network delay. A parameter server thus pays two delays (push, pull). gloo's own collectives
-pay several: on the tiny model, P-2 D-2, from 20 to 80 ms of one-way delay, reduce + broadcast
-(central PS) cost about 7.5 delays per step and all_reduce about 5.5.
+a second network delay. A parameter server thus pays two delays (push, pull). gloo's collectives,
+which this replaces, paid several (``python -m runners.network_slope``, tiny model, P-2 D-2, 20 to
+80 ms one-way, before: DP sync 7.1 delays per step with reduce + broadcast for the central PS, 7.6
+with reduce_scatter + all_gather for the sharded PS, 5.1 with all_reduce; 2 rank micro-benchmark at
+40 ms: 2 MB all_reduce 172 ms, reduce + broadcast 211 ms, pre-posted push + pull 85 ms).
 
 Optional lossy wire precision (``wire_dtype`` bf16 or fp16, as AQ-SGD / CocktailSGD compress what
 crosses a slow link): the pushed gradients and what comes back cross the network in that type; sums,

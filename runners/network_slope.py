@@ -154,11 +154,28 @@ def run_record(args: list[str], timeout: float) -> dict | None:
         os.unlink(out)
 
 
-def _model_overrides(run_args: list[str]) -> dict[str, int]:
-    """Model overrides among the pass-through run arguments (for the parameter count)."""
-    names = {"--num-layers": "n_layer", "--n-layer": "n_layer", "--hidden-size": "n_embd", "--embedding-dim": "n_embd",
-             "--num-heads": "n_head", "--n-head": "n_head", "--seq-length": "seq_len", "--vocab-size": "vocab_size"}
-    return {names[a]: int(v) for a, v in zip(run_args, run_args[1:]) if a in names}
+def config_of(rec: dict) -> BenchConfig:
+    """The bench configuration a record was run as (its label as ``bench_configs`` names it)."""
+    pp, dp = rec["layout"]["pp"], rec["layout"]["dp"]
+    if rec["system"] == "torch_pipe":
+        name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(rec["schedule"], rec["schedule"])
+        return BenchConfig(rec["schedule"], f"torch_pipe {name} P-{pp}", ())
+    if dp == 1:
+        return BenchConfig("ours", f"ours P-{pp}", ())
+    mode = rec["options"]["dp_mode"]
+    return BenchConfig(mode, f"ours P-{pp} D-{dp} {mode}", (), dp, mode)
+
+
+def link_of(rec: dict) -> tuple[float, float]:
+    """(one-way delay ms, bandwidth Gbit/s) the record's network profile asked for."""
+    from network_emulation.profiles import parse_profile
+
+    link = parse_profile(rec["network"]).link(0, 1)
+    return link.delay_ms, link.bandwidth_gbps
+
+
+def sample_of(rec: dict) -> Sample:
+    return Sample(link_of(rec)[0], rec["median_step_time"], rec.get("dp_sync_time") or 0.0, rec.get("barrier_time"))
 
 
 def _ms(v: float | None) -> str:
@@ -169,7 +186,78 @@ def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
+def report(records: list[dict], wire_bytes: int, loads: list[float]) -> None:
+    """Print the delays-paid table and the DP-sync-against-the-wire table of these records."""
+    by_label: dict[str, tuple[BenchConfig, list[dict]]] = {}
+    for rec in records:
+        c = config_of(rec)
+        by_label.setdefault(c.label, (c, []))[1].append(rec)
+    delays = sorted({link_of(r)[0] for r in records})
+    bandwidths = sorted({link_of(r)[1] for r in records})
+    r0 = records[0]
+    reps = max(sum(1 for r in rs if link_of(r)[0] == d) for _, rs in by_label.values() for d in delays)
+    shape = r0["model_shape"]
+    print(f"\nDelays paid per step: {r0['model']} ({shape['n_layer']} layers, hidden {shape['n_embd']}, sequence "
+          f"{shape['seq_len']}), batch {r0['batch_size']}, micro-batch "
+          f"{r0['micro_batch_size']}, K = {len(r0['options'].get('slices') or [1])}, "
+          f"{'/'.join(f'{b:g}' for b in bandwidths)} Gbit/s, up to {reps} repetitions (step ms: median over "
+          f"repetitions of the record's median step; delays paid: least-squares slope of step time against "
+          f"one-way delay, split into schedule, DP sync and closing barrier)")
+    head = " | ".join(f"{f'{d:g} ms':>8}" for d in delays)
+    print(f"{'configuration':<30} | {head} | {'delays paid':>11} | {'schedule':>8} | {'DP sync':>7} | {'barrier':>7} | runs")
+    print("-" * (30 + 11 * len(delays) + 55))
+
+    def medians(rs: list[dict], key) -> list[float | None]:
+        out = []
+        for d in delays:
+            v = [key(r) for r in rs if link_of(r)[0] == d]
+            out.append(statistics.median(v) if v else None)
+        return out
+
+    for c, rs in by_label.values():
+        ss = [sample_of(r) for r in rs]
+        cells = " | ".join(f"{_ms(m):>8}" for m in medians(rs, lambda r: r["median_step_time"]))
+        if len({s.delay_ms for s in ss}) < 2:
+            print(f"{c.label:<30} | {cells} | {'-':>11} | {'-':>8} | {'-':>7} | {'-':>7} | {len(ss)}")
+            continue
+        sl = slope_of(ss)
+        print(f"{c.label:<30} | {cells} | {sl.total:11.1f} | {_num(sl.schedule):>8} | {sl.dp_sync:7.1f} | "
+              f"{_num(sl.barrier):>7} | {len(ss)}")
+
+    dp_configs = [(c, rs) for c, rs in by_label.values() if c.dp > 1]
+    if not dp_configs:
+        return
+    print(f"\nDP sync against the wire (bound = bytes over the busiest host's link / bandwidth, at {wire_bytes} "
+          f"bytes per parameter; DP sync: the record's, the slowest rank's per step)")
+    print(f"{'configuration':<30} | {'stage MiB':>9} | {'bound ms':>8} | {head} | DP sync / bound (each delay)")
+    for c, rs in dp_configs:
+        shape = rs[0]["model_shape"]
+        overrides = {k: shape[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size")}
+        stage_bytes = max(stage_param_counts(rs[0]["model"], rs[0]["layout"]["pp"], overrides)) * wire_bytes
+        bound = busiest_link_bytes(c.dp_mode, c.dp, stage_bytes) * 8 / (link_of(rs[0])[1] * 1e9)
+        meds = medians(rs, lambda r: r.get("dp_sync_time") or 0.0)
+        cells = " | ".join(f"{_ms(m):>8}" for m in meds)
+        ratios = ", ".join("-" if m is None else f"{m / bound:.2f}x" for m in meds)
+        print(f"{c.label:<30} | {stage_bytes / 2**20:9.1f} | {bound * 1e3:8.1f} | {cells} | {ratios}")
+    if loads:
+        print(f"load average (1 min) at each repetition's start and at the end: {', '.join(f'{l:.2f}' for l in loads)}")
+
+
 def run(opts: argparse.Namespace) -> int:
+    if opts.from_records:
+        records = []
+        for path in opts.from_records:
+            try:
+                records += [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+            except (OSError, json.JSONDecodeError) as exc:
+                print(f"network-slope: error: cannot read records from {path}: {exc}", file=sys.stderr)
+                return 2
+        records = [r for r in records if r.get("status") == "ok" and r.get("median_step_time") is not None]
+        if not records:
+            print("network-slope: error: no successful runs in the records given", file=sys.stderr)
+            return 2
+        report(records, opts.wire_bytes, [])
+        return 0
     if len(set(opts.delays)) < 2:
         print("network-slope: error: --delays needs two different delays at least", file=sys.stderr)
         return 2
@@ -184,12 +272,12 @@ def run(opts: argparse.Namespace) -> int:
     common = ["--model", opts.model, "--batch-size", str(opts.batch_size), "--micro-batch-size", str(opts.micro_batch_size),
               "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--timeout", str(opts.timeout), *run_args]
     plan = [(c, d) for c in configs for d in opts.delays]
-    samples: dict[str, list[Sample]] = {c.label: [] for c in configs}
+    records: list[dict] = []
     loads: list[float] = []
-    for rep in range(opts.reps):
+    for rep in range(opts.start_rep, opts.start_rep + opts.reps):
         loads.append(os.getloadavg()[0])
-        print(f"rep {rep + 1}/{opts.reps}: load average {loads[-1]:.2f}", file=sys.stderr, flush=True)
-        for c, d in (plan if rep % 2 == 0 else plan[::-1]):
+        print(f"rep {rep + 1}: load average {loads[-1]:.2f}", file=sys.stderr, flush=True)
+        for c, d in (plan if rep % 2 == 0 else plan[::-1]):  # alternate, so drifts hit all alike
             network = f"delay {d:g}ms bandwidth {opts.bandwidth:g}Gbps"
             rec = run_record([*c.args, *common, "--network", network], opts.timeout + 120)
             if rec is None:
@@ -197,52 +285,15 @@ def run(opts: argparse.Namespace) -> int:
             if opts.keep:
                 with open(opts.keep, "a") as f:
                     f.write(json.dumps(rec) + "\n")
-            s = Sample(d, rec["median_step_time"], rec.get("dp_sync_time") or 0.0, rec.get("barrier_time"))
-            samples[c.label].append(s)
+            records.append(rec)
+            s = sample_of(rec)
             print(f"  {c.label} at {d:g} ms: step {_ms(s.step)} ms, dp sync {_ms(s.dp_sync)} ms, "
                   f"closing barrier {_ms(s.barrier)} ms", file=sys.stderr, flush=True)
     loads.append(os.getloadavg()[0])
-
-    print(f"\nDelays paid per step: {opts.model}, batch {opts.batch_size}, micro-batch {opts.micro_batch_size}, "
-          f"K = {opts.n_slices}, {opts.bandwidth:g} Gbit/s, {opts.reps} alternating repetitions "
-          f"(step ms: median over repetitions of the record's median step; delays paid: least-squares slope "
-          f"of step time against one-way delay, split into schedule, DP sync and closing barrier)")
-    head = " | ".join(f"{f'{d:g} ms':>8}" for d in opts.delays)
-    print(f"{'configuration':<30} | {head} | {'delays paid':>11} | {'schedule':>8} | {'DP sync':>7} | {'barrier':>7} | runs")
-    print("-" * (30 + 11 * len(opts.delays) + 55))
-    for c in configs:
-        ss = samples[c.label]
-        meds = []
-        for d in opts.delays:
-            v = [s.step for s in ss if s.delay_ms == d]
-            meds.append(statistics.median(v) if v else None)
-        cells = " | ".join(f"{_ms(m):>8}" for m in meds)
-        if len({s.delay_ms for s in ss}) < 2:
-            print(f"{c.label:<30} | {cells} | {'-':>11} | {'-':>8} | {'-':>7} | {'-':>7} | {len(ss)}")
-            continue
-        sl = slope_of(ss)
-        print(f"{c.label:<30} | {cells} | {sl.total:11.1f} | {_num(sl.schedule):>8} | {sl.dp_sync:7.1f} | "
-              f"{_num(sl.barrier):>7} | {len(ss)}")
-
-    dp_configs = [c for c in configs if c.dp > 1]
-    if dp_configs:
-        counts = stage_param_counts(opts.model, opts.pp, _model_overrides(run_args))
-        stage_bytes = max(counts) * opts.wire_bytes
-        print(f"\nDP sync against the wire: the largest stage holds {max(counts) / 1e6:.2f} M parameters "
-              f"({stage_bytes / 2**20:.1f} MiB at {opts.wire_bytes} bytes each); bound = bytes over the busiest "
-              f"host's link / {opts.bandwidth:g} Gbit/s")
-        head = " | ".join(f"{f'{d:g} ms':>8}" for d in opts.delays)
-        print(f"{'configuration':<30} | {'bound ms':>8} | {head} | DP sync / bound (each delay)")
-        for c in dp_configs:
-            bound = busiest_link_bytes(c.dp_mode, c.dp, stage_bytes) * 8 / (opts.bandwidth * 1e9)
-            meds = []
-            for d in opts.delays:
-                v = [s.dp_sync for s in samples[c.label] if s.delay_ms == d]
-                meds.append(statistics.median(v) if v else None)
-            cells = " | ".join(f"{_ms(m):>8}" for m in meds)
-            ratios = ", ".join("-" if m is None else f"{m / bound:.2f}x" for m in meds)
-            print(f"{c.label:<30} | {bound * 1e3:8.1f} | {cells} | {ratios}")
-    print(f"load average (1 min) at each repetition's start and at the end: {', '.join(f'{l:.2f}' for l in loads)}")
+    if not records:
+        print("network-slope: every run failed", file=sys.stderr)
+        return 1
+    report(records, opts.wire_bytes, loads)
     return 0
 
 
@@ -255,7 +306,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def fill_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--delays", type=float, nargs="+", default=[10.0, 20.0, 40.0], help="one-way delays in ms")
+    p.add_argument("--delays", type=float, nargs="+", default=[20.0, 80.0, 160.0], help="one-way delays in ms")
     p.add_argument("--bandwidth", type=float, default=10.0, help="Gbit/s of every link")
     p.add_argument("--configs", nargs="+", choices=CONFIG_KEYS, default=list(CONFIG_KEYS),
                    help="which configurations to run (default: all)")
@@ -271,6 +322,10 @@ def fill_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--wire-bytes", type=int, default=4, help="bytes per parameter on the wire (for the bound)")
     p.add_argument("--keep", default=None, help="append every run's record to this JSON-lines file")
+    p.add_argument("--start-rep", type=int, default=0,
+                   help="number of the first repetition (its parity sets the order: continue an alternation)")
+    p.add_argument("--from-records", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: print the tables of the records kept in these files (--keep)")
     p.add_argument("run_args", nargs=argparse.REMAINDER,
                    help="after --: more run-command arguments for every run (e.g. model overrides)")
     p.set_defaults(run=run)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from runners.network_slope import Sample, busiest_link_bytes, fit_slope, slope_of, stage_param_counts
+from runners.network_slope import Sample, busiest_link_bytes, fit_slope, main, slope_of, stage_param_counts
 from tests.conftest import REPO, TINY
 from tests.network.conftest import needs_root
 from workload.configs import get_model_config
@@ -43,7 +43,38 @@ def test_stage_parameters_add_up_to_the_model():
         count_params(get_model_config("tiny").with_overrides(n_layer=2, n_embd=64), include_embeddings=True)]
 
 
-@pytest.mark.parametrize("args", [["--delays", "10"], ["--delays", "10", "10"], ["--reps", "0", "--delays", "1", "2"]])
+def _record(system: str, dp: int, mode: str | None, delay: float, step: float, sync: float, barrier: float) -> dict:
+    return {"status": "ok", "system": system, "schedule": "gpipe" if system == "torch_pipe" else "gpipe",
+            "layout": {"pp": 2, "tp": 1, "dp": dp}, "options": {"dp_mode": mode, "slices": [64, 64]},
+            "network": f"delay {delay:g}ms bandwidth 1Gbps", "median_step_time": step, "dp_sync_time": sync,
+            "barrier_time": barrier, "model": "tiny", "batch_size": 2, "micro_batch_size": 1,
+            "model_shape": {"n_layer": 4, "n_embd": 128, "n_head": 4, "seq_len": 128, "vocab_size": 512}}
+
+
+def test_tables_from_kept_records(tmp_path, capsys):
+    recs = []
+    for d in (10.0, 30.0):
+        recs.append(_record("ours", 1, None, d, 0.1 + 4 * d / 1e3, 0.0, 2 * d / 1e3))
+        recs.append(_record("ours", 2, "central_ps", d, 0.2 + 8 * d / 1e3, 0.005 + 2 * d / 1e3, 4 * d / 1e3))
+        recs.append(_record("torch_pipe", 1, None, d, 0.1 + 10 * d / 1e3, 0.0, 2 * d / 1e3))
+    path = tmp_path / "kept.jsonl"
+    path.write_text("".join(__import__("json").dumps(r) + "\n" for r in recs))
+    assert main(["--from-records", str(path)]) == 0
+    paid, wire = capsys.readouterr().out.split("DP sync against the wire")
+
+    def table(text: str) -> dict[str, list[str]]:
+        return {l.split("|")[0].strip(): [c.strip() for c in l.split("|")] for l in text.splitlines() if "|" in l}
+
+    rows, wire_rows = table(paid), table(wire)
+    assert rows["ours P-2"][3:7] == ["4.0", "2.0", "0.0", "2.0"]
+    assert rows["ours P-2 D-2 central_ps"][3:7] == ["8.0", "2.0", "2.0", "4.0"]
+    assert rows["torch_pipe GPipe P-2"][3] == "10.0"
+    # the stage of 478464 parameters, 4 bytes each, pushed and pulled over the server's link at 1 Gbit/s
+    assert float(wire_rows["ours P-2 D-2 central_ps"][2]) == pytest.approx(2 * 478464 * 4 * 8 / 1e9 * 1e3, abs=0.1)
+
+
+@pytest.mark.parametrize("args", [["--delays", "10"], ["--delays", "10", "10"], ["--reps", "0", "--delays", "1", "2"],
+                                  ["--from-records", "/nonexistent.jsonl"]])
 def test_bad_requests_exit_2_with_one_line(args):
     proc = subprocess.run([sys.executable, "-m", "runners.network_slope", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
