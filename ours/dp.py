@@ -196,6 +196,7 @@ class PointToPointSync:
             self._masters.append(master)
             self._opts.append(make_optimizer([master], opt_cfg) if master is not None else None)
         self.opt = None if serve else make_optimizer([p for _, p in named], opt_cfg)
+        self._pushed: list[torch.Tensor | None] = [None] * len(self.buckets)  # each bucket's gradient as pushed
         self._last_grad: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._recvs: dict | None = None
         self._sends: list[tuple[torch.Tensor, object]] = []
@@ -238,7 +239,7 @@ class PointToPointSync:
     def _push_bucket(self, i: int) -> None:
         b, flat = self.buckets[i], self._grad[i]
         torch.cat([p.grad.reshape(-1) for p in b.params], out=flat)
-        wire = flat.to(self.wire_dtype)
+        wire = self._pushed[i] = flat.to(self.wire_dtype)
         for j in self.peers:
             jlo, jhi = b.ranges[j]
             if jhi > jlo:
@@ -252,9 +253,12 @@ class PointToPointSync:
         b = self.buckets[i]
         lo, hi = self._own(i)
         acc = torch.zeros(hi - lo, dtype=torch.float32, device=self._grad[i].device)
+        # its own gradient as it is (may still be on its way to peers: read only); where every rank reduces
+        # the whole bucket, as pushed (rounded to the wire type like the peers'), so all get the same sum
+        own = self._pushed[i] if self.layout == "replicated" else self._grad[i]
         for j in range(self.dp):
             if j == self.dp_rank:
-                acc.add_(self._grad[i][lo:hi])  # (may still be on its way to peers: read only)
+                acc.add_(own[lo:hi])
             else:
                 with self.tracer.span("dp", f"wait push b{i} from {j}"):
                     recvs.pop(("grad", i, j)).wait()

@@ -3,8 +3,8 @@
 For each DP mode, one training step (pipeline + DP sync + optimizer) of a fresh stage with the fp32
 wire and with a lossy wire (argv[2]) on the same data; rank 0 writes, per mode, the largest loss
 difference and the relative error (max abs difference / max abs value, per tensor) of the averaged
-gradients and of the parameters after the update (SGD: its update is linear in the gradient), to the
-JSON file argv[1].
+gradients and of the parameters after the update (SGD: its update is linear in the gradient), and the largest
+difference between the DP replicas' parameters (must be 0), to the JSON file argv[1].
 """
 import json
 import sys
@@ -39,9 +39,15 @@ def one_step(mode: str, wire: torch.dtype, group, dp_rank: int, pp_rank: int) ->
     loss = engine.step(inputs, targets)
     sync.step()
     grads = sync.grads()
+    # the replicas must hold the same parameters (bitwise), whatever the wire
+    mine = torch.cat([p.detach().reshape(-1) for _, p in named])
+    peers = [torch.empty_like(mine) for _ in range(DP)]
+    dist.all_gather(peers, mine, group=group)
+    replica_diff = max(float((q - mine).abs().max()) for q in peers)
     dist.barrier()
     return {"loss": None if loss is None else float(loss), "grads": grads,
-            "params": {n: p.detach().clone() for n, p in named}}
+            "params": {n: p.detach().clone() for n, p in named},
+            "replica_diff": replica_diff}
 
 
 def main() -> None:
@@ -64,7 +70,8 @@ def main() -> None:
                        for n in exact[key])
 
         mine = {"loss": None if exact["loss"] is None else abs(low["loss"] - exact["loss"]),
-                "grad_rel": rel("grads"), "param_rel": rel("params"), "loss_value": exact["loss"]}
+                "grad_rel": rel("grads"), "param_rel": rel("params"), "loss_value": exact["loss"],
+                "replica_diff": max(exact["replica_diff"], low["replica_diff"])}
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if rank == 0:
@@ -72,7 +79,8 @@ def main() -> None:
                 "loss_diff": max(g["loss"] for g in gathered if g["loss"] is not None),
                 "loss": max(g["loss_value"] for g in gathered if g["loss_value"] is not None),
                 "grad_rel": max(g["grad_rel"] for g in gathered),
-                "param_rel": max(g["param_rel"] for g in gathered)}
+                "param_rel": max(g["param_rel"] for g in gathered),
+                "replica_diff": max(g["replica_diff"] for g in gathered)}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

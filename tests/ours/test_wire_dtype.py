@@ -1,5 +1,5 @@
 """Lossy wire precision (opt-in): activations, their gradients and the DP push and pull in bf16 stay
-close to the fp32 wire, and do differ from it (the lossy path is taken). One training step of P-2 D-2
+close to the fp32 wire, and do differ from it (the lossy path is taken); the DP replicas stay identical. One training step of P-2 D-2
 per DP mode, on real gloo ranks (tests/ours/_wire_dtype.py)."""
 from __future__ import annotations
 
@@ -36,3 +36,4 @@ def test_bf16_wire_close_to_fp32_for_every_dp_mode(tmp_path):
         assert 0 < r["loss_diff"] <= LOSS_TOL, (mode, r)
         assert 0 < r["grad_rel"] <= GRAD_TOL, (mode, r)
         assert 0 < r["param_rel"] <= PARAM_TOL, (mode, r)
+        assert r["replica_diff"] == 0, (mode, r)  # every replica applies the same (rounded) update
