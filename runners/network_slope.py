@@ -19,8 +19,14 @@ must move over the busiest host's link (both directions: for a central PS the se
 the pushes and the pulls of D-1 replicas, 2(D-1)M for M bytes of a stage's parameters; for the
 sharded PS and the ring all-reduce each host sends and receives 2(D-1)/D M) divided by the bandwidth.
 
-    python -m runners.network_slope --delays 10 20 40 --bandwidth 10      (delays paid, tiny model)
-    python -m runners.network_slope --model cpu-small --delays 10 --bandwidth 1 --configs central_ps sharded_ps
+    python -m runners.network_slope --delays 20 80 160 --bandwidth 10 --keep runs.jsonl    (tiny model)
+    python -m runners.network_slope --from-records runs.jsonl                    (the tables again)
+    python -m runners.network_slope --model cpu-small --bandwidth 1 --delays 1 10 \
+        --configs allreduce central_ps sharded_ps -- --seq-length 16             (DP sync against the wire)
+
+On a loaded machine the computation in a step varies from run to run far more than the delays do;
+the column "fastest" fits the fastest step of each run instead of its median (a delay is paid by
+every step, a preemption by some), which is steadier there.
 """
 from __future__ import annotations
 
@@ -65,6 +71,7 @@ class Sample:
     step: float
     dp_sync: float
     barrier: float | None
+    fastest: float | None = None  # the run's fastest step
 
 
 @dataclass(frozen=True)
@@ -175,7 +182,8 @@ def link_of(rec: dict) -> tuple[float, float]:
 
 
 def sample_of(rec: dict) -> Sample:
-    return Sample(link_of(rec)[0], rec["median_step_time"], rec.get("dp_sync_time") or 0.0, rec.get("barrier_time"))
+    return Sample(link_of(rec)[0], rec["median_step_time"], rec.get("dp_sync_time") or 0.0, rec.get("barrier_time"),
+                  rec.get("min_step_time"))
 
 
 def _ms(v: float | None) -> str:
@@ -202,10 +210,12 @@ def report(records: list[dict], wire_bytes: int, loads: list[float]) -> None:
           f"{r0['micro_batch_size']}, K = {len(r0['options'].get('slices') or [1])}, "
           f"{'/'.join(f'{b:g}' for b in bandwidths)} Gbit/s, up to {reps} repetitions (step ms: median over "
           f"repetitions of the record's median step; delays paid: least-squares slope of step time against "
-          f"one-way delay, split into schedule, DP sync and closing barrier)")
+          f"one-way delay, split into schedule, DP sync and closing barrier; fastest: the same fit of each "
+          f"run's fastest step)")
     head = " | ".join(f"{f'{d:g} ms':>8}" for d in delays)
-    print(f"{'configuration':<30} | {head} | {'delays paid':>11} | {'schedule':>8} | {'DP sync':>7} | {'barrier':>7} | runs")
-    print("-" * (30 + 11 * len(delays) + 55))
+    print(f"{'configuration':<30} | {head} | {'delays paid':>11} | {'schedule':>8} | {'DP sync':>7} | {'barrier':>7} | "
+          f"{'fastest':>7} | runs")
+    print("-" * (30 + 11 * len(delays) + 65))
 
     def medians(rs: list[dict], key) -> list[float | None]:
         out = []
@@ -218,11 +228,14 @@ def report(records: list[dict], wire_bytes: int, loads: list[float]) -> None:
         ss = [sample_of(r) for r in rs]
         cells = " | ".join(f"{_ms(m):>8}" for m in medians(rs, lambda r: r["median_step_time"]))
         if len({s.delay_ms for s in ss}) < 2:
-            print(f"{c.label:<30} | {cells} | {'-':>11} | {'-':>8} | {'-':>7} | {'-':>7} | {len(ss)}")
+            print(f"{c.label:<30} | {cells} | {'-':>11} | {'-':>8} | {'-':>7} | {'-':>7} | {'-':>7} | {len(ss)}")
             continue
         sl = slope_of(ss)
+        fastest = None
+        if all(s.fastest is not None for s in ss):
+            fastest = fit_slope([s.delay_ms * 1e-3 for s in ss], [s.fastest for s in ss])
         print(f"{c.label:<30} | {cells} | {sl.total:11.1f} | {_num(sl.schedule):>8} | {sl.dp_sync:7.1f} | "
-              f"{_num(sl.barrier):>7} | {len(ss)}")
+              f"{_num(sl.barrier):>7} | {_num(fastest):>7} | {len(ss)}")
 
     dp_configs = [(c, rs) for c, rs in by_label.values() if c.dp > 1]
     if not dp_configs:

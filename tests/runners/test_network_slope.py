@@ -46,7 +46,8 @@ def test_stage_parameters_add_up_to_the_model():
 def _record(system: str, dp: int, mode: str | None, delay: float, step: float, sync: float, barrier: float) -> dict:
     return {"status": "ok", "system": system, "schedule": "gpipe" if system == "torch_pipe" else "gpipe",
             "layout": {"pp": 2, "tp": 1, "dp": dp}, "options": {"dp_mode": mode, "slices": [64, 64]},
-            "network": f"delay {delay:g}ms bandwidth 1Gbps", "median_step_time": step, "dp_sync_time": sync,
+            "network": f"delay {delay:g}ms bandwidth 1Gbps", "median_step_time": step, "min_step_time": step - 0.01,
+            "dp_sync_time": sync,
             "barrier_time": barrier, "model": "tiny", "batch_size": 2, "micro_batch_size": 1,
             "model_shape": {"n_layer": 4, "n_embd": 128, "n_head": 4, "seq_len": 128, "vocab_size": 512}}
 
@@ -66,8 +67,8 @@ def test_tables_from_kept_records(tmp_path, capsys):
         return {l.split("|")[0].strip(): [c.strip() for c in l.split("|")] for l in text.splitlines() if "|" in l}
 
     rows, wire_rows = table(paid), table(wire)
-    assert rows["ours P-2"][3:7] == ["4.0", "2.0", "0.0", "2.0"]
-    assert rows["ours P-2 D-2 central_ps"][3:7] == ["8.0", "2.0", "2.0", "4.0"]
+    assert rows["ours P-2"][3:8] == ["4.0", "2.0", "0.0", "2.0", "4.0"]
+    assert rows["ours P-2 D-2 central_ps"][3:8] == ["8.0", "2.0", "2.0", "4.0", "8.0"]
     assert rows["torch_pipe GPipe P-2"][3] == "10.0"
     # the stage of 478464 parameters, 4 bytes each, pushed and pulled over the server's link at 1 Gbit/s
     assert float(wire_rows["ours P-2 D-2 central_ps"][2]) == pytest.approx(2 * 478464 * 4 * 8 / 1e9 * 1e3, abs=0.1)
