@@ -10,13 +10,21 @@ the start of the unit's backward (see ``_head_loss``).
 One step: the batch is cut into batch slices (micro_batch_size rows) x token slices; every
 (batch slice, token slice) unit runs forward in order — receiving its input activations from the
 previous stage, sending its output to the next — then backward in reverse order. Activations and
-their gradients move with asynchronous point-to-point operations posted early; sends are waited
-for only at the end of the step. Linear weight gradients are computed once per step after the
-stage's last backward (while the previous stage is still in its backward).
+their gradients move with asynchronous point-to-point operations, one message per unit and
+direction. Every receive of a step is posted a step ahead (``post_receives``): gloo sends a message
+only once the receiver's notice that its receive is posted has reached the sender, so a receive
+posted as the step starts costs the first message a second network delay. Sends are waited for only
+at the end of the step. Linear weight gradients are computed once per step after the stage's last
+backward (while the previous stage is still in its backward); ``grads_ready`` is told as each
+parameter's gradient becomes final, so data parallelism can start moving it (``ours.dp``).
+
+``wire_dtype`` (default fp32): the type activations and their gradients cross the network in; bf16
+or fp16 is lossy (compute stays in the stage's own precision).
 """
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,7 +79,8 @@ class _Arrivals:
 class StageEngine:
     def __init__(self, model: GPT, spec: StageSpec, *, slices: tuple[int, ...], batch_size: int, micro_batch_size: int,
                  device: torch.device, rank: int, prev_rank: int | None, next_rank: int | None, tracer: Tracer,
-                 mixed_precision: bool = False, recompute: bool = False):
+                 mixed_precision: bool = False, recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
+                 grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None):
         cfg = model.config
         self.model, self.spec, self.device, self.rank = model, spec, device, rank
         self.C, self.H, self.T, self.V = cfg.n_embd, cfg.n_head, cfg.seq_len, cfg.vocab_size
@@ -94,6 +103,11 @@ class StageEngine:
         if spec.is_last:
             self.linears["lm_head"] = (model.lm_head.weight, None, WeightGrad(False))
         self._w: dict[str, tuple[torch.Tensor, torch.Tensor | None, list]] = {}
+        deferred = {id(p) for w, b, _ in self.linears.values() for p in (w, b) if p is not None}
+        self._autograd_params = [p for p in model.parameters() if id(p) not in deferred]
+        self.wire_dtype = wire_dtype
+        self.grads_ready = grads_ready  # called with each group of parameters whose gradient is final
+        self._posted: tuple[dict, dict] | None = None  # the coming step's (forward, backward) receives
         self.loss_scale = 1.0  # dynamic loss scaling (fp16 on CUDA) sets it
 
     # ---- the functional forward -------------------------------------------------------------
@@ -156,32 +170,66 @@ class StageEngine:
             arrivals.wait(u)
 
     # ---- one step ----------------------------------------------------------------------------
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def _units(self) -> list[tuple[int, int]]:
+        """(batch slice, token slice) of every unit, in forward order; a unit's index is its tag."""
+        return [(b, i) for b in range(self.nb) for i in range(len(self.slices))]
+
+    def grad_order(self) -> list[torch.nn.Parameter]:
+        """The stage's parameters in the order ``grads_ready`` reports their gradients final in a step:
+        those autograd accumulates (layer norms, embeddings) at the end of the last backward, then each
+        linear's weight and bias as its deferred gradient is computed."""
+        return self._autograd_params + [p for w, b, _ in self.linears.values() for p in (w, b) if p is not None]
+
+    def post_receives(self) -> None:
+        """Post every receive of the coming step: the activations of each unit from the previous stage
+        and their gradients from the next (in the order they will be consumed)."""
+        if self._posted is not None:
+            return
+        mb, C = self.mb, self.C
+        units = self._units()
+        fwd, bwd = {}, {}
+        if not self.spec.is_first:
+            for u, (_, i) in enumerate(units):
+                buf = torch.empty(mb, self.slices[i][1], C, dtype=self.wire_dtype, device=self.device)
+                fwd[u] = (buf, dist.irecv(buf, self.prev, tag=u))
+        if not self.spec.is_last:
+            for u in reversed(range(len(units))):
+                buf = torch.empty(mb, self.slices[units[u][1]][1], C, dtype=self.wire_dtype, device=self.device)
+                bwd[u] = (buf, dist.irecv(buf, self.next, tag=u))
+        self._posted = (fwd, bwd)
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int, sends: list) -> None:
+        out = t.detach().to(self.wire_dtype).contiguous()  # gloo: contiguous CPU tensors
+        sends.append((out, dist.isend(out, dst, tag=tag)))
+
+    def _report(self, params: list[torch.nn.Parameter]) -> None:
+        if self.grads_ready is not None and params:
+            self.grads_ready(params)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, post_next: bool = False) -> torch.Tensor | None:
         """Forward and backward of the replica batch; leaves every parameter's gradient in .grad.
-        Returns the replica's mean loss (a 0-dim tensor) on the last stage, else None."""
-        spec, tr, mb, C = self.spec, self.tracer, self.mb, self.C
+        Returns the replica's mean loss (a 0-dim tensor) on the last stage, else None. ``post_next``:
+        another step follows, whose receives are posted before this one returns."""
+        spec, tr, mb = self.spec, self.tracer, self.mb
         self._prepare_weights()
-        units = [(b, i) for b in range(self.nb) for i in range(len(self.slices))]
+        self.post_receives()  # no-op when the previous step posted them
+        (recvs, grecvs), self._posted = self._posted, None
+        units = self._units()
         states = [[KVState(self.masks) for _ in self.blocks] for _ in range(self.nb)]
         sends: list = []
-        # forward receives, all posted at once
-        recvs = {}
-        if not spec.is_first:
-            for u, (b, i) in enumerate(units):
-                buf = torch.empty(mb, self.slices[i][1], C, device=self.device)
-                recvs[u] = (buf, dist.irecv(buf, self.prev, tag=u))
+        arrivals = None
+        if grecvs and self.device.type == "cpu":  # gloo (see _Arrivals)
+            arrivals = _Arrivals([(u, grecvs[u][1]) for u in reversed(range(len(units)))])
         saved: list = [None] * len(units)
         total = torch.zeros((), device=self.device) if spec.is_last else None
         for u, (b, i) in enumerate(units):
             c, l = self.slices[i]
             x_in = None
-            if spec.is_first:
-                x = None
-            else:
+            if not spec.is_first:
                 buf, work = recvs.pop(u)
                 with tr.span("recv", f"recv f{b}.{i}"):
                     work.wait()
-                x_in = buf.requires_grad_()
+                x_in = buf.float().requires_grad_()
             with tr.span("forward", f"F{b}.{i}"):
                 with autocast(self.device, self.mixed):
                     if spec.is_first:
@@ -194,18 +242,7 @@ class StageEngine:
                     saved[u] = (x_in, x)
             if not spec.is_last:
                 with tr.span("send", f"send f{b}.{i}"):
-                    out = x.detach().to(torch.float32).contiguous()  # gloo: contiguous CPU tensors
-                    sends.append((out, dist.isend(out, self.next, tag=u)))
-        # backward receives
-        grecvs = {}
-        arrivals = None
-        if not spec.is_last:
-            for u in reversed(range(len(units))):
-                b, i = units[u]
-                buf = torch.empty(mb, self.slices[i][1], C, device=self.device)
-                grecvs[u] = (buf, dist.irecv(buf, self.next, tag=u))
-            if self.device.type == "cpu":  # gloo (see _Arrivals)
-                arrivals = _Arrivals([(u, grecvs[u][1]) for u in reversed(range(len(units)))])
+                    self._send(x, self.next, u, sends)
         for u in reversed(range(len(units))):
             b, i = units[u]
             x_in, y = saved[u]
@@ -220,22 +257,25 @@ class StageEngine:
                 buf, work = grecvs.pop(u)
                 self._wait_filling(work, arrivals, u, f"recv b{b}.{i}")
                 with tr.span("backward", f"B{b}.{i}"):
-                    y.backward(buf)
+                    y.backward(buf.to(y.dtype))
             del y
             if not spec.is_first:
                 with tr.span("send", f"send b{b}.{i}"):
-                    g = x_in.grad.to(torch.float32).contiguous()
-                    sends.append((g, dist.isend(g, self.prev, tag=u)))
+                    self._send(x_in.grad, self.prev, u, sends)
             del x_in
-        with tr.span("wgrad", "weight grads"):
-            for weight, bias, wg in self.linears.values():
-                dW, db = wg.finish()
-                weight.grad = dW if dW.dtype == weight.dtype else dW.to(weight.dtype)
-                if bias is not None:
-                    bias.grad = db if db.dtype == bias.dtype else db.to(bias.dtype)
-        self._w = {}
         if arrivals is not None:
             arrivals.join()
+        if post_next:
+            self.post_receives()
+        with tr.span("wgrad", "weight grads"):
+            self._report(self._autograd_params)
+            for w, bias, wg in self.linears.values():
+                dW, db = wg.finish()
+                w.grad = dW if dW.dtype == w.dtype else dW.to(w.dtype)
+                if bias is not None:
+                    bias.grad = db if db.dtype == bias.dtype else db.to(bias.dtype)
+                self._report([w] if bias is None else [w, bias])
+        self._w = {}
         with tr.span("send", "wait sends"):
             for _, work in sends:
                 work.wait()

@@ -91,21 +91,28 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     named = list(model.named_parameters())
     params = [p for _, p in named]
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
-                     server_rank=0 * pp + pp_rank)
+                     ranks=[d * pp + pp_rank for d in range(dp)], order=engine.grad_order(), tracer=tracer)
     scaler = _LossScaler(cfg.mixed_precision and ctx.device.type == "cuda", ctx.device)
+    if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
+        engine.grads_ready = sync.grads_ready
 
-    def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+    def step(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        more = i + 1 < cfg.total_steps  # post the next step's receives a step ahead
         for p in params:
             p.grad = None
         engine.loss_scale = scaler.scale
-        loss = engine.step(inputs, targets)
+        loss = engine.step(inputs, targets, post_next=more)
         dt = 0.0
         with tracer.span("sync", f"dp {options.dp_mode} + optimizer" if dp > 1 else "optimizer"):
             if scaler.check_and_unscale(params):
                 dt = sync.step()
+            if more:
+                sync.post_receives()
             ctx.synchronize()
         return StepOutput(loss=float(loss) if loss is not None else None, dp_sync_time=dt)
 
+    engine.post_receives()  # the first step's receives, before the first step
+    sync.post_receives()
     m = run_steps(ctx, dp_rank, step)
     if cfg.verify:
         m.grads = sync.grads()
