@@ -15,6 +15,9 @@ ours-vs-best: the same discipline against every Torch Pipe schedule (GPipe, 1F1B
 interleaved zero bubble, ZBV, DualPipeV) that can run the batch (the run command's own judgement
 decides), and ours at several K; per batch, the fastest schedule against ours at its fastest K (by
 median step time, and paired), with each rank's peak memory beside, and the goal of issue #15.
+
+network-slope: how many one-way network delays each system pays per training step, split into the
+schedule, the DP sync and the closing barrier (``runners.network_slope``).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 
 from baselines.torch_pipe import SCHEDULES
 from ours import slice_count
+from runners import network_slope
 from runners.invoke import run_command
 from runners.machine import parallel_capacity
 
@@ -291,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--timeout", type=float, default=900.0)
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
+    b = sub.add_parser("network-slope", help="how many one-way delays each system pays per step (virtual cluster; "
+                                             "root); the same as python -m runners.network_slope")
+    network_slope.fill_parser(b)
     opts = p.parse_args(argv)
+    if opts.bench == "network-slope":
+        return network_slope.run(opts)
     if opts.bench == "ours-vs-gpipe":
         return ours_vs_gpipe(opts)
     if opts.bench == "ours-vs-best":

@@ -4,7 +4,7 @@ Runs every configuration (ours P-2; ours P-2 D-2 with each DP mode; torch_pipe G
 two or more one-way delays with one fixed bandwidth, each rank on a virtual host of the local virtual
 cluster (``--network "delay Xms bandwidth YGbps"``; needs root), side by side in one invocation: the
 order of (configuration, delay) runs is reversed on every other repetition, so that drifts of a shared
-machine hit all alike. Each run is the real run command in a subprocess writing its record to a
+machine hit all alike. Each run is the real run command in a subprocess (``runners.invoke``) writing its record to a
 temporary file (``run_record``).
 
 For each configuration it fits, by least squares over every run, the record's median step time
@@ -34,13 +34,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from runners.invoke import run_command
+
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
 CONFIG_KEYS = ("ours", *DP_MODES, "gpipe", "1f1b")
 
@@ -140,33 +139,22 @@ def stage_param_counts(model: str, pp: int, overrides: dict[str, int]) -> list[i
 
 
 def run_record(args: list[str], timeout: float) -> dict | None:
-    """The run command with ``args`` in a subprocess; its record (None if the run failed).
-    The one place that calls the run command (the lead replaces it with the shared helper)."""
-    fd, out = tempfile.mkstemp(suffix=".jsonl", prefix="network-slope-")
-    os.close(fd)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "runners.run", *args, "--out", out], cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout)
-        lines = [l for l in Path(out).read_text().splitlines() if l.strip()]
-        rec = json.loads(lines[-1]) if lines else {}
-        if proc.returncode != 0 or rec.get("status") != "ok" or rec.get("median_step_time") is None:
-            why = rec.get("error") or ((proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"])[0]
-            print(f"  run failed ({' '.join(args)}): {str(why)[:500]}", file=sys.stderr)
-            return None
-        return rec
-    except subprocess.TimeoutExpired:
-        print(f"  run timed out ({' '.join(args)})", file=sys.stderr)
+    """The run command with ``args``; its record (None if the run failed)."""
+    inv = run_command(args, timeout=timeout)
+    rec = inv.record or {}
+    if inv.returncode != 0 or rec.get("status") != "ok" or rec.get("median_step_time") is None:
+        print(f"  run failed ({' '.join(args)}): {str(rec.get('error') or inv.last_line)[:500]}", file=sys.stderr)
         return None
-    finally:
-        os.unlink(out)
+    return rec
 
 
 def config_of(rec: dict) -> BenchConfig:
     """The bench configuration a record was run as (its label as ``bench_configs`` names it)."""
     pp, dp = rec["layout"]["pp"], rec["layout"]["dp"]
     if rec["system"] == "torch_pipe":
-        name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(rec["schedule"], rec["schedule"])
-        return BenchConfig(rec["schedule"], f"torch_pipe {name} P-{pp}", ())
+        schedule = rec["options"]["schedule"]
+        name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(schedule, schedule)
+        return BenchConfig(schedule, f"torch_pipe {name} P-{pp}", ())
     if dp == 1:
         return BenchConfig("ours", f"ours P-{pp}", ())
     mode = rec["options"]["dp_mode"]

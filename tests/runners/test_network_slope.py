@@ -44,8 +44,8 @@ def test_stage_parameters_add_up_to_the_model():
 
 
 def _record(system: str, dp: int, mode: str | None, delay: float, step: float, sync: float, barrier: float) -> dict:
-    return {"status": "ok", "system": system, "schedule": "gpipe" if system == "torch_pipe" else "gpipe",
-            "layout": {"pp": 2, "tp": 1, "dp": dp}, "options": {"dp_mode": mode, "slices": [64, 64]},
+    options = {"schedule": "gpipe"} if system == "torch_pipe" else {"dp_mode": mode, "slices": [64, 64]}
+    return {"status": "ok", "system": system, "layout": {"pp": 2, "tp": 1, "dp": dp}, "options": options,
             "network": f"delay {delay:g}ms bandwidth 1Gbps", "median_step_time": step, "min_step_time": step - 0.01,
             "dp_sync_time": sync,
             "barrier_time": barrier, "model": "tiny", "batch_size": 2, "micro_batch_size": 1,
