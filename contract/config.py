@@ -42,6 +42,11 @@ class SystemOptions:
     def check(self, config: RunConfig) -> None:
         """Raise ConfigError (one line) if the system cannot run ``config``. Systems override it."""
 
+    def lossy(self) -> str | None:
+        """What these options round beyond the precision policy (e.g. 'bf16 wire'), or None: the run
+        is exact. ``--verify`` judges a lossy run with a tolerance of its own and says so."""
+        return None
+
     @classmethod
     def declared(cls) -> tuple[dataclasses.Field, ...]:
         return dataclasses.fields(cls)

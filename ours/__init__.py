@@ -18,6 +18,7 @@ from typing import Any
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
+WIRE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def slice_count(text: str) -> int | str:
@@ -52,12 +53,18 @@ class OursOptions(SystemOptions):
     slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",
                                             parse=slice_lengths, metavar="L1,L2,...")
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
+    wire_dtype: str = option("fp32", "the type activations, their gradients and the DP push and pull cross the "
+                                     "network in; bf16 and fp16 halve the bytes and are lossy (opt-in, as "
+                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=WIRE_DTYPES)
     trace: str | None = option(None, "write a Chrome trace of every rank's spans to this file", identity=False,
                                output_path=True, metavar="FILE")
 
     def __post_init__(self) -> None:
         if self.slices is not None and self.n_slices == "auto":  # one canonical form of an explicit slicing
             object.__setattr__(self, "n_slices", len(self.slices))
+
+    def lossy(self) -> str | None:
+        return None if self.wire_dtype == "fp32" else f"{self.wire_dtype} wire"
 
     @property
     def auto(self) -> bool:
@@ -114,7 +121,8 @@ SPEC = SystemSpec(
     description="token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism",
     options=OursOptions,
     dims=("pp", "dp"),
-    label=lambda config: "ours" if config.dp == 1 else f"ours {config.options.dp_mode}",
+    label=lambda config: " ".join(["ours"] + ([config.options.dp_mode] if config.dp > 1 else [])
+                                  + ([config.options.lossy()] if config.options.lossy() else [])),
     details=describe_slicing,
     role="ours",
 )

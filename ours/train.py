@@ -19,6 +19,8 @@ from ours.plan.auto import auto_slicing
 from ours.trace import Tracer
 from workload.partition import stage_specs
 
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --wire-dtype
+
 
 def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[tuple[int, ...], str]:
     """The token slicing every rank uses and how it was chosen: explicit / K equal slices, or
@@ -83,15 +85,17 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             if s == pp_rank:
                 group = g
 
+    wire = WIRE_DTYPES[options.wire_dtype]
     engine = StageEngine(
         model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
         device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
         next_rank=None if spec.is_last else ctx.rank + 1, tracer=tracer, mixed_precision=cfg.mixed_precision,
-        recompute=cfg.recompute)
+        recompute=cfg.recompute, wire_dtype=wire)
     named = list(model.named_parameters())
     params = [p for _, p in named]
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
-                     ranks=[d * pp + pp_rank for d in range(dp)], order=engine.grad_order(), tracer=tracer)
+                     ranks=[d * pp + pp_rank for d in range(dp)], order=engine.grad_order(), wire_dtype=wire,
+                     tracer=tracer)
     scaler = _LossScaler(cfg.mixed_precision and ctx.device.type == "cuda", ctx.device)
     if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
         engine.grads_ready = sync.grads_ready

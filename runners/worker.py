@@ -83,7 +83,9 @@ def main(run_dir: Path) -> int:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(60.0, cfg.timeout)))
         torch.manual_seed(cfg.seed)
         peak, peak_source, device_name = hardware_peak(device, cfg)
-        ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg)
+        barrier_group = dist.new_group(list(range(world))) if world > 1 else None  # the timing barrier's own
+        ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg,
+                      barrier_group=barrier_group)
         m = spec.load()(cfg, ctx)
         m.peak_memory_bytes = peak_memory_bytes(device)
         if m.grads is not None:

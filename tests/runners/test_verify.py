@@ -84,6 +84,24 @@ def test_verify_line_says_which_policy_and_tolerance():
     assert compare(ref, ref, _policy(True)).line().startswith("verify (bf16 weights + fp32 main params, tol ")
 
 
+def test_a_lossy_wire_is_judged_with_a_tolerance_of_its_own_and_named():
+    from ours import OursOptions
+
+    def policy(wire: str, mixed: bool):
+        cfg = RunConfig(system="ours", model=MODEL, batch_size=4, micro_batch_size=1, mixed_precision=mixed,
+                        options=OursOptions(n_slices=2, wire_dtype=wire))
+        return verify_tolerance(cfg, False, cuda=False)
+
+    assert policy("fp32", False) == FP32_TOLERANCE
+    lossy = policy("bf16", False)
+    assert lossy.relative and lossy.grad > FP32_TOLERANCE.grad and lossy.policy == "fp32 + bf16 wire"
+    assert policy("fp16", True).policy == "bf16 autocast + fp16 wire"
+    ref = _result(*_grads(1, mixed=False))
+    assert compare(ref, ref, lossy).line().startswith("verify (fp32 + bf16 wire, tol 5e-2 rel, loss 1e-3): ")
+    dropped = compare(_result(*_grads(4, mixed=False, keep={0, 1, 2})), ref, lossy)  # a micro-batch lost
+    assert not dropped.passed
+
+
 MIXED = {
     "torch_pipe-zbv": ["--system", "torch_pipe", "--pp", "2", "--schedule", "zbv"],
     "fairscale_fsdp": ["--system", "fairscale_fsdp", "--pp", "2"],
