@@ -12,7 +12,8 @@ Each rank runs a program: a list of operations executed in order.
   members reached it, then all leave ``seconds`` later.
 - ``Defer(chunks)``: queue deferred work (ours' weight gradients); ``FillWait(key)``: wait for one
   message, running queued chunks while it has not arrived (a chunk, once started, finishes);
-  ``Flush(kind)``: run whatever is queued as one computation.
+  ``Flush(kind, keep)``: run what is queued beyond ``keep`` seconds of it as one computation (the
+  rest stays queued; ``keep`` 0: everything).
 - ``Mark(name)``: note the time (and the rank's accounting) under ``name``.
 
 Messages. The data of a message becomes ready to leave at
@@ -89,6 +90,7 @@ class FillWait:
 @dataclass(frozen=True, slots=True)
 class Flush:
     kind: str = "wgrad"
+    keep: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +377,9 @@ class Simulator:
             elif isinstance(op, Flush):
                 total = sum(st.deferred)
                 st.deferred.clear()
-                self._start_compute(r, total, op.kind)
+                if op.keep > 0 and total > 0:
+                    st.deferred.append(min(total, op.keep))
+                self._start_compute(r, max(0.0, total - op.keep), op.kind)
             elif isinstance(op, Group):
                 members = self.groups.setdefault(op.key, set())
                 members.add(r)

@@ -13,14 +13,24 @@
   after the MLP), two in the backward, two more in the recomputed forward; a tensor-parallel group is
   simulated as one rank (its members run in lock-step) that stands for tp processes; data parallel:
   the gradient all-reduce in finalize_model_grads.
-- ours (``ours.engine``): every unit (batch slice x token slice) forward in order, receives all posted
-  at the start; backward in reverse order; the last stage computes the head and loss when a unit's
-  backward starts; weight gradients deferred (queued per linear), run while waiting for a gradient and
-  at the end; sends waited at the end. Data parallel (``ours.dp``) in 25 MB buckets: all-reduce and
-  everyone's optimizer; central PS: reduce to the server, its optimizer, broadcast; sharded PS:
-  reduce-scatter, 1/D of the optimizer, all-gather.
+- ours (``ours.engine``): every receive of a step posted a step ahead (the engine's at the end of the
+  previous step's backward, the DP sync's after the previous sync; the first step's before the first
+  barrier); every unit (batch slice x token slice) forward in order; backward in reverse order; the
+  last stage computes the head and loss when a unit's backward starts; weight gradients deferred
+  (queued per linear), run while waiting for a gradient and at the end, linear after linear; sends
+  waited at the end. Data parallel (``ours.dp.PointToPointSync``), one round of point-to-point
+  messages in 4 MiB buckets of the stage's gradients in the order they become final: a bucket is
+  pushed as soon as its last gradient is (overlapping the remaining weight gradients), each range to
+  the dp_rank that reduces it; that rank waits for the D - 1 pushes and, as a server, steps its
+  range's optimizer and sends the result to every replica that does not reduce the whole bucket.
+  central PS: dp_rank 0 reduces every bucket; sharded PS: each rank 1/D of every bucket;
+  all-reduce: D = 2 a direct exchange of the buckets (each rank sums), D > 2 the sharded pattern
+  sending back averaged gradients (a reduce-scatter and an all-gather point to point), then every
+  rank's optimizer.
 
-Every step is framed like the run command times it: a barrier, the step, a closing barrier. The
+Every step is framed like the run command times it (``contract.training.StepBarrier``): a
+dissemination barrier (ceil(log2 n) rounds of a 1-element message to rank + 2^k, one one-way delay
+per round; over gloo each use's receives posted one use ahead), the step, the closing barrier. The
 simulator runs two steps and times the second (ranks enter it as the first one left them).
 """
 from __future__ import annotations
@@ -32,7 +42,7 @@ from runners.predict.compute import ComputeModel, Overheads, stage_params
 from runners.predict.engine import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
 from runners.predict.spec import RunSpec
 
-BUCKET_BYTES = 25 * 1024 * 1024  # ours.dp.BUCKET_BYTES
+BUCKET_BYTES = 4 * 1024 * 1024  # ours.dp.BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -399,16 +409,159 @@ def megatron(st: _Step, rank: int) -> list:
 
 
 # ---- ours ----------------------------------------------------------------------------------------
-def _buckets(nbytes: int) -> list[int]:
-    """Bucket sizes of ours.dp.buckets, approximately: 25 MB each, the rest in the last."""
+def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
+    """The stage's parameters as ``StageEngine.grad_order`` reports them final: (elements, the index of
+    the deferred linear whose gradient finishes it; -1: final when the backward ends). First those
+    autograd accumulates (embeddings, layer norms), then per layer the four linears' weight and bias,
+    then the output layer."""
+    h, m = st.h, st.spec.model
     out = []
-    while nbytes > BUCKET_BYTES:
-        out.append(BUCKET_BYTES)
-        nbytes -= BUCKET_BYTES
-    return out + [nbytes]
+    if first:
+        out += [(m.vocab_size * h, -1), (m.seq_len * h, -1)]
+    out += [(h, -1)] * (4 * st.layers)  # ln_1, ln_2: weight and bias
+    if last:
+        out += [(h, -1), (h, -1)]  # ln_f
+    for i, (rows, cols) in enumerate([(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)] * st.layers):
+        out += [(rows * cols, i), (rows, i)]
+    if last:
+        out.append(((st.width or m.vocab_size) * h, 4 * st.layers))
+    return out
 
 
-def ours(st: _Step, rank: int) -> list:
+def _buckets(order: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """ours.dp.buckets over the gradient order, fp32: (elements, the linear that completes the bucket)."""
+    out, n, ready, size = [], 0, -1, 0
+    for numel, at in order:
+        if n and size + numel * 4 > BUCKET_BYTES:
+            out.append((n, ready))
+            n, ready, size = 0, -1, 0
+        n, ready, size = n + numel, max(ready, at), size + numel * 4
+    return out + ([(n, ready)] if n else [])
+
+
+def _ranges(n: int, dp: int, layout: str) -> list[tuple[int, int]]:
+    """ours.dp._ranges: the [lo, hi) of an n-element bucket each dp_rank reduces."""
+    if layout == "central":
+        return [(0, n)] + [(n, n)] * (dp - 1)
+    if layout == "sharded":
+        c = -(-n // dp)
+        return [(min(j * c, n), min((j + 1) * c, n)) for j in range(dp)]
+    return [(0, n)] * dp
+
+
+_LAYOUT = {"central_ps": "central", "sharded_ps": "sharded"}  # allreduce: replicated at D = 2, else sharded
+
+
+@dataclass(frozen=True)
+class _Sync:
+    """ours.dp.PointToPointSync of one rank of stage s: its bucket ranges and message keys."""
+
+    st: _Step
+    d: int
+    s: int
+    buckets: tuple  # ((elements, completing linear, ranges by dp_rank), ...)
+    serve: bool
+
+    @staticmethod
+    def of(st: _Step, rank: int) -> "_Sync":
+        spec = st.spec
+        d, s = divmod(rank, spec.pp)
+        D = spec.dp
+        layout = _LAYOUT.get(spec.dp_mode, "replicated" if D == 2 else "sharded")
+        order = _grad_order(st, s == 0, s == spec.pp - 1)
+        buckets = tuple((n, at, tuple(_ranges(n, D, layout))) for n, at in _buckets(order))
+        return _Sync(st, d, s, buckets, spec.dp_mode != "allreduce")
+
+    def rank(self, j: int) -> int:
+        return j * self.st.spec.pp + self.s
+
+    def peers(self) -> list[int]:
+        return [j for j in range(self.st.spec.dp) if j != self.d]
+
+    def key(self, what: str, i: int, src: int, dst: int) -> tuple:
+        return _key(self.st.step, "dp", self.s, what, i, src, dst)
+
+    def returned(self, i: int, j: int) -> bool:
+        """Does peer j send this rank its reduced range of bucket i?"""
+        n, _, ranges = self.buckets[i]
+        lo, hi = ranges[j]
+        return hi > lo and ranges[self.d] != (0, n)
+
+    def receives(self) -> list:
+        """Every receive of the step's sync (posted a step ahead): the peers' pushes of the ranges this
+        rank reduces, and what the peers send back of theirs."""
+        ops = []
+        for i, (_, _, ranges) in enumerate(self.buckets):
+            lo, hi = ranges[self.d]
+            for j in self.peers():
+                if hi > lo:
+                    ops.append(Recv(self.key("push", i, j, self.d), self.rank(j), (hi - lo) * 4))
+                if self.returned(i, j):
+                    jlo, jhi = ranges[j]
+                    ops.append(Recv(self.key("back", i, j, self.d), self.rank(j), (jhi - jlo) * 4))
+        return ops
+
+    def push(self, i: int) -> tuple[list, list]:
+        """Bucket i's gradient: each peer's range to that peer; (ops, send keys)."""
+        ops, keys = [], []
+        for j in self.peers():
+            lo, hi = self.buckets[i][2][j]
+            if hi > lo:
+                keys.append(self.key("push", i, self.d, j))
+                ops.append(Send(keys[-1], self.rank(j), (hi - lo) * 4))
+        return ops, keys
+
+    def step(self) -> tuple[list, list]:
+        """sync.step(): reduce every range this rank serves (wait for the D - 1 pushes, as a server step
+        its optimizer, send the result to the peers that do not reduce the whole bucket), then wait for
+        what comes back, bucket by bucket; (ops, send keys). Without a server: every rank's optimizer."""
+        st, ops, keys = self.st, [], []
+        for i, (n, _, ranges) in enumerate(self.buckets):
+            lo, hi = ranges[self.d]
+            if hi <= lo:
+                continue
+            ops.append(Wait(tuple(self.key("push", i, j, self.d) for j in self.peers()), "dp"))
+            if self.serve:
+                ops += st.optimizer(hi - lo)
+            for j in self.peers():
+                if ranges[j] != (0, n):
+                    keys.append(self.key("back", i, self.d, j))
+                    ops.append(Send(keys[-1], self.rank(j), (hi - lo) * 4))
+        for i in range(len(self.buckets)):
+            back = tuple(self.key("back", i, j, self.d) for j in self.peers() if self.returned(i, j))
+            if back:
+                ops.append(Wait(back, "dp"))
+        return ops, keys
+
+
+def _ours_unit_receives(st: _Step, rank: int) -> list:
+    """The engine's receives of a step (posted a step ahead): every unit's activation from the previous
+    stage, in forward order, and its gradient from the next, in backward order."""
+    spec = st.spec
+    P, mb, slices = spec.pp, spec.micro_batch_size, spec.token_slices
+    d, s = divmod(rank, P)
+    units = [(b, i) for b in range(spec.n_micro_batches) for i in range(len(slices))]
+    ops = []
+    if s > 0:
+        ops += [Recv(_key(st.step, "f", d, s - 1, u), rank - 1, st.act_bytes(mb, slices[i]))
+                for u, (_, i) in enumerate(units)]
+    if s < P - 1:
+        ops += [Recv(_key(st.step, "b", d, s + 1, u), rank + 1, st.act_bytes(mb, slices[units[u][1]]))
+                for u in reversed(range(len(units)))]
+    return ops
+
+
+def ours_receives(st: _Step, rank: int) -> list:
+    """Everything rank posts a step ahead for step ``st.step``: the engine's and the DP sync's receives."""
+    ops = _ours_unit_receives(st, rank)
+    if st.spec.dp > 1:
+        ops += _Sync.of(st, rank).receives()
+    return ops
+
+
+def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
+    """One step of rank ``rank``; its receives were posted before (``ours_receives``), and it posts those
+    of the ``following`` step (the engine's after its backward, the sync's after the sync)."""
     spec, cm = st.spec, st.cm
     P, D = spec.pp, spec.dp
     d, s = divmod(rank, P)
@@ -421,9 +574,6 @@ def ours(st: _Step, rank: int) -> list:
     first, last = s == 0, s == P - 1
     prev, nxt = rank - 1, rank + 1
     ops: list = [Compute(st.o.step, "overhead")]
-    if not first:
-        for u, (_, i) in enumerate(units):
-            ops.append(Recv(_key(st.step, "f", d, s - 1, u), prev, st.act_bytes(mb, slices[i])))
     sends = []
     for u, (_, i) in enumerate(units):
         l, c = slices[i], ctx[i]
@@ -434,10 +584,7 @@ def ours(st: _Step, rank: int) -> list:
             key = _key(st.step, "f", d, s, u)
             ops.append(Send(key, nxt, st.act_bytes(mb, l)))
             sends.append(key)
-    if not last:
-        for u in reversed(range(len(units))):
-            i = units[u][1]
-            ops.append(Recv(_key(st.step, "b", d, s + 1, u), nxt, st.act_bytes(mb, slices[i])))
+    wgrad = [0.0] * (4 * L + 1)  # per deferred linear (the output layer last), over the step
     for u in reversed(range(len(units))):
         l, c = slices[units[u][1]], ctx[units[u][1]]
         if not last:
@@ -454,39 +601,42 @@ def ours(st: _Step, rank: int) -> list:
         chunks = [cm.layer_wgrad(mb, l) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
         if last:
             chunks.append(cm.head_wgrad(mb * l, 1, st.width))
+        for k, t in enumerate(chunks):
+            wgrad[k] += t
         ops.append(Defer(tuple(chunks)))
         if not first:
             key = _key(st.step, "b", d, s, u)
             ops.append(Send(key, prev, st.act_bytes(mb, l)))
             sends.append(key)
+    if following is not None:
+        ops += _ours_unit_receives(following, rank)
+    params = st.params(L, first, last)
+    if D == 1:
+        ops.append(Flush("wgrad"))
+        if sends:
+            ops.append(Wait(tuple(sends)))
+        return ops + st.optimizer(params)
+    # the weight gradients, linear after linear (the fill drained the first linears first: what is left
+    # belongs to the last ones); each bucket pushed as its last gradient is final
+    sync = _Sync.of(st, rank)
+    after = [sum(wgrad[k + 1:]) for k in range(len(wgrad))]  # work of the linears after linear k
+    pushed = []
+    for i, (_, at, _) in enumerate(sync.buckets):
+        ops.append(Flush("wgrad", keep=after[at] if at >= 0 else sum(wgrad)))
+        push, keys = sync.push(i)
+        ops += push
+        pushed += keys
     ops.append(Flush("wgrad"))
     if sends:
         ops.append(Wait(tuple(sends)))
-    params = st.params(L, first, last)
-    if D == 1:
-        return ops + st.optimizer(params)
     ops.append(Compute(st.o.dp, "overhead"))
-    group = tuple(k * P + s for k in range(D))
-    server = s  # dp_rank 0 of the stage's group
-    tr, link = st.net.transport, st.net.link
-    buckets = _buckets(params * 4)
-    tag = lambda what, j: _key(st.step, "dp", s, what, j)
-    if spec.dp_mode == "allreduce":
-        for j, nbytes in enumerate(buckets):
-            ops += coll.collective(tr, "allreduce", group, rank, tag("ar", j), nbytes, link, "dp")
-        return ops + st.optimizer(params)
-    if spec.dp_mode == "central_ps":
-        for j, nbytes in enumerate(buckets):
-            ops += coll.collective(tr, "reduce", group, rank, tag("reduce", j), nbytes, link, "dp", root=server)
-        if rank == server:
-            ops += st.optimizer(params)
-        for j, nbytes in enumerate(buckets):
-            ops += coll.collective(tr, "broadcast", group, rank, tag("bcast", j), nbytes, link, "dp", root=server)
-        return ops
-    padded = -(-params // D) * D * 4
-    ops += coll.collective(tr, "reduce_scatter", group, rank, tag("rs", 0), padded, link, "dp")
-    ops += st.optimizer(-(-params // D))
-    ops += coll.collective(tr, "allgather", group, rank, tag("ag", 0), padded, link, "dp")
+    step, keys = sync.step()
+    ops += step
+    ops.append(Wait(tuple(pushed + keys), "dp"))
+    if not sync.serve:
+        ops += st.optimizer(params)
+    if following is not None:
+        ops += _Sync.of(following, rank).receives()
     return ops
 
 
@@ -502,26 +652,61 @@ def network_of(spec: RunSpec) -> Network:
 
 def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
     """Programs of every simulated rank: ``steps`` steps, each framed by the timing barriers; Marks
-    ``start{k}`` / ``end{k}`` around step k (after the opening barrier, after the closing one)."""
+    ``start{k}`` / ``end{k}`` around step k (after the opening barrier, after the closing one). What a
+    rank posts ahead of its first step (ours' receives, the first barrier's over gloo) comes first."""
     if spec.tp > 1 and spec.system != "megatron":
         raise ValueError(f"{spec.system} has no tensor parallelism")
     net = network_of(spec)
     n = spec.pp * spec.dp
     world = tuple(range(n))
+    uses = [("open", k) if i % 2 == 0 else ("close", k) for k in range(steps) for i in range(2)]
     programs = []
     for r in range(n):
-        ops: list = []
+        st = [_Step(spec, cm, net, k) for k in range(steps)]
+        ops: list = _barrier_receives(net, world, r, uses[0])
+        if spec.system == "ours":
+            ops += ours_receives(st[0], r)
         for k in range(steps):
-            st = _Step(spec, cm, net, k)
-            ops += _barrier(net, world, r, ("open", k))
+            ops += _barrier(net, world, r, uses[2 * k], uses[2 * k + 1])
             ops.append(Mark(f"start{k}"))
-            ops += BUILDERS[spec.system](st, r)
-            ops += _barrier(net, world, r, ("close", k))
+            if spec.system == "ours":
+                ops += ours(st[k], r, st[k + 1] if k + 1 < steps else None)
+            else:
+                ops += BUILDERS[spec.system](st[k], r)
+            ops += _barrier(net, world, r, uses[2 * k + 1], uses[2 * k + 2] if 2 * k + 2 < len(uses) else None)
             ops.append(Mark(f"end{k}"))
         programs.append(ops)
     procs = [spec.tp if spec.system == "megatron" else 1] * n
     return Built(programs, procs, net)
 
 
-def _barrier(net: Network, world: tuple, r: int, tag) -> list:
-    return coll.collective(net.transport, "barrier", world, r, ("barrier", tag), 0, net.link, "barrier")
+# ---- the timing barrier (contract.training.StepBarrier) ---------------------------------------------
+def _barrier_rounds(world: tuple, r: int, use) -> list[tuple[tuple, int, tuple, int]]:
+    """Per round k of the dissemination barrier: (key of the message from r - 2^k, that rank, key of
+    the message to r + 2^k, that rank)."""
+    n, out, k = len(world), [], 1
+    while k < n:
+        frm, to = world[(r - k) % n], world[(r + k) % n]
+        out.append((("barrier", use, k, frm, r), frm, ("barrier", use, k, r, to), to))
+        k *= 2
+    return out
+
+
+def _barrier_receives(net: Network, world: tuple, r: int, use) -> list:
+    """Over gloo the barrier's receives of a use are posted one use ahead."""
+    if net.transport != "gloo" or use is None:
+        return []
+    return [Recv(rk, frm, 4) for rk, frm, _, _ in _barrier_rounds(world, r, use)]
+
+
+def _barrier(net: Network, world: tuple, r: int, use, next_use) -> list:
+    """One use of the timing barrier: ceil(log2 n) rounds, in each a 1-element message to r + 2^k and
+    one awaited from r - 2^k: one one-way delay per round. Over gloo the receive was posted one use
+    ahead and this use posts the next one's (``next_use``; None: the last); over nccl each round posts
+    its receive with its send."""
+    ops: list = []
+    for rk, frm, sk, to in _barrier_rounds(world, r, use):
+        if net.transport != "gloo":
+            ops.append(Recv(rk, frm, 4))
+        ops += [Send(sk, to, 4), Wait((rk, sk), "barrier")]
+    return ops + _barrier_receives(net, world, r, next_use)

@@ -1,10 +1,11 @@
 """The simulator on cases that can be checked by hand: closed forms of the schedules, links, handshakes,
-shared cores, deferred work, the parameter server's bytes."""
+shared cores, deferred work, the timing barrier, ours' data-parallel messages."""
 from __future__ import annotations
+
+import math
 
 import pytest
 
-from runners.predict import collectives as coll
 from runners.predict.compute import ComputeModel, Overheads
 from runners.predict.engine import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Simulator, Wait
 from runners.predict.predict import predict
@@ -62,10 +63,10 @@ def test_gpipe_without_network_is_m_plus_p_minus_1_slots(pp, m):
 def test_gpipe_2_stages_with_latency_closed_form(d):
     """torch's GPipe posts each receive after the previous micro-batch, so every message of a phase
     pays its delay one after the other (one in flight): (m + 1)(f + b) + 2 m d, plus the closing
-    barrier's 2 d."""
+    barrier's d (one round at 2 ranks)."""
     m, f, b = 4, 0.01, 0.02
     t = predict(spec(batch=m, link=Link(d, 1e15)), Fixed(f, b)).step_time
-    assert t == pytest.approx((m + 1) * (f + b) + 2 * m * d + 2 * d, rel=1e-6)
+    assert t == pytest.approx((m + 1) * (f + b) + 2 * m * d + d, rel=1e-6)
 
 
 def test_1f1b_has_the_gpipe_bubble_without_network():
@@ -153,40 +154,83 @@ def test_fill_wait_runs_deferred_chunks_while_waiting():
     assert res.marks[0]["end"][0] == pytest.approx(0.9)
 
 
-def _bytes(ops, server: int) -> tuple[float, float]:
-    sent = sum(op.nbytes for op in ops if isinstance(op, Send))
-    received = sum(op.nbytes for op in ops if isinstance(op, Recv))
-    return sent, received
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_barrier_costs_one_delay_per_round(n, transport):
+    """The timing barrier: ceil(log2 n) rounds of one message each; over gloo its receives are posted
+    one use ahead, so no round waits for a receive-posted notice."""
+    from runners.predict.programs import _barrier, _barrier_receives
+
+    d = 0.01
+    net = Network(Link(d, 1e15), transport)
+    world = tuple(range(n))
+    step = Compute(0.1, "forward")  # the step between two uses (the posted receives' notices arrive)
+    progs = [_barrier_receives(net, world, r, "a") + [step] + _barrier(net, world, r, "a", "b") + [Mark("a"), step]
+             + _barrier(net, world, r, "b", None) + [Mark("b")] for r in world]
+    res = Simulator(progs, net).run()
+    rounds = math.ceil(math.log2(n))
+    for r in world:
+        assert res.marks[r]["a"][0] == pytest.approx(0.1 + rounds * d, rel=1e-6)
+        assert res.marks[r]["b"][0] == pytest.approx(0.2 + 2 * rounds * d, rel=1e-6)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_central_ps_bytes_through_the_server(n):
-    """gloo's reduce to the server: a ring reduce-scatter ((n-1)/n of the buffer in and out of every
-    rank) then the other ranks' chunks to the root; the broadcast sends the whole buffer down a binomial
-    tree (the root sends it log2 n times)."""
-    nbytes, ranks = 4 * 2 ** 20, tuple(range(n))
-    red = coll.reduce(ranks, 0, 0, "t", nbytes, "dp")
-    sent, received = _bytes(red, 0)
-    assert received == pytest.approx((n - 1) / n * nbytes + (n - 1) * nbytes / n, rel=0.01)
-    assert sent == pytest.approx((n - 1) / n * nbytes, rel=0.01)
-    bsent, _ = _bytes(coll.broadcast(ranks, 0, 0, "t", nbytes, "dp"), 0)
-    assert bsent == pytest.approx(nbytes * (n.bit_length() - 1))
+def _ours_dp(dp: int, mode: str, link: Link, transport: str, wgrad: float = 0.0, model=MODEL):
+    """(spec, the longest DP sync of any rank in the timed step) of ours at P = 1."""
+    from runners.predict.programs import build
+
+    s = RunSpec("ours", model.with_overrides(n_layer=1), batch_size=1, micro_batch_size=1, link=link, pp=1,
+                transport=transport, dp=dp, dp_mode=mode)
+    built = build(s, Fixed(0.01, 0.02, wgrad=wgrad))
+    res = Simulator(built.programs, built.network).run()
+    return s, max(res.window(r, "start1", "end1")[1].get("dp", 0.0) for r in range(dp))
 
 
-def test_central_ps_over_nccl_pushes_and_pulls_each_stage_once():
-    d, gbps = 0.001, 1.0
-    link = Link.from_ms_gbps(d * 1e3, gbps)
-    base = spec("ours", pp=2, batch=1, slices=(128,), link=link, dp=1)
-    dp4 = base.replace(dp=4, dp_mode="central_ps")
-    cm = Fixed(0.01, 0.02)
-    sync = predict(dp4, cm).dp_sync
-    from runners.predict.compute import stage_params
-    from runners.predict.programs import _buckets
+def _buckets_of(s: RunSpec) -> list[tuple[int, int]]:
+    """(bytes, the deferred linear that completes it) of each bucket of the stage."""
+    from runners.predict.programs import _buckets, _grad_order, _Step, network_of
 
-    nbytes = stage_params(base.model, 1, True, False) * 4
-    buckets = _buckets(nbytes)
-    expect = sum(2 * (3 * link.latency + b / link.bandwidth) for b in buckets)
-    assert sync == pytest.approx(expect, rel=0.05)
+    st = _Step(s, Fixed(0.01, 0.02), network_of(s), 0)
+    return [(n * 4, at) for n, at in _buckets(_grad_order(st, True, True))]
+
+
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+@pytest.mark.parametrize("dp,mode", [(2, "central_ps"), (4, "central_ps"), (3, "sharded_ps"), (4, "sharded_ps"),
+                                     (2, "allreduce"), (4, "allreduce")])
+def test_ours_dp_is_one_round_point_to_point(dp, mode, transport):
+    """One bucket of S bytes (the toy stage), receives posted a step ahead (no handshake over gloo):
+    the replicas push at once, each over its own link (the simulator shares a host's egress, not its
+    ingress), and the reducing ranks send back over theirs. central PS: the push S/B + d, then the
+    server's D - 1 pulls one after the other, (D - 1) S/B + d; sharded PS (and all-reduce at D > 2):
+    every rank sends D - 1 ranges of S/D each way; all-reduce at D = 2: one exchange, S/B + d."""
+    d, B = 0.005, 1e8
+    s, sync = _ours_dp(dp, mode, Link(d, B), transport)
+    ((S, _),) = _buckets_of(s)
+    if mode == "central_ps":
+        expect = 2 * d + S / B + (dp - 1) * S / B
+    elif mode == "allreduce" and dp == 2:
+        expect = d + S / B
+    else:
+        share = -(-S // 4 // dp) * 4  # each range, in whole fp32 elements
+        expect = 2 * d + 2 * (dp - 1) * share / B
+    if transport == "nccl":
+        assert sync == pytest.approx(expect, rel=1e-3)
+    else:  # ranks enter the timed step as the barrier's messages left them (a few wire times apart)
+        assert expect * (1 - 1e-3) < sync < expect + d / 2  # a receive-posted handshake would add d
+
+
+def test_ours_pushes_buckets_while_weight_gradients_run():
+    """A stage of several buckets whose weight gradients take long: each bucket leaves as its last
+    linear's gradient is final, so the sync waits only for the buckets the last linear completes (the
+    output layer's gradient costs nothing here): their bytes and one delay (all-reduce at D = 2)."""
+    d, B = 0.005, 1e9
+    model = MODEL.with_overrides(n_embd=512, n_head=8)
+    s, none = _ours_dp(2, "allreduce", Link(d, B), "nccl", wgrad=0.0, model=model)
+    _, slow = _ours_dp(2, "allreduce", Link(d, B), "nccl", wgrad=0.9, model=model)
+    buckets = _buckets_of(s)
+    tail = sum(b for b, at in buckets if at >= 3)  # completed by the last block linear or the head
+    assert len(buckets) > 3 and tail < sum(b for b, _ in buckets) / 2
+    assert none == pytest.approx(d + sum(b for b, _ in buckets) / B, rel=1e-3)
+    assert slow == pytest.approx(d + tail / B, rel=1e-3)
 
 
 def test_breakdown_adds_up():
