@@ -22,8 +22,9 @@ def predict(spec: RunSpec, compute: ComputeModel, cores: float | tuple | None = 
     """The step time of ``spec`` with operation times from ``compute``; ``cores``: CPU cores the ranks
     share, or the capacity for 1, 2, ... computing processes (see ``engine.Simulator``); None: one device
     per rank. Over gloo the second of two simulated steps is the one reported
-    (its ranks start as the first one's closing barrier left them); over nccl the opening barrier is a
-    collective every rank leaves at once, so one step is enough."""
+    (its ranks start as the first one's closing barrier left them; the first step's gloo messages pay the
+    receive-posted notices of receives posted at time 0); over nccl every rank enters the first opening
+    barrier at 0 and leaves it at once, so one step is enough."""
     steps = 1 if spec.transport == "nccl" else 2
     built = build(spec, compute, steps=steps)
     res = Simulator(built.programs, built.network, cores, built.procs).run()
