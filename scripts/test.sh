@@ -12,4 +12,4 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   exec .venv/bin/python -m pytest -q -m "not multiprocess and not network" "$@"
 fi
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"
