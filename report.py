@@ -17,6 +17,7 @@ run, the newest wins. Plots (``--plots``): step time (log scale) against the one
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import sys
 from pathlib import Path
@@ -253,21 +254,31 @@ def _verdict(row: pd.DataFrame) -> str | None:
     return text
 
 
+def _verdicts(row: pd.DataFrame) -> list[tuple[str, str]]:
+    """(qualifier, verdict) of one row: one verdict, or one per device count when the row's runs use
+    different numbers of devices (P-2 against P-2 D-2 is not a race)."""
+    ok = row[(row["status"] == "ok") & (row["role"] != "reference")]
+    counts = sorted(ok["devices"].dropna().unique())
+    if len(counts) <= 1:
+        groups = [("", row)]
+    else:
+        groups = [(f", {int(n)} devices", row[row["devices"] == n]) for n in counts]
+    return [(q, v) for q, v in ((q, _verdict(g)) for q, g in groups) if v]
+
+
 def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict, pd.DataFrame]]) -> str:
     lines = []
     for fixed, g in layouts:
-        rows = [(mb, _verdict(r)) for mb, r in g.groupby("mb")]
-        rows = [(mb, v) for mb, v in rows if v]
+        rows = [(f"micro-batch {mb}{q}", v) for mb, r in g.groupby("mb") for q, v in _verdicts(r)]
         if rows and len(g) > 1:
             lines.append(f"- **Layouts**, {heading(fixed)}:")
-            lines += [f"  - micro-batch {mb}: {v}" for mb, v in rows]
+            lines += [f"  - {what}: {v}" for what, v in rows]
     for fixed, g in networks:
         g = g.assign(order=g["network"].map(network_order)).sort_values("order")
-        rows = [(net, _verdict(r)) for net, r in g.groupby("network", sort=False)]
-        rows = [(net, v) for net, v in rows if v]
+        rows = [(f"{network_label(net)}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
         if rows and len(g) > 1:
             lines.append(f"- **Networks**, {heading(fixed)}:")
-            lines += [f"  - {network_label(net)}: {v}" for net, v in rows]
+            lines += [f"  - {what}: {v}" for what, v in rows]
     return "## Summary\n\n" + "\n".join(lines) if lines else ""
 
 
@@ -325,11 +336,18 @@ def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
         if g["network"].nunique() < 2:
             continue
         fig, ax = plt.subplots(figsize=(8, 4.8))
+        ends = []
         for col, s in g.groupby("column"):
             s = s.sort_values("delay")
             (line,) = ax.plot(s["delay"], s["median_step_time"], marker="o")
-            ax.annotate(col, (s["delay"].iloc[-1], s["median_step_time"].iloc[-1]), xytext=(-4, 4),
-                        textcoords="offset points", ha="right", fontsize=8, color=line.get_color())
+            ends.append((s["median_step_time"].iloc[-1], s["delay"].iloc[-1], col, line.get_color()))
+        low, high = min(g["median_step_time"]), max(g["median_step_time"])
+        gap = max(0.04, 0.045 * math.log10(high / low))  # labels of lines that end close together are stacked
+        placed = -math.inf
+        for t, x, col, color in sorted(ends):
+            placed = max(math.log10(t) + gap / 3, placed + gap)
+            ax.annotate(col, (x, t), xytext=(x, 10 ** placed), textcoords="data", ha="right", fontsize=8,
+                        color=color)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("one-way delay (ms); bandwidth as the network setting says")

@@ -107,6 +107,17 @@ def test_the_report_answers_first_and_has_no_single_cell_table():
     assert "19.71 s" in text.split("## Every run")[1]
 
 
+def test_the_summary_races_runs_of_the_same_device_count():
+    recs = [_rec(system="ours", pp=2, network="d10-1g", t=0.6), _rec(system="torch_pipe", pp=2, network="d10-1g", t=0.8),
+            _rec(system="ours", pp=2, dp=2, network="d10-1g", t=1.5),
+            _rec(system="torch_pipe", pp=2, dp=2, network="d10-1g", t=3.0)]
+    summary = render([r.__dict__ for r in recs]).split("## Summary")[1].split("\n## ")[0]
+    two = next(l for l in summary.splitlines() if "2 devices" in l)
+    four = next(l for l in summary.splitlines() if "4 devices" in l)
+    assert "fastest `ours P-2`" in two and "**1.33x** faster than the best baseline `torch_pipe gpipe P-2`" in two
+    assert "P-2 D-2` 1.50 s, **2.00x** faster than the best baseline `torch_pipe gpipe P-2 D-2`" in four
+
+
 def test_a_line_that_is_not_a_record_is_skipped_with_a_warning(tmp_path):
     path = tmp_path / "r.jsonl"
     append_record(path, _rec(pp=8, t=19.71))
