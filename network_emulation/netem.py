@@ -14,11 +14,10 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Literal, TextIO
 
 from .profiles import LinkSpec, Profile, ProfileError
-from .signals import signals_deferred, signals_raise
+from .signals import Guarded, signals_deferred
 
 Kind = Literal["netem", "tbf"]
 MTU_BYTES = 1500
@@ -191,7 +190,7 @@ def apply(runner: Runner, profile: Profile, iface: str, src: int = 0, addresses:
         runner.run(argv)
 
 
-class NetemSession:
+class NetemSession(Guarded):
     """Apply netem on ``hosts`` (ssh names; empty = this host) and always clear afterwards,
     also after an exception, Ctrl-C, SIGTERM or SIGHUP.
 
@@ -207,24 +206,13 @@ class NetemSession:
         self.runners = [Runner(h, dry_run, sudo, out) for h in (hosts or [None])]  # type: ignore[list-item]
         if not dry_run and not hosts and not sudo:
             require_root("netem")
-        self._guard = signals_raise()
 
-    def __enter__(self) -> NetemSession:
-        self._guard.__enter__()
-        try:
-            for i, r in enumerate(self.runners):
-                apply(r, self.profile, self.iface, i, self.addresses)
-        except BaseException:
-            self._clear()
-            self._guard.__exit__(None, None, None)
-            raise
-        return self
+    def start(self) -> None:
+        for i, r in enumerate(self.runners):
+            apply(r, self.profile, self.iface, i, self.addresses)
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        try:
-            self._clear()
-        finally:
-            self._guard.__exit__(et, ev, tb)
+    def close(self) -> None:
+        self._clear()
 
     def _clear(self) -> None:
         with signals_deferred():

@@ -44,11 +44,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TextIO
 
 from . import netem, node_ssh
-from .signals import Terminated, signals_deferred, signals_raise
+from .signals import Guarded, Terminated, signals_deferred, signals_raise
 from .virtual_cluster import PREFIX, TCP_MEM_MAX, _run, _start_time, cleanup_stale, destroy_namespace, list_namespaces
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,7 +123,7 @@ def check_subnet(subnet: str) -> None:
         raise NodesError(f"subnet must be the first three octets of a /24, e.g. 10.88.0, got {subnet!r}") from None
 
 
-class VirtualNodes:
+class VirtualNodes(Guarded):
     """``n_nodes`` virtual nodes with sshd, owned by the current process; a context manager.
 
     After ``start()``: ``nodes`` (Node per node), ``hostfile`` and ``ssh_config`` (paths),
@@ -153,7 +152,6 @@ class VirtualNodes:
         self.subnet = ""
         self.nodes: tuple[Node, ...] = ()
         self.node_inits: list[subprocess.Popen[bytes]] = []  # per node: unshare, whose child sshd is the node's pid 1
-        self._guard = signals_raise()
         self._open = False
 
     # ------------------------------------------------------------------ paths
@@ -169,23 +167,7 @@ class VirtualNodes:
     def host_address(self) -> str:
         return f"{self.subnet}.{HOST_OCTET}"
 
-    # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> VirtualNodes:
-        self._guard.__enter__()
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            self._guard.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        try:
-            self.close()
-        finally:
-            self._guard.__exit__(et, ev, tb)
-
+    # ------------------------------------------------------------------ lifecycle (Guarded)
     def start(self) -> None:
         netem.require_root("virtual nodes")
         netem.require_tools("ip", "unshare", "mount")

@@ -55,3 +55,33 @@ def signals_deferred() -> Iterator[None]:
             signal.signal(s, h)
         for s in pending[:1]:
             signal.raise_signal(s)
+
+
+class Guarded:
+    """A resource set up on entering a ``with`` block and torn down on leaving it, however it is left:
+    while it is open SIGINT, SIGTERM and SIGHUP raise (``signals_raise``), so a killed owner still
+    tears it down; a start that fails part way tears down what it had set up before the error goes
+    on. Subclasses define ``start()`` and ``close()`` (which must cope with a partial start)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._signals = signals_raise()
+        self._signals.__enter__()
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            self._signals.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, et, ev, tb) -> None:
+        try:
+            self.close()
+        finally:
+            self._signals.__exit__(et, ev, tb)

@@ -43,13 +43,12 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, TextIO
 
 from . import netem
 from .probe import DEFAULT_PORT, LinkMeasurement, measure_with
 from .profiles import Profile, ProfileError
-from .signals import signals_deferred, signals_raise
+from .signals import Guarded, signals_deferred
 
 REPO = Path(__file__).resolve().parent.parent
 QUEUE_BASE = 4700  # NFQUEUE numbers of the delayer: QUEUE_BASE (uniform) or QUEUE_BASE + source rank
@@ -163,7 +162,7 @@ class _Agent:
         return error
 
 
-class SshShapingSession:
+class SshShapingSession(Guarded):
     """Shape ``hosts`` (ssh names; empty = this host) for ``profile`` on ``iface``, each with the best
     backend it has, and always clear afterwards (exception, Ctrl-C, SIGTERM, SIGHUP; SIGKILL of this
     process through the agents' EOF).
@@ -201,7 +200,6 @@ class SshShapingSession:
         self._agents: list[_Agent] = []
         if not dry_run and not hosts and not sudo:
             netem.require_root("shaping")
-        self._guard = signals_raise()
 
     # ------------------------------------------------------------------ commands
     def _on(self, host: str | None, argv: list[str]) -> list[str]:
@@ -218,24 +216,14 @@ class SshShapingSession:
         return plan_for(self.profile, self.iface, index, self.addresses, self.backends.get(host or "localhost", "auto"))
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> SshShapingSession:
-        self._guard.__enter__()
-        try:
-            if self.dry_run:
-                self._print_plan()
-            else:
-                self._start()
-        except BaseException:
-            self._clear()
-            self._guard.__exit__(None, None, None)
-            raise
-        return self
+    def start(self) -> None:
+        if self.dry_run:
+            self._print_plan()
+        else:
+            self._start()
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        try:
-            self._clear()
-        finally:
-            self._guard.__exit__(et, ev, tb)
+    def close(self) -> None:
+        self._clear()
 
     def _print_plan(self) -> None:
         for i, host in enumerate(self.hosts):

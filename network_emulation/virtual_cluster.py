@@ -39,13 +39,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TextIO
 
 from . import netem
 from .probe import DEFAULT_PORT, LinkMeasurement, measure
 from .profiles import Profile, parse_profile
-from .signals import signals_deferred, signals_raise
+from .signals import Guarded, signals_deferred
 
 PREFIX = "nemu-"
 _NS_RE = re.compile(rf"^{PREFIX}(\d+)\.([0-9a-f]+)-")
@@ -138,7 +137,7 @@ class VirtualHost:
         }
 
 
-class VirtualCluster:
+class VirtualCluster(Guarded):
     """``n_hosts`` network namespaces on one bridge, shaped by ``profile``; a context manager.
 
     backend="auto" picks netem when the kernel has it, else tbf+delayer ("none" for the none profile).
@@ -171,26 +170,9 @@ class VirtualCluster:
         self.delayer_realtime = False
         self.watchdog: subprocess.Popen[bytes] | None = None
         self.tcp_congestion: str | None = None
-        self._guard = signals_raise()
         self._open = False
 
-    # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> VirtualCluster:
-        self._guard.__enter__()
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            self._guard.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        try:
-            self.close()
-        finally:
-            self._guard.__exit__(et, ev, tb)
-
+    # ------------------------------------------------------------------ lifecycle (Guarded)
     def start(self) -> None:
         netem.require_root("the virtual cluster")
         netem.require_tools("ip", "tc")

@@ -34,7 +34,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VirtualNodes]:
 # the receiver's ingress the probe stamps a datagram when the server reads it, not when the kernel
 # received it (that is before the delay). Side by side under load 5-6 on 2 cores, medians of 5:
 # virtual cluster 10.24 ms, virtual nodes over ssh 10.36 ms.
-DELAY_TOLERANCE_MS = 0.4
+DELAY_TOLERANCE_MS = 0.6  # the delayer adds up to ~0.5 ms on a busy host
 
 
 def session(vn: VirtualNodes, profile: str) -> SshShapingSession:
