@@ -28,14 +28,28 @@ def gpu_peak_tflops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def measure_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, trials: int = 8) -> float:
+def measure_matmul_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, trials: int = 8,
+                          budget_s: float = 1.0) -> float:
     """A matmul peak measured on this device (used where no table entry exists, e.g. CPU): the best
-    of several short trials, so that a moment of contention on a shared machine does not lower it."""
+    of several short trials, so that a moment of contention on a shared machine does not lower it;
+    at least two trials, then no more once ``budget_s`` is spent. Where one matmul of n takes more
+    than a quarter of the budget, judged from one at n = 256 (bf16 on a CPU without bf16 units: 2.4 s
+    at n = 1024 here, so nine of them cost every mixed-precision rank 20 s), it measures at n = 256."""
+    small = 256  # first a small matmul, to see whether n is affordable (n^3 / small^3 times its time)
+    a = torch.randn(small, small, device=device, dtype=dtype)
+    a @ a
+    start = time.perf_counter()
+    a @ a
+    if (time.perf_counter() - start) * (n / small) ** 3 > budget_s / 4:
+        n = small
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b
     best = 0.0
-    for _ in range(trials):
+    began = time.perf_counter()
+    for k in range(trials):
+        if k >= 2 and time.perf_counter() - began > budget_s:
+            break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
