@@ -236,6 +236,13 @@ Wrap = Callable[[list[str]], list[str]]
 that runs it somewhere: inside a namespace, or on a node over ssh."""
 
 
+def bulk_duration(profile, src: int, dst: int) -> float:
+    """Seconds of the bulk transfer for the src -> dst link of ``profile``: 1 s, longer (up to 4 s)
+    on long round trips so that TCP leaves slow start."""
+    rtt_ms = sum(link.delay_ms for link in (profile.link(src, dst), profile.link(dst, src)) if link)
+    return min(4.0, max(1.0, 25 * rtt_ms / 1e3))
+
+
 def measure_with(server: Wrap, client: Wrap, address: str, *, port: int = DEFAULT_PORT, samples: int = 20,
                  duration_s: float = 1.0, stamp: str = "kernel") -> LinkMeasurement:
     """Start the probe server through ``server``, then the client through ``client`` towards

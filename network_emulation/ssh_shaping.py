@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from . import netem
-from .probe import DEFAULT_PORT, LinkMeasurement, measure_with
+from .probe import DEFAULT_PORT, LinkMeasurement, bulk_duration, measure_with
 from .profiles import Profile, ProfileError
 from .signals import Guarded, signals_deferred
 
@@ -302,8 +302,7 @@ class SshShapingSession(Guarded):
         if src == dst:
             raise ValueError("probe needs two different hosts")
         if duration_s is None:
-            rtt_ms = sum(link.delay_ms for link in (self.profile.link(src, dst), self.profile.link(dst, src)) if link)
-            duration_s = min(4.0, max(1.0, 25 * rtt_ms / 1e3))
+            duration_s = bulk_duration(self.profile, src, dst)
         server, client = self.hosts[dst], self.hosts[src]
         address = self.iface_addresses.get(server or "localhost") or server
         if not address:

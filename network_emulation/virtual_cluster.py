@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import netem
-from .probe import DEFAULT_PORT, LinkMeasurement, measure
+from .probe import DEFAULT_PORT, LinkMeasurement, bulk_duration, measure
 from .profiles import Profile, parse_profile
 from .signals import Guarded, signals_deferred
 
@@ -351,8 +351,7 @@ class VirtualCluster(Guarded):
         if src == dst:
             raise ValueError("probe needs two different hosts")
         if duration_s is None:
-            rtt_ms = sum(link.delay_ms for link in (self.profile.link(src, dst), self.profile.link(dst, src)) if link)
-            duration_s = min(4.0, max(1.0, 25 * rtt_ms / 1e3))
+            duration_s = bulk_duration(self.profile, src, dst)
         a, b = self.hosts[src], self.hosts[dst]
         return measure(b.command_prefix(), a.command_prefix(), b.address, port=port, samples=samples,
                        duration_s=duration_s)
