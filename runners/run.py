@@ -12,7 +12,7 @@ import os
 import shutil
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from contract import ConfigError, RunConfig, SystemOptions
@@ -48,11 +48,13 @@ class Verification:
     passed: bool
     reason: str = ""
     tolerance: str = ""  # the policy and tolerance judged by (Tolerance.describe)
+    reference: str = "trained"  # trained beside the run, or "cached" (runners.reference_cache)
 
     def line(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
         why = f" ({self.reason})" if self.reason else ""
-        return (f"verify ({self.tolerance}): max_abs_loss_diff={self.max_abs_loss_diff:.3e} "
+        cached = "; reference cached" if self.reference == "cached" else ""
+        return (f"verify ({self.tolerance}{cached}): max_abs_loss_diff={self.max_abs_loss_diff:.3e} "
                 f"max_abs_grad_diff={self.max_abs_grad_diff:.3e} max_rel_grad_diff={self.max_rel_grad_diff:.3e} "
                 f"grads={self.n_grads} {verdict}{why}")
 
@@ -61,6 +63,21 @@ def reference_config(cfg: RunConfig) -> RunConfig:
     """The same workload on one process: same seed, data and global batch."""
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
                        options=SystemOptions())
+
+
+def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:
+    """The reference's result: kept from an earlier run with the same key (``runners.reference_cache``)
+    or trained now (and kept when ok). Returns it and "cached" or "trained"."""
+    from runners import reference_cache
+    from runners.launcher import LaunchResult, launch
+
+    kept = reference_cache.load(ref_cfg)
+    if kept is not None:
+        return LaunchResult("ok", None, kept[0], kept[1]), "cached"
+    ref = launch(ref_cfg, 1, Placement())
+    if ref.status == "ok":
+        reference_cache.store(ref_cfg, ref.ranks, ref.grads)
+    return ref, "trained"
 
 
 def compare(run: LaunchResult, ref: LaunchResult, tolerance: Tolerance) -> Verification:
@@ -103,12 +120,14 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
     verification = None
     try:
         if cfg.verify:
-            ref = launch(reference_config(cfg), 1, Placement())
+            ref, how = reference_result(reference_config(cfg))
             try:
                 cuda = bool(result.ranks) and str(result.ranks[0].get("device", "")).startswith("cuda")
-                verification = compare(result, ref, verify_tolerance(cfg, spec.half_weights, cuda))
+                verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights, cuda)),
+                                                   reference=how)
             finally:
-                shutil.rmtree(ref.run_dir, ignore_errors=True)
+                if ref.run_dir is not None:
+                    shutil.rmtree(ref.run_dir, ignore_errors=True)
         if result.network is not None:
             env["network"] = result.network
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,

@@ -12,6 +12,15 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_reference_cache(tmp_path_factory):
+    """--verify's reference cache (runners.reference_cache) of this test session only: the tests'
+    runs share references with each other, never with an earlier session or the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPEBENCH_CACHE", str(tmp_path_factory.mktemp("pipebench-cache")))
+        yield
+
+
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """python -m runners.run ARGS..., from the repo root; returns the completed process (text)."""
     full_env = dict(os.environ, **(env or {}))
