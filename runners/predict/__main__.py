@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (every ok record "
                            "in calibration-runs.jsonl is fitted)")
         else:
-            q.add_argument("--repeats", type=int, default=2, help="runs of each validation config (the measurement: "
+            q.add_argument("--repeats", type=int, default=3, help="runs of each validation config (the measurement: "
                            "the median of their median step times)")
         q.set_defaults(fn=fn)
     q = sub.add_parser("seed")

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runners.predict import collectives as coll
-from runners.predict.compute import ComputeModel, Overheads, stage_params
+from runners.predict.compute import ComputeModel, Overheads, Scaled, stage_params
 from runners.predict.engine import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
 from runners.predict.spec import RunSpec
 
@@ -56,8 +56,9 @@ class _Step:
     """Builds one rank's operations for one step of ``spec``; ``tag`` makes message keys unique."""
 
     def __init__(self, spec: RunSpec, cm: ComputeModel, network: Network, step: int):
-        self.spec, self.cm, self.net, self.step = spec, cm, network, step
+        self.spec, self.net, self.step = spec, network, step
         self.o: Overheads = cm.overheads(spec.system)
+        self.cm = cm if self.o.compute == 1.0 else Scaled(cm, self.o.compute)  # the system's own kernels
         m = spec.model
         self.h, self.seq = m.n_embd, m.seq_len
         self.V = spec.virtual_pp

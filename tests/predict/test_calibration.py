@@ -58,6 +58,22 @@ def test_overheads_round_trip():
     assert max(abs(r["error"]) for r in report) < 1e-3
 
 
+def test_compute_factor_round_trip():
+    """A baseline's kernels at 0.8 of the profiled time: separable from the per-unit overhead by runs whose
+    micro-batches carry different amounts of math."""
+    truth = Overheads(step=0.004, unit=0.002, compute=0.8)
+    cm = CpuCompute(synthetic_profile())
+    link = Link(2e-4, 1e9)
+    specs = [RunSpec("torch_pipe", TOY, b, mb, link, pp=2) for b, mb in ((2, 1), (4, 1), (4, 2), (8, 2))]
+    measured = [predict(s, cm.with_overheads("torch_pipe", truth), cores=2.0).step_time for s in specs]
+    assert measured[2] != pytest.approx(predict(specs[2], cm.with_overheads("torch_pipe", Overheads(0.004, 0.002)),
+                                                cores=2.0).step_time, rel=0.01)  # the factor matters
+    fitted, _ = fit_overheads("torch_pipe", [(s, m, cm) for s, m in zip(specs, measured)], 2.0,
+                              ("step", "unit", "compute"))
+    assert fitted.compute == pytest.approx(0.8, rel=0.02)
+    assert fitted.unit == pytest.approx(0.002, rel=0.05)
+
+
 def test_efficiency_round_trip():
     dev = GpuCompute("gpu", TOY, {"fp32": 10.0, "fp16": 80.0}, {"fp32": 0.4})
     spec = RunSpec("ours", TOY, 8, 1, Link.from_ms_gbps(0.1, 10, 1), pp=2, slices=(64,), transport="nccl")
