@@ -25,10 +25,11 @@ class Link:
         the sender to its arrival); bandwidth: bytes per second of the sender's egress (shared by every
         message the host sends); in_flight: how many messages may be on the way on this link and
         direction at once (a message starts only when fewer than that are still travelling), None for
-        no limit; stall_bytes: on the emulated links of this machine (tbf + the NFQUEUE delayer) the last
-        byte of an n-byte message cannot arrive before min(1, n / stall_bytes) one-way delays plus the
-        latency after it started, however fast the wire (measured with a gloo message probe, see
-        ``runners.predict.local``); None elsewhere."""
+        no limit; stall_bytes: where an emulated link holds messages back, the last byte of an n-byte
+        message cannot arrive before min(1, n / stall_bytes) one-way delays plus the latency after it
+        started, however fast the wire (``runners.predict.message_probe`` measures it with gloo; the
+        virtual cluster had one of about 25 KiB before it set TCP CUBIC and no slow start after idle,
+        and has none since); None: no stall."""
 
     latency: float
     bandwidth: float
