@@ -13,7 +13,7 @@ from workload.configs import ModelConfig
 
 SYSTEMS = ("torch_pipe", "megatron", "ours")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("allreduce", "central_ps", "sharded_ps")
+DP_MODES = ("allreduce", "central_ps", "sharded_ps", "chain_ps")
 TRANSPORTS = ("gloo", "nccl")
 
 
@@ -67,7 +67,9 @@ class RunSpec:
     model: the GPT shape. pp / tp / dp: pipeline stages, tensor-parallel degree, pipelines.
     batch_size: sequences per pipeline and step; micro_batch_size: sequences per micro-batch
         (ours: per batch slice). virtual_pp: model chunks per rank (interleaved).
-    slices: ours' token slice lengths (sum = seq_len). dp_mode: ours' data parallelism.
+    slices: ours' token slice lengths (sum = seq_len). dp_mode: ours' data parallelism (allreduce,
+        central_ps, sharded_ps), or ``chain_ps``, the seed's (DT-FM's) central PS over NCCL, not an
+        option of ours: per 25 MB bucket a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
     precision: "fp32" or "mixed" (activations and messages in 2 bytes). recompute: activation
         recomputation (a layer's forward runs again before its backward).
     link: every inter-host link (hosts = ranks); intra_link: links between ranks of one host
