@@ -169,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, fn in (("calibrate", _calibrate), ("validate", _validate)):
         q = sub.add_parser(name)
-        q.add_argument("--steps", type=int, default=3)
+        q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
         q.add_argument("--warmup", type=int, default=1)
         if name == "calibrate":
-            q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (the fastest kept, "
-                           "with every earlier one in calibration-runs.jsonl)")
+            q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (every ok record "
+                           "in calibration-runs.jsonl is fitted)")
         else:
-            q.add_argument("--repeats", type=int, default=1, help="runs of each validation config (the fastest kept)")
+            q.add_argument("--repeats", type=int, default=3, help="runs of each validation config (the measurement: "
+                           "the median of their median step times)")
         q.set_defaults(fn=fn)
     q = sub.add_parser("seed")
     q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")

@@ -15,7 +15,7 @@ from runners.predict.compute import CpuCompute, GpuCompute, Overheads
 from runners.predict.predict import predict
 from runners.predict.spec import RunSpec
 
-PARAMS = ("step", "unit", "unit_layer", "dp")
+PARAMS = ("step", "unit", "unit_layer", "dp", "compute")
 
 
 def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:

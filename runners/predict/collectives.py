@@ -8,7 +8,8 @@ segment pays gloo's receive-posted handshake on the emulated links:
 - ``allgather``: ring, n - 1 steps of one chunk.
 
 nccl (GPU clusters): closed forms over one link (latency a, bandwidth B), for a group that leaves
-together (``Group``): ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather (n-1)(a + S/(nB)).
+together (``Group``): ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather (n-1)(a + S/(nB));
+chain reduce / broadcast (n-1) a + S/B (the chunks stream down the chain: every link carries S once).
 """
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ def closed_form(op: str, n: int, nbytes: float, link: Link) -> float:
         return 2 * (n - 1) * (a + nbytes / (n * B))
     if op in ("reduce_scatter", "allgather"):
         return (n - 1) * (a + nbytes / (n * B))
+    if op in ("reduce", "broadcast"):
+        return (n - 1) * a + nbytes / B
     raise ValueError(f"unknown collective {op!r}")
 
 

@@ -29,12 +29,16 @@ class Overheads:
     step: once per step (zero_grad, schedule set-up, loss bookkeeping, the barrier's own cost);
     unit: per micro-batch (ours: per batch slice x token slice) and stage, half in its forward and
     half in its backward; unit_layer: the same per layer of the stage; dp: per data-parallel
-    synchronisation (flattening, copying, the collectives' own bookkeeping)."""
+    synchronisation (flattening, copying, the collectives' own bookkeeping); compute: the factor the
+    system's own kernels take over the profiled ones on the layers', head's and embeddings' math (the
+    profile measures ours' kernels: a baseline's plain blocks, whose linears compute their input and
+    weight gradients in one backward, run at their own speed; 1: as profiled)."""
 
     step: float = 0.0
     unit: float = 0.0
     unit_layer: float = 0.0
     dp: float = 0.0
+    compute: float = 1.0
 
     def per_unit(self, layers: int) -> float:
         return self.unit + self.unit_layer * layers
@@ -57,6 +61,41 @@ class ComputeModel:
 
     def layer_backward(self, b: int, l: int, c: int, tp: int = 1) -> float:
         return self.layer_backward_input(b, l, c, tp) + self.layer_wgrad(b, l, tp)
+
+
+class Scaled(ComputeModel):
+    """``base`` with its layers', head's and embeddings' math scaled by ``factor`` (the optimizer and the
+    overheads as they are)."""
+
+    def __init__(self, base: ComputeModel, factor: float):
+        self.base, self.factor, self.name = base, factor, base.name
+
+    def layer_forward(self, b, l, c, tp=1):
+        return self.base.layer_forward(b, l, c, tp) * self.factor
+
+    def layer_backward_input(self, b, l, c, tp=1):
+        return self.base.layer_backward_input(b, l, c, tp) * self.factor
+
+    def layer_wgrad(self, b, l, tp=1):
+        return self.base.layer_wgrad(b, l, tp) * self.factor
+
+    def head_forward(self, tokens, tp=1, width=None):
+        return self.base.head_forward(tokens, tp, width) * self.factor
+
+    def head_backward_input(self, tokens, tp=1, width=None):
+        return self.base.head_backward_input(tokens, tp, width) * self.factor
+
+    def head_wgrad(self, tokens, tp=1, width=None):
+        return self.base.head_wgrad(tokens, tp, width) * self.factor
+
+    def embed(self, tokens):
+        return self.base.embed(tokens) * self.factor
+
+    def optimizer(self, params):
+        return self.base.optimizer(params)
+
+    def overheads(self, system):
+        return self.base.overheads(system)
 
 
 # ---- GPUs: FLOPs / (datasheet peak x efficiency) -------------------------------------------------

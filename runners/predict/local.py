@@ -147,13 +147,16 @@ def load_profile(m: ModelConfig, directory: Path = RESULTS, make: bool = True, p
 @dataclass(frozen=True)
 class Calibration:
     """Everything fitted on this machine: overheads per system, the loopback link (gloo between two local
-    processes), the cores (a quiet host), the emulated links' per-message stall, the fit's report."""
+    processes), the cores (a quiet host), the emulated links' per-message stall and gloo's own latency
+    per message over them (``message_probe``; None: not probed, the loopback latency stands in), the
+    fit's report."""
 
     overhead: dict
     loopback: tuple[float, float]
     cores: tuple  # cores' worth 1, 2, ... computing ranks get (a quiet host: (1, 2))
     runs: tuple = ()
     stall_bytes: float | None = None
+    message_latency: float | None = None
 
     def compute(self, m: ModelConfig, directory: Path = RESULTS) -> CpuCompute:
         return CpuCompute(load_profile(m, directory), dict(self.overhead))
@@ -161,30 +164,32 @@ class Calibration:
     def to_json(self) -> dict:
         return dict(kind="runners.predict.calibration", overhead={k: asdict(v) for k, v in self.overhead.items()},
                     loopback=list(self.loopback), cores=list(self.cores), stall_bytes=self.stall_bytes,
-                    runs=list(self.runs))
+                    message_latency=self.message_latency, runs=list(self.runs))
 
     @classmethod
     def from_json(cls, d: dict) -> "Calibration":
         return cls({k: Overheads(**v) for k, v in d["overhead"].items()}, tuple(d["loopback"]), tuple(d["cores"]),
-                   tuple(d.get("runs") or ()), d.get("stall_bytes"))
+                   tuple(d.get("runs") or ()), d.get("stall_bytes"), d.get("message_latency"))
 
     def link(self, network: str, probed: dict | None = None):
-        return local_link(network, self.loopback, probed, self.stall_bytes)
+        return local_link(network, self.loopback, probed, self.stall_bytes, self.message_latency)
 
 
-def load_stall(directory: Path = RESULTS, make: bool = True, log=print) -> float | None:
-    """The emulated links' per-message stall (``message_probe``), cached as stall-probe.json."""
+def load_stall(directory: Path = RESULTS, make: bool = True, log=print) -> tuple[float | None, float | None]:
+    """The emulated links' per-message stall and gloo's latency per message over them
+    (``message_probe``), cached as stall-probe.json; (None, None) when not probed and not ``make``."""
     path = directory / "stall-probe.json"
     if path.exists():
-        return json.loads(path.read_text())["stall_bytes"]
+        res = json.loads(path.read_text())
+        return res["stall_bytes"], res.get("message_latency")
     if not make:
-        return None
+        return None, None
     from runners.predict.message_probe import probe_stall
 
     res = probe_stall(log=log)
     directory.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
-    return res["stall_bytes"]
+    return res["stall_bytes"], res["message_latency"]
 
 
 def matches(run: LocalRun, record: dict) -> bool:
@@ -196,9 +201,10 @@ def matches(run: LocalRun, record: dict) -> bool:
             and c.get("network") == run.network)
     if not same:
         return False
+    o = c.get("options") or {}  # a system's own options (contract.SystemOptions) sit under "options"
     if run.system == "ours":
-        return c.get("n_slices") == run.n_slices and (run.dp == 1 or c.get("dp_mode") == run.dp_mode)
-    return c.get("schedule") == run.schedule
+        return o.get("n_slices") == run.n_slices and (run.dp == 1 or o.get("dp_mode") == run.dp_mode)
+    return o.get("schedule") == run.schedule
 
 
 def loads_file(path: Path) -> Path:
@@ -230,7 +236,7 @@ def recorded_runs(runs, path: Path) -> list[tuple[LocalRun, dict, float]]:
 QUIET_CORES = 2.0  # this host's cores, as the simulator sees them when nothing else runs
 
 
-def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 3, warmup: int = 1, directory: Path = RESULTS,
+def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, directory: Path = RESULTS,
                    repeats: int = 2, log=print) -> Calibration:
     """Profile the shapes, run the calibration set without emulated delay (``repeats`` more times each),
     fit the overheads to every recorded repetition, each simulated with the background load measured
@@ -265,7 +271,9 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 3, warmup: int = 1, direc
                  CpuCompute(profiles[shape_key(r.shape())], dict(overhead)), cores_with_background(QUIET_CORES, bg))
                 for r, rec, bg in measured if select(r)]
 
-    for system, params in (("torch_pipe", ("step", "unit")), ("ours", ("step", "unit_layer"))):
+    # torch_pipe's own kernels (plain blocks) run at a factor of the profiled ones (ours' kernels):
+    # fitted with its overheads, the cpu-small run giving it leverage over the tiny ones
+    for system, params in (("torch_pipe", ("step", "unit", "compute")), ("ours", ("step", "unit_layer"))):
         sel = rows(lambda r: r.system == system and r.dp == 1)
         if sel:
             overhead[system], rep = fit_overheads(system, sel, cores, params)
@@ -280,7 +288,7 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 3, warmup: int = 1, direc
             f"{row['cores'][1]:.2f} cores for two)")
     for k, v in overhead.items():
         log(f"  overheads {k}: {v}")
-    cal = Calibration(overhead, loopback, cores, tuple(report), load_stall(directory, log=log))
+    cal = Calibration(overhead, loopback, cores, tuple(report), *load_stall(directory, log=log))
     (directory / "calibration.json").write_text(json.dumps(cal.to_json(), indent=1))
     return cal
 
@@ -323,10 +331,11 @@ def record_prediction(cfg: RunConfig, probed: dict | None = None) -> dict | None
 
 
 def local_link(network: str, loopback: tuple[float, float], probed: dict | None = None,
-               stall_bytes: float | None = None) -> Link:
+               stall_bytes: float | None = None, message_latency: float | None = None) -> Link:
     """The link between two ranks of a local run: gloo over loopback for ``none``; under a network
     profile the probe's one-way delay and bandwidth (``probed``: a LinkMeasurement.describe() dict),
-    or the profile's own values where there is no probe, plus gloo's own per-message latency;
+    or the profile's own values where there is no probe, plus gloo's own per-message latency over the
+    emulated link (``message_latency``, from the message probe; None: the loopback latency);
     ``stall_bytes``: the emulator's per-message stall (``Link.stall``)."""
     lat, bw = loopback
     if network == "none":
@@ -338,7 +347,8 @@ def local_link(network: str, loopback: tuple[float, float], probed: dict | None 
         measured = probed.get("bandwidth_gbps")
         if measured and measured == measured and measured > 0:  # not NaN
             gbps = measured
-    return Link(delay_ms / 1e3 + lat, min(gbps * 1e9 / 8, bw), stall_bytes=stall_bytes)
+    extra = lat if message_latency is None else message_latency
+    return Link(delay_ms / 1e3 + extra, min(gbps * 1e9 / 8, bw), stall_bytes=stall_bytes)
 
 
 def predict_local(run: LocalRun, cal: Calibration, probed: dict | None = None, directory: Path = RESULTS):
@@ -351,14 +361,15 @@ def predict_local(run: LocalRun, cal: Calibration, probed: dict | None = None, d
     return predict(spec, cal.compute(run.shape(), directory), cal.cores)
 
 
-def validate(runs=VALIDATION_RUNS, steps: int = 3, warmup: int = 1, directory: Path = RESULTS,
-             cal: Calibration | None = None, repeats: int = 1, log=print) -> list[dict]:
+def validate(runs=VALIDATION_RUNS, steps: int = 6, warmup: int = 1, directory: Path = RESULTS,
+             cal: Calibration | None = None, repeats: int = 3, log=print) -> list[dict]:
     """Predict, then run (``repeats`` times), every run of ``runs``; print predicted against measured.
 
-    Two predictions per run: ``predicted`` for the host as calibrated (two quiet cores), made before the
-    run; ``predicted_loaded`` the same model with the background load measured while the run's steps
-    ran (other runnable processes on the host, ``runners.predict.load``) sharing the cores. Nothing
-    measured about the run's own steps feeds either."""
+    The measurement of a run is the median of its repetitions' median step times. Two predictions
+    per run: ``predicted`` for the host as calibrated (two quiet cores), made before the run;
+    ``predicted_loaded`` the same model with the background load measured while its steps ran (the
+    mean over the repetitions of the other runnable processes on the host, ``runners.predict.load``)
+    sharing the cores. Nothing measured about the run's own steps feeds either."""
     from runners.predict.load import cores_with_background
 
     cal = cal or load_calibration(directory)
@@ -367,32 +378,37 @@ def validate(runs=VALIDATION_RUNS, steps: int = 3, warmup: int = 1, directory: P
     rows = []
     for r in runs:
         pred = predict_local(r, cal, probes.get(r.network), directory)
+        times, loads, ids = [], [], []
         for _ in range(repeats):
             t = time.perf_counter()
             rec, background = run_and_read(r.argv(out, steps, warmup), out)
             ok = rec is not None and rec.get("status") == "ok"
-            m = rec["median_step_time"] if ok else None
-            bg = background or 0.0
-            loaded = predict_local(r, replace(cal, cores=cores_with_background(QUIET_CORES, bg)),
-                                   probes.get(r.network), directory)
-            row = dict(run=r.name, network=r.network, background=background, predicted=pred.step_time,
-                       predicted_loaded=loaded.step_time, measured=m,
-                       error=(pred.step_time - m) / m if m else None,
-                       error_loaded=(loaded.step_time - m) / m if m else None, parts=pred.parts(),
-                       measured_link=((rec or {}).get("environment") or {}).get("network", {}).get("measured_link"))
-            rows.append(row)
-            got = "-" if m is None else f"{m:.4f} s ({row['error'] * 100:+.1f} %; with the load {row['error_loaded'] * 100:+.1f} %)"
-            log(f"  {r.name} @ {r.network}: predicted {pred.step_time:.4f} s ({loaded.step_time:.4f} s with a "
-                f"background load of {bg:.1f}), measured {got} ({time.perf_counter() - t:.0f} s)")
+            if ok:
+                record_load(out, rec, background)
+                times.append(rec["median_step_time"])
+                ids.append(rec["run_id"])
+            loads.append(background or 0.0)
+            got = f"{rec['median_step_time']:.4f} s" if ok else "failed"
+            log(f"  {r.name} @ {r.network}: predicted {pred.step_time:.4f} s, measured {got} (background load "
+                f"{loads[-1]:.1f}; {time.perf_counter() - t:.0f} s)")
+        m = statistics.median(times) if times else None
+        bg = statistics.mean(loads) if loads else 0.0
+        loaded = predict_local(r, replace(cal, cores=cores_with_background(QUIET_CORES, bg)),
+                               probes.get(r.network), directory)
+        rows.append(dict(run=r.name, network=r.network, background=bg, predicted=pred.step_time,
+                         predicted_loaded=loaded.step_time, measured=m, repetitions=times, run_ids=ids,
+                         error=(pred.step_time - m) / m if m else None,
+                         error_loaded=(loaded.step_time - m) / m if m else None, parts=pred.parts()))
     log(table(rows))
-    (directory / "validation.json").write_text(json.dumps(dict(probes=probes, repeats=repeats, rows=rows), indent=1))
+    (directory / "validation.json").write_text(json.dumps(dict(probes=probes, repeats=repeats, steps=steps,
+                                                               calibration=cal.to_json(), rows=rows), indent=1))
     (directory / "validation.md").write_text(table(rows) + "\n")
     return rows
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| run | network | background load | predicted, quiet host (s) | predicted with the load (s) | "
-             "measured (s) | error | error with the load |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "measured (s): median (repetitions) | error | error with the load |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     errs, errs_l = [], []
     for r in rows:
         e, el = r.get("error"), r.get("error_loaded")
@@ -400,6 +416,8 @@ def table(rows: list[dict]) -> str:
             errs.append(abs(e))
             errs_l.append(abs(el))
         got = "-" if r["measured"] is None else f"{r['measured']:.4f}"
+        if len(r.get("repetitions") or ()) > 1:
+            got += " (" + ", ".join(f"{t:.4f}" for t in r["repetitions"]) + ")"
         bg = "-" if r.get("background") is None else f"{r['background']:.1f}"
         pe = lambda x: "-" if x is None else f"{x * 100:+.1f} %"
         lines.append(f"| {r['run']} | {r['network']} | {bg} | {r['predicted']:.4f} | {r['predicted_loaded']:.4f} | "

@@ -1,10 +1,15 @@
 """The per-message stall of this machine's emulated links, measured with gloo itself.
 
-On the virtual cluster (tbf + the userspace NFQUEUE delayer) a gloo message of n bytes sent in reply
-arrives about min(1, n / S) one-way delays later than its bytes and the delay alone explain (S about
-24 KiB here: 64 KiB messages take two one-way delays, 2 KiB messages one). ``probe_stall`` measures
-it once, at a setting none of the seed's profiles uses, with a ping-pong of several sizes between two
-gloo ranks on two virtual hosts, and fits S (``Link.stall_bytes``).
+What a gloo message costs on the virtual cluster beyond the probed one-way delay and its bytes at the
+link's bandwidth, measured with gloo itself: ``probe_stall`` runs a ping-pong of several sizes between
+two gloo ranks on two virtual hosts, at a setting none of the validation's profiles uses, and fits
+
+- a per-message stall: the last byte of an n-byte message arrives min(1, n / S) one-way delays late
+  (``Link.stall_bytes``; None when no stall fits better than none). Before the cluster set TCP CUBIC
+  and no slow start after idle, S was about 25 KiB (a 64 KiB activation paid two one-way delays); with
+  them the stall is gone (2 KiB to 256 KiB round trips within 2.3 ms of two one-way delays at 20 ms);
+- gloo's own per-message latency over the emulated link: half a small message's round trip minus the
+  probed one-way delay (the simulator adds it to the link's latency).
 
     python -m runners.predict.message_probe RANK SIZE ITERS   # one rank (inside a virtual host)
 """
@@ -49,17 +54,24 @@ def _rank(rank: int, nbytes: int, iters: int) -> None:
         print(json.dumps({"bytes": nbytes, "round_trip": statistics.median(times)}))
 
 
-def fit_stall(points: list[dict], delay: float, bandwidth: float) -> float:
+def fit_stall(points: list[dict], delay: float, bandwidth: float) -> float | None:
     """S of stall(n) = delay * min(1, n / S) that best fits the one-way extras (least squares over a
-    grid of S)."""
+    grid of S from 1 KiB to about 370 KiB, and no stall at all: None when that fits best)."""
     extras = [(p["bytes"], p["round_trip"] / 2 - delay - p["bytes"] / bandwidth) for p in points]
-    best, best_err = 1.0, float("inf")
+    best, best_err = None, sum(e * e for _, e in extras)
     for k in range(200):
         s = 1024 * 1.03 ** k
         err = sum((e - delay * min(1.0, n / s)) ** 2 for n, e in extras)
         if err < best_err:
             best, best_err = s, err
     return best
+
+
+def fit_message_latency(points: list[dict], delay: float, bandwidth: float, small: int = 16384) -> float:
+    """gloo's own one-way latency per message beyond the probed delay: the median over messages of at
+    most ``small`` bytes of half the round trip minus the delay and the bytes' wire time (>= 0)."""
+    extras = [p["round_trip"] / 2 - delay - p["bytes"] / bandwidth for p in points if p["bytes"] <= small]
+    return max(0.0, statistics.median(extras)) if extras else 0.0
 
 
 def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=print) -> dict:
@@ -92,8 +104,11 @@ def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=p
 
     bandwidth = parse_profile(network).link(0, 1).bandwidth_gbps * 1e9 / 8
     stall = fit_stall(points, delay, bandwidth)
-    log(f"  stall: {stall / 1024:.1f} KiB (one-way delay {delay * 1e3:.2f} ms)")
-    return dict(network=network, one_way_delay_ms=delay * 1e3, points=points, stall_bytes=stall)
+    extra = fit_message_latency(points, delay, bandwidth)
+    log(f"  stall: {'none' if stall is None else f'{stall / 1024:.1f} KiB'}; gloo's latency per message beyond "
+        f"the probed one-way delay ({delay * 1e3:.2f} ms): {extra * 1e6:.0f} us")
+    return dict(network=network, one_way_delay_ms=delay * 1e3, points=points, stall_bytes=stall,
+                message_latency=extra)
 
 
 if __name__ == "__main__":

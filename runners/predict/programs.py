@@ -26,7 +26,8 @@
   central PS: dp_rank 0 reduces every bucket; sharded PS: each rank 1/D of every bucket;
   all-reduce: D = 2 a direct exchange of the buckets (each rank sums), D > 2 the sharded pattern
   sending back averaged gradients (a reduce-scatter and an all-gather point to point), then every
-  rank's optimizer.
+  rank's optimizer. ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours:
+  per 25 MB bucket, once final, a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
 
 Every step is framed like the run command times it (``contract.training.StepBarrier``): a
 dissemination barrier (ceil(log2 n) rounds of a 1-element message to rank + 2^k, one one-way delay
@@ -38,8 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runners.predict import collectives as coll
-from runners.predict.compute import ComputeModel, Overheads, stage_params
-from runners.predict.engine import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
+from runners.predict.compute import ComputeModel, Overheads, Scaled, stage_params
+from runners.predict.engine import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
 from runners.predict.spec import RunSpec
 
 BUCKET_BYTES = 4 * 1024 * 1024  # ours.dp.BUCKET_BYTES
@@ -56,8 +57,9 @@ class _Step:
     """Builds one rank's operations for one step of ``spec``; ``tag`` makes message keys unique."""
 
     def __init__(self, spec: RunSpec, cm: ComputeModel, network: Network, step: int):
-        self.spec, self.cm, self.net, self.step = spec, cm, network, step
+        self.spec, self.net, self.step = spec, network, step
         self.o: Overheads = cm.overheads(spec.system)
+        self.cm = cm if self.o.compute == 1.0 else Scaled(cm, self.o.compute)  # the system's own kernels
         m = spec.model
         self.h, self.seq = m.n_embd, m.seq_len
         self.V = spec.virtual_pp
@@ -428,11 +430,11 @@ def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
     return out
 
 
-def _buckets(order: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _buckets(order: list[tuple[int, int]], bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
     """ours.dp.buckets over the gradient order, fp32: (elements, the linear that completes the bucket)."""
     out, n, ready, size = [], 0, -1, 0
     for numel, at in order:
-        if n and size + numel * 4 > BUCKET_BYTES:
+        if n and size + numel * 4 > bucket_bytes:
             out.append((n, ready))
             n, ready, size = 0, -1, 0
         n, ready, size = n + numel, max(ready, at), size + numel * 4
@@ -554,7 +556,7 @@ def _ours_unit_receives(st: _Step, rank: int) -> list:
 def ours_receives(st: _Step, rank: int) -> list:
     """Everything rank posts a step ahead for step ``st.step``: the engine's and the DP sync's receives."""
     ops = _ours_unit_receives(st, rank)
-    if st.spec.dp > 1:
+    if st.spec.dp > 1 and st.spec.dp_mode != "chain_ps":
         ops += _Sync.of(st, rank).receives()
     return ops
 
@@ -616,10 +618,12 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
         if sends:
             ops.append(Wait(tuple(sends)))
         return ops + st.optimizer(params)
+    after = [sum(wgrad[k + 1:]) for k in range(len(wgrad))]  # work of the linears after linear k
+    if spec.dp_mode == "chain_ps":
+        return ops + _chain_ps(st, rank, sends, after, sum(wgrad))
     # the weight gradients, linear after linear (the fill drained the first linears first: what is left
     # belongs to the last ones); each bucket pushed as its last gradient is final
     sync = _Sync.of(st, rank)
-    after = [sum(wgrad[k + 1:]) for k in range(len(wgrad))]  # work of the linears after linear k
     pushed = []
     for i, (_, at, _) in enumerate(sync.buckets):
         ops.append(Flush("wgrad", keep=after[at] if at >= 0 else sum(wgrad)))
@@ -637,6 +641,32 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
         ops += st.optimizer(params)
     if following is not None:
         ops += _Sync.of(following, rank).receives()
+    return ops
+
+
+CHAIN_BUCKET_BYTES = 25 * 10**6
+
+
+def _chain_ps(st: _Step, rank: int, sends: list, after: list[float], wgrad: float) -> list:
+    """The seed's central PS over NCCL (``dp_mode="chain_ps"``): per 25 MB bucket, once its last gradient
+    is final, a chain reduce to dp_rank 0, that rank's Adam step on the bucket, a chain broadcast of the
+    result (one NCCL stream: bucket after bucket); then the pipeline's sends are waited for."""
+    spec = st.spec
+    d, s = divmod(rank, spec.pp)
+    group = tuple(j * spec.pp + s for j in range(spec.dp))
+    link = st.net.link
+    ops: list = []
+    for i, (n, at) in enumerate(_buckets(_grad_order(st, s == 0, s == spec.pp - 1), CHAIN_BUCKET_BYTES)):
+        ops.append(Flush("wgrad", keep=after[at] if at >= 0 else wgrad))
+        ops.append(Group(_key(st.step, "chain", s, i, "reduce"), group,
+                         coll.closed_form("reduce", spec.dp, n * 4, link), "dp"))
+        if d == 0:
+            ops += st.optimizer(n)
+        ops.append(Group(_key(st.step, "chain", s, i, "broadcast"), group,
+                         coll.closed_form("broadcast", spec.dp, n * 4, link), "dp"))
+    ops.append(Flush("wgrad"))
+    if sends:
+        ops.append(Wait(tuple(sends)))
     return ops
 
 

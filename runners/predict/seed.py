@@ -11,7 +11,9 @@ light-weighted": a two-class head, not a language-model head. "Storage of a micr
 The seed's GPipe (and its GPipe + central-PS rows) posts every receive ahead on its own CUDA stream and
 keeps one message in flight per link and direction (the issue's hint: from 10 to 50 ms the step grows
 by about one one-way delay per micro-batch message); that is ours' engine at K = 1 (one token slice),
-over NCCL, with in_flight = 1. The device file's efficiency is fitted on the default GPipe row only
+over NCCL, with in_flight = 1. Its central PS (the DP-4 rows) is DT-FM's over NCCL, not ours'
+point-to-point star: per 25 MB bucket a chain reduce to the server, its Adam step and a chain broadcast
+(``dp_mode="chain_ps"``). The device file's efficiency is fitted on the default GPipe row only
 (15.16 s); every other cell is a prediction.
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ def gpipe_spec(net: str, dp: int = 1, precision: str = "fp32", system: str = "ou
     """The seed's GPipe row (``system="torch_pipe"``: what torch.distributed.pipelining's GPipe would do
     on the same cluster: receives posted one at a time, right before each micro-batch)."""
     return RunSpec(system, WORKLOAD, batch_size=64, micro_batch_size=1, link=network(net), pp=12, dp=dp,
-                   dp_mode="central_ps", precision=precision, recompute=True, transport="nccl",
+                   dp_mode="chain_ps", precision=precision, recompute=True, transport="nccl",
                    head_classes=HEAD_CLASSES, slices=(WORKLOAD.seq_len,) if system == "ours" else None)
 
 

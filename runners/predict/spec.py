@@ -13,7 +13,7 @@ from workload.configs import ModelConfig
 
 SYSTEMS = ("torch_pipe", "megatron", "ours")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("allreduce", "central_ps", "sharded_ps")
+DP_MODES = ("allreduce", "central_ps", "sharded_ps", "chain_ps")
 TRANSPORTS = ("gloo", "nccl")
 
 
@@ -25,10 +25,11 @@ class Link:
         the sender to its arrival); bandwidth: bytes per second of the sender's egress (shared by every
         message the host sends); in_flight: how many messages may be on the way on this link and
         direction at once (a message starts only when fewer than that are still travelling), None for
-        no limit; stall_bytes: on the emulated links of this machine (tbf + the NFQUEUE delayer) the last
-        byte of an n-byte message cannot arrive before min(1, n / stall_bytes) one-way delays plus the
-        latency after it started, however fast the wire (measured with a gloo message probe, see
-        ``runners.predict.local``); None elsewhere."""
+        no limit; stall_bytes: where an emulated link holds messages back, the last byte of an n-byte
+        message cannot arrive before min(1, n / stall_bytes) one-way delays plus the latency after it
+        started, however fast the wire (``runners.predict.message_probe`` measures it with gloo; the
+        virtual cluster had one of about 25 KiB before it set TCP CUBIC and no slow start after idle,
+        and has none since); None: no stall."""
 
     latency: float
     bandwidth: float
@@ -66,7 +67,9 @@ class RunSpec:
     model: the GPT shape. pp / tp / dp: pipeline stages, tensor-parallel degree, pipelines.
     batch_size: sequences per pipeline and step; micro_batch_size: sequences per micro-batch
         (ours: per batch slice). virtual_pp: model chunks per rank (interleaved).
-    slices: ours' token slice lengths (sum = seq_len). dp_mode: ours' data parallelism.
+    slices: ours' token slice lengths (sum = seq_len). dp_mode: ours' data parallelism (allreduce,
+        central_ps, sharded_ps), or ``chain_ps``, the seed's (DT-FM's) central PS over NCCL, not an
+        option of ours: per 25 MB bucket a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
     precision: "fp32" or "mixed" (activations and messages in 2 bytes). recompute: activation
         recomputation (a layer's forward runs again before its backward).
     link: every inter-host link (hosts = ranks); intra_link: links between ranks of one host

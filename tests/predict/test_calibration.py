@@ -58,6 +58,22 @@ def test_overheads_round_trip():
     assert max(abs(r["error"]) for r in report) < 1e-3
 
 
+def test_compute_factor_round_trip():
+    """A baseline's kernels at 0.8 of the profiled time: separable from the per-unit overhead by runs whose
+    micro-batches carry different amounts of math."""
+    truth = Overheads(step=0.004, unit=0.002, compute=0.8)
+    cm = CpuCompute(synthetic_profile())
+    link = Link(2e-4, 1e9)
+    specs = [RunSpec("torch_pipe", TOY, b, mb, link, pp=2) for b, mb in ((2, 1), (4, 1), (4, 2), (8, 2))]
+    measured = [predict(s, cm.with_overheads("torch_pipe", truth), cores=2.0).step_time for s in specs]
+    assert measured[2] != pytest.approx(predict(specs[2], cm.with_overheads("torch_pipe", Overheads(0.004, 0.002)),
+                                                cores=2.0).step_time, rel=0.01)  # the factor matters
+    fitted, _ = fit_overheads("torch_pipe", [(s, m, cm) for s, m in zip(specs, measured)], 2.0,
+                              ("step", "unit", "compute"))
+    assert fitted.compute == pytest.approx(0.8, rel=0.02)
+    assert fitted.unit == pytest.approx(0.002, rel=0.05)
+
+
 def test_efficiency_round_trip():
     dev = GpuCompute("gpu", TOY, {"fp32": 10.0, "fp16": 80.0}, {"fp32": 0.4})
     spec = RunSpec("ours", TOY, 8, 1, Link.from_ms_gbps(0.1, 10, 1), pp=2, slices=(64,), transport="nccl")
@@ -75,6 +91,38 @@ def test_spec_from_a_run_config():
     assert spec.slices == (32, 32, 32, 32) and spec.dp == 2 and spec.dp_mode == "central_ps"
     assert spec.link.latency == pytest.approx(10.3e-3) and spec.link.bandwidth == pytest.approx(0.9e9 / 8)
     assert spec.link.stall_bytes == 24576
+
+
+def test_the_message_latency_over_an_emulated_link_replaces_the_loopback_one():
+    link = local_link("d10-1g", (2.5e-4, 2e9), {"one_way_delay_ms": 10.2, "bandwidth_gbps": 0.9}, None, 3e-5)
+    assert link.latency == pytest.approx(10.23e-3) and link.stall_bytes is None
+    assert local_link("none", (2.5e-4, 2e9), None, None, 3e-5).latency == pytest.approx(2.5e-4)
+
+
+def test_message_probe_fits_a_stall_and_no_stall():
+    from runners.predict.message_probe import fit_message_latency, fit_stall
+
+    delay, bw = 0.02, 1.25e8
+    sizes = (2048, 8192, 32768, 65536, 262144)
+    stalled = [dict(bytes=n, round_trip=2 * (delay + n / bw + 1e-4 + delay * min(1.0, n / 25600))) for n in sizes]
+    assert fit_stall(stalled, delay, bw) == pytest.approx(25600, rel=0.04)
+    clean = [dict(bytes=n, round_trip=2 * (delay + n / bw + 1e-4)) for n in sizes]
+    assert fit_stall(clean, delay, bw) is None
+    assert fit_message_latency(clean, delay, bw) == pytest.approx(1e-4)
+
+
+def test_calibration_records_are_matched_by_their_system_options():
+    """A record keeps a system's own options under config["options"]; matching must read them there."""
+    from runners.predict.local import LocalRun, matches
+
+    def record(system, **options):
+        return dict(config=dict(system=system, model=dict(name="tiny", seq_len=128), pp=2, dp=1, batch_size=2,
+                                micro_batch_size=1, network="none", options=options))
+
+    assert matches(LocalRun("ours", "tiny", n_slices=4), record("ours", n_slices=4, dp_mode="allreduce"))
+    assert not matches(LocalRun("ours", "tiny", n_slices=1), record("ours", n_slices=4, dp_mode="allreduce"))
+    assert matches(LocalRun("torch_pipe", "tiny"), record("torch_pipe", schedule="gpipe", virtual_pp=1))
+    assert not matches(LocalRun("torch_pipe", "tiny", schedule="1f1b"), record("torch_pipe", schedule="gpipe"))
 
 
 def test_seed_gpipe_column_from_the_default_row():

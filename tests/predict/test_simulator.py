@@ -218,6 +218,16 @@ def test_ours_dp_is_one_round_point_to_point(dp, mode, transport):
         assert expect * (1 - 1e-3) < sync < expect + d / 2  # a receive-posted handshake would add d
 
 
+@pytest.mark.parametrize("dp", [2, 4])
+def test_the_seeds_chain_ps_is_a_chain_reduce_and_broadcast_per_bucket(dp):
+    """The seed's central PS over NCCL (``chain_ps``), one bucket of S bytes (the toy stage, no optimizer
+    time): a chain reduce and a chain broadcast, each (D - 1) d + S/B; no point-to-point star."""
+    d, B = 0.005, 1e8
+    s, sync = _ours_dp(dp, "chain_ps", Link(d, B), "nccl")
+    ((S, _),) = _buckets_of(s)
+    assert sync == pytest.approx(2 * ((dp - 1) * d + S / B), rel=1e-3)
+
+
 def test_ours_pushes_buckets_while_weight_gradients_run():
     """A stage of several buckets whose weight gradients take long: each bucket leaves as its last
     linear's gradient is final, so the sync waits only for the buckets the last linear completes (the
