@@ -1,6 +1,12 @@
 """``--n-slices auto`` (ours' default): the token slicing of a run, chosen before it starts.
 
-- With a fitted latency model for the layer shape, the planner's optimal slicing. A model is found
+- A slicing chosen by simulation for the run's layout (pipeline stages, layers, batch, micro-batch),
+  where one was written for the layer shape: ``<device>-h..-s..-v..-simulated.json`` in the plan
+  directory, by ``python -m runners.predict plan``. The simulator (runners.predict) runs ours' program
+  over a calibration of this machine and predicts the planner's own evaluation better than TeraPipe's
+  formula (results/predict/NOTE.md); it simulates the formula's optimum at several granularities and
+  the uniform slicings and keeps the fastest. ours reads its choice as data; it imports nothing of it.
+- Else, with a fitted latency model for the layer shape, the planner's optimal slicing. A model is found
   as the file named by ``$OURS_PLAN_MODEL``, or in the plan directory (``$OURS_PLAN_DIR``, default
   ``results/plan`` under the repository) as ``<device>-h<hidden>-a<heads>-s<seq>-v<vocab>.json``,
   written by ``python -m ours.plan fit``; a model profiled at a longer sequence covers shorter ones
@@ -10,9 +16,10 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ours import uniform_slices
@@ -64,9 +71,58 @@ def rule_of_thumb(seq_len: int, n_stages: int) -> tuple[int, ...]:
     return uniform_slices(seq_len, min(k, seq_len))
 
 
+@dataclass(frozen=True)
+class SimulatedChoice:
+    """One layout's slicing chosen by simulation, and what the formula's optimum would cost there."""
+
+    n_layer: int
+    pp: int
+    batch_size: int
+    micro_batch_size: int
+    slices: tuple[int, ...]
+    simulated_seconds: float
+    formula_slices: tuple[int, ...]
+    formula_simulated_seconds: float
+    candidates: int
+
+    def fits(self, config) -> bool:
+        return (self.n_layer, self.pp, self.batch_size, self.micro_batch_size) == (
+            config.model.n_layer, config.pp, config.batch_size, config.micro_batch_size) and \
+            sum(self.slices) == config.model.seq_len
+
+
+def simulated_choices_path(model: ModelConfig, device) -> Path:
+    return plan_dir() / f"{cache_key(model, device)}-simulated.json"
+
+
+def read_simulated_choices(path: Path) -> list[SimulatedChoice]:
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text())["choices"]
+    return [SimulatedChoice(**{**r, "slices": tuple(r["slices"]), "formula_slices": tuple(r["formula_slices"])})
+            for r in rows]
+
+
+def write_simulated_choices(path: Path, choices: list[SimulatedChoice]) -> None:
+    """Add (or replace, per layout) ``choices`` in the file at ``path``."""
+    key = lambda c: (c.n_layer, c.pp, c.batch_size, c.micro_batch_size)  # noqa: E731
+    kept = {key(c): c for c in read_simulated_choices(path)}
+    kept.update({key(c): c for c in choices})
+    rows = [asdict(c) for _, c in sorted(kept.items())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(kind="ours.plan.simulated_choices", choices=rows), indent=1))
+    tmp.replace(path)
+
+
 def auto_slicing(config, device) -> AutoSlicing:
     """The slicing for ``config`` (K = config.pp stages, batch slice = config.micro_batch_size)."""
     m = config.model
+    if not os.environ.get("OURS_PLAN_MODEL"):  # an explicit latency model file: the formula with it
+        simulated = simulated_choices_path(m, device)
+        chosen = next((c for c in read_simulated_choices(simulated) if c.fits(config)), None)
+        if chosen is not None:
+            return AutoSlicing(chosen.slices, f"simulator ({simulated.name})")
     path = fitted_model_path(m, device)
     if path is None:
         return AutoSlicing(rule_of_thumb(m.seq_len, config.pp), f"rule (no fitted latency model for {cache_key(m, device)})")

@@ -7,6 +7,8 @@
     python -m runners.predict validate      # emulated runs: predicted against measured (root)
     python -m runners.predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
     python -m runners.predict plan-check [EVALUATION.json]   # the planner's evaluation: formula vs simulator
+    python -m runners.predict plan --model cpu-small --pp 2 --batch-size 1 2 4   # ours' slicings chosen by
+                                            # simulation, written where ``--n-slices auto`` finds them
 
 Without --device-file a run is predicted for this machine (its calibration in results/predict and a
 profile of the model's shape); with one, for that GPU (NCCL; links from the network profile, one
@@ -156,7 +158,47 @@ def predict_sweep(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = ("calibrate", "validate", "seed", "plan-check", "sweep")
+def _plan(args) -> int:
+    from ours.plan.auto import (SimulatedChoice, fitted_model_path, plan_dir, simulated_choices_path,
+                                write_simulated_choices)
+    from ours.plan.latency import LatencyModel
+    from runners.predict.planner import choose_slicing
+    from workload.configs import get_model_config
+
+    model = get_model_config(args.model)
+    lm_path = fitted_model_path(model, "cpu")
+    if lm_path is None:
+        print(f"python -m runners.predict: error: no fitted latency model for {model.name} in {plan_dir()} "
+              "(python -m ours.plan profile, then fit)", file=sys.stderr)
+        return 2
+    lm = LatencyModel.load(lm_path)
+    choices = []
+    for batch in args.batch_size:
+        slices, seconds, timed = choose_slicing(lm, model, args.pp, batch, args.micro_batch_size)
+        formula = _formula_optimum(lm, model, args.pp, batch, args.micro_batch_size)
+        formula_s = dict((c, t) for t, c in timed)[formula]  # granularity 8 is among the candidates
+        choices.append(SimulatedChoice(n_layer=model.n_layer, pp=args.pp, batch_size=batch,
+                                       micro_batch_size=args.micro_batch_size, slices=tuple(slices),
+                                       simulated_seconds=seconds, formula_slices=tuple(formula),
+                                       formula_simulated_seconds=formula_s, candidates=len(timed)))
+        print(f"{model.name} P-{args.pp} batch {batch} micro-batch {args.micro_batch_size}: simulated best "
+              f"{len(slices)} slices {list(slices)} {seconds * 1e3:.0f} ms; the formula's optimum ({len(formula)} "
+              f"slices) simulated {formula_s * 1e3:.0f} ms; {len(timed)} candidates")
+    path = simulated_choices_path(model, "cpu")
+    write_simulated_choices(path, choices)
+    print(f"written: {path}")
+    return 0
+
+
+def _formula_optimum(lm, model, pp: int, batch: int, micro: int) -> tuple[int, ...]:
+    from ours.plan.auto import default_granularity
+    from ours.plan.planner import plan
+
+    return plan(lm, n_layer=model.n_layer, n_stages=pp, batch_size=batch, seq_len=model.seq_len,
+                granularity=default_granularity(model.seq_len), batch_slices=[micro]).slices
+
+
+COMMANDS = ("calibrate", "validate", "seed", "plan-check", "plan", "sweep")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("plan-check")
     q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json")
     q.set_defaults(fn=_plan_check)
+    q = sub.add_parser("plan", help="ours' slicing per batch chosen by simulation (used by --n-slices auto)")
+    q.add_argument("--model", default="cpu-small")
+    q.add_argument("--pp", type=int, default=2)
+    q.add_argument("--batch-size", type=int, nargs="+", default=[1, 2, 4])
+    q.add_argument("--micro-batch-size", type=int, default=1)
+    q.set_defaults(fn=_plan)
     args = p.parse_args(argv)
     return args.fn(args)
 

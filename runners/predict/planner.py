@@ -69,7 +69,8 @@ def choose_slicing(lm, model, pp: int, batch: int, micro: int, cal: Calibration 
                    cores: tuple | None = None) -> tuple[tuple[int, ...], float, list]:
     """The slicing with the shortest simulated step among the formula's optimum at each granularity and
     the uniform slicings: (slices, simulated seconds, every candidate with its time)."""
-    from ours.plan.planner import plan, uniform_slices
+    from ours import uniform_slices
+    from ours.plan.planner import plan
 
     cal = cal or load_calibration(directory)
     cm = compute_for(model, cal, directory)

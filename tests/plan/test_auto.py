@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ours.plan.auto import auto_slicing, default_granularity, fitted_model_path, rule_of_thumb
+from ours.plan.auto import (SimulatedChoice, auto_slicing, default_granularity, fitted_model_path, rule_of_thumb,
+                            simulated_choices_path, write_simulated_choices)
 from ours.plan.latency import LatencyModel
 from contract import RunConfig
 from ours import OursOptions
@@ -44,6 +45,26 @@ def test_a_model_fitted_at_a_longer_sequence_covers_shorter_ones(tmp_path, monke
     assert fitted_model_path(_config(vocab_size=1024).model, "cpu") is None
     chosen = auto_slicing(_config(), torch.device("cpu"))
     assert sum(chosen.slices) == 128 and chosen.source == "planner (cpu-h128-a4-s256-v512.json)"
+
+
+def test_a_slicing_chosen_by_simulation_for_the_layout_comes_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
+    monkeypatch.delenv("OURS_PLAN_MODEL", raising=False)
+    _toy_model(128).save(tmp_path / "cpu-h128-a4-s128-v512.json")
+    cfg = _config(batch=2)
+    path = simulated_choices_path(cfg.model, "cpu")
+    choice = lambda batch, slices: SimulatedChoice(n_layer=4, pp=2, batch_size=batch, micro_batch_size=1,  # noqa: E731
+                                                   slices=slices, simulated_seconds=0.1, formula_slices=(64, 64),
+                                                   formula_simulated_seconds=0.2, candidates=3)
+    write_simulated_choices(path, [choice(2, (96, 32)), choice(4, (128,))])
+    write_simulated_choices(path, [choice(2, (32, 32, 64))])  # replaces the batch-2 entry, keeps batch 4
+    chosen = auto_slicing(cfg, torch.device("cpu"))
+    assert chosen.slices == (32, 32, 64) and chosen.source == f"simulator ({path.name})"
+    assert auto_slicing(_config(batch=4), torch.device("cpu")).slices == (128,)
+    other = auto_slicing(_config(batch=8), torch.device("cpu"))  # no simulated layout: the formula
+    assert other.source == "planner (cpu-h128-a4-s128-v512.json)"
+    monkeypatch.setenv("OURS_PLAN_MODEL", str(tmp_path / "cpu-h128-a4-s128-v512.json"))
+    assert auto_slicing(cfg, torch.device("cpu")).source.startswith("planner")
 
 
 def _toy_model(seq_len: int) -> LatencyModel:
