@@ -327,6 +327,9 @@ def record_prediction(cfg: RunConfig, probed: dict | None = None) -> dict | None
         p = predict_here(cfg, probed)
     except (FileNotFoundError, NotModelled):
         return None
+    except Exception as exc:  # the simulator's own fault: the run it annotates stands, without a prediction
+        print(f"prediction not made: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
     return {"step_time": p.step_time, **p.parts(), "source": "runners.predict, this machine's calibration"}
 
 

@@ -299,8 +299,11 @@ def _torch_1f1b(p: _Stage) -> list:
 
 # ---- interleaved (Megatron's order; also used for torch's Interleaved1F1B) -------------------------
 def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
-    """Megatron's interleaved 1F1B on rank s with V chunks: the k-th forward runs chunk (k // P) % V of
-    micro-batch (k // (P V)) P + k % P; warm-up (P - s - 1) 2 + (V - 1) P forwards. Receives are posted
+    """Megatron's interleaved 1F1B on rank s with V chunks, in rounds of R micro-batches (R = P where P
+    divides m, as Megatron requires; torch's Interleaved1F1B: R = m // max(1, m // P), so m < P runs
+    one round of m): the k-th forward runs chunk (k // R) % V, the j-th backward chunk
+    V - 1 - (j // R) % V, each on its chunk's next micro-batch; warm-up (P - s - 1) 2 + (V - 1) R
+    forwards. Receives are posted
     right before their use and waited; sends are waited at the end of the step (Megatron pairs each
     send with the next receive instead; the difference is a send's completion, which a receiver that
     posted early makes immediate)."""
@@ -309,16 +312,20 @@ def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
     mb, seq = spec.micro_batch_size, st.seq
     nb = st.act_bytes(mb, seq)
     total = m * V
-    warm = min(total, (P - s - 1) * 2 + (V - 1) * P)
+    R = m // max(1, m // P)  # micro-batches per round
+    warm = min(total, (P - s - 1) * 2 + (V - 1) * R)
     base = d * P  # simulated rank of stage 0 in this pipeline
     ops: list = [Compute(st.o.step, "overhead")]
     pending: list = []
+    done = {(v, f): 0 for v in range(V) for f in (True, False)}  # micro-batches each chunk has run
 
     def ident(k: int, forward: bool) -> tuple[int, int]:
-        v = (k // P) % V
+        v = (k // R) % V
         if not forward:
             v = V - 1 - v
-        return v, (k // (P * V)) * P + k % P
+        i = done[v, forward]
+        done[v, forward] += 1
+        return v, i
 
     def owner(vs: int) -> int:  # simulated rank holding virtual stage vs
         return base + vs % P

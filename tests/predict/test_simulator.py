@@ -259,3 +259,12 @@ def test_background_load_shares_the_cores():
     progs = [[Compute(1.0, "forward"), Mark("end")] for _ in range(2)]
     res = Simulator(progs, Network(FAST), cores=cores).run()
     assert res.marks[0]["end"][0] == pytest.approx(2.0)  # two ranks and two others on two cores: half a core each
+
+
+def test_torch_interleaved_with_fewer_micro_batches_than_stages_runs_one_round():
+    """torch's Interleaved1F1B runs m < P micro-batches as one round of m (the simulated program used
+    Megatron's rounds of P and deadlocked on micro-batches that do not exist): with f + b = 0.03 s per
+    layer and sequence, m micro-batches cost at least m times the work of one rank."""
+    times = [predict(RunSpec("torch_pipe", MODEL, batch_size=m, micro_batch_size=1, link=FAST, pp=2,
+                             schedule="interleaved"), Fixed(0.01, 0.02)).step_time for m in (1, 2, 4)]
+    assert all(t >= m * 3 * 0.03 for t, m in zip(times, (1, 2, 4))) and times[0] < times[1] < times[2]
