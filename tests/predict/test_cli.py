@@ -50,3 +50,16 @@ def test_a_record_carries_the_prediction_where_this_machine_is_calibrated():
     pred = record_prediction(config_from_args(build_parser().parse_args(RUN)))
     assert pred["step_time"] > 0 and abs(sum(pred[k] for k in ("compute", "overhead", "exposed_comm", "bubble",
                                                                  "dp_sync", "barrier")) - pred["step_time"]) < 1e-9
+
+
+def test_a_fault_of_the_simulator_leaves_the_record_without_a_prediction(monkeypatch, capsys):
+    from runners.predict import local
+    from runners.predict.engine import SimulationError
+    from runners.request import build_parser, config_from_args
+
+    def broken(*args, **kwargs):
+        raise SimulationError("deadlock: rank 0 stuck")
+
+    monkeypatch.setattr(local, "predict_here", broken)
+    assert local.record_prediction(config_from_args(build_parser().parse_args(RUN))) is None
+    assert capsys.readouterr().err.strip() == "prediction not made: SimulationError: deadlock: rank 0 stuck"
