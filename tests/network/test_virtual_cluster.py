@@ -156,13 +156,36 @@ def test_nothing_left_after_signal(sig: int) -> None:
     assert namespaces_of(p.pid) == [] and delayers_of(p.pid) == []
 
 
-def test_sigkill_leftovers_removed_by_next_start() -> None:
+def _watchdog_of(owner: int) -> int:
+    """pid of the watchdog started by ``owner`` (its argv carries --tag nemu-<owner>.)."""
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+        except OSError:
+            continue
+        if b"network_emulation.watchdog" in argv and any(a.startswith(f"nemu-{owner}.".encode()) for a in argv):
+            return int(d.name)
+    raise AssertionError(f"no watchdog for {owner}")
+
+
+def test_sigkill_leftovers_removed_by_the_watchdog() -> None:
     before = root_links()
     p, names = _start_owner()
     p.kill()
     p.wait(timeout=10)
-    assert sorted(namespaces_of(p.pid)) == sorted(names)            # a killed owner cannot clean up ...
-    assert _wait_gone(lambda: delayers_of(p.pid) == [])            # ... but its delayer exits by itself
+    # a killed owner cannot clean up: its watchdog (whose pipe from the owner closed) and its delayer do
+    assert _wait_gone(lambda: namespaces_of(p.pid) == [] and delayers_of(p.pid) == [], timeout=20)
+    assert root_links() == before
+
+
+def test_sigkill_of_owner_and_watchdog_leftovers_removed_by_next_start() -> None:
+    before = root_links()
+    p, names = _start_owner()
+    os.kill(_watchdog_of(p.pid), signal.SIGKILL)
+    p.kill()
+    p.wait(timeout=10)
+    assert sorted(namespaces_of(p.pid)) == sorted(names)            # nobody left to clean up ...
+    assert _wait_gone(lambda: delayers_of(p.pid) == [])            # ... but the delayer exits by itself
     with VirtualCluster(1, "none", name="next"):
         assert namespaces_of(p.pid) == []                           # the next start removed the stale cluster
     assert cleanup_stale() == []
