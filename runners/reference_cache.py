@@ -68,11 +68,15 @@ def key(ref: RunConfig, root: Path = REPO) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def load(ref: RunConfig) -> tuple[list[dict], dict[str, torch.Tensor]] | None:
-    """(ranks, grads) of a reference that ran with this key, or None."""
-    if not enabled():
+def entry(ref: RunConfig) -> Path | None:
+    """The file that keeps ``ref``'s result (present or not), or None when the cache is off."""
+    return cache_dir() / "references" / f"{key(ref)}.pt" if enabled() else None
+
+
+def load(path: Path | None) -> tuple[list[dict], dict[str, torch.Tensor]] | None:
+    """(ranks, grads) kept at ``path`` (an ``entry``), or None."""
+    if path is None:
         return None
-    path = cache_dir() / "references" / f"{key(ref)}.pt"
     try:
         kept = torch.load(path, weights_only=True)
         return kept["ranks"], kept["grads"]
@@ -80,12 +84,11 @@ def load(ref: RunConfig) -> tuple[list[dict], dict[str, torch.Tensor]] | None:
         return None
 
 
-def store(ref: RunConfig, ranks: list[dict], grads: dict[str, torch.Tensor]) -> None:
-    """Keep an ok reference's result; a cache that cannot be written is no error (the next run
-    trains the reference again)."""
-    if not enabled():
+def store(path: Path | None, ranks: list[dict], grads: dict[str, torch.Tensor]) -> None:
+    """Keep an ok reference's result at ``path`` (an ``entry``); a cache that cannot be written is no
+    error (the next run trains the reference again)."""
+    if path is None:
         return
-    path = cache_dir() / "references" / f"{key(ref)}.pt"
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -71,12 +71,13 @@ def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:
     from runners import reference_cache
     from runners.launcher import LaunchResult, launch
 
-    kept = reference_cache.load(ref_cfg)
+    path = reference_cache.entry(ref_cfg)
+    kept = reference_cache.load(path)
     if kept is not None:
         return LaunchResult("ok", None, kept[0], kept[1]), "cached"
     ref = launch(ref_cfg, 1, Placement())
     if ref.status == "ok":
-        reference_cache.store(ref_cfg, ref.ranks, ref.grads)
+        reference_cache.store(path, ref.ranks, ref.grads)
     return ref, "trained"
 
 

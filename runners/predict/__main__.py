@@ -174,9 +174,8 @@ def _plan(args) -> int:
     lm = LatencyModel.load(lm_path)
     choices = []
     for batch in args.batch_size:
-        slices, seconds, timed = choose_slicing(lm, model, args.pp, batch, args.micro_batch_size)
-        formula = _formula_optimum(lm, model, args.pp, batch, args.micro_batch_size)
-        formula_s = dict((c, t) for t, c in timed)[formula]  # granularity 8 is among the candidates
+        slices, seconds, timed, formula = choose_slicing(lm, model, args.pp, batch, args.micro_batch_size)
+        formula_s = dict((c, t) for t, c in timed)[formula]
         choices.append(SimulatedChoice(n_layer=model.n_layer, pp=args.pp, batch_size=batch,
                                        micro_batch_size=args.micro_batch_size, slices=tuple(slices),
                                        simulated_seconds=seconds, formula_slices=tuple(formula),
@@ -188,14 +187,6 @@ def _plan(args) -> int:
     write_simulated_choices(path, choices)
     print(f"written: {path}")
     return 0
-
-
-def _formula_optimum(lm, model, pp: int, batch: int, micro: int) -> tuple[int, ...]:
-    from ours.plan.auto import default_granularity
-    from ours.plan.planner import plan
-
-    return plan(lm, n_layer=model.n_layer, n_stages=pp, batch_size=batch, seq_len=model.seq_len,
-                granularity=default_granularity(model.seq_len), batch_slices=[micro]).slices
 
 
 COMMANDS = ("calibrate", "validate", "seed", "plan-check", "plan", "sweep")

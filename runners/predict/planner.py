@@ -66,19 +66,23 @@ def markdown(res: dict) -> str:
 
 def choose_slicing(lm, model, pp: int, batch: int, micro: int, cal: Calibration | None = None,
                    granularities=(8, 16, 32, 64), ks=(1, 2, 4, 8, 16), directory: Path = RESULTS,
-                   cores: tuple | None = None) -> tuple[tuple[int, ...], float, list]:
-    """The slicing with the shortest simulated step among the formula's optimum at each granularity and
-    the uniform slicings: (slices, simulated seconds, every candidate with its time)."""
+                   cores: tuple | None = None) -> tuple[tuple[int, ...], float, list, tuple[int, ...]]:
+    """The slicing with the shortest simulated step among the formula's optimum at each granularity (and
+    at ``--n-slices auto``'s own) and the uniform slicings: (slices, simulated seconds, every candidate
+    with its time, the formula's optimum at auto's granularity)."""
     from ours import uniform_slices
+    from ours.plan.auto import default_granularity
     from ours.plan.planner import plan
 
     cal = cal or load_calibration(directory)
     cm = compute_for(model, cal, directory)
     cands = {uniform_slices(model.seq_len, k) for k in ks if k <= model.seq_len}
-    for g in granularities:
+    formula = {}
+    for g in {*granularities, default_granularity(model.seq_len)}:
         if g <= model.seq_len:
-            cands.add(plan(lm, n_layer=model.n_layer, n_stages=pp, batch_size=batch, seq_len=model.seq_len,
-                           granularity=g, batch_slices=[micro]).slices)
+            formula[g] = plan(lm, n_layer=model.n_layer, n_stages=pp, batch_size=batch, seq_len=model.seq_len,
+                              granularity=g, batch_slices=[micro]).slices
+    cands |= set(formula.values())
     timed = sorted((predict(ours_spec(model, pp, batch, micro, c, cal), cm, cores or (1.0, 2.0)).step_time, c)
                    for c in cands)
-    return timed[0][1], timed[0][0], timed
+    return timed[0][1], timed[0][0], timed, formula[default_granularity(model.seq_len)]

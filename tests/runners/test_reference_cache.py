@@ -49,17 +49,17 @@ def test_a_changed_source_file_is_another_key(tmp_path):
 def test_store_then_load_and_a_broken_file_is_a_miss(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPEBENCH_CACHE", str(tmp_path))
     ref = _ref()
-    assert reference_cache.load(ref) is None
+    assert reference_cache.load(reference_cache.entry(ref)) is None
     ranks, grads = [{"rank": 0, "losses": [1.5, 1.25]}], {"w": torch.arange(3.0)}
-    reference_cache.store(ref, ranks, grads)
-    got_ranks, got_grads = reference_cache.load(ref)
+    reference_cache.store(reference_cache.entry(ref), ranks, grads)
+    got_ranks, got_grads = reference_cache.load(reference_cache.entry(ref))
     assert got_ranks == ranks and torch.equal(got_grads["w"], grads["w"])
     monkeypatch.setenv("PIPEBENCH_REFERENCE_CACHE", "0")
-    assert reference_cache.load(ref) is None
+    assert reference_cache.load(reference_cache.entry(ref)) is None
     monkeypatch.delenv("PIPEBENCH_REFERENCE_CACHE")
     (path,) = (tmp_path / "references").glob("*.pt")
     path.write_bytes(b"not a torch file")
-    assert reference_cache.load(ref) is None
+    assert reference_cache.load(reference_cache.entry(ref)) is None
 
 
 @pytest.mark.multiprocess
