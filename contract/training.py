@@ -27,6 +27,9 @@ class Measurements:
     losses: list[float] | None = None
     dp_sync_times: list[float] = field(default_factory=list)  # data-parallel synchronisation inside each step
     barrier_times: list[float] = field(default_factory=list)  # the step's closing barrier, waited on this rank
+    # CPU time of the rank's training thread in each measured step, on CPU devices only (a GPU rank's
+    # host thread says nothing of its device): over the step time, how busy the rank was, bubbles out.
+    busy_times: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # choices resolved at run time (e.g. the slicing)
     # Under --verify: the last step's gradients (full tensors, averaged over data parallelism) of the
@@ -138,13 +141,14 @@ def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn) -> Measurements:
     m = Measurements(step_times=[])
     losses: list[float] = []
     barrier = StepBarrier(ctx, uses=2 * cfg.total_steps)
+    on_cpu = ctx.device.type == "cpu"
     for step in range(cfg.total_steps):
         inputs, targets = ctx.batch(step, dp_rank)
         barrier.wait()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         out = step_fn(step, inputs, targets)
         ctx.synchronize()
-        done = time.perf_counter()
+        done, busy = time.perf_counter(), time.thread_time() - cpu_start
         barrier.wait()
         end = time.perf_counter()
         warm = step < cfg.warmup
@@ -152,6 +156,8 @@ def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn) -> Measurements:
             m.step_times.append(end - start)
             m.barrier_times.append(end - done)
             m.dp_sync_times.append(out.dp_sync_time)
+            if on_cpu:
+                m.busy_times.append(busy)
         if out.loss is not None:
             losses.append(out.loss)
         if ctx.rank == 0:

@@ -40,6 +40,7 @@ class Run:
     median: float  # median step time (s)
     minimum: float  # fastest step (s)
     peak_memory: tuple[int, ...]  # peak memory of every rank (bytes; peak RSS on CPU)
+    busy: tuple[float, ...] = ()  # every rank's busy share of its step time (CPU runs; the rest is waiting)
 
 
 def run_once(args: list[str], timeout: float) -> Run | None:
@@ -51,7 +52,7 @@ def run_once(args: list[str], timeout: float) -> Run | None:
         print(f"  run failed ({' '.join(args)}): {str(why)[:500]}", file=sys.stderr)
         return None
     return Run(rec["median_step_time"], rec.get("min_step_time") or rec["median_step_time"],
-               tuple(rec.get("peak_memory_bytes") or ()))
+               tuple(rec.get("peak_memory_bytes") or ()), tuple(rec.get("busy_fraction") or ()))
 
 
 @dataclass
@@ -84,6 +85,11 @@ class Sitting:
         """Every rank's peak memory, the largest over the repetitions."""
         runs = self.ok(name)
         return tuple(max(per_rank) for per_rank in zip(*(r.peak_memory for r in runs))) if runs else ()
+
+    def busy(self, name: str) -> tuple[float, ...]:
+        """Every rank's busy share of its step time, the median over the repetitions."""
+        runs = [r for r in self.ok(name) if r.busy]
+        return tuple(statistics.median(per_rank) for per_rank in zip(*(r.busy for r in runs))) if runs else ()
 
 
 def run_alternating(batch: int, configs: dict[str, list[str]], common: list[str], opts: argparse.Namespace,
@@ -196,6 +202,10 @@ def cannot_run(args: list[str]) -> str | None:
     return None
 
 
+def percents(shares: tuple[float, ...]) -> str:
+    return "/".join(f"{100 * b:.0f}" for b in shares) if shares else "-"
+
+
 def megabytes(peaks: tuple[int, ...]) -> str:
     return "/".join(f"{b / 2**20:.0f}" for b in peaks) if peaks else "-"
 
@@ -225,8 +235,8 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
           f"reps (step ms: median of per-run median step times; min: fastest step of any run; peak MB: peak memory "
           f"of each rank, RSS on CPU, largest over the reps)")
     print(f"{'batch':>5} | {'config':<26} | {'step ms':>8} | {'min ms':>7} | {'runs':>4} | {'peak MB per rank':>16} | "
-          f"{'best baseline / this':>20}")
-    print("-" * 104)
+          f"{'busy % per rank':>15} | {'best baseline / this':>20}")
+    print("-" * 122)
     summary = []
     for batch in opts.batch:
         s = sittings[batch]
@@ -240,7 +250,7 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
                 continue
             ratio = f"{base_t / t:.2f}x" if base_t and name.startswith("ours") else "-"
             print(f"{batch:>5} | {name:<26} | {t * 1e3:8.0f} | {s.best(name) * 1e3:7.0f} | {len(s.ok(name)):>4} | "
-                  f"{megabytes(s.peak_memory(name)):>16} | {ratio:>20}")
+                  f"{megabytes(s.peak_memory(name)):>16} | {percents(s.busy(name)):>15} | {ratio:>20}")
         if baselines and ours:
             t, name = min(ours)
             summary.append((batch, base, base_t, name, t, s.paired(base, name), s.peak_memory(base), s.peak_memory(name)))
@@ -256,7 +266,8 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
               f"{f'{paired:.2f}x' if paired else '-':>6} | {verdict:>5} | {megabytes(base_mem):>16} | "
               f"{megabytes(ours_mem):>12}")
     print("ratio: best baseline's / ours' median step time; paired: the median over repetitions of the same ratio "
-          "within one repetition; goal: the ratio issue #15 asks for")
+          "within one repetition; goal: the ratio issue #15 asks for; busy %: the share of each rank's step time its "
+          "training thread was computing (CPU time over step time; the rest is bubbles, messages and the barrier)")
     print_machine(capacities, P, "a schedule that leaves ranks idle")
     return 0
 

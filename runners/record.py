@@ -50,6 +50,9 @@ class RunRecord:
     peak_tflops: float | None = None
     peak_source: str | None = None
     peak_memory_bytes: list[int] = field(default_factory=list)
+    # per rank, the share of its measured step time its training thread was computing (CPU devices
+    # only; the rest is waiting: bubbles, messages, the closing barrier)
+    busy_fraction: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync
     barrier_time: float | None = None  # median over steps of the step's closing barrier on the last rank to arrive
@@ -112,6 +115,8 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     rec.step_times = per_step
     rec.losses = merged_losses(ranks)
     rec.peak_memory_bytes = [r["peak_memory_bytes"] for r in ranks]
+    if all(r.get("busy_times") and sum(r["step_times"]) > 0 for r in ranks):
+        rec.busy_fraction = [sum(r["busy_times"]) / sum(r["step_times"]) for r in ranks]
     if all(r["dp_sync_times"] for r in ranks):
         rec.dp_sync_time = statistics.median(max(s) for s in zip(*(r["dp_sync_times"] for r in ranks)))
     if all(r.get("barrier_times") for r in ranks):  # the last rank to arrive waits only for the barrier itself

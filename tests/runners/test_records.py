@@ -22,8 +22,9 @@ def _cfg(**kw) -> RunConfig:
     return RunConfig(**base)
 
 
-def _rank(rank, times, losses=None):
+def _rank(rank, times, losses=None, busy=None):
     return {"rank": rank, "step_times": times, "losses": losses, "dp_sync_times": [0.0] * len(times),
+            "busy_times": busy or [],
             "peak_memory_bytes": 100 + rank, "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
             "backend": "gloo", "peak_tflops": 0.1, "peak_source": "measured-matmul:fp32"}
 
@@ -37,6 +38,13 @@ def test_record_aggregates_ranks():
     assert rec.tokens_per_s == 4 * 128 / 2.0
     assert rec.peak_memory_bytes == [100, 101]
     assert rec.mfu == pytest.approx(rec.tflops_per_device / 0.1)
+    assert rec.busy_fraction == []  # no CPU times (a GPU run): no busy share
+
+
+def test_record_busy_share_per_rank():
+    ranks = [_rank(0, [1.0, 3.0], busy=[0.5, 1.5]), _rank(1, [2.0, 2.0], busy=[1.9, 1.7])]
+    rec = build_record(_cfg(), TORCH_PIPE, "ok", None, ranks, {})
+    assert rec.busy_fraction == pytest.approx([0.5, 0.9])  # CPU time over the rank's own step times
 
 
 def test_failed_run_still_records():

@@ -30,6 +30,8 @@ def test_torch_pipe_matches_reference(layout, out_file):
     assert rec["environment"]["torch_version"] and rec["environment"]["device_kind"] == "cpu"
     assert rec["peak_source"].startswith("measured-matmul")
     assert len(rec["peak_memory_bytes"]) == rec["environment"]["device_count"]
+    assert len(rec["busy_fraction"]) == rec["environment"]["device_count"]
+    assert all(0 < b <= 1.05 for b in rec["busy_fraction"]), rec["busy_fraction"]
 
 
 @pytest.mark.parametrize("args, message", [
