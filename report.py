@@ -144,6 +144,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "tokens_per_s": r.get("tokens_per_s"),
             "mfu": r.get("mfu"),
             "peak_mem_mb": max(r.get("peak_memory_bytes") or [0]) / 2**20,
+            "busy": r.get("busy_fraction") or [],
             "dp_sync_time": r.get("dp_sync_time"),
             "details": r.get("details") or "",
             "error": r.get("error") or "",
@@ -282,18 +283,27 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
     return "## Summary\n\n" + "\n".join(lines) if lines else ""
 
 
+def _busy_range(shares: list[float]) -> str:
+    """The ranks' busy shares (CPU time over step time, CPU runs) as their range: how much of a step they computed."""
+    if not shares:
+        return ""
+    lo, hi = min(shares), max(shares)
+    return f"{lo:.0%}" if round(100 * lo) == round(100 * hi) else f"{lo:.0%}-{hi:.0%}"
+
+
 def all_runs(df: pd.DataFrame) -> str:
     cols = ["system", "model", "layout", "devices", "mb", "batch", "network", "status", "median_step_time",
-            "tokens_per_s", "mfu", "peak_mem_mb", "dp_sync_time", "details"]
+            "tokens_per_s", "mfu", "peak_mem_mb", "busy", "dp_sync_time", "details"]
     t = df[cols].copy()
     t["median_step_time"] = t["median_step_time"].map(fmt_time)
     t["tokens_per_s"] = t["tokens_per_s"].map(lambda v: f"{v:,.0f}" if v == v and v is not None else "")
     t["mfu"] = t["mfu"].map(lambda v: f"{v:.1%}" if v == v and v is not None else "")
     t["peak_mem_mb"] = t["peak_mem_mb"].map(lambda v: f"{v:,.0f}")
+    t["busy"] = t["busy"].map(_busy_range)
     t["dp_sync_time"] = t["dp_sync_time"].map(lambda v: fmt_time(v) if v == v and v else "")
     t["network"] = t["network"].map(lambda n: "none" if n == "none" else network_label(n))
     t = t.rename(columns={"median_step_time": "step", "peak_mem_mb": "peak MiB per rank (max)",
-                          "dp_sync_time": "DP sync"})
+                          "busy": "busy per rank", "dp_sync_time": "DP sync"})
     return "## Every run\n\n" + t.to_markdown(index=False, tablefmt="github")
 
 

@@ -27,8 +27,9 @@ class Measurements:
     losses: list[float] | None = None
     dp_sync_times: list[float] = field(default_factory=list)  # data-parallel synchronisation inside each step
     barrier_times: list[float] = field(default_factory=list)  # the step's closing barrier, waited on this rank
-    # CPU time of the rank's training thread in each measured step, on CPU devices only (a GPU rank's
-    # host thread says nothing of its device): over the step time, how busy the rank was, bubbles out.
+    # CPU time of the rank's process (every thread: fairscale's Pipe computes in worker threads) in each
+    # measured step, on CPU devices only (a GPU rank's host time says nothing of its device): over the
+    # step time, how busy the rank was, its bubbles and waits left out.
     busy_times: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # choices resolved at run time (e.g. the slicing)
@@ -145,10 +146,10 @@ def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn) -> Measurements:
     for step in range(cfg.total_steps):
         inputs, targets = ctx.batch(step, dp_rank)
         barrier.wait()
-        start, cpu_start = time.perf_counter(), time.thread_time()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = step_fn(step, inputs, targets)
         ctx.synchronize()
-        done, busy = time.perf_counter(), time.thread_time() - cpu_start
+        done, busy = time.perf_counter(), time.process_time() - cpu_start
         barrier.wait()
         end = time.perf_counter()
         warm = step < cfg.warmup

@@ -266,8 +266,8 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
               f"{f'{paired:.2f}x' if paired else '-':>6} | {verdict:>5} | {megabytes(base_mem):>16} | "
               f"{megabytes(ours_mem):>12}")
     print("ratio: best baseline's / ours' median step time; paired: the median over repetitions of the same ratio "
-          "within one repetition; goal: the ratio issue #15 asks for; busy %: the share of each rank's step time its "
-          "training thread was computing (CPU time over step time; the rest is bubbles, messages and the barrier)")
+          "within one repetition; goal: the ratio issue #15 asks for; busy %: the share of each rank's step time it "
+          "was computing (its process's CPU time over its step time; the rest is bubbles, messages, the barrier)")
     print_machine(capacities, P, "a schedule that leaves ranks idle")
     return 0
 

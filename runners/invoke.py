@@ -77,8 +77,9 @@ def run_command(args: Sequence[str], *, out: str | os.PathLike | None = None, ti
             record = json.loads([l for l in out.read_text().splitlines() if l.strip()][-1])
         return Invocation(proc.returncode, record, pump.tail)
     finally:
-        if temp:
-            Path(temp).unlink(missing_ok=True)
+        if temp:  # the temporary record file and the lock file appending made beside it
+            for path in (Path(temp), Path(temp + ".lock")):
+                path.unlink(missing_ok=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:

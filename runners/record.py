@@ -50,8 +50,9 @@ class RunRecord:
     peak_tflops: float | None = None
     peak_source: str | None = None
     peak_memory_bytes: list[int] = field(default_factory=list)
-    # per rank, the share of its measured step time its training thread was computing (CPU devices
-    # only; the rest is waiting: bubbles, messages, the closing barrier)
+    # per rank, its process's CPU time over its measured step time (CPU devices only): the share it
+    # was computing; the rest is waiting (bubbles, messages, the closing barrier). Above 1 where a
+    # process computes in several threads at once.
     busy_fraction: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync

@@ -126,3 +126,16 @@ def test_a_line_that_is_not_a_record_is_skipped_with_a_warning(tmp_path):
     proc = subprocess.run([sys.executable, "report.py", str(path)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0 and "19.71 s" in proc.stdout
     assert "r.jsonl:2: not a run record" in proc.stderr and "r.jsonl:3: not JSON" in proc.stderr
+
+
+def test_every_run_shows_the_ranks_busy_share():
+    gpu = _rec(system="torch_pipe", pp=2, t=2.0)
+    cpu = _rec(system="ours", pp=2, t=1.0)
+    cpu.busy_fraction = [0.862, 0.951]
+    table = render([gpu.__dict__, cpu.__dict__]).split("## Every run")[1]
+    header = next(l for l in table.splitlines() if l.startswith("|"))
+    assert "busy per rank" in header
+    ours_row = next(l for l in table.splitlines() if l.startswith("| ours"))
+    pipe_row = next(l for l in table.splitlines() if l.startswith("| torch_pipe"))
+    col = [c.strip() for c in header.split("|")].index("busy per rank")
+    assert ours_row.split("|")[col].strip() == "86%-95%" and pipe_row.split("|")[col].strip() == ""  # GPU: no share

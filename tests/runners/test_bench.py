@@ -1,4 +1,5 @@
 """The side-by-side benchmark script and its machine check (run for real, on the tiny model)."""
+import os
 import subprocess
 import sys
 
@@ -31,15 +32,19 @@ def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
 
 
 @pytest.mark.multiprocess
-def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_side():
+def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_side(tmp_path):
     # batch 1 on P = 2: 1f1b and dualpipev cannot run it (judged before launching, not run)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "runners.bench", "ours-vs-best", "--model", "tiny", "--batch", "1", "--reps", "1",
          "--slices", "2", "--schedules", "gpipe", "1f1b", "zbv", "dualpipev", "--steps", "2", "--warmup", "1",
          "--no-capacity-check"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(temp)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "failed" not in proc.stdout, proc.stdout + proc.stderr
+    left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own compile cache
+    assert not left, left  # the runs' temporary records, their locks and run directories removed
     assert "torch_pipe 1f1b skipped: " in proc.stderr and "torch_pipe dualpipev skipped: " in proc.stderr
     rows = [l.split("|") for l in proc.stdout.splitlines() if l.strip().startswith("1 |")]
     configs = [r[1].strip() for r in rows if len(r) == 8]
