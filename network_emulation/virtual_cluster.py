@@ -16,7 +16,7 @@ path), no slow start after idle (``tcp_slow_start_after_idle=0``, else every bur
 longer than the retransmission timeout starts again from 10 segments), no metrics kept between
 connections (``tcp_no_metrics_save=1``: Linux otherwise caches the slow-start threshold per
 destination, and after one connection saw a loss every later one to that host starts in congestion
-avoidance; a probe measured 0.049 of 1 Gbit/s at 10 ms in four retries in a row), and CUBIC, Linux's default
+avoidance: the likely reason a probe once measured 0.049 of 1 Gbit/s at 10 ms four times in a row), and CUBIC, Linux's default
 congestion control, where the host's default is a pacing one (BBR paces a burst at the delivery rate
 it has measured, which for bursts of a few MB separated by idle time is far below the link's: on
 this machine kind, at 40 ms one-way and 10 Gbit/s, a 2 MB gloo message pre-posted a step ahead took

@@ -14,6 +14,7 @@ from typing import IO, Iterable, Sequence
 
 from runners.lifetime import die_with_parent
 from runners.output import Pump
+from runners.record import remove_records
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_GRACE_S = 30.0  # after SIGINT, how long the run command gets to stop its ranks before it is killed
@@ -77,9 +78,8 @@ def run_command(args: Sequence[str], *, out: str | os.PathLike | None = None, ti
             record = json.loads([l for l in out.read_text().splitlines() if l.strip()][-1])
         return Invocation(proc.returncode, record, pump.tail)
     finally:
-        if temp:  # the temporary record file and the lock file appending made beside it
-            for path in (Path(temp), Path(temp + ".lock")):
-                path.unlink(missing_ok=True)
+        if temp:
+            remove_records(temp)
 
 
 def _stop(proc: subprocess.Popen) -> None:

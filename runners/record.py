@@ -147,14 +147,25 @@ def append_record(path: str | Path, record: RunRecord) -> None:
     append_line(path, record.to_json())
 
 
+def _lock_path(path: Path) -> Path:
+    """The lock file appending takes, beside the records file (which is replaced, not written in place)."""
+    return path.with_name(path.name + ".lock")
+
+
+def remove_records(path: str | Path) -> None:
+    """Delete a records file and the lock file appending made beside it (e.g. a temporary one)."""
+    path = Path(path)
+    for p in (path, _lock_path(path)):
+        p.unlink(missing_ok=True)
+
+
 def append_line(path: str | Path, line: str) -> None:
     """Append one line (a record's JSON) atomically: under an exclusive lock the file is rewritten to a temporary and
     renamed over the old one, so a crash leaves the old file or the new one, never a torn line. A
     symlinked path is written through (its target is replaced); the file keeps its mode."""
     path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = path.with_name(path.name + ".lock")
-    with open(lock_path, "a") as lock:
+    with open(_lock_path(path), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         old = path.read_bytes() if path.exists() else b""
         if old and not old.endswith(b"\n"):
