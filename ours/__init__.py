@@ -2,8 +2,9 @@
 parameter-server data parallelism. This module declares it (options and SPEC); the rest:
 
 - ``ours.train``: ``train(config, context)``, the entry point the ranks call;
-- ``ours.engine``: one stage's token-sliced pipeline step (forward in slice order, backward in reverse,
-  asynchronous point-to-point transfers, deferred weight gradients that fill the bubble);
+- ``ours.engine``: one stage's token-sliced pipeline step (asynchronous point-to-point transfers,
+  deferred weight gradients that fill the bubble);
+- ``ours.schedule``: the order of a stage's forwards and backwards (1F1B over batch slices, or GPipe);
 - ``ours.kernels``: the exact sliced attention Function (KV state, gradient accumulation for earlier
   slices) and the deferred-gradient linear;
 - ``ours.dp``: allreduce, central_ps and sharded_ps data parallelism;
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
+from ours.schedule import SCHEDULES
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
 WIRE_DTYPES = ("fp32", "bf16", "fp16")
@@ -53,12 +55,21 @@ class OursOptions(SystemOptions):
                                  "(at most 4 per stage, never 1)", parse=slice_count, metavar="K|auto")
     slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",
                                             parse=slice_lengths, metavar="L1,L2,...")
+    schedule: str = option("1f1b", "the order of the units' forwards and backwards (ours.schedule): 1f1b over batch "
+                                   "slices (a stage holds at most P - stage batch slices' activations), or gpipe "
+                                   "(every forward, then every backward); the same with one batch slice",
+                           choices=SCHEDULES)
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
     wire_dtype: str = option("fp32", "the type activations, their gradients and the DP push and pull cross the "
                                      "network in; bf16 and fp16 halve the bytes and are lossy (opt-in, as "
                                      "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=WIRE_DTYPES)
     trace: str | None = option(None, "write a Chrome trace of every rank's spans to this file", identity=False,
                                output_path=True, metavar="FILE")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "OursOptions":
+        # a record written before --schedule existed ran every forward, then every backward
+        return super().from_dict({"schedule": "gpipe", **values})
 
     def __post_init__(self) -> None:
         if self.slices is not None and self.n_slices == "auto":  # one canonical form of an explicit slicing
@@ -122,7 +133,8 @@ SPEC = SystemSpec(
     description="token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism",
     options=OursOptions,
     dims=("pp", "dp"),
-    label=lambda config: " ".join(["ours"] + ([config.options.dp_mode] if config.dp > 1 else [])
+    label=lambda config: " ".join(["ours"] + ([config.options.schedule] if config.options.schedule != "1f1b" else [])
+                                  + ([config.options.dp_mode] if config.dp > 1 else [])
                                   + ([config.options.lossy()] if config.options.lossy() else [])),
     details=describe_slicing,
     role="ours",

@@ -7,16 +7,18 @@ embeddings with the slice's position offset on the first stage; every layer thro
 the loss (sum over the slice's tokens / tokens of the replica batch) on the last stage, computed at
 the start of the unit's backward (see ``_head_loss``).
 
-One step: the batch is cut into batch slices (micro_batch_size rows) x token slices; every
-(batch slice, token slice) unit runs forward in order — receiving its input activations from the
-previous stage, sending its output to the next — then backward in reverse order. Activations and
+One step: the batch is cut into batch slices (micro_batch_size rows) x token slices; each
+(batch slice, token slice) unit runs forward — receiving its input activations from the previous
+stage, sending its output to the next — and later backward, in the order ``ours.schedule`` gives
+(``1f1b`` over batch slices by default; ``gpipe``: every forward, then every backward). Activations and
 their gradients move with asynchronous point-to-point operations, one message per unit and
 direction. Every receive of a step is posted a step ahead (``post_receives``): gloo sends a message
 only once the receiver's notice that its receive is posted has reached the sender, so a receive
 posted as the step starts costs the first message a second network delay. Sends are waited for only
-at the end of the step. Linear weight gradients are computed once per step after the stage's last
-backward (while the previous stage is still in its backward); ``grads_ready`` is told as each
-parameter's gradient becomes final, so data parallelism can start moving it (``ours.dp``).
+at the end of the step. Linear weight gradients are deferred: computed while the stage waits for a
+message, and what is left once per step after the stage's last backward (while the previous stage
+is still in its backward); ``grads_ready`` is told as each parameter's gradient becomes final, so
+data parallelism can start moving it (``ours.dp``).
 
 ``wire_dtype`` (default fp32): the type activations and their gradients cross the network in; bf16
 or fp16 is lossy (compute stays in the stage's own precision).
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
+from ours.schedule import unit_order
 from ours.trace import Tracer
 from workload.model import GPT, block_forward
 from workload.partition import StageSpec
@@ -80,13 +83,22 @@ class StageEngine:
     def __init__(self, model: GPT, spec: StageSpec, *, slices: tuple[int, ...], batch_size: int, micro_batch_size: int,
                  device: torch.device, rank: int, prev_rank: int | None, next_rank: int | None, tracer: Tracer,
                  mixed_precision: bool = False, recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
-                 grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None):
+                 schedule: str = "1f1b", grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None):
         cfg = model.config
         self.model, self.spec, self.device, self.rank = model, spec, device, rank
         self.C, self.H, self.T, self.V = cfg.n_embd, cfg.n_head, cfg.seq_len, cfg.vocab_size
         self.slices = [(sum(slices[:i]), slices[i]) for i in range(len(slices))]
         self.batch_size, self.mb = batch_size, micro_batch_size
         self.nb = batch_size // micro_batch_size
+        # (F|B, unit) in the order this stage runs them; a unit's index (its messages' tag) is its
+        # position in forward order
+        self.order = [(kind, b * len(slices) + i)
+                      for kind, b, i in unit_order(schedule, self.nb, len(slices), spec.index, spec.n_stages)]
+        # 1f1b bounds what a stage holds: the weight-gradient stash (each linear's input and output
+        # gradient per unit, as large as the activations) keeps at most the units of P - s batch slices;
+        # gpipe defers every weight gradient to the waits and the step's end
+        held = min(self.nb, spec.n_stages - spec.index)
+        self.stash_limit = held * len(slices) if schedule == "1f1b" else None
         self.prev, self.next = prev_rank, next_rank
         self.tracer = tracer
         self.mixed = mixed_precision
@@ -169,6 +181,17 @@ class StageEngine:
         with self.tracer.span("recv", name):
             arrivals.wait(u)
 
+    def _bound_stash(self) -> None:
+        """Compute the weight gradients a linear's stash holds beyond ``stash_limit`` units (the newest
+        first: the unit just through its backward, whose tensors are still in cache)."""
+        if self.stash_limit is None:
+            return
+        for _, _, wg in self.linears.values():
+            extra = len(wg.stash) - self.stash_limit
+            if extra > 0:
+                with self.tracer.span("wgrad", "wgrad (bound)"):
+                    wg.drain(extra)
+
     # ---- one step ----------------------------------------------------------------------------
     def _units(self) -> list[tuple[int, int]]:
         """(batch slice, token slice) of every unit, in forward order; a unit's index is its tag."""
@@ -185,17 +208,14 @@ class StageEngine:
         and their gradients from the next (in the order they will be consumed)."""
         if self._posted is not None:
             return
-        mb, C = self.mb, self.C
         units = self._units()
         fwd, bwd = {}, {}
-        if not self.spec.is_first:
-            for u, (_, i) in enumerate(units):
-                buf = torch.empty(mb, self.slices[i][1], C, dtype=self.wire_dtype, device=self.device)
-                fwd[u] = (buf, dist.irecv(buf, self.prev, tag=u))
-        if not self.spec.is_last:
-            for u in reversed(range(len(units))):
-                buf = torch.empty(mb, self.slices[units[u][1]][1], C, dtype=self.wire_dtype, device=self.device)
-                bwd[u] = (buf, dist.irecv(buf, self.next, tag=u))
+        for kind, u in self.order:
+            src = self.prev if kind == "F" else self.next
+            if src is None:
+                continue
+            buf = torch.empty(self.mb, self.slices[units[u][1]][1], self.C, dtype=self.wire_dtype, device=self.device)
+            (fwd if kind == "F" else bwd)[u] = (buf, dist.irecv(buf, src, tag=u))
         self._posted = (fwd, bwd)
 
     def _send(self, t: torch.Tensor, dst: int, tag: int, sends: list) -> None:
@@ -217,34 +237,29 @@ class StageEngine:
         units = self._units()
         states = [[KVState(self.masks) for _ in self.blocks] for _ in range(self.nb)]
         sends: list = []
-        arrivals = None
-        if grecvs and self.device.type == "cpu":  # gloo (see _Arrivals)
-            arrivals = _Arrivals([(u, grecvs[u][1]) for u in reversed(range(len(units)))])
+        # gloo: helper threads tell which receives have arrived, so waits can compute weight gradients
+        # (see _Arrivals), each stream in the order it is consumed
+        arrivals: tuple = (None, None)
+        if self.device.type == "cpu":
+            arrivals = tuple(_Arrivals([(u, work) for u, (_, work) in posted.items()]) if posted else None
+                             for posted in (recvs, grecvs))
         saved: list = [None] * len(units)
         total = torch.zeros((), device=self.device) if spec.is_last else None
-        for u, (b, i) in enumerate(units):
-            c, l = self.slices[i]
-            x_in = None
-            if not spec.is_first:
-                buf, work = recvs.pop(u)
-                with tr.span("recv", f"recv f{b}.{i}"):
-                    work.wait()
-                x_in = buf.float().requires_grad_()
-            with tr.span("forward", f"F{b}.{i}"):
-                with autocast(self.device, self.mixed):
-                    if spec.is_first:
-                        rows = slice(b * mb, (b + 1) * mb)
-                        idx = inputs[rows, c : c + l]
-                        x = F.embedding(idx, self.model.wte.weight) + self.model.wpe.weight[c : c + l]
-                    else:
-                        x = x_in
-                    x = self._forward_unit(x, states[b], c)
-                    saved[u] = (x_in, x)
-            if not spec.is_last:
-                with tr.span("send", f"send f{b}.{i}"):
-                    self._send(x, self.next, u, sends)
-        for u in reversed(range(len(units))):
+        for kind, u in self.order:
             b, i = units[u]
+            if kind == "F":
+                x_in = None
+                if not spec.is_first:
+                    buf, work = recvs.pop(u)
+                    self._wait_filling(work, arrivals[0], u, f"recv f{b}.{i}")
+                    x_in = buf.float().requires_grad_()
+                with tr.span("forward", f"F{b}.{i}"):
+                    x = self._forward(x_in, inputs, states[b], b, i)
+                    saved[u] = (x_in, x)
+                if not spec.is_last:
+                    with tr.span("send", f"send f{b}.{i}"):
+                        self._send(x, self.next, u, sends)
+                continue
             x_in, y = saved[u]
             saved[u] = None
             if spec.is_last:
@@ -255,7 +270,7 @@ class StageEngine:
                 del loss
             else:
                 buf, work = grecvs.pop(u)
-                self._wait_filling(work, arrivals, u, f"recv b{b}.{i}")
+                self._wait_filling(work, arrivals[1], u, f"recv b{b}.{i}")
                 with tr.span("backward", f"B{b}.{i}"):
                     y.backward(buf.to(y.dtype))
             del y
@@ -263,8 +278,10 @@ class StageEngine:
                 with tr.span("send", f"send b{b}.{i}"):
                     self._send(x_in.grad, self.prev, u, sends)
             del x_in
-        if arrivals is not None:
-            arrivals.join()
+            self._bound_stash()
+        for a in arrivals:
+            if a is not None:
+                a.join()
         if post_next:
             self.post_receives()
         with tr.span("wgrad", "weight grads"):
@@ -280,3 +297,15 @@ class StageEngine:
             for _, work in sends:
                 work.wait()
         return total
+
+    def _forward(self, x_in: torch.Tensor | None, inputs: torch.Tensor, states: list[KVState], b: int,
+                 i: int) -> torch.Tensor:
+        """Unit (b, i)'s forward through the stage: the embeddings on the first stage, then its layers."""
+        c, l = self.slices[i]
+        with autocast(self.device, self.mixed):
+            if self.spec.is_first:
+                idx = inputs[b * self.mb : (b + 1) * self.mb, c : c + l]
+                x = F.embedding(idx, self.model.wte.weight) + self.model.wpe.weight[c : c + l]
+            else:
+                x = x_in
+            return self._forward_unit(x, states, c)

@@ -90,7 +90,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
         device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
         next_rank=None if spec.is_last else ctx.rank + 1, tracer=tracer, mixed_precision=cfg.mixed_precision,
-        recompute=cfg.recompute, wire_dtype=wire)
+        recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule)
     named = list(model.named_parameters())
     params = [p for _, p in named]
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from baselines.torch_pipe import SCHEDULES
 from ours import slice_count
+from ours.schedule import SCHEDULES as OURS_SCHEDULES
 from runners import network_slope
 from runners.invoke import run_command
 from runners.machine import parallel_capacity
@@ -227,8 +228,10 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
                 print(f"batch {batch}: torch_pipe {schedule} skipped: {why}", file=sys.stderr, flush=True)
                 continue
             configs[f"torch_pipe {schedule}"] = args
-        for k in opts.slices:
-            configs[f"ours K={k}"] = ours_args(P, batch, k=k)
+        for schedule in opts.ours_schedules if batch > 1 else opts.ours_schedules[:1]:  # the same at one row
+            for k in opts.slices:
+                name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
+                configs[name] = ours_args(P, batch, k=k) + ["--schedule", schedule]
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
 
     print(f"\nours vs the fastest Torch Pipe schedule on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating "
@@ -299,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="token slice counts K of ours to run ('auto': the planner's slicing)")
     b.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
                    help="the Torch Pipe schedules to run (each where it can run the batch)")
+    b.add_argument("--ours-schedules", nargs="+", default=["1f1b"], choices=OURS_SCHEDULES,
+                   help="the orders of ours' units to run (ours.schedule; gpipe only where the batch has several "
+                        "batch slices: with one they are the same)")
     b.add_argument("--model", default="cpu-small")
     b.add_argument("--pp", type=int, default=2)
     b.add_argument("--steps", type=int, default=5, help="measured steps per run")

@@ -12,8 +12,8 @@ Each rank runs a program: a list of operations executed in order.
   members reached it, then all leave ``seconds`` later.
 - ``Defer(chunks)``: queue deferred work (ours' weight gradients); ``FillWait(key)``: wait for one
   message, running queued chunks while it has not arrived (a chunk, once started, finishes);
-  ``Flush(kind, keep)``: run what is queued beyond ``keep`` seconds of it as one computation (the
-  rest stays queued; ``keep`` 0: everything).
+  ``Flush(kind, keep)``: run what is queued beyond ``keep`` seconds of it as one computation, the
+  oldest chunks first (the rest stays queued in its chunks; ``keep`` 0: everything).
 - ``Mark(name)``: note the time (and the rank's accounting) under ``name``.
 
 Messages. The data of a message becomes ready to leave at
@@ -375,11 +375,17 @@ class Simulator:
                 st.deferred.extend(op.chunks)
                 st.pc += 1
             elif isinstance(op, Flush):
-                total = sum(st.deferred)
-                st.deferred.clear()
-                if op.keep > 0 and total > 0:
-                    st.deferred.append(min(total, op.keep))
-                self._start_compute(r, max(0.0, total - op.keep), op.kind)
+                run = max(0.0, sum(st.deferred) - op.keep)
+                if op.keep <= 0:
+                    st.deferred.clear()
+                left = run
+                while st.deferred and left > 0:  # the oldest chunks; what is kept stays in its chunks
+                    if st.deferred[0] <= left:
+                        left -= st.deferred.popleft()
+                    else:
+                        st.deferred[0] -= left
+                        left = 0.0
+                self._start_compute(r, run, op.kind)
             elif isinstance(op, Group):
                 members = self.groups.setdefault(op.key, set())
                 members.add(r)

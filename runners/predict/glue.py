@@ -23,7 +23,7 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo") -> Run
             slices = auto_slicing(cfg, "cuda" if transport == "nccl" else "cpu").slices
         else:
             slices = tuple(o.token_slices(cfg.model.seq_len))
-        dp_mode = o.dp_mode
+        dp_mode, schedule = o.dp_mode, o.schedule
     else:
         schedule, virtual_pp = o.schedule, o.virtual_pp
     try:

@@ -15,8 +15,9 @@
   the gradient all-reduce in finalize_model_grads.
 - ours (``ours.engine``): every receive of a step posted a step ahead (the engine's at the end of the
   previous step's backward, the DP sync's after the previous sync; the first step's before the first
-  barrier); every unit (batch slice x token slice) forward in order; backward in reverse order; the
-  last stage computes the head and loss when a unit's backward starts; weight gradients deferred
+  barrier); every unit's (batch slice x token slice) forward and backward in the order of
+  ``ours.schedule`` (1F1B over batch slices, or GPipe); each receive waited like the engine waits
+  over gloo, running queued weight gradients until it arrives; the last stage computes the head and loss when a unit's backward starts; weight gradients deferred
   (queued per linear), run while waiting for a gradient and at the end, linear after linear; sends
   waited at the end. Data parallel (``ours.dp.PointToPointSync``), one round of point-to-point
   messages in 4 MiB buckets of the stage's gradients in the order they become final: a bucket is
@@ -42,6 +43,7 @@ from runners.predict import collectives as coll
 from runners.predict.compute import ComputeModel, Overheads, Scaled, stage_params
 from runners.predict.engine import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
 from runners.predict.spec import RunSpec
+from ours.schedule import unit_order
 
 BUCKET_BYTES = 4 * 1024 * 1024  # ours.dp.BUCKET_BYTES
 
@@ -545,18 +547,17 @@ class _Sync:
 
 def _ours_unit_receives(st: _Step, rank: int) -> list:
     """The engine's receives of a step (posted a step ahead): every unit's activation from the previous
-    stage, in forward order, and its gradient from the next, in backward order."""
+    stage and its gradient from the next, in the order the stage consumes them (``ours.schedule``)."""
     spec = st.spec
     P, mb, slices = spec.pp, spec.micro_batch_size, spec.token_slices
     d, s = divmod(rank, P)
-    units = [(b, i) for b in range(spec.n_micro_batches) for i in range(len(slices))]
     ops = []
-    if s > 0:
-        ops += [Recv(_key(st.step, "f", d, s - 1, u), rank - 1, st.act_bytes(mb, slices[i]))
-                for u, (_, i) in enumerate(units)]
-    if s < P - 1:
-        ops += [Recv(_key(st.step, "b", d, s + 1, u), rank + 1, st.act_bytes(mb, slices[units[u][1]]))
-                for u in reversed(range(len(units)))]
+    for kind, b, i in unit_order(spec.schedule, spec.n_micro_batches, len(slices), s, P):
+        u = b * len(slices) + i
+        if kind == "F" and s > 0:
+            ops.append(Recv(_key(st.step, "f", d, s - 1, u), rank - 1, st.act_bytes(mb, slices[i])))
+        elif kind == "B" and s < P - 1:
+            ops.append(Recv(_key(st.step, "b", d, s + 1, u), rank + 1, st.act_bytes(mb, slices[i])))
     return ops
 
 
@@ -578,24 +579,28 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
     nbs = spec.n_micro_batches
     slices = spec.token_slices
     ctx = [sum(slices[:i]) for i in range(len(slices))]
-    units = [(b, i) for b in range(nbs) for i in range(len(slices))]
     L = st.layers
     first, last = s == 0, s == P - 1
     prev, nxt = rank - 1, rank + 1
     ops: list = [Compute(st.o.step, "overhead")]
     sends = []
-    for u, (_, i) in enumerate(units):
-        l, c = slices[i], ctx[i]
-        if not first:
-            ops.append(Wait((_key(st.step, "f", d, s - 1, u),)))
-        ops += st.forward(s, mb, l, c)
-        if not last:
-            key = _key(st.step, "f", d, s, u)
-            ops.append(Send(key, nxt, st.act_bytes(mb, l)))
-            sends.append(key)
     wgrad = [0.0] * (4 * L + 1)  # per deferred linear (the output layer last), over the step
-    for u in reversed(range(len(units))):
-        l, c = slices[units[u][1]], ctx[units[u][1]]
+    # 1f1b: the engine computes the weight gradients its stash holds beyond P - s batch slices' units
+    # (``StageEngine._bound_stash``), right after each backward; modelled by the amount of work it keeps
+    limit = min(nbs, P - s) * len(slices) if spec.schedule == "1f1b" else None
+    queued: list[float] = []  # each unit's deferred work, in backward order
+    for kind, b, i in unit_order(spec.schedule, nbs, len(slices), s, P):
+        u = b * len(slices) + i
+        l, c = slices[i], ctx[i]
+        if kind == "F":
+            if not first:  # the engine waits for an activation like for a gradient (over gloo)
+                ops.append(FillWait(_key(st.step, "f", d, s - 1, u), "wgrad"))
+            ops += st.forward(s, mb, l, c)
+            if not last:
+                key = _key(st.step, "f", d, s, u)
+                ops.append(Send(key, nxt, st.act_bytes(mb, l)))
+                sends.append(key)
+            continue
         if not last:
             ops.append(FillWait(_key(st.step, "b", d, s + 1, u), "wgrad"))
         ops.append(Compute(st.o.per_unit(L) / 2, "overhead"))
@@ -617,6 +622,10 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
             key = _key(st.step, "b", d, s, u)
             ops.append(Send(key, prev, st.act_bytes(mb, l)))
             sends.append(key)
+        if limit is not None:
+            queued.append(sum(chunks))
+            if len(queued) > limit:
+                ops.append(Flush("wgrad", keep=sum(queued[-limit:])))
     if following is not None:
         ops += _ours_unit_receives(following, rank)
     params = st.params(L, first, last)

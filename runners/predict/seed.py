@@ -57,7 +57,7 @@ def gpipe_spec(net: str, dp: int = 1, precision: str = "fp32", system: str = "ou
     """The seed's GPipe row (``system="torch_pipe"``: what torch.distributed.pipelining's GPipe would do
     on the same cluster: receives posted one at a time, right before each micro-batch)."""
     return RunSpec(system, WORKLOAD, batch_size=64, micro_batch_size=1, link=network(net), pp=12, dp=dp,
-                   dp_mode="chain_ps", precision=precision, recompute=True, transport="nccl",
+                   schedule="gpipe", dp_mode="chain_ps", precision=precision, recompute=True, transport="nccl",
                    head_classes=HEAD_CLASSES, slices=(WORKLOAD.seq_len,) if system == "ours" else None)
 
 

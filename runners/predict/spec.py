@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from ours.schedule import SCHEDULES as OURS_SCHEDULES
 from workload.configs import ModelConfig
 
 SYSTEMS = ("torch_pipe", "megatron", "ours")
@@ -63,7 +64,8 @@ class RunSpec:
     """A run as the simulator sees it.
 
     system / schedule: which program each rank runs (torch_pipe: gpipe | 1f1b | interleaved;
-        megatron: 1f1b | interleaved; ours: its token-level pipeline, schedule ignored).
+        megatron: 1f1b | interleaved; ours: its token-level pipeline, its units in the order of
+        ``ours.schedule``: 1f1b | gpipe). None: ours' default (1f1b), else gpipe.
     model: the GPT shape. pp / tp / dp: pipeline stages, tensor-parallel degree, pipelines.
     batch_size: sequences per pipeline and step; micro_batch_size: sequences per micro-batch
         (ours: per batch slice). virtual_pp: model chunks per rank (interleaved).
@@ -92,7 +94,7 @@ class RunSpec:
     pp: int = 1
     tp: int = 1
     dp: int = 1
-    schedule: str = "gpipe"
+    schedule: str | None = None
     virtual_pp: int = 1
     slices: tuple[int, ...] | None = None
     dp_mode: str = "allreduce"
@@ -107,8 +109,10 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"unknown system {self.system!r}; the simulator knows {', '.join(SYSTEMS)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}")
+        if self.schedule is None:
+            object.__setattr__(self, "schedule", "1f1b" if self.system == "ours" else "gpipe")
+        if self.schedule not in (OURS_SCHEDULES if self.system == "ours" else SCHEDULES):
+            raise ValueError(f"unknown schedule {self.schedule!r} for {self.system}")
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"unknown dp_mode {self.dp_mode!r}")
         if self.transport not in TRANSPORTS:

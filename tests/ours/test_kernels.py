@@ -76,7 +76,7 @@ def test_deferred_linear_weight_grads():
 CFG = ModelConfig("unit", n_layer=2, n_embd=32, n_head=4, seq_len=24, vocab_size=64)
 
 
-def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False):
+def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False, schedule="1f1b", engine_hook=None):
     torch.manual_seed(3)
     x = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len))
     y = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len))
@@ -87,7 +87,9 @@ def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False):
     model = build_gpt(CFG, 0)
     eng = StageEngine(model, stage_specs(CFG.n_layer, 1)[0], slices=slices, batch_size=batch, micro_batch_size=mb,
                       device=torch.device("cpu"), rank=0, prev_rank=None, next_rank=None, tracer=Tracer(0, False),
-                      mixed_precision=mixed, recompute=recompute)
+                      mixed_precision=mixed, recompute=recompute, schedule=schedule)
+    if engine_hook is not None:
+        engine_hook(eng)
     loss = eng.step(x, y)
     return ref, ref_loss, model, loss
 
@@ -100,6 +102,28 @@ def test_engine_step_matches_model(slices, batch, mb, recompute):
     ref_grads = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert not p.grad.requires_grad, name  # plain gradients, no graph kept alive
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("schedule,bound", [("1f1b", 3), ("gpipe", None)])
+def test_engine_bounds_the_weight_gradient_stash(schedule, bound):
+    """1f1b: after each backward a linear's stash holds at most P - s batch slices' units (one stage:
+    one batch slice of 3 token slices); gpipe keeps every unit's until the step's end. Same gradients."""
+    peak = []
+
+    def watch(eng):
+        bound_stash = eng._bound_stash
+
+        def bounded():
+            bound_stash()
+            peak.append(max(len(wg.stash) for _, _, wg in eng.linears.values()))
+        eng._bound_stash = bounded
+
+    ref, ref_loss, model, loss = _engine_vs_model((8, 8, 8), 4, 1, schedule=schedule, engine_hook=watch)
+    assert len(peak) == 4 * 3  # one call per backward
+    assert max(peak) == (bound if bound is not None else 4 * 3)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=0, atol=1e-6, msg=name)
 
 

@@ -26,8 +26,22 @@ def test_p2_equal_slices_verified_and_traced(tmp_path):
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
     # 3 steps x 2 batch slices x 4 token slices
     assert sum(1 for e in spans if e["pid"] == 0 and e["tid"] == "forward") == 3 * 2 * 4
+    # the default 1f1b order: the last stage runs batch slice 0's backward before batch slice 1's forward
+    last = [e["name"] for e in sorted(spans, key=lambda e: e["ts"]) if e["pid"] == 1 and e["tid"] in ("forward", "backward")]
+    assert last[:16] == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.3", "B0.2", "B0.1", "B0.0",
+                         "F1.0", "F1.1", "F1.2", "F1.3", "B1.3", "B1.2", "B1.1", "B1.0"]
     rec = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
     assert rec["status"] == "ok"
+
+
+@pytest.mark.multiprocess
+def test_p2_gpipe_order_verified(tmp_path):
+    """--schedule gpipe: every forward, then every backward (the order before 1f1b became the default)."""
+    out = tmp_path / "runs.jsonl"
+    proc = run_cli(*COMMON, "--pp", "2", "--n-slices", "2", "--schedule", "gpipe", "--verify", "--out", str(out))
+    assert_verified(proc)
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["options"]["schedule"] == "gpipe" and rec["label"] == "ours gpipe"
 
 
 @pytest.mark.multiprocess
