@@ -230,7 +230,7 @@ class StageEngine:
         """Forward and backward of the replica batch; leaves every parameter's gradient in .grad.
         Returns the replica's mean loss (a 0-dim tensor) on the last stage, else None. ``post_next``:
         another step follows, whose receives are posted before this one returns."""
-        spec, tr, mb = self.spec, self.tracer, self.mb
+        spec, tr = self.spec, self.tracer
         self._prepare_weights()
         self.post_receives()  # no-op when the previous step posted them
         (recvs, grecvs), self._posted = self._posted, None

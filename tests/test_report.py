@@ -93,6 +93,15 @@ def test_runs_that_differ_in_an_option_get_columns_of_their_own():
     assert "ours P-2 (n_slices auto)" in header and "ours P-2 (n_slices 8)" in header
 
 
+def test_a_record_from_before_an_option_shows_the_value_it_ran_with():
+    new = _rec(system="ours", pp=2, t=1.5)
+    old = _rec(system="ours", pp=2, t=2.0)
+    old.config = {**old.config, "options": {k: v for k, v in old.config["options"].items() if k != "schedule"}}
+    old.key = old.key + "old"
+    header = next(l for l in render([old.__dict__, new.__dict__]).splitlines() if "Micro batch size" in l)
+    assert "ours P-2 (schedule gpipe)" in header and "ours P-2 (schedule 1f1b)" in header
+
+
 def test_the_report_answers_first_and_has_no_single_cell_table():
     recs = [_rec(system="ours", pp=12, network=net, t=t1) for net, t1 in (("default", 10.0), ("d10-1g", 14.0))]
     recs += [_rec(system="torch_pipe", pp=12, network=net, t=t1) for net, t1 in (("default", 15.16), ("d10-1g", 22.9))]

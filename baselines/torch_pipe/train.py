@@ -7,7 +7,6 @@ reference's. Ranks: global rank = dp_rank * P + pp_rank.
 """
 from __future__ import annotations
 
-from functools import partial
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh

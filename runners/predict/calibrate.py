@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from runners.predict.compute import CpuCompute, GpuCompute, Overheads
+from runners.predict.compute import GpuCompute, Overheads
 from runners.predict.predict import predict
 from runners.predict.spec import RunSpec
 

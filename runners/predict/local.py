@@ -47,7 +47,7 @@ class LocalRun:
     seq: int = 128
     n_slices: int = 1
     dp_mode: str = "allreduce"
-    schedule: str = "gpipe"
+    schedule: str = "gpipe"  # torch_pipe's, or ours' order of units (its calibration and validation ran gpipe)
 
     @property
     def name(self) -> str:
@@ -64,9 +64,7 @@ class LocalRun:
              "--network", self.network, "--out", str(out), "--timeout", "600"]
         if self.system == "ours":
             a += ["--n-slices", str(self.n_slices), "--dp-mode", self.dp_mode]
-        else:
-            a += ["--schedule", self.schedule]
-        return a
+        return a + ["--schedule", self.schedule]
 
     def shape(self) -> ModelConfig:
         return get_model_config(self.model).with_overrides(seq_len=self.seq)
@@ -203,7 +201,8 @@ def matches(run: LocalRun, record: dict) -> bool:
         return False
     o = c.get("options") or {}  # a system's own options (contract.SystemOptions) sit under "options"
     if run.system == "ours":
-        return o.get("n_slices") == run.n_slices and (run.dp == 1 or o.get("dp_mode") == run.dp_mode)
+        return (o.get("n_slices") == run.n_slices and (run.dp == 1 or o.get("dp_mode") == run.dp_mode)
+                and o.get("schedule", "gpipe") == run.schedule)  # no schedule: a record from before 1f1b
     return o.get("schedule") == run.schedule
 
 

@@ -121,6 +121,9 @@ def test_calibration_records_are_matched_by_their_system_options():
 
     assert matches(LocalRun("ours", "tiny", n_slices=4), record("ours", n_slices=4, dp_mode="allreduce"))
     assert not matches(LocalRun("ours", "tiny", n_slices=1), record("ours", n_slices=4, dp_mode="allreduce"))
+    # ours' order of units: a record without it ran gpipe (the calibration's); 1f1b is another run
+    assert not matches(LocalRun("ours", "tiny", n_slices=4), record("ours", n_slices=4, schedule="1f1b"))
+    assert matches(LocalRun("ours", "tiny", n_slices=4, schedule="1f1b"), record("ours", n_slices=4, schedule="1f1b"))
     assert matches(LocalRun("torch_pipe", "tiny"), record("torch_pipe", schedule="gpipe", virtual_pp=1))
     assert not matches(LocalRun("torch_pipe", "tiny", schedule="1f1b"), record("torch_pipe", schedule="gpipe"))
 
