@@ -3,6 +3,10 @@ each system's training code imports only the contract, workload/ and its own pac
 from __future__ import annotations
 
 import ast
+import importlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 from runners.registry import systems
@@ -36,6 +40,32 @@ def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     # a module's own packages are initialised before it runs: importing from them is not an edge
     ancestors = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)}
     return {m for m in found if m in mods and m != name and m not in ancestors}
+
+
+def unresolved_imports() -> list[str]:
+    """``from <suite module> import name`` anywhere in the suite (module level or inside a function, which
+    runs only when called) where the module does not import or has no such name or submodule."""
+    mods = suite_modules()
+    bad = []
+    for name, path in sorted(mods.items()):
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base not in mods:
+                continue
+            try:
+                module = importlib.import_module(base)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                bad.append(f"{name}: import {base}: {exc!r}")
+                continue
+            for alias in node.names:
+                if not hasattr(module, alias.name) and f"{base}.{alias.name}" not in mods:
+                    bad.append(f"{name}: {base} has no {alias.name}")
+    return bad
 
 
 def graph() -> dict[str, set[str]]:
@@ -107,3 +137,11 @@ def test_systems_import_only_the_contract_the_workload_and_themselves():
         allowed = ("contract", "workload", own)
         bad = sorted(m for m in closure(g, module) if not any(m == a or m.startswith(a + ".") for a in allowed))
         assert not bad, f"{spec.name}'s training code imports {bad}"
+
+
+def test_every_name_imported_from_the_suite_exists():
+    # in a process of its own: importing the baselines' training code loads their frameworks
+    code = "import json; from tests.test_imports import unresolved_imports; print(json.dumps(unresolved_imports()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
