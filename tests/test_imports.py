@@ -24,37 +24,39 @@ def suite_modules() -> dict[str, Path]:
     return mods
 
 
-def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """The suite modules ``name`` imports (module level or inside functions)."""
+def _imports(name: str, path: Path):
+    """(module, names) of every import statement in ``name``'s file (module level or inside functions),
+    relative imports resolved; ``import a.b`` gives ("a.b", ())."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            for a in node.names:
+                yield a.name, ()
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            found.add(base)
-            found |= {f"{base}.{a.name}" for a in node.names}  # "from pkg import submodule"
+            yield base, tuple(a.name for a in node.names)
+
+
+def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The suite modules ``name`` imports (module level or inside functions)."""
+    found: set[str] = set()
+    for base, names in _imports(name, path):
+        found.add(base)
+        found |= {f"{base}.{n}" for n in names}  # "from pkg import submodule"
     # a module's own packages are initialised before it runs: importing from them is not an edge
     ancestors = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)}
     return {m for m in found if m in mods and m != name and m not in ancestors}
 
 
 def unresolved_imports() -> list[str]:
-    """``from <suite module> import name`` anywhere in the suite (module level or inside a function, which
-    runs only when called) where the module does not import or has no such name or submodule."""
+    """Imports of suite modules anywhere in the suite (module level or inside a function, which runs only
+    when called) where the module does not import, or has no such name or submodule."""
     mods = suite_modules()
     bad = []
     for name, path in sorted(mods.items()):
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+        for base, names in _imports(name, path):
             if base not in mods:
                 continue
             try:
@@ -62,9 +64,7 @@ def unresolved_imports() -> list[str]:
             except Exception as exc:  # noqa: BLE001 - reported, not raised
                 bad.append(f"{name}: import {base}: {exc!r}")
                 continue
-            for alias in node.names:
-                if not hasattr(module, alias.name) and f"{base}.{alias.name}" not in mods:
-                    bad.append(f"{name}: {base} has no {alias.name}")
+            bad += [f"{name}: {base} has no {n}" for n in names if not hasattr(module, n) and f"{base}.{n}" not in mods]
     return bad
 
 
