@@ -56,6 +56,19 @@ class ProfileGrid:
                            warmup=0, p2p_sizes=tuple(2 ** k for k in range(10, 23, 4)), p2p_reps=5)
 
 
+def context_attention(kc: torch.Tensor, vc: torch.Tensor, n_head: int):
+    """The attention of a slice after cached keys ``kc`` and values ``vc`` (b, heads, c, head_dim): its
+    queries attend to the cache and causally to its own positions (bottom-right aligned), as a token
+    pipeline's later slice does; for ``workload.model.block_forward``."""
+    def attention(qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = split_heads(qkv, n_head)
+        k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    return attention
+
+
 class LayerBench:
     """One Block and the tensors of a slice; ``time(b, l, c)`` is one forward + backward."""
 
@@ -75,13 +88,7 @@ class LayerBench:
         if c > 0:  # the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
             kc = torch.randn(b, H, c, D, device=dev, requires_grad=True)
             vc = torch.randn(b, H, c, D, device=dev, requires_grad=True)
-            mask = causal_lower_right(l, c + l)
-
-            def attention(qkv: torch.Tensor) -> torch.Tensor:
-                q, k, v = split_heads(qkv, H)
-                k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
-                return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-
+            attention = context_attention(kc, vc, H)
         out = block_forward(self.block, x, attention)
         out.backward(torch.ones_like(out))
         for p in self.block.parameters():

@@ -23,11 +23,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
-from ours.plan.profile import measure_p2p, overhead_rates
+from ours.plan.profile import context_attention, measure_p2p, overhead_rates
 from workload.configs import ModelConfig
-from workload.model import Block, block_forward, merge_heads, split_heads
+from workload.model import Block, block_forward
 
 
 def grid(seq_len: int, batch_slices: tuple[int, ...] = (1,)) -> list[tuple[int, int, int]]:
@@ -63,15 +62,8 @@ class LayerTimer:
         kc = torch.randn(b, H, c, D, requires_grad=True) if c else None
         vc = torch.randn(b, H, c, D, requires_grad=True) if c else None
         grad = torch.ones(b, l, cfg.n_embd)
-        attention = None  # c = 0: the block's own causal attention
-        if c:  # the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
-            mask = causal_lower_right(l, c + l)
-
-            def attention(qkv: torch.Tensor) -> torch.Tensor:
-                q, k, v = split_heads(qkv, H)
-                k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
-                return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-
+        # c > 0: the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
+        attention = context_attention(kc, vc, H) if c else None
         t0 = time.perf_counter()
         out = block_forward(blk, x, attention)
         t1 = time.perf_counter()
