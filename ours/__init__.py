@@ -59,6 +59,8 @@ class OursOptions(SystemOptions):
                                    "slices (a stage holds at most P - stage batch slices' activations), or gpipe "
                                    "(every forward, then every backward); the same with one batch slice",
                            choices=SCHEDULES)
+    prefetch: int = option(0, "the first stage runs the next step's first N forwards as soon as its optimizer has "
+                              "stepped, while the later stages still drain this step (0: off)", metavar="N")
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
     wire_dtype: str = option("fp32", "the type activations, their gradients and the DP push and pull cross the "
                                      "network in; bf16 and fp16 halve the bytes and are lossy (opt-in, as "
@@ -92,6 +94,8 @@ class OursOptions(SystemOptions):
 
     def check(self, config: RunConfig) -> None:
         seq = config.model.seq_len
+        if self.prefetch < 0:
+            raise ConfigError(f"--prefetch must be >= 0 forwards, got {self.prefetch}")
         if self.slices is not None:
             text = ",".join(map(str, self.slices))
             if self.n_slices != len(self.slices):

@@ -26,6 +26,7 @@ or fp16 is lossy (compute stays in the stage's own precision).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -79,6 +80,21 @@ class _Arrivals:
         self._thread.join()
 
 
+@dataclass
+class _Step:
+    """One step in progress on a stage: its inputs, receives, per-row KV states, saved activations,
+    sends to wait for, the loss so far (last stage) and how far through ``StageEngine.order`` it is."""
+    inputs: torch.Tensor
+    recvs: dict
+    grecvs: dict
+    arrivals: tuple
+    states: list
+    saved: list
+    sends: list
+    total: torch.Tensor | None
+    pos: int = 0
+
+
 class StageEngine:
     def __init__(self, model: GPT, spec: StageSpec, *, slices: tuple[int, ...], batch_size: int, micro_batch_size: int,
                  device: torch.device, rank: int, prev_rank: int | None, next_rank: int | None, tracer: Tracer,
@@ -120,6 +136,7 @@ class StageEngine:
         self.wire_dtype = wire_dtype
         self.grads_ready = grads_ready  # called with each group of parameters whose gradient is final
         self._posted: tuple[dict, dict] | None = None  # the coming step's (forward, backward) receives
+        self._pending: _Step | None = None  # the next step, its first forwards run ahead (``prefetch``)
         self.loss_scale = 1.0  # dynamic loss scaling (fp16 on CUDA) sets it
 
     # ---- the functional forward -------------------------------------------------------------
@@ -226,64 +243,53 @@ class StageEngine:
         if self.grads_ready is not None and params:
             self.grads_ready(params)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, post_next: bool = False) -> torch.Tensor | None:
-        """Forward and backward of the replica batch; leaves every parameter's gradient in .grad.
-        Returns the replica's mean loss (a 0-dim tensor) on the last stage, else None. ``post_next``:
-        another step follows, whose receives are posted before this one returns."""
-        spec, tr = self.spec, self.tracer
+    def _begin(self, inputs: torch.Tensor) -> _Step:
+        """A step's state, its receives taken from those posted."""
         self._prepare_weights()
         self.post_receives()  # no-op when the previous step posted them
         (recvs, grecvs), self._posted = self._posted, None
-        units = self._units()
-        states = [[KVState(self.masks) for _ in self.blocks] for _ in range(self.nb)]
-        sends: list = []
         # gloo: helper threads tell which receives have arrived, so waits can compute weight gradients
         # (see _Arrivals), each stream in the order it is consumed
         arrivals: tuple = (None, None)
         if self.device.type == "cpu":
             arrivals = tuple(_Arrivals([(u, work) for u, (_, work) in posted.items()]) if posted else None
                              for posted in (recvs, grecvs))
-        saved: list = [None] * len(units)
-        total = torch.zeros((), device=self.device) if spec.is_last else None
-        for kind, u in self.order:
-            b, i = units[u]
-            if kind == "F":
-                x_in = None
-                if not spec.is_first:
-                    buf, work = recvs.pop(u)
-                    self._wait_filling(work, arrivals[0], u, f"recv f{b}.{i}")
-                    x_in = buf.float().requires_grad_()
-                with tr.span("forward", f"F{b}.{i}"):
-                    x = self._forward(x_in, inputs, states[b], b, i)
-                    saved[u] = (x_in, x)
-                if not spec.is_last:
-                    with tr.span("send", f"send f{b}.{i}"):
-                        self._send(x, self.next, u, sends)
-                continue
-            x_in, y = saved[u]
-            saved[u] = None
-            if spec.is_last:
-                with tr.span("backward", f"B{b}.{i}"):
-                    loss = self._head_loss(y, targets, b, i)
-                    total += loss.detach()
-                    (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
-                del loss
-            else:
-                buf, work = grecvs.pop(u)
-                self._wait_filling(work, arrivals[1], u, f"recv b{b}.{i}")
-                with tr.span("backward", f"B{b}.{i}"):
-                    y.backward(buf.to(y.dtype))
-            del y
-            if not spec.is_first:
-                with tr.span("send", f"send b{b}.{i}"):
-                    self._send(x_in.grad, self.prev, u, sends)
-            del x_in
-            self._bound_stash()
-        for a in arrivals:
+        return _Step(inputs=inputs, recvs=recvs, grecvs=grecvs, arrivals=arrivals,
+                     states=[[KVState(self.masks) for _ in self.blocks] for _ in range(self.nb)],
+                     saved=[None] * len(self._units()), sends=[],
+                     total=torch.zeros((), device=self.device) if self.spec.is_last else None)
+
+    def prefetch(self, inputs: torch.Tensor, n_units: int) -> int:
+        """First stage: run the next step's first forwards now (at most ``n_units``, those before its
+        first receive), with the weights this step's optimizer has just made; ``step`` goes on from
+        there. The next stage gets its first input while this step's drain still runs, instead of
+        waiting for it at the start of the next step (the pipeline's fill). Call only once every
+        weight of the stage is final for the next step. Returns the number of forwards run."""
+        if not self.spec.is_first or self.spec.is_last or n_units <= 0 or self._pending is not None:
+            return 0
+        lead = next((k for k, (kind, _) in enumerate(self.order) if kind != "F"), len(self.order))
+        with self.tracer.span("prefetch", "next step's first forwards"):
+            st = self._begin(inputs)
+            self._run(st, None, min(n_units, lead))
+        self._pending = st
+        return st.pos
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, post_next: bool = False) -> torch.Tensor | None:
+        """Forward and backward of the replica batch; leaves every parameter's gradient in .grad.
+        Returns the replica's mean loss (a 0-dim tensor) on the last stage, else None. ``post_next``:
+        another step follows, whose receives are posted before this one returns."""
+        st, self._pending = self._pending, None
+        if st is None:
+            st = self._begin(inputs)
+        elif not torch.equal(st.inputs, inputs):
+            raise RuntimeError("ours: the step's inputs are not those its first forwards were prefetched with")
+        self._run(st, targets, len(self.order))
+        for a in st.arrivals:
             if a is not None:
                 a.join()
         if post_next:
             self.post_receives()
+        tr = self.tracer
         with tr.span("wgrad", "weight grads"):
             self._report(self._autograd_params)
             for w, bias, wg in self.linears.values():
@@ -294,9 +300,48 @@ class StageEngine:
                 self._report([w] if bias is None else [w, bias])
         self._w = {}
         with tr.span("send", "wait sends"):
-            for _, work in sends:
+            for _, work in st.sends:
                 work.wait()
-        return total
+        return st.total
+
+    def _run(self, st: _Step, targets: torch.Tensor | None, stop: int) -> None:
+        """Run the stage's actions (``self.order``) from where ``st`` is up to ``stop``."""
+        spec, tr, units = self.spec, self.tracer, self._units()
+        for kind, u in self.order[st.pos:stop]:
+            b, i = units[u]
+            if kind == "F":
+                x_in = None
+                if not spec.is_first:
+                    buf, work = st.recvs.pop(u)
+                    self._wait_filling(work, st.arrivals[0], u, f"recv f{b}.{i}")
+                    x_in = buf.float().requires_grad_()
+                with tr.span("forward", f"F{b}.{i}"):
+                    x = self._forward(x_in, st.inputs, st.states[b], b, i)
+                    st.saved[u] = (x_in, x)
+                if not spec.is_last:
+                    with tr.span("send", f"send f{b}.{i}"):
+                        self._send(x, self.next, u, st.sends)
+                continue
+            x_in, y = st.saved[u]
+            st.saved[u] = None
+            if spec.is_last:
+                with tr.span("backward", f"B{b}.{i}"):
+                    loss = self._head_loss(y, targets, b, i)
+                    st.total += loss.detach()
+                    (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+                del loss
+            else:
+                buf, work = st.grecvs.pop(u)
+                self._wait_filling(work, st.arrivals[1], u, f"recv b{b}.{i}")
+                with tr.span("backward", f"B{b}.{i}"):
+                    y.backward(buf.to(y.dtype))
+            del y
+            if not spec.is_first:
+                with tr.span("send", f"send b{b}.{i}"):
+                    self._send(x_in.grad, self.prev, u, st.sends)
+            del x_in
+            self._bound_stash()
+        st.pos = max(st.pos, stop)
 
     def _forward(self, x_in: torch.Tensor | None, inputs: torch.Tensor, states: list[KVState], b: int,
                  i: int) -> torch.Tensor:

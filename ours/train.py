@@ -113,6 +113,8 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             if more:
                 sync.post_receives()
             ctx.synchronize()
+        if more and options.prefetch:  # the stage's weights are final for step i + 1
+            engine.prefetch(ctx.batch(i + 1, dp_rank)[0], options.prefetch)
         return StepOutput(loss=float(loss) if loss is not None else None, dp_sync_time=dt)
 
     engine.post_receives()  # the first step's receives, before the first step

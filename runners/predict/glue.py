@@ -24,6 +24,9 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo") -> Run
         else:
             slices = tuple(o.token_slices(cfg.model.seq_len))
         dp_mode, schedule = o.dp_mode, o.schedule
+        if o.prefetch:
+            raise NotModelled("the simulator models one step on its own, not ours' --prefetch (the next step's "
+                              "first forwards run during this one)")
     else:
         schedule, virtual_pp = o.schedule, o.virtual_pp
     try:

@@ -44,6 +44,32 @@ def test_p2_gpipe_order_verified(tmp_path):
     assert rec["options"]["schedule"] == "gpipe" and rec["label"] == "ours gpipe"
 
 
+@pytest.mark.parametrize("layout,first_stages", [
+    (["--pp", "3", "--num-layers", "3"], {0}),
+    (["--pp", "2", "--dp", "2", "--dp-mode", "sharded_ps"], {0, 2}),  # rank = dp_rank * pp + stage
+])
+@pytest.mark.multiprocess
+def test_prefetch_runs_the_next_steps_first_forwards_ahead_and_verifies(tmp_path, layout, first_stages):
+    """--prefetch 2: the first stage runs the next step's first two forwards once its optimizer (and,
+    with DP, the parameter server's update) has stepped; losses and gradients stay the reference's."""
+    trace = tmp_path / "trace.json"
+    proc = run_cli(*COMMON, *layout, "--n-slices", "4", "--prefetch", "2", "--verify", "--trace", str(trace),
+                   "--out", str(tmp_path / "runs.jsonl"))
+    assert_verified(proc)
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert {e["pid"] for e in spans if e["tid"] == "prefetch"} == first_stages
+    for rank in first_stages:
+        ahead = [e for e in spans if e["pid"] == rank and e["tid"] == "prefetch"]
+        assert len(ahead) == 2  # after steps 1 and 2 of 3
+        for p in ahead:
+            inside = [e["name"] for e in spans if e["pid"] == rank and e["tid"] == "forward"
+                      and p["ts"] <= e["ts"] and e["ts"] + e["dur"] <= p["ts"] + p["dur"]]
+            assert inside == ["F0.0", "F0.1"]
+    assert sum(1 for e in spans if e["pid"] == 0 and e["tid"] == "forward") == 3 * 2 * 4
+    rec = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
+    assert rec["options"]["prefetch"] == 2
+
+
 @pytest.mark.multiprocess
 def test_p3_unequal_slices_with_recompute_verified(tmp_path):
     proc = run_cli(*COMMON, "--num-layers", "6", "--seq-length", "96", "--pp", "3", "--slices", "40,32,24",
@@ -68,6 +94,7 @@ def test_p2_d2_data_parallel_modes_verified(tmp_path, mode, slicing):
 @pytest.mark.parametrize("extra,needle", [
     (["--pp", "2", "--slices", "10,10"], "sum to 20, not the sequence length 32"),
     (["--pp", "3"], "do not divide into 3 pipeline stages"),
+    (["--pp", "2", "--prefetch", "-1"], "--prefetch must be >= 0"),
 ])
 def test_bad_requests_exit_2_with_one_line(tmp_path, extra, needle):
     out = tmp_path / "runs.jsonl"

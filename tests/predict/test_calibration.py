@@ -152,5 +152,7 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
     assert spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices == (64, 64)
     with pytest.raises(NotModelled):
         spec_from_config(cfg("--system", "fairscale_fsdp"), link)
+    with pytest.raises(NotModelled, match="--prefetch"):
+        spec_from_config(cfg("--system", "ours", "--pp", "2", "--prefetch", "1"), link)
     assert record_prediction(cfg("--system", "reference")) is None  # a record without a prediction
 
