@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from contract import ConfigError
 from network_emulation.profiles import ProfileError, parse_profile
-from runners.registry import get_system
+from runners.registry import read_options
 
 REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
@@ -113,24 +112,13 @@ def _rest_of_identity(r: dict) -> str:
     return ", ".join(parts)
 
 
-def _options(r: dict) -> dict:
-    """A run's options as its system reads them: with the defaults of options the record predates
-    (ours' schedule: gpipe), so that runs which differ are named apart by what they ran; as recorded
-    where the system or an option is not known here."""
-    raw = (r.get("config") or {}).get("options") or {}
-    try:
-        return get_system(r["system"]).options.from_dict(raw).to_dict()
-    except (ConfigError, TypeError, ValueError):
-        return dict(raw)
-
-
 def to_frame(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in records:
         env = r.get("environment") or {}
         c = r.get("config") or {}
         shape = r["model_shape"]
-        options = _options(r)
+        options = read_options(r["system"], c.get("options") or {})
         rows.append({
             "key": r.get("key") or json.dumps(c, sort_keys=True),
             "timestamp": r.get("timestamp", ""),

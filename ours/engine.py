@@ -106,6 +106,8 @@ class StageEngine:
         self.slices = [(sum(slices[:i]), slices[i]) for i in range(len(slices))]
         self.batch_size, self.mb = batch_size, micro_batch_size
         self.nb = batch_size // micro_batch_size
+        # (batch slice, token slice) of every unit, in forward order; a unit's index is its tag
+        self.units = [(b, i) for b in range(self.nb) for i in range(len(slices))]
         # (F|B, unit) in the order this stage runs them; a unit's index (its messages' tag) is its
         # position in forward order
         self.order = [(kind, b * len(slices) + i)
@@ -210,10 +212,6 @@ class StageEngine:
                     wg.drain(extra)
 
     # ---- one step ----------------------------------------------------------------------------
-    def _units(self) -> list[tuple[int, int]]:
-        """(batch slice, token slice) of every unit, in forward order; a unit's index is its tag."""
-        return [(b, i) for b in range(self.nb) for i in range(len(self.slices))]
-
     def grad_order(self) -> list[torch.nn.Parameter]:
         """The stage's parameters in the order ``grads_ready`` reports their gradients final in a step:
         those autograd accumulates (layer norms, embeddings) at the end of the last backward, then each
@@ -225,7 +223,7 @@ class StageEngine:
         and their gradients from the next (in the order they will be consumed)."""
         if self._posted is not None:
             return
-        units = self._units()
+        units = self.units
         fwd, bwd = {}, {}
         for kind, u in self.order:
             src = self.prev if kind == "F" else self.next
@@ -256,23 +254,22 @@ class StageEngine:
                              for posted in (recvs, grecvs))
         return _Step(inputs=inputs, recvs=recvs, grecvs=grecvs, arrivals=arrivals,
                      states=[[KVState(self.masks) for _ in self.blocks] for _ in range(self.nb)],
-                     saved=[None] * len(self._units()), sends=[],
+                     saved=[None] * len(self.units), sends=[],
                      total=torch.zeros((), device=self.device) if self.spec.is_last else None)
 
-    def prefetch(self, inputs: torch.Tensor, n_units: int) -> int:
+    def prefetch(self, inputs: torch.Tensor, n_units: int) -> None:
         """First stage: run the next step's first forwards now (at most ``n_units``, those before its
         first receive), with the weights this step's optimizer has just made; ``step`` goes on from
         there. The next stage gets its first input while this step's drain still runs, instead of
         waiting for it at the start of the next step (the pipeline's fill). Call only once every
-        weight of the stage is final for the next step. Returns the number of forwards run."""
+        weight of the stage is final for the next step."""
         if not self.spec.is_first or self.spec.is_last or n_units <= 0 or self._pending is not None:
-            return 0
+            return
         lead = next((k for k, (kind, _) in enumerate(self.order) if kind != "F"), len(self.order))
         with self.tracer.span("prefetch", "next step's first forwards"):
             st = self._begin(inputs)
             self._run(st, None, min(n_units, lead))
         self._pending = st
-        return st.pos
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, post_next: bool = False) -> torch.Tensor | None:
         """Forward and backward of the replica batch; leaves every parameter's gradient in .grad.
@@ -306,7 +303,7 @@ class StageEngine:
 
     def _run(self, st: _Step, targets: torch.Tensor | None, stop: int) -> None:
         """Run the stage's actions (``self.order``) from where ``st`` is up to ``stop``."""
-        spec, tr, units = self.spec, self.tracer, self._units()
+        spec, tr, units = self.spec, self.tracer, self.units
         for kind, u in self.order[st.pos:stop]:
             b, i = units[u]
             if kind == "F":
@@ -341,7 +338,7 @@ class StageEngine:
                     self._send(x_in.grad, self.prev, u, st.sends)
             del x_in
             self._bound_stash()
-        st.pos = max(st.pos, stop)
+        st.pos = stop
 
     def _forward(self, x_in: torch.Tensor | None, inputs: torch.Tensor, states: list[KVState], b: int,
                  i: int) -> torch.Tensor:

@@ -46,3 +46,12 @@ def get_system(name: str) -> SystemSpec:
         return known[name]
     except KeyError:
         raise ConfigError(f"unknown system {name!r}; known: {', '.join(known)}") from None
+
+
+def read_options(system: str, raw: dict) -> dict:
+    """A record's options as its system reads them today: with the defaults of options the record
+    predates (e.g. ours' schedule: gpipe); as recorded where the system or an option is not known."""
+    try:
+        return get_system(system).options.from_dict(raw).to_dict()
+    except (ConfigError, TypeError, ValueError):
+        return dict(raw)

@@ -7,7 +7,6 @@ reference's. Ranks: global rank = dp_rank * P + pp_rank.
 """
 from __future__ import annotations
 
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard

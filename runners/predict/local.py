@@ -27,6 +27,7 @@ from runners.predict.compute import CpuCompute, Overheads
 from runners.predict.glue import NotModelled, spec_from_config, spec_from_record
 from runners.predict.predict import predict
 from runners.predict.spec import Link, Prediction
+from runners.registry import read_options
 from workload.configs import ModelConfig, get_model_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -199,10 +200,12 @@ def matches(run: LocalRun, record: dict) -> bool:
             and c.get("network") == run.network)
     if not same:
         return False
-    o = c.get("options") or {}  # a system's own options (contract.SystemOptions) sit under "options"
+    # a system's own options (contract.SystemOptions), as it reads them (a record from before ours'
+    # --schedule ran gpipe)
+    o = read_options(run.system, c.get("options") or {})
     if run.system == "ours":
         return (o.get("n_slices") == run.n_slices and (run.dp == 1 or o.get("dp_mode") == run.dp_mode)
-                and o.get("schedule", "gpipe") == run.schedule)  # no schedule: a record from before 1f1b
+                and o.get("schedule") == run.schedule)
     return o.get("schedule") == run.schedule
 
 
