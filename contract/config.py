@@ -14,6 +14,10 @@ from workload.configs import ModelConfig, OptimizerConfig
 # Fields of RunConfig that do not change what a run measures: two runs that differ only in these
 # are the same measurement (a sweep runs it once; a report keeps the newest).
 VOLATILE_FIELDS = frozenset({"verify", "timeout", "device"})
+# Fields added after records were written, with the value those records ran: at that value a field
+# stays out of the identity, so that the older records keep their keys.
+LATE_FIELDS = {"p2p_semantics": "gloo"}
+P2P_SEMANTICS = ("gloo", "nccl")
 
 
 class ConfigError(ValueError):
@@ -97,6 +101,7 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda
     verify: bool = False  # also train the single-process reference and compare
     timeout: float = 3600.0  # seconds before the run is stopped and recorded as timeout
+    p2p_semantics: str = "gloo"  # gloo | nccl: gloo's traffic follows NCCL's rules (runners.nccl_rules; CPU only)
     options: SystemOptions = field(default_factory=SystemOptions)  # the system's own options
 
     @property
@@ -139,6 +144,9 @@ class RunConfig:
         d = _plain(asdict(self.replace(options=SystemOptions())))
         for name in VOLATILE_FIELDS:
             del d[name]
+        for name, old in LATE_FIELDS.items():
+            if d[name] == old:
+                del d[name]
         d["options"] = _plain(self.options.identity())
         return d
 

@@ -24,6 +24,7 @@ import torch
 from contract import RunConfig
 from network_emulation import VirtualCluster, parse_profile
 from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag
+from runners.nccl_rules import pending_summary
 from runners.output import Pump
 from runners.request import Placement
 
@@ -152,7 +153,9 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
         for name, g in torch.load(path).items():
             grads.setdefault(name, g)
     if timed_out:
-        return LaunchResult("timeout", f"timed out after {timeout:g} s", ranks, grads, run_dir)
+        pending = pending_summary(run_dir)  # what each rank waited for, where NCCL's rules were followed
+        error = f"timed out after {timeout:g} s" + (f"; pending operations: {pending}" if pending else "")
+        return LaunchResult("timeout", error, ranks, grads, run_dir)
     own = sorted((e for e in errors if not e.get("peer_failure")), key=lambda e: (e["status"] != "oom", e["time"]))
     if own:
         first = own[0]

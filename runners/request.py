@@ -124,6 +124,10 @@ def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.Argumen
     g.add_argument("--out", default="results/runs.jsonl", help="the JSON-lines file the run record is appended to")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped and recorded as timeout")
+    g.add_argument("--p2p-semantics", default="gloo",
+                   help="gloo | nccl: on gloo, follow NCCL's rules (messages matched in issue order, tags ignored, a "
+                        "pair's operations one at a time): what would hang under NCCL hangs here and ends as timeout "
+                        "naming each rank's pending operations; where the backend is NCCL its rules hold anyway")
     g = p.add_argument_group("multi-node (passed through to torchrun)")
     g.add_argument("--nnodes", type=int, default=1)
     g.add_argument("--node-rank", type=int, default=0)
@@ -153,7 +157,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         pp=args.pp, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup,
         mixed_precision=args.mixed_precision, recompute=args.recompute, network=args.network, seed=args.seed,
         optimizer=OptimizerConfig(kind=args.optimizer, lr=args.lr), data=args.data, device=args.device,
-        verify=args.verify, timeout=args.timeout, options=spec.options(**given))
+        verify=args.verify, timeout=args.timeout, p2p_semantics=args.p2p_semantics, options=spec.options(**given))
 
 
 def placement_from_args(args: argparse.Namespace) -> Placement:
