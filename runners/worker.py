@@ -86,9 +86,7 @@ def main(run_dir: Path) -> int:
             nccl_rules.install(rank, device, run_dir)
         torch.manual_seed(cfg.seed)
         peak, peak_source, device_name = hardware_peak(device, cfg)
-        barrier_group = dist.new_group(list(range(world))) if world > 1 else None  # the timing barrier's own
-        ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg,
-                      barrier_group=barrier_group)
+        ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg)
         m = spec.load()(cfg, ctx)
         m.peak_memory_bytes = peak_memory_bytes(device)
         if m.grads is not None:
