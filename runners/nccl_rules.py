@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.c10d_logger as c10d_logger
 import torch.distributed.distributed_c10d as c10d
 
 PENDING_GLOB = "pending-rank*.json"
@@ -57,8 +58,7 @@ _TAGS_PER_SEQ = 4  # the pair stream's header and payload, the batch stream's he
 _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                 "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "_all_gather_base",
                 "_reduce_scatter_base", "all_reduce_coalesced", "all_gather_coalesced")
-_HERE = os.path.abspath(__file__)
-_C10D = os.path.abspath(c10d.__file__)
+_SKIPPED = {os.path.abspath(f) for f in (__file__, c10d.__file__, c10d_logger.__file__)}  # not a call site
 
 
 class NcclRuleError(RuntimeError):
@@ -66,9 +66,9 @@ class NcclRuleError(RuntimeError):
 
 
 def _site() -> str:
-    """Where the operation was issued: the first frame outside this shim and torch's c10d module."""
+    """Where the operation was issued: the first frame outside this shim and torch's c10d modules."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename) in (_HERE, _C10D):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) in _SKIPPED:
         frame = frame.f_back
     if frame is None:
         return "?"
