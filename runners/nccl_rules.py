@@ -240,7 +240,8 @@ class _Rules:
         key = (group.group_name, kind, peer)
         if key not in self.streams:
             where = f"group {group.group_name[:8]} of ranks {dist.get_process_group_ranks(group)}"
-            self.streams[key] = _Stream(self, f"{where}, pair with rank {peer}" if kind == "pair" else f"{where}, batched")
+            name = f"{where}, pair with rank {peer}" if kind == "pair" else f"{where}, batched"
+            self.streams[key] = _Stream(self, name)
         return self.streams[key]
 
     def issue(self, specs: list[tuple[str, torch.Tensor, dist.ProcessGroup, int, int]], batched: bool) -> list[_Work]:
