@@ -87,7 +87,7 @@ class StepBarrier:
         self.ctx, self.uses = ctx, uses
         n = ctx.world_size
         rounds = _powers_below(n)
-        self.links = link_groups((r, (r + k) % n) for r in range(n) for k in rounds)
+        self.links = link_groups(((r, (r + k) % n) for r in range(n) for k in rounds), ctx.device)
         self.peers = [((ctx.rank + k) % n, (ctx.rank - k) % n) for k in rounds]  # (to, from) per round
         self.token = torch.zeros(1, device=ctx.device)
         self._posted = self._post()

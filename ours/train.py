@@ -86,7 +86,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             g = dist.new_group([d * pp + s for d in range(dp)])
             if s == pp_rank:
                 group = g
-    links = link_groups(pipeline_links(pp, dp) + dp_links(pp, dp))
+    links = link_groups(pipeline_links(pp, dp) + dp_links(pp, dp), ctx.device)
 
     wire = WIRE_DTYPES[options.wire_dtype]
     engine = StageEngine(

@@ -18,14 +18,21 @@ or swap tensors under NCCL runs fine on a laptop. Under this shim gloo follows N
    the pair (group, peer), so separate process groups are separate streams; the operations posted
    together by one ``batch_isend_irecv`` are one entry on the group's own stream (NCCL runs a
    batch on the group's communicator, whatever the peers) and progress together.
-4. Collectives take tensors on the run's device only.
+4. NCCL creates a pair's communicator on a group at the pair's first single operation there, and
+   that call blocks the host until the peer has issued one too (ProcessGroupNCCL without a bound
+   device, as the rank worker runs it): here the first single operation of a pair on a group waits
+   for the peer's before it is queued.
+5. Collectives take tensors on the run's device only.
 
 What each rank has pending is written to ``<run dir>/pending-rank<R>.json`` every half second
 (``PENDING_GLOB``), so that a run that hangs here, as it would under NCCL, ends as ``timeout`` with
 every rank's pending operations named (``runners.launcher`` reads them, ``pending_summary``).
 
 Not modelled: a collective on a group with a batch in flight waits for it under NCCL (they share the
-group's stream); here it does not. ``Work.wait`` blocks the host, where NCCL's blocks only the
+group's stream), and the first batch or collective on a group creates its communicator, for which
+every rank of the group must arrive; here neither waits. With a device bound at
+``init_process_group`` (``device_id``), NCCL would run a group's single operations on the group's
+communicator too (one stream per group, not per pair). ``Work.wait`` blocks the host, where NCCL's blocks only the
 current stream; the order of the work is the same, because every NCCL operation waits for the
 current stream before it starts.
 
@@ -55,6 +62,7 @@ PENDING_GLOB = "pending-rank*.json"
 HEADER_BYTES = 512  # a message's header: JSON, padded
 DUMP_EVERY_S = 0.5
 _TAGS_PER_SEQ = 4  # the pair stream's header and payload, the batch stream's header and payload
+_CONNECT_TAG = 2**31 - 1  # a pair's first operation on a group (4)
 _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                 "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "_all_gather_base",
                 "_reduce_scatter_base", "all_reduce_coalesced", "all_gather_coalesced")
@@ -89,7 +97,7 @@ class _Op:
     peer: int  # global rank
     group: dist.ProcessGroup
     group_peer: int
-    stream: "_Stream"
+    stream: "_Stream | None"
     seq: int  # its number among its stream's operations in its direction
     tag: int  # the gloo tag of its header (the payload's is tag + 1)
     site: str
@@ -101,16 +109,25 @@ class _Op:
     def name(self) -> str:
         return f"{self.kind} #{self.seq} {'to' if self.kind == 'isend' else 'from'} rank {self.peer}"
 
+    @property
+    def stream_name(self) -> str:
+        return self.stream.name if self.stream is not None else _stream_name(self.group, "pair", self.peer)
+
     def describe(self) -> str:
         shape = "x".join(map(str, self.tensor.shape)) or "scalar"
         dtype = str(self.tensor.dtype).removeprefix("torch.")
-        return f"{self.name()} ({dtype}[{shape}], {self.stream.name}, at {self.site})"
+        return f"{self.name()} ({dtype}[{shape}], {self.stream_name}, at {self.site})"
 
     def header(self, rank: int) -> torch.Tensor:
         text = json.dumps({"rank": rank, "op": self.describe(), "shape": list(self.tensor.shape),
                            "dtype": str(self.tensor.dtype)})
         data = text.encode()[:HEADER_BYTES].ljust(HEADER_BYTES)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _stream_name(group: dist.ProcessGroup, kind: str, peer: int | None) -> str:
+    where = f"group {group.group_name[:8]} of ranks {dist.get_process_group_ranks(group)}"
+    return f"{where}, pair with rank {peer}" if kind == "pair" else f"{where}, batched"
 
 
 def _read_header(buf: torch.Tensor) -> dict:
@@ -227,6 +244,8 @@ class _Rules:
         self.seqs: collections.Counter = collections.Counter()
         self.serials = itertools.count()
         self.pending: dict[int, _Op] = {}
+        self.connected: dict[tuple, threading.Event] = {}  # (group, peer): the pair's first operation is through
+        self.connecting: dict[tuple, dict] = {}  # those still waiting for the peer's, as the dump shows them
         self.version = 0
         if dump_dir is not None:
             threading.Thread(target=self._dump_forever, name="nccl-rules dump", daemon=True).start()
@@ -239,10 +258,33 @@ class _Rules:
     def _stream(self, group: dist.ProcessGroup, kind: str, peer: int | None) -> _Stream:
         key = (group.group_name, kind, peer)
         if key not in self.streams:
-            where = f"group {group.group_name[:8]} of ranks {dist.get_process_group_ranks(group)}"
-            name = f"{where}, pair with rank {peer}" if kind == "pair" else f"{where}, batched"
-            self.streams[key] = _Stream(self, name)
+            self.streams[key] = _Stream(self, _stream_name(group, kind, peer))
         return self.streams[key]
+
+    def connect(self, kind: str, tensor: torch.Tensor, group: dist.ProcessGroup, peer: int, group_peer: int) -> None:
+        """Before a pair's first single operation on a group is queued: wait for the peer's (4)."""
+        key = (group.group_name, peer)
+        with self.lock:
+            done = self.connected.get(key)
+            first = done is None
+            if first:
+                done = self.connected[key] = threading.Event()
+                op = _Op(kind, tensor, peer, group, group_peer, None, 0, 0, _site(), -1)
+                self.connecting[key] = {"op": op.describe(), "kind": "connect", "stream": op.stream_name,
+                                        "running": True, "posted": op.posted, "error": None}
+                self.version += 1
+        if not first:
+            done.wait()
+            return
+        try:
+            token, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+            for work in (group.send([token], group_peer, _CONNECT_TAG), group.recv([got], group_peer, _CONNECT_TAG)):
+                work.wait()
+        finally:
+            with self.lock:
+                del self.connecting[key]
+                self.version += 1
+            done.set()
 
     def issue(self, specs: list[tuple[str, torch.Tensor, dist.ProcessGroup, int, int]], batched: bool) -> list[_Work]:
         """Number, queue and start ``(kind, tensor, group, peer, group_peer)`` operations: one entry
@@ -268,11 +310,12 @@ class _Rules:
 
     # ---- what is pending, for the launcher ------------------------------------------------------
     def snapshot(self) -> list[dict]:
-        """The operations not completed yet, in issue order: each with its stream and whether it is the
-        one its stream runs (waiting for its peer) or queued behind it."""
+        """The operations not completed yet: those waiting for the peer's first operation on their pair,
+        then the queued ones in issue order, each with its stream and whether it is the one its stream
+        runs (waiting for its peer) or queued behind it."""
         with self.lock:
             ops = sorted(self.pending.values(), key=lambda op: op.serial)
-        out = []
+            out = list(self.connecting.values())
         for op in ops:
             if op.done.is_set():
                 continue
@@ -315,6 +358,7 @@ def _p2p(kind: str, tensor, peer, group, group_peer) -> dist.Work | None:
     if c10d._rank_not_in_group(group):
         return None
     peer, group_peer = _peer(group, peer, group_peer, "receive" if kind == "irecv" else "send")
+    _rules.connect(kind, tensor, group, peer, group_peer)
     return _rules.issue([(kind, tensor, group, peer, group_peer)], batched=False)[0]
 
 
@@ -412,8 +456,9 @@ def pending_summary(run_dir: Path) -> str:
         clauses = []
         for ops in streams.values():
             head, queued = ops[0], ops[1:]
-            peer_does = "message" if head["kind"] == "irecv" else "receive"
-            text = f"{head['op']} waiting for its peer's {peer_does} for {now - head['posted']:.0f} s"
+            awaited = {"irecv": "message", "isend": "receive",
+                       "connect": "first operation on the pair (NCCL creates the pair's communicator then)"}
+            text = f"{head['op']} waiting for its peer's {awaited[head['kind']]} for {now - head['posted']:.0f} s"
             if head.get("error"):
                 text += f" (failed: {head['error']})"
             if queued:

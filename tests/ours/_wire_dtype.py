@@ -64,7 +64,7 @@ def main() -> None:
         g = dist.new_group([d * PP + s for d in range(DP)])
         if s == pp_rank:
             group = g
-    links = link_groups(pipeline_links(PP, DP) + dp_links(PP, DP))
+    links = link_groups(pipeline_links(PP, DP) + dp_links(PP, DP), torch.device("cpu"))
     result = {}
     for mode in ("allreduce", "central_ps", "sharded_ps"):
         exact, low = (one_step(mode, w, group, links, dp_rank, pp_rank) for w in (torch.float32, lossy))
