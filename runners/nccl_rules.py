@@ -32,9 +32,9 @@ Not modelled: a collective on a group with a batch in flight waits for it under 
 group's stream), and the first batch or collective on a group creates its communicator, for which
 every rank of the group must arrive; here neither waits. With a device bound at
 ``init_process_group`` (``device_id``), NCCL would run a group's single operations on the group's
-communicator too (one stream per group, not per pair). ``Work.wait`` blocks the host, where NCCL's blocks only the
-current stream; the order of the work is the same, because every NCCL operation waits for the
-current stream before it starts.
+communicator too (one stream per group, not per pair). ``Work.wait`` blocks the host, where NCCL's
+blocks only the current stream; the order of the work is the same, because every NCCL operation
+waits for the current stream before it starts.
 
 The functions are patched in ``torch.distributed`` and in ``torch.distributed.distributed_c10d``,
 where torch's own helpers (``send_object_list``, ``P2POp``'s check of its op) look them up; code
@@ -70,7 +70,7 @@ _SKIPPED = {os.path.abspath(f) for f in (__file__, c10d.__file__, c10d_logger.__
 
 
 class NcclRuleError(RuntimeError):
-    """A message that NCCL would have matched with a receive it does not fit."""
+    """What NCCL would refuse, or get wrong in silence (a message matched with a receive it does not fit)."""
 
 
 def _site() -> str:
@@ -119,9 +119,12 @@ class _Op:
         return f"{self.name()} ({dtype}[{shape}], {self.stream_name}, at {self.site})"
 
     def header(self, rank: int) -> torch.Tensor:
-        text = json.dumps({"rank": rank, "op": self.describe(), "shape": list(self.tensor.shape),
-                           "dtype": str(self.tensor.dtype)})
-        data = text.encode()[:HEADER_BYTES].ljust(HEADER_BYTES)
+        """What the receiver checks: the shape and dtype, and the operation for its error (shortened to fit)."""
+        fields = {"rank": rank, "shape": list(self.tensor.shape), "dtype": str(self.tensor.dtype), "op": ""}
+        room = HEADER_BYTES - len(json.dumps(fields).encode())
+        op = self.describe()
+        fields["op"] = op if len(op) <= room else op[: max(room - 3, 0)] + "..."
+        data = json.dumps(fields, ensure_ascii=True).encode().ljust(HEADER_BYTES)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 

@@ -6,6 +6,7 @@ catches (``runners.nccl_rules``) and plain gloo lets pass:
   under NCCL a posted receive holds back the pair's later operations, so both ranks wait forever.
 - ``mismatch``: rank 0 sends a 2 x 3 tensor, rank 1 receives a 3 x 2 one: the same bytes, so gloo
   delivers it; NCCL would too, silently reshaped, where the run under NCCL's rules fails naming both.
+- ``both``: the one, then the other.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from contract import RunConfig, SystemOptions, SystemSpec, option
 
-PATTERNS = ("cross", "mismatch")
+PATTERNS = ("cross", "mismatch", "both")
 
 
 @dataclass(frozen=True)
@@ -30,17 +31,19 @@ def train(config: RunConfig, ctx):
     other = 1 - ctx.rank
 
     def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
-        if config.options.probe_pattern == "cross":
+        pattern = config.options.probe_pattern
+        if pattern in ("cross", "both"):
             got = torch.empty(4)
             recv = dist.irecv(got, other)
             send = dist.isend(torch.full((4,), float(ctx.rank)), other)
             recv.wait()
             send.wait()
             assert got.eq(other).all(), got
-        elif ctx.rank == 0:
-            dist.isend(torch.zeros(2, 3), 1).wait()
-        else:
-            dist.irecv(torch.empty(3, 2), 0).wait()
+        if pattern in ("mismatch", "both"):
+            if ctx.rank == 0:
+                dist.isend(torch.zeros(2, 3), 1).wait()
+            else:
+                dist.irecv(torch.empty(3, 2), 0).wait()
         return StepOutput(loss=0.0 if ctx.rank == 0 else None)
 
     return run_steps(ctx, 0, step)
