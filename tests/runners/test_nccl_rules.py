@@ -32,10 +32,11 @@ def test_a_cross_posted_pair_passes_on_gloo_and_hangs_under_nccl_rules_naming_th
     assert ok["status"] == "ok" and "p2p_semantics" not in ok["key"]
     assert hung["status"] == "timeout" and hung["config"]["p2p_semantics"] == "nccl", hung["error"]
     assert '"p2p_semantics": "nccl"' in hung["key"]
-    for me, peer in ((0, 1), (1, 0)):  # each rank waits in its receive, its send queued behind it
-        assert (f"rank {me}: irecv #0 from rank {peer} (float32[4], group 0 of ranks [0, 1], pair with rank {peer}, "
-                f"at tests/runners/p2p_probe_system.py:") in hung["error"], hung["error"]
-        assert f"1 more queued behind it, among them isend #0 to rank {peer}" in hung["error"], hung["error"]
+    ranks = dict(clause.partition(": ")[::2] for clause in hung["error"].partition("pending operations: ")[2].split(" | "))
+    for me, peer in (("rank 0", 1), ("rank 1", 0)):  # each rank waits in its receive, its send queued behind it
+        assert (f"irecv #0 from rank {peer} (float32[4], group 0 of ranks [0, 1], pair with rank {peer}, at "
+                f"tests/runners/p2p_probe_system.py:") in ranks[me], hung["error"]
+        assert f"1 more queued behind it, among them isend #0 to rank {peer}" in ranks[me], hung["error"]
 
 
 @pytest.mark.multiprocess
