@@ -32,7 +32,8 @@ def test_a_cross_posted_pair_passes_on_gloo_and_hangs_under_nccl_rules_naming_th
     assert ok["status"] == "ok" and "p2p_semantics" not in ok["key"]
     assert hung["status"] == "timeout" and hung["config"]["p2p_semantics"] == "nccl", hung["error"]
     assert '"p2p_semantics": "nccl"' in hung["key"]
-    ranks = dict(clause.partition(": ")[::2] for clause in hung["error"].partition("pending operations: ")[2].split(" | "))
+    pending = hung["error"].partition("pending operations: ")[2]
+    ranks = dict(clause.partition(": ")[::2] for clause in pending.split(" | "))
     for me, peer in (("rank 0", 1), ("rank 1", 0)):  # each rank waits in its receive, its send queued behind it
         assert (f"irecv #0 from rank {peer} (float32[4], group 0 of ranks [0, 1], pair with rank {peer}, at "
                 f"tests/runners/p2p_probe_system.py:") in ranks[me], hung["error"]
