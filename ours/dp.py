@@ -18,15 +18,17 @@ the D gradients in dp_rank order (the same sum on every rank) and averages:
 
 Every receive is posted a step ahead (``post_receives``): gloo sends a message only once the
 receiver's notice that its receive is posted has arrived, so a receive posted late costs that message
-a second network delay. A parameter server thus pays two delays (push, pull). Each ordered pair of
-DP ranks has a process group of its own (``contract.links``), on which one rank only sends and the
-other only receives, so a pending receive holds back no send (NCCL runs a pair's operations on a
-group in issue order), and messages match by order (NCCL has no tags): a rank sends a peer its
-pushes in bucket order, then what it sends back in bucket order, and the peer posts its receives in
-that order. gloo's collectives, which this replaces, paid several (``python -m runners.network_slope``, tiny model, P-2 D-2, 20 to
+a second network delay. A parameter server thus pays two delays (push, pull). gloo's collectives,
+which this replaces, paid several (``python -m runners.network_slope``, tiny model, P-2 D-2, 20 to
 80 ms one-way, before: DP sync 7.1 delays per step with reduce + broadcast for the central PS, 7.6
 with reduce_scatter + all_gather for the sharded PS, 5.1 with all_reduce; 2 rank micro-benchmark at
 40 ms: 2 MB all_reduce 172 ms, reduce + broadcast 211 ms, pre-posted push + pull 85 ms).
+
+Each ordered pair of DP ranks has a process group of its own (``contract.links``), on which one rank
+only sends and the other only receives, so a pending receive holds back no send (NCCL runs a pair's
+operations on a group in issue order), and messages match by order (NCCL has no tags): a rank sends
+a peer its pushes in bucket order, then what it sends back in bucket order, and the peer posts its
+receives in that order.
 
 Optional lossy wire precision (``wire_dtype`` bf16 or fp16, as AQ-SGD / CocktailSGD compress what
 crosses a slow link): the pushed gradients and what comes back cross the network in that type; sums,
