@@ -26,7 +26,7 @@ def test_a_cross_posted_pair_passes_on_gloo_and_hangs_under_nccl_rules_naming_th
     out = tmp_path / "runs.jsonl"
     gloo = run_cli(*ARGS, "--probe-pattern", "both", "--out", str(out), env=PROBE)  # the mismatch too
     assert gloo.returncode == 0, gloo.stderr[-3000:]
-    nccl = run_cli(*ARGS, *NCCL_RULES, "--probe-pattern", "cross", "--timeout", "25", "--out", str(out), env=PROBE)
+    nccl = run_cli(*ARGS, *NCCL_RULES, "--probe-pattern", "cross", "--timeout", "15", "--out", str(out), env=PROBE)
     assert nccl.returncode == 1
     ok, hung = read_jsonl(out)
     assert ok["status"] == "ok" and "p2p_semantics" not in ok["key"]
