@@ -50,7 +50,7 @@ def uniform_slices(seq_len: int, k: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class OursOptions(SystemOptions):
     n_slices: int | str = option("auto", "K equal token slices, or 'auto': the slicing the simulator chose for the "
-                                 "layout (python -m runners.predict plan), else the planner's optimal slicing where a "
+                                 "layout (python -m predict plan), else the planner's optimal slicing where a "
                                  "fitted latency model covers the shape, else K equal slices of >= 128 tokens "
                                  "(at most 4 per stage, never 1)", parse=slice_count, metavar="K|auto")
     slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",

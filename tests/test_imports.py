@@ -12,7 +12,7 @@ from pathlib import Path
 from runners.registry import systems
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation")
+PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict")
 
 
 def suite_modules() -> dict[str, Path]:

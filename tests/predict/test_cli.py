@@ -1,4 +1,4 @@
-"""python -m runners.predict with the run command's own flags, and with a sweep file; the prediction a
+"""python -m predict with the run command's own flags, and with a sweep file; the prediction a
 record carries."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ RUN = ["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2", 
 
 
 def predict_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runners.predict", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "predict", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -23,7 +23,7 @@ def test_one_run_from_the_run_commands_flags():
     assert line.startswith("predicted step ") and "exposed comm" in line and "bubble" in line
     gpu = predict_cli("--system", "torch_pipe", "--model", "gpt3-xl", "--pp", "12", "--batch-size", "64",
                       "--micro-batch-size", "1", "--recompute", "--network", "d10-1g",
-                      "--device-file", "runners/predict/devices/v100.json")
+                      "--device-file", "predict/devices/v100.json")
     assert gpu.returncode == 0 and "v100.json" in gpu.stdout, gpu.stderr
     bad = predict_cli("--system", "fairscale_fsdp", "--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1")
     assert bad.returncode == 2 and "no program for fairscale_fsdp" in bad.stderr
@@ -44,7 +44,7 @@ def test_a_sweep_predicted_in_the_reports_shape(tmp_path):
 
 
 def test_a_record_carries_the_prediction_where_this_machine_is_calibrated():
-    from runners.predict.local import record_prediction
+    from predict.this_machine import record_prediction
     from runners.request import build_parser, config_from_args
 
     pred = record_prediction(config_from_args(build_parser().parse_args(RUN)))
@@ -53,8 +53,8 @@ def test_a_record_carries_the_prediction_where_this_machine_is_calibrated():
 
 
 def test_a_fault_of_the_simulator_leaves_the_record_without_a_prediction(monkeypatch, capsys):
-    from runners.predict import local
-    from runners.predict.engine import SimulationError
+    from predict import this_machine as local
+    from predict.simulator import SimulationError
     from runners.request import build_parser, config_from_args
 
     def broken(*args, **kwargs):

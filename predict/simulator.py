@@ -39,7 +39,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from runners.predict.spec import Link
+from predict.run_spec import Link
 
 
 @dataclass(frozen=True, slots=True)

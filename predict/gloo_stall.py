@@ -11,7 +11,7 @@ two gloo ranks on two virtual hosts, at a setting none of the validation's profi
 - gloo's own per-message latency over the emulated link: half a small message's round trip minus the
   probed one-way delay (the simulator adds it to the link's latency).
 
-    python -m runners.predict.message_probe RANK SIZE ITERS   # one rank (inside a virtual host)
+    python -m predict.gloo_stall RANK SIZE ITERS   # one rank (inside a virtual host)
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SIZES = (2048, 4096, 8192, 16384, 32768, 65536, 262144)
 PROBE_NETWORK = "delay 20ms bandwidth 1Gbps"
 
@@ -89,7 +89,7 @@ def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=p
                        "PYTHONPATH": str(REPO)}
                 argv = [*h.command_prefix(), "env", *[f"{k}={v}" for k, v in env.items() if k in (
                     "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "PATH")],
-                        sys.executable, "-m", "runners.predict.message_probe", str(h.index), str(nbytes), str(iters)]
+                        sys.executable, "-m", "predict.gloo_stall", str(h.index), str(nbytes), str(iters)]
                 procs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
             try:
                 outs = [p.communicate(timeout=120) for p in procs]

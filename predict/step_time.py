@@ -1,10 +1,10 @@
 """predict(spec, compute) -> Prediction: build the programs, simulate, read the timed step."""
 from __future__ import annotations
 
-from runners.predict.compute import ComputeModel
-from runners.predict.engine import Simulator
-from runners.predict.programs import build
-from runners.predict.spec import Prediction, RunSpec
+from predict.compute import ComputeModel
+from predict.simulator import Simulator
+from predict.programs import build
+from predict.run_spec import Prediction, RunSpec
 
 # accounting kinds -> the parts of a Prediction
 PART_OF = {

@@ -8,7 +8,7 @@ emulated runs (predicted against measured).
 
 Runs go through ``python -m runners.run`` (a subprocess, an argument list), each appending its record
 to a JSON-lines file; the record's median step time is the measurement. The host is shared: while a
-run measures its steps, the other runnable threads on the host are counted (``runners.predict.load``)
+run measures its steps, the other runnable threads on the host are counted (``predict.host_load``)
 and the simulation can share the two cores with them.
 """
 from __future__ import annotations
@@ -22,15 +22,15 @@ from pathlib import Path
 
 from contract import RunConfig
 from network_emulation.profiles import parse_profile
-from runners.predict.calibrate import fit_overheads
-from runners.predict.compute import CpuCompute, Overheads
-from runners.predict.glue import NotModelled, spec_from_config, spec_from_record
-from runners.predict.predict import predict
-from runners.predict.spec import Link, Prediction
+from predict.fitting import fit_overheads
+from predict.compute import CpuCompute, Overheads
+from predict.from_config import NotModelled, spec_from_config, spec_from_record
+from predict.step_time import predict
+from predict.run_spec import Link, Prediction
 from runners.registry import read_options
 from workload.configs import ModelConfig, get_model_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results" / "predict"
 
 
@@ -99,8 +99,8 @@ VALIDATION_RUNS = (
 
 def run_and_read(argv: list[str], out: Path, timeout: float = 900) -> tuple[dict | None, float | None]:
     """Run the run command; (the record it appended to ``out`` or None, the host's background load over
-    its measured steps: other runnable processes, see ``runners.predict.load``)."""
-    from runners.predict.load import watch_run
+    its measured steps: other runnable processes, see ``predict.host_load``)."""
+    from predict.host_load import watch_run
 
     out.parent.mkdir(parents=True, exist_ok=True)
     before = len(out.read_text().splitlines()) if out.exists() else 0
@@ -123,7 +123,7 @@ def find_profile(m: ModelConfig, directory: Path = RESULTS) -> dict:
     found = sorted((int(g.group(1)), p) for p in directory.glob("profile-*.json") if (g := pattern.match(p.name)))
     longer = [p for s, p in found if s >= m.seq_len]
     if not longer:
-        raise FileNotFoundError(f"no profile covers {shape_key(m)} in {directory} (python -m runners.predict calibrate)")
+        raise FileNotFoundError(f"no profile covers {shape_key(m)} in {directory} (python -m predict calibrate)")
     return json.loads(longer[0].read_text())
 
 
@@ -135,7 +135,7 @@ def load_profile(m: ModelConfig, directory: Path = RESULTS, make: bool = True, p
         return json.loads(path.read_text())
     if not make:
         raise FileNotFoundError(f"no profile {path}")
-    from runners.predict.profile import profile
+    from predict.machine_profile import profile
 
     prof = profile(m, batch_slices, reps=7, p2p=p2p, progress=False)
     directory.mkdir(parents=True, exist_ok=True)
@@ -161,7 +161,7 @@ class Calibration:
         return CpuCompute(load_profile(m, directory), dict(self.overhead))
 
     def to_json(self) -> dict:
-        return dict(kind="runners.predict.calibration", overhead={k: asdict(v) for k, v in self.overhead.items()},
+        return dict(kind="predict.calibration", overhead={k: asdict(v) for k, v in self.overhead.items()},
                     loopback=list(self.loopback), cores=list(self.cores), stall_bytes=self.stall_bytes,
                     message_latency=self.message_latency, runs=list(self.runs))
 
@@ -183,7 +183,7 @@ def load_stall(directory: Path = RESULTS, make: bool = True, log=print) -> tuple
         return res["stall_bytes"], res.get("message_latency")
     if not make:
         return None, None
-    from runners.predict.message_probe import probe_stall
+    from predict.gloo_stall import probe_stall
 
     res = probe_stall(log=log)
     directory.mkdir(parents=True, exist_ok=True)
@@ -242,8 +242,8 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
                    repeats: int = 2, log=print) -> Calibration:
     """Profile the shapes, run the calibration set without emulated delay (``repeats`` more times each),
     fit the overheads to every recorded repetition, each simulated with the background load measured
-    while it ran (``runners.predict.load``): two cores shared with that many other processes."""
-    from runners.predict.load import cores_with_background
+    while it ran (``predict.host_load``): two cores shared with that many other processes."""
+    from predict.host_load import cores_with_background
 
     shapes = {shape_key(r.shape()): r.shape() for r in runs}
     profiles = {k: load_profile(m, directory) for k, m in shapes.items()}
@@ -332,7 +332,7 @@ def record_prediction(cfg: RunConfig, probed: dict | None = None) -> dict | None
     except Exception as exc:  # the simulator's own fault: the run it annotates stands, without a prediction
         print(f"prediction not made: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-    return {"step_time": p.step_time, **p.parts(), "source": "runners.predict, this machine's calibration"}
+    return {"step_time": p.step_time, **p.parts(), "source": "predict, this machine's calibration"}
 
 
 def local_link(network: str, loopback: tuple[float, float], probed: dict | None = None,
@@ -373,9 +373,9 @@ def validate(runs=VALIDATION_RUNS, steps: int = 6, warmup: int = 1, directory: P
     The measurement of a run is the median of its repetitions' median step times. Two predictions
     per run: ``predicted`` for the host as calibrated (two quiet cores), made before the run;
     ``predicted_loaded`` the same model with the background load measured while its steps ran (the
-    mean over the repetitions of the other runnable processes on the host, ``runners.predict.load``)
+    mean over the repetitions of the other runnable processes on the host, ``predict.host_load``)
     sharing the cores. Nothing measured about the run's own steps feeds either."""
-    from runners.predict.load import cores_with_background
+    from predict.host_load import cores_with_background
 
     cal = cal or load_calibration(directory)
     probes = probe_links(sorted({r.network for r in runs if r.network != "none"}), log)

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runners.predict import collectives as coll
-from runners.predict.compute import ComputeModel, Overheads, Scaled, stage_params
-from runners.predict.engine import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
-from runners.predict.spec import RunSpec
+from predict import collectives as coll
+from predict.compute import ComputeModel, Overheads, Scaled, stage_params
+from predict.simulator import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
+from predict.run_spec import RunSpec
 from ours.schedule import unit_order
 
 BUCKET_BYTES = 4 * 1024 * 1024  # ours.dp.BUCKET_BYTES

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from runners.predict.engine import Group, Recv, Send, Wait
-from runners.predict.spec import Link
+from predict.simulator import Group, Recv, Send, Wait
+from predict.run_spec import Link
 
 MAX_SEGMENT = 1 << 20  # gloo's kMaxSegmentSize for reduce and allreduce
 ELEMENT = 4

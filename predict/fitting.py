@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from runners.predict.compute import GpuCompute, Overheads
-from runners.predict.predict import predict
-from runners.predict.spec import RunSpec
+from predict.compute import GpuCompute, Overheads
+from predict.step_time import predict
+from predict.run_spec import RunSpec
 
 PARAMS = ("step", "unit", "unit_layer", "dp", "compute")
 

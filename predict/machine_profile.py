@@ -12,7 +12,7 @@ this profile splits what the simulator needs apart:
   latency + bytes / bandwidth.
 
 Every point is the minimum of a few repetitions (contention on a shared machine only slows a
-measurement down). The result is a JSON dict (``kind: runners.predict.profile``).
+measurement down). The result is a JSON dict (``kind: predict.machine_profile``).
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 
     finally:
         torch.set_num_threads(prev_threads)
     return dict(
-        kind="runners.predict.profile",
+        kind="predict.machine_profile",
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hostname=socket.gethostname(), cpu=platform.processor() or platform.machine(), torch=torch.__version__,
         threads=1, model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,

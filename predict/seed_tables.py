@@ -22,10 +22,10 @@ import json
 import statistics
 from pathlib import Path
 
-from runners.predict.calibrate import fit_efficiency
-from runners.predict.compute import GpuCompute, load_device
-from runners.predict.predict import predict
-from runners.predict.spec import Link, RunSpec
+from predict.fitting import fit_efficiency
+from predict.compute import GpuCompute, load_device
+from predict.step_time import predict
+from predict.run_spec import Link, RunSpec
 from workload.configs import ModelConfig
 
 DEVICE_FILE = Path(__file__).resolve().parent / "devices" / "v100.json"

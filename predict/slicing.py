@@ -14,10 +14,10 @@ import json
 import statistics
 from pathlib import Path
 
-from runners.predict.local import RESULTS, Calibration, load_calibration, load_profile
-from runners.predict.compute import CpuCompute
-from runners.predict.predict import predict
-from runners.predict.spec import RunSpec
+from predict.this_machine import RESULTS, Calibration, load_calibration, load_profile
+from predict.compute import CpuCompute
+from predict.step_time import predict
+from predict.run_spec import RunSpec
 from workload.configs import get_model_config
 
 

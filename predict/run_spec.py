@@ -1,7 +1,7 @@
 """What the simulator is asked (a run description) and what it answers (a prediction).
 
 The run description is the simulator's own: it names the fields of a run that decide its step time
-and nothing else (no steps, seeds, files or devices). ``runners.predict.glue`` builds one from the run
+and nothing else (no steps, seeds, files or devices). ``predict.from_config`` builds one from the run
 command's RunConfig; tests and the seed tables build them directly.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Link:
         direction at once (a message starts only when fewer than that are still travelling), None for
         no limit; stall_bytes: where an emulated link holds messages back, the last byte of an n-byte
         message cannot arrive before min(1, n / stall_bytes) one-way delays plus the latency after it
-        started, however fast the wire (``runners.predict.message_probe`` measures it with gloo; the
+        started, however fast the wire (``predict.gloo_stall`` measures it with gloo; the
         virtual cluster had one of about 25 KiB before it set TCP CUBIC and no slow start after idle,
         and has none since); None: no stall."""
 

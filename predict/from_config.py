@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contract import RunConfig
-from runners.predict.spec import SYSTEMS, Link, RunSpec
+from predict.run_spec import SYSTEMS, Link, RunSpec
 from runners.registry import get_system
 
 

@@ -1,13 +1,13 @@
-"""python -m runners.predict: a run's step time without running it, and the simulator's calibration and checks.
+"""python -m predict: a run's step time without running it, and the simulator's calibration and checks.
 
-    python -m runners.predict --system ours --model cpu-small --pp 2 ... [--network d10-1g]
-                              [--device-file runners/predict/devices/v100.json]   # one run: the run command's flags
-    python -m runners.predict sweep SWEEP_FILE [--device-file FILE]   # the predicted report tables of a sweep
-    python -m runners.predict calibrate     # this machine: profiles, stall probe, runs without delay, overheads
-    python -m runners.predict validate      # emulated runs: predicted against measured (root)
-    python -m runners.predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
-    python -m runners.predict plan-check [EVALUATION.json]   # the planner's evaluation: formula vs simulator
-    python -m runners.predict plan --model cpu-small --pp 2 --batch-size 1 2 4   # ours' slicings chosen by
+    python -m predict --system ours --model cpu-small --pp 2 ... [--network d10-1g]
+                              [--device-file predict/devices/v100.json]   # one run: the run command's flags
+    python -m predict sweep SWEEP_FILE [--device-file FILE]   # the predicted report tables of a sweep
+    python -m predict calibrate     # this machine: profiles, stall probe, runs without delay, overheads
+    python -m predict validate      # emulated runs: predicted against measured (root)
+    python -m predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
+    python -m predict plan-check [EVALUATION.json]   # the planner's evaluation: formula vs simulator
+    python -m predict plan --model cpu-small --pp 2 --batch-size 1 2 4   # ours' slicings chosen by
                                             # simulation, written where ``--n-slices auto`` finds them
 
 Without --device-file a run is predicted for this machine (its calibration in results/predict and a
@@ -20,25 +20,25 @@ import argparse
 import json
 import sys
 
-from runners.predict.local import RESULTS
+from predict.this_machine import RESULTS
 
 
 def _calibrate(args) -> int:
-    from runners.predict.local import calibrate_here
+    from predict.this_machine import calibrate_here
 
     calibrate_here(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
     return 0
 
 
 def _validate(args) -> int:
-    from runners.predict.local import validate
+    from predict.this_machine import validate
 
     validate(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
     return 0
 
 
 def _seed(args) -> int:
-    from runners.predict.seed import calibrate_seed, fp16_check, markdown, predict_seed
+    from predict.seed_tables import calibrate_seed, fp16_check, markdown, predict_seed
 
     dev = calibrate_seed("fp32", write=not args.no_write)
     res = predict_seed(dev)
@@ -53,7 +53,7 @@ def _seed(args) -> int:
 
 
 def _plan_check(args) -> int:
-    from runners.predict.planner import check_evaluation, markdown
+    from predict.slicing import check_evaluation, markdown
 
     res = check_evaluation(args.evaluation)
     text = markdown(res)
@@ -66,15 +66,15 @@ def _plan_check(args) -> int:
 
 def _target(device_file: str | None, cfg, in_flight: int | None):
     """(compute model, link, cores, transport) of a prediction: this machine, or a GPU's device file."""
-    from runners.predict.compute import CpuCompute, load_device
-    from runners.predict.local import find_profile, load_calibration
+    from predict.compute import CpuCompute, load_device
+    from predict.this_machine import find_profile, load_calibration
 
     if device_file is None:
         cal = load_calibration()
         return CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.link(cfg.network), cal.cores, "gloo"
     from network_emulation.profiles import parse_profile
-    from runners.predict.seed import NVLINK
-    from runners.predict.spec import Link
+    from predict.seed_tables import NVLINK
+    from predict.run_spec import Link
 
     link = parse_profile(cfg.network).link(0, 1)
     link = NVLINK if link is None else Link.from_ms_gbps(link.delay_ms, link.bandwidth_gbps, in_flight)
@@ -82,8 +82,8 @@ def _target(device_file: str | None, cfg, in_flight: int | None):
 
 
 def _predict(cfg, device_file: str | None, in_flight: int | None):
-    from runners.predict.glue import spec_from_config
-    from runners.predict.predict import predict
+    from predict.from_config import spec_from_config
+    from predict.step_time import predict
 
     compute, link, cores, transport = _target(device_file, cfg, in_flight)
     return predict(spec_from_config(cfg, link, transport), compute, cores)
@@ -99,12 +99,12 @@ def _target_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def predict_run(argv: list[str]) -> int:
     """One run from the run command's own flags: its predicted step time and breakdown."""
     from contract import ConfigError
-    from runners.predict.glue import NotModelled
+    from predict.from_config import NotModelled
     from runners.request import build_parser, config_from_args, judge
 
     target, rest = _target_args(argv)
     parser = build_parser()
-    parser.prog = "python -m runners.predict"
+    parser.prog = "python -m predict"
     args = parser.parse_args([*rest, "--out", "/dev/null"] if "--out" not in rest else rest)
     try:
         cfg = config_from_args(args)
@@ -125,7 +125,7 @@ def predict_sweep(argv: list[str]) -> int:
     """The sweep file's runs predicted, shown as report.py shows measured ones."""
     from contract import ConfigError
     from report import render
-    from runners.predict.glue import NotModelled
+    from predict.from_config import NotModelled
     from runners.record import build_record
     from runners.registry import get_system
     from runners.request import build_parser, config_from_args
@@ -133,12 +133,12 @@ def predict_sweep(argv: list[str]) -> int:
 
     target, rest = _target_args(argv)
     if len(rest) != 1:
-        print("usage: python -m runners.predict sweep SWEEP_FILE [--device-file FILE]", file=sys.stderr)
+        print("usage: python -m predict sweep SWEEP_FILE [--device-file FILE]", file=sys.stderr)
         return 2
     try:
         sweep = load_sweep(rest[0])
     except SweepError as exc:
-        print(f"python -m runners.predict: error: {exc}", file=sys.stderr)
+        print(f"python -m predict: error: {exc}", file=sys.stderr)
         return 2
     records, skipped = [], []
     for run in sweep.valid_runs:
@@ -162,13 +162,13 @@ def _plan(args) -> int:
     from ours.plan.auto import (SimulatedChoice, fitted_model_path, plan_dir, simulated_choices_path,
                                 write_simulated_choices)
     from ours.plan.latency import LatencyModel
-    from runners.predict.planner import choose_slicing
+    from predict.slicing import choose_slicing
     from workload.configs import get_model_config
 
     model = get_model_config(args.model)
     lm_path = fitted_model_path(model, "cpu")
     if lm_path is None:
-        print(f"python -m runners.predict: error: no fitted latency model for {model.name} in {plan_dir()} "
+        print(f"python -m predict: error: no fitted latency model for {model.name} in {plan_dir()} "
               "(python -m ours.plan profile, then fit)", file=sys.stderr)
         return 2
     lm = LatencyModel.load(lm_path)
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return predict_sweep(argv[1:])
     if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
         return predict_run(argv)
-    p = argparse.ArgumentParser(prog="python -m runners.predict", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m predict", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, fn in (("calibrate", _calibrate), ("validate", _validate)):
         q = sub.add_parser(name)

@@ -11,7 +11,7 @@ ranks share cores):
   (``width`` outputs: the vocabulary for a language model) + the loss;
 - ``embed(tokens)``: embeddings forward and backward; ``optimizer(params)``: one Adam step;
 - ``overheads(system)``: the framework's own time per step and per micro-batch (or ours' unit),
-  calibrated from runs without emulated delay (``runners.predict.calibrate``).
+  calibrated from runs without emulated delay (``predict.fitting``).
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ class Table3:
 
 @dataclass(frozen=True)
 class CpuCompute(ComputeModel):
-    """This machine, one thread per rank, from a profile (``runners.predict.profile``) and calibrated
+    """This machine, one thread per rank, from a profile (``predict.machine_profile``) and calibrated
     overheads per system. Tensor parallelism divides the math by tp (an estimate; not profiled)."""
 
     profile: dict
