@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from network_emulation.profiles import ProfileError, parse_profile
-from runners.registry import read_options
+from contract.registry import read_options
 
 REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}

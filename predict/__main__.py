@@ -127,7 +127,7 @@ def predict_sweep(argv: list[str]) -> int:
     from report import render
     from predict.from_config import NotModelled
     from runners.record import build_record
-    from runners.registry import get_system
+    from contract.registry import get_system
     from runners.request import build_parser, config_from_args
     from runners.sweep.plan import SweepError, load_sweep
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contract import RunConfig
 from predict.run_spec import SYSTEMS, Link, RunSpec
-from runners.registry import get_system
+from contract.registry import get_system
 
 
 class NotModelled(ValueError):

@@ -27,7 +27,7 @@ from predict.compute import CpuCompute, Overheads
 from predict.from_config import NotModelled, spec_from_config, spec_from_record
 from predict.step_time import predict
 from predict.run_spec import Link, Prediction
-from runners.registry import read_options
+from contract.registry import read_options
 from workload.configs import ModelConfig, get_model_config
 
 REPO = Path(__file__).resolve().parents[1]

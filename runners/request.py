@@ -13,7 +13,7 @@ from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec
 from network_emulation.profiles import ProfileError, check_emulable, parse_profile
-from runners.registry import get_system, systems
+from contract.registry import get_system, systems
 from workload.configs import MODEL_CONFIGS, OptimizerConfig, get_model_config
 
 OPTION_PREFIX = "option:"  # argparse dest of a system option

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from contract import ConfigError, RunConfig, SystemOptions
-from runners.registry import get_system
+from contract.registry import get_system
 from runners.request import Placement, build_parser, check_environment, config_from_args, judge, placement_from_args
 from runners.tolerance import Tolerance, relative, verify_tolerance
 

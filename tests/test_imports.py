@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runners.registry import systems
+from contract.registry import systems
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict")

@@ -5,7 +5,7 @@ import sys
 from report import render
 from contract import RunConfig
 from runners.record import append_record, build_record
-from runners.registry import get_system
+from contract.registry import get_system
 from tests.conftest import REPO
 from workload.configs import get_model_config
 

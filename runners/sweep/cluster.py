@@ -40,7 +40,7 @@ from network_emulation.signals import signals_deferred
 from network_emulation.ssh_shaping import for_host
 from runners.output import Pump, is_peer_failure
 from runners.record import append_line, append_record, build_record
-from runners.registry import get_system
+from contract.registry import get_system
 from runners.request import build_parser, config_from_args
 from runners.sweep.execute import SAFETY_MARGIN_S
 from runners.sweep.hostfile import DoesNotFit, Host, NodePlacement, parse_hostfile, place

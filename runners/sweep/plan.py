@@ -39,7 +39,7 @@ from pathlib import Path
 
 from contract import ConfigError
 from network_emulation.profiles import ProfileError, parse_profile
-from runners.registry import get_system
+from contract.registry import get_system
 from runners.request import OPTION_PREFIX, build_parser, config_from_args, judge
 
 REPO = Path(__file__).resolve().parents[2]

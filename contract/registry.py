@@ -11,7 +11,8 @@ import functools
 import importlib
 import os
 
-from contract import ConfigError, SystemSpec
+from contract.config import ConfigError
+from contract.spec import SystemSpec
 
 SYSTEM_MODULES = (
     "baselines.reference",
