@@ -12,7 +12,7 @@ from pathlib import Path
 from contract.registry import systems
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict")
+PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict", "bench")
 
 
 def suite_modules() -> dict[str, Path]:

@@ -22,9 +22,9 @@ must move over the busiest host's link (both directions: for a central PS the se
 the pushes and the pulls of D-1 replicas, 2(D-1)M for M bytes of a stage's parameters; for the
 sharded PS and the ring all-reduce each host sends and receives 2(D-1)/D M) divided by the bandwidth.
 
-    python -m runners.network_slope --delays 20 80 160 --bandwidth 10 --keep runs.jsonl    (tiny model)
-    python -m runners.network_slope --from-records runs.jsonl                    (the tables again)
-    python -m runners.network_slope --model cpu-small --bandwidth 1 --delays 1 10 \
+    python -m bench.network_slope --delays 20 80 160 --bandwidth 10 --keep runs.jsonl    (tiny model)
+    python -m bench.network_slope --from-records runs.jsonl                    (the tables again)
+    python -m bench.network_slope --model cpu-small --bandwidth 1 --delays 1 10 \
         --configs allreduce central_ps sharded_ps -- --seq-length 16             (DP sync against the wire)
 
 On a loaded machine the computation in a step varies from run to run far more than the delays do;
@@ -341,7 +341,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m runners.network_slope", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m bench.network_slope", description=__doc__.split("\n\n")[0])
     fill_parser(p)
     return run(p.parse_args(argv))
 

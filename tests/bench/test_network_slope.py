@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from runners.network_slope import Sample, busiest_link_bytes, fit_slope, main, slope_of, stage_param_counts
+from bench.network_slope import Sample, busiest_link_bytes, fit_slope, main, slope_of, stage_param_counts
 from tests.conftest import REPO, TINY
 from tests.network.conftest import needs_root
 from workload.configs import get_model_config
@@ -77,7 +77,7 @@ def test_tables_from_kept_records(tmp_path, capsys):
 @pytest.mark.parametrize("args", [["--delays", "10"], ["--delays", "10", "10"], ["--reps", "0", "--delays", "1", "2"],
                                   ["--from-records", "/nonexistent.jsonl"]])
 def test_bad_requests_exit_2_with_one_line(args):
-    proc = subprocess.run([sys.executable, "-m", "runners.network_slope", *args], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.network_slope", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert len([l for l in proc.stderr.splitlines() if l.strip()]) == 1, proc.stderr
@@ -88,7 +88,7 @@ def test_bad_requests_exit_2_with_one_line(args):
 @needs_root
 def test_bench_fits_ours_on_the_virtual_cluster():
     proc = subprocess.run(
-        [sys.executable, "-m", "runners.network_slope", "--configs", "ours", "--delays", "5", "25", "--reps", "1",
+        [sys.executable, "-m", "bench.network_slope", "--configs", "ours", "--delays", "5", "25", "--reps", "1",
          "--steps", "3", "--warmup", "1", "--batch-size", "2", "--micro-batch-size", "1", "--n-slices", "2",
          "--", *TINY[2:]], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

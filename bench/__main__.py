@@ -1,4 +1,4 @@
-"""Benchmarks that compare systems side by side: python -m runners.bench NAME [options].
+"""Benchmarks that compare systems side by side: python -m bench NAME [options].
 
 ours-vs-gpipe: Torch Pipe's GPipe schedule against ours (token-level pipeline) on cpu-small with
 P = 2, at each batch size per pipeline, with repetitions alternating between the systems (so that
@@ -8,7 +8,7 @@ median over repetitions of each run's median_step_time. Prints the step times, t
 GPipe / ours (of the medians, and paired: the median over repetitions of the ratio within one
 repetition), and the pipeline efficiency T_ref / (P * T) against the single-process reference. Before
 each repetition it measures how many cores the machine really gives P processes at once
-(``runners.machine``) and warns when that is short of P: on a shared host that hurts a pipeline that
+(``bench.machine``) and warns when that is short of P: on a shared host that hurts a pipeline that
 keeps every rank busy more than GPipe at batch 1, which keeps one rank busy at a time.
 
 ours-vs-best: the same discipline against every Torch Pipe schedule (GPipe, 1F1B, interleaved 1F1B,
@@ -17,7 +17,10 @@ decides), and ours at several K; per batch, the fastest schedule against ours at
 median step time, and paired), with each rank's peak memory beside, and the goal of issue #15.
 
 network-slope: how many one-way network delays each system pays per training step, split into the
-schedule, the DP sync and the closing barrier (``runners.network_slope``).
+schedule, the DP sync and the closing barrier (``bench.network_slope``).
+
+plan-evaluation: ours' latency model (``ours.plan``) against measured runs of uniform slicings and the
+planner's optimal one (``bench.plan_evaluation``).
 """
 from __future__ import annotations
 
@@ -29,9 +32,9 @@ from dataclasses import dataclass, field
 from baselines.torch_pipe import SCHEDULES
 from ours import slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
-from runners import network_slope
+from bench import network_slope, plan_evaluation
 from runners.invoke import run_command
-from runners.machine import parallel_capacity
+from bench.machine import parallel_capacity
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,7 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runners.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="bench", required=True)
     b = sub.add_parser("ours-vs-gpipe", help="Torch Pipe GPipe against ours on cpu-small, P=2")
     b.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="batch sizes per pipeline")
@@ -313,11 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
     b = sub.add_parser("network-slope", help="how many one-way delays each system pays per step (virtual cluster; "
-                                             "root); the same as python -m runners.network_slope")
+                                             "root); the same as python -m bench.network_slope")
     network_slope.fill_parser(b)
+    b = sub.add_parser("plan-evaluation", help="ours' latency model against runs of uniform and optimal slicings")
+    plan_evaluation.fill_parser(b)
     opts = p.parse_args(argv)
     if opts.bench == "network-slope":
         return network_slope.run(opts)
+    if opts.bench == "plan-evaluation":
+        return plan_evaluation.run(opts)
     if opts.bench == "ours-vs-gpipe":
         return ours_vs_gpipe(opts)
     if opts.bench == "ours-vs-best":

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from runners.machine import Capacity, parallel_capacity
+from bench.machine import Capacity, parallel_capacity
 from tests.conftest import REPO
 
 
@@ -21,7 +21,7 @@ def test_parallel_capacity_measures_processes_at_once():
 @pytest.mark.multiprocess
 def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
     proc = subprocess.run(
-        [sys.executable, "-m", "runners.bench", "ours-vs-gpipe", "--model", "tiny", "--batch", "1", "--reps", "1",
+        [sys.executable, "-m", "bench", "ours-vs-gpipe", "--model", "tiny", "--batch", "1", "--reps", "1",
          "--slices", "2", "--steps", "2", "--warmup", "1", "--no-reference", "--no-capacity-check"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -37,7 +37,7 @@ def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_si
     temp = tmp_path / "tmp"
     temp.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "runners.bench", "ours-vs-best", "--model", "tiny", "--batch", "1", "--reps", "1",
+        [sys.executable, "-m", "bench", "ours-vs-best", "--model", "tiny", "--batch", "1", "--reps", "1",
          "--slices", "2", "--schedules", "gpipe", "1f1b", "zbv", "dualpipev", "--steps", "2", "--warmup", "1",
          "--no-capacity-check"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(temp)})

@@ -1,5 +1,7 @@
 """Predicted against measured step time: run ``--system ours`` with uniform slicings and the optimal one.
 
+    python -m bench plan-evaluation --model cpu-small --pp 2 --batch-size 1 --micro-batch-size 1
+
 Each slicing is run through the run command (a subprocess, records to a JSON-lines file); its
 measured median step time is compared with the latency model's prediction of the whole step.
 
@@ -10,16 +12,20 @@ Two predictions are reported:
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ours.plan.latency import LatencyModel
 from ours import uniform_slices
+from ours.plan.auto import cache_key, fitted_model_path, plan_dir
+from ours.plan.latency import LatencyModel
 from ours.plan.planner import plan
 from runners.invoke import run_command
+from workload.configs import MODEL_CONFIGS, get_model_config
 
 
 @dataclass
@@ -161,3 +167,43 @@ def markdown(res: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def fill_parser(q: argparse.ArgumentParser) -> None:
+    """The options of ``python -m bench plan-evaluation``."""
+    q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
+    q.add_argument("--num-layers", dest="n_layer", type=int, default=None)
+    q.add_argument("--seq-length", dest="seq_len", type=int, default=None)
+    q.add_argument("--latency-model", default=None, help="a fitted model JSON (default: the one --n-slices auto uses)")
+    q.add_argument("--pp", type=int, required=True, help="pipeline stages")
+    q.add_argument("--batch-size", type=int, required=True)
+    q.add_argument("--micro-batch-size", type=int, default=1)
+    q.add_argument("--granularity", type=int, default=8, help="the optimal slicing's token granularity")
+    q.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="uniform slice counts, comma-separated (default 1,2,4,...,64)")
+    q.add_argument("--steps", type=int, default=5)
+    q.add_argument("--warmup", type=int, default=1)
+    q.add_argument("--rounds", type=int, default=1)
+    q.add_argument("--network", default=None)
+    q.add_argument("--out-dir", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate the fitted latency model of the layout's shape; the table, and its files under --out-dir."""
+    cfg = get_model_config(args.model).with_overrides(n_layer=args.n_layer, seq_len=args.seq_len)
+    path = Path(args.latency_model) if args.latency_model else fitted_model_path(cfg, "cpu")
+    if path is None or not path.exists():
+        print(f"python -m bench plan-evaluation: error: no fitted latency model for {cache_key(cfg, 'cpu')} "
+              "(python -m ours.plan profile, then fit; or give --latency-model)", file=sys.stderr)
+        return 2
+    ks = args.ks or [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= cfg.seq_len // 8]
+    out_dir = Path(args.out_dir or plan_dir() / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}-b{args.micro_batch_size}")
+    extra = [a for flag, v in (("--num-layers", args.n_layer), ("--seq-length", args.seq_len),
+                               ("--network", args.network)) if v for a in (flag, str(v))]
+    res = evaluate(LatencyModel.load(path), model=args.model, n_layer=cfg.n_layer, seq_len=cfg.seq_len, pp=args.pp,
+                   batch_size=args.batch_size, micro=args.micro_batch_size, ks=ks, steps=args.steps,
+                   warmup=args.warmup, out_dir=out_dir, granularity=args.granularity, rounds=args.rounds,
+                   extra=extra, log=lambda s: print(s, flush=True))
+    print(markdown(res))
+    print(f"-> {out_dir}/evaluation.md, evaluation.json")
+    return 0
