@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The whole comparison.
 #
-#   runners/run_all.sh                      # local default: set up .venv, run runners/sweeps/local.toml
+#   runners/run_all.sh                      # local default: set up .venv, run sweeps/local.toml
 #                                           # on this machine, report into results/local.md (+ results/plots)
 #   runners/run_all.sh --hostfile HOSTS [--ssh-config FILE] [--iface eth0] [--sweep FILE] [--nproc-per-node N]
 #                      [--ssh-user USER] [--remote-dir DIR] [--setup-nodes [--share-venv VENV]]
 #                                           # the cluster: every run across the hosts over ssh, the network
-#                                           # shaped on each node (default sweep: runners/sweeps/gpt3-xl-cluster.toml);
+#                                           # shaped on each node (default sweep: sweeps/gpt3-xl-cluster.toml);
 #                                           # HOSTS lines are 'host slots=GPUS'; --setup-nodes first copies the
 #                                           # suite to every node's DIR and builds its environment there
 #                                           # (--share-venv: nodes sharing this file system link this venv)
@@ -68,14 +68,14 @@ if [ -n "$rehearse" ]; then
   "$PY" -m runners.rehearse "$rehearse" ${sweep:+--sweep "$sweep"} ${slots[@]+"${slots[@]}"} \
     ${extra[@]+"${extra[@]}"} || status=$?
 elif [ -z "$hostfile" ]; then
-  sweep=${sweep:-runners/sweeps/local.toml}
+  sweep=${sweep:-sweeps/local.toml}
   if [ "$(id -u)" != 0 ]; then
     echo "run_all.sh: not root: the runs under emulated networks (network namespaces, tc) will be skipped;" \
          "run as root for the network experiment" >&2
   fi
   "$PY" -m runners.sweep "$sweep" --plots results/plots ${extra[@]+"${extra[@]}"} || status=$?
 else
-  sweep=${sweep:-runners/sweeps/gpt3-xl-cluster.toml}
+  sweep=${sweep:-sweeps/gpt3-xl-cluster.toml}
   if [ -n "$setup_nodes" ] && [ -n "$dry_run" ]; then
     echo "# would set up the nodes first: $PY -m runners.sweep.setup_nodes --hostfile $hostfile ${setup_args[*]:-}"
   elif [ -n "$setup_nodes" ]; then

@@ -1,6 +1,6 @@
 """Planning a sweep: a sweep file (TOML) expanded into run commands, each judged before anything runs.
 
-A sweep file (see runners/sweeps/*.toml)::
+A sweep file (see sweeps/*.toml)::
 
     name = "local"
     [fixed]                        # settings of every run: any flag of the run command, snake_case
@@ -43,7 +43,7 @@ from contract.registry import get_system
 from runners.request import OPTION_PREFIX, build_parser, config_from_args, judge
 
 REPO = Path(__file__).resolve().parents[2]
-SWEEPS_DIR = REPO / "runners" / "sweeps"
+SWEEPS_DIR = REPO / "sweeps"
 # Flags a sweep controls itself: through its axes, or per run (out file, multi-node placement).
 AXIS_FLAGS = {"system": "systems", "pp": "layouts", "tp": "layouts", "dp": "layouts",
               "micro_batch_size": "micro_batch_sizes", "network": "networks"}
