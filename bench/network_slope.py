@@ -12,7 +12,7 @@ against the one-way delay; the slope (seconds per second of delay) is the number
 pays. The same fit of the record's ``dp_sync_time`` and ``barrier_time`` (the step's closing
 barrier, as waited by the last rank to reach it) splits it; the rest is the schedule (the pipeline's
 own messages, and the barrier's signal on its way to the ranks that reached it first: the timing
-barrier, ``contract.training.StepBarrier``, pays one delay per round, and the last rank to arrive
+barrier, ``contract.rank.StepBarrier``, pays one delay per round, and the last rank to arrive
 leaves it at once). A step that
 hides a delay behind computation pays less than one, so fit over delays large against a step's
 computation (the tiny model: 10 ms and up).

@@ -7,7 +7,7 @@ how it is timed, and how it declares itself. It imports nothing of the suite but
 - ``contract.spec``: ``SystemSpec``, a system's declaration: its name, its options, the parallel
   dimensions it supports, how many processes it needs, how its runs are labelled, and where its
   ``train(config, context) -> Measurements`` lives. No torch.
-- ``contract.training``: ``Context`` (what a rank is given), ``Measurements`` (what it returns),
+- ``contract.rank``: ``Context`` (what a rank is given), ``Measurements`` (what it returns),
   ``StepOutput`` and ``run_steps`` (the timing discipline: barrier, step, synchronise, barrier).
 
 A system imports this package and ``workload``, never the launcher, the sweep or the record file.

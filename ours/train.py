@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
+from contract.rank import Context, Measurements, StepOutput, run_steps
 from ours import OursOptions
 from ours.dp import make_sync
 from ours.engine import StageEngine

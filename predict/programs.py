@@ -30,7 +30,7 @@
   rank's optimizer. ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours:
   per 25 MB bucket, once final, a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
 
-Every step is framed like the run command times it (``contract.training.StepBarrier``): a
+Every step is framed like the run command times it (``contract.rank.StepBarrier``): a
 dissemination barrier (ceil(log2 n) rounds of a 1-element message to rank + 2^k, one one-way delay
 per round; over gloo each use's receives posted one use ahead), the step, the closing barrier. The
 simulator runs two steps and times the second (ranks enter it as the first one left them).
@@ -726,7 +726,7 @@ def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
     return Built(programs, procs, net)
 
 
-# ---- the timing barrier (contract.training.StepBarrier) ---------------------------------------------
+# ---- the timing barrier (contract.rank.StepBarrier) ---------------------------------------------
 def _barrier_rounds(world: tuple, r: int, use) -> list[tuple[tuple, int, tuple, int]]:
     """Per round k of the dissemination barrier: (key of the message from r - 2^k, that rank, key of
     the message to r + 2^k, that rank)."""

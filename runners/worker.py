@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from contract import RunConfig  # noqa: E402
-from contract.training import Context  # noqa: E402
+from contract.rank import Context  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
+from contract.rank import Context, Measurements, StepOutput, run_steps
 from workload.model import lm_loss
 from workload.partition import stage_specs
 from workload.training import autocast, checkpoint_blocks, make_optimizer

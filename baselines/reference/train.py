@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
+from contract.rank import Context, Measurements, StepOutput, run_steps
 from workload.model import lm_loss
 from workload.training import autocast, checkpoint_blocks, grad_scaler, make_optimizer
 

@@ -25,7 +25,7 @@ def train(config: RunConfig, ctx):
     # run command does for --help) stays light.
     import torch
 
-    from contract.training import StepOutput, run_steps
+    from contract.rank import StepOutput, run_steps
     from workload.model import lm_loss
     from workload.training import make_optimizer
 
