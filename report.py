@@ -25,9 +25,9 @@ from pathlib import Path
 import pandas as pd
 
 from network_emulation.profiles import ProfileError, parse_profile
+from contract.records import read_predictions, read_records, record_files
 from contract.registry import read_options
 
-REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
 # The fields a table's cells share, in the order its heading states them (the rest of a run's
 # identity, beyond the axes, is added to the heading when it is not the default).
@@ -35,26 +35,17 @@ HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "ste
 
 
 def load_records(paths: list[str]) -> list[dict]:
-    """Every record in the files (directories: their *.jsonl); a line that is not a record is
-    skipped with a warning on stderr."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        files += sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
+    """Every record in the files (directories: their *.jsonl), with the simulator's prediction kept
+    beside its file (``python -m predict records``) where it has none of its own; a line that is not
+    a record is skipped with a warning on stderr."""
     records = []
-    for f in files:
-        for n, line in enumerate(f.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                print(f"report.py: skipping {f}:{n}: not JSON", file=sys.stderr)
-                continue
-            missing = [k for k in REQUIRED if not isinstance(rec, dict) or k not in rec]
-            if missing:
-                print(f"report.py: skipping {f}:{n}: not a run record (no {', '.join(missing)})", file=sys.stderr)
-                continue
-            records.append(rec)
+    for f in record_files(paths):
+        found = read_records(f, warn=lambda why: print(f"report.py: skipping {why}", file=sys.stderr))
+        predicted = read_predictions(f)
+        for rec in found:
+            if rec.get("prediction") is None and rec.get("run_id") in predicted:
+                rec["prediction"] = predicted[rec["run_id"]]
+        records += found
     return records
 
 

@@ -41,6 +41,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.records import read_records
 from runners.invoke import run_command
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
@@ -252,8 +253,10 @@ def run(opts: argparse.Namespace) -> int:
         records = []
         for path in opts.from_records:
             try:
-                records += [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
-            except (OSError, json.JSONDecodeError) as exc:
+                records += read_records(path, warn=lambda why: print(f"network-slope: skipping {why}", file=sys.stderr))
+                if not Path(path).is_file():
+                    raise FileNotFoundError(f"no such file: {path}")
+            except OSError as exc:
                 print(f"network-slope: error: cannot read records from {path}: {exc}", file=sys.stderr)
                 return 2
         records = [r for r in records if r.get("status") == "ok" and r.get("median_step_time") is not None]

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from contract import RunConfig
+from contract.records import read_records
 from network_emulation.profiles import parse_profile
 from predict.fitting import fit_overheads
 from predict.compute import CpuCompute, Overheads
@@ -103,10 +104,10 @@ def run_and_read(argv: list[str], out: Path, timeout: float = 900) -> tuple[dict
     from predict.host_load import watch_run
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    before = len(out.read_text().splitlines()) if out.exists() else 0
+    before = len(read_records(out))
     _, background = watch_run(argv, REPO, timeout)
-    lines = out.read_text().splitlines() if out.exists() else []
-    return (json.loads(lines[-1]) if len(lines) > before else None), background
+    records = read_records(out)
+    return (records[-1] if len(records) > before else None), background
 
 
 def shape_key(m: ModelConfig) -> str:
@@ -222,9 +223,7 @@ def record_load(path: Path, record: dict, background: float | None) -> None:
 def recorded_runs(runs, path: Path) -> list[tuple[LocalRun, dict, float]]:
     """Every ok record in ``path`` of each run, with the background load measured during it (0 where
     none was recorded)."""
-    from runners.record import read_records
-
-    records = [x for x in read_records(path) if x.get("status") == "ok"] if path.exists() else []
+    records = [x for x in read_records(path) if x.get("status") == "ok"]
     lf = loads_file(path)
     loads = {}
     if lf.exists():

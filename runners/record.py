@@ -187,12 +187,3 @@ def append_line(path: str | Path, line: str) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-
-
-def read_records(path: str | Path) -> list[dict]:
-    out = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line:
-            out.append(json.loads(line))
-    return out

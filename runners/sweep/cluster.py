@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from contract.records import newest, parse_records, read_records
 from network_emulation import SshShapingSession, parse_profile
 from network_emulation.netem import ssh_argv, ssh_base
 from network_emulation.signals import signals_deferred
@@ -334,15 +335,8 @@ class ClusterExecutor:
                            timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        lines = [l for l in p.stdout.splitlines() if l.strip()] if p.returncode == 0 else []
         status = None
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict):
-                continue
+        for rec in parse_records(p.stdout if p.returncode == 0 else "", f"{host0}:{remote_out}"):
             status = rec.get("status")
             env = rec.setdefault("environment", {})
             env["cluster"] = cluster_env
@@ -362,14 +356,8 @@ class ClusterExecutor:
 
     def _record_unfit(self, run: PlannedRun, out: Path, error: str) -> None:
         """Record an unfit run, unless the newest record of the run already says the same."""
-        newest = None
-        if out.exists():
-            for line in out.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    rec = json.loads(line)
-                    if isinstance(rec, dict) and rec.get("key") == run.key:
-                        newest = rec
-        if newest and newest.get("status") == "unfit" and newest.get("error") == error:
+        last = newest(read_records(out), run.key) if run.key else None
+        if last and last.get("status") == "unfit" and last.get("error") == error:
             return
         slots = [f"{h.name} slots={h.slots}" for h in self.hosts]
         self._record(run, out, "unfit", error, {"cluster": {"hostfile": slots}})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import shlex
 import subprocess
@@ -22,6 +21,7 @@ from typing import IO, Protocol
 
 from tqdm import tqdm
 
+from contract.records import read_records
 from runners.invoke import run_command
 from runners.sweep.hostfile import DoesNotFit
 from runners.sweep.plan import REPO, PlannedRun, Sweep, SweepError
@@ -37,16 +37,9 @@ class Executor(Protocol):
 
 def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str]:
     """The identities already recorded in ``out`` (only the ok ones with retry_failed; never unfit ones)."""
-    p = Path(out)
     keys: set[str] = set()
-    if not p.exists():
-        return keys
-    for line in p.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+    for rec in read_records(out):
+        if not isinstance(rec.get("key"), str):
             continue
         if rec.get("status") == "unfit" or (retry_failed and rec.get("status") != "ok"):
             continue  # whether a run fits depends on the hostfile: judged again each time

@@ -9,7 +9,8 @@ from baselines.torch_pipe import SPEC as TORCH_PIPE, TorchPipeOptions
 from contract import RunConfig
 from runners import record as record_mod
 from runners.launcher import LaunchResult
-from runners.record import append_record, build_record, read_records
+from contract.records import read_records
+from runners.record import append_record, build_record
 from runners.run import compare
 from runners.tolerance import FP32_TOLERANCE
 from workload.configs import get_model_config

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from contract.registry import get_system
+from runners.record import build_record
 from runners.request import build_parser, config_from_args
 from runners.sweep.__main__ import main
 from runners.sweep.cluster import ClusterExecutor
@@ -168,8 +170,9 @@ def _fake_record(run: PlannedRun, status: str = "ok", **config_changes) -> str:
     cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
     # what the run command would write, with volatile fields changed: still the same run
     cfg = cfg.replace(timeout=12.0, verify=True, **config_changes)
-    return json.dumps({"system": run.system, "status": status, "median_step_time": 1.0, "config": cfg.to_dict(),
-                       "key": cfg.key()})
+    rec = build_record(cfg, get_system(cfg.system), status, None, None, {})
+    rec.median_step_time = 1.0
+    return rec.to_json()
 
 
 def test_recorded_runs_are_skipped(tmp_path):
