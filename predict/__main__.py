@@ -3,6 +3,8 @@
     python -m predict --system ours --model cpu-small --pp 2 ... [--network d10-1g]
                               [--device-file predict/devices/v100.json]   # one run: the run command's flags
     python -m predict sweep SWEEP_FILE [--device-file FILE]   # the predicted report tables of a sweep
+    python -m predict records RECORDS.jsonl ...   # this machine's prediction of every recorded CPU run, kept
+                                            # beside its records (X.predictions.json) for the report's cells
     python -m predict calibrate     # this machine: profiles, stall probe, runs without delay, overheads
     python -m predict validate      # emulated runs: predicted against measured (root)
     python -m predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
@@ -19,6 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+from contract.records import predictions_path
 
 from predict.this_machine import RESULTS
 
@@ -158,6 +163,20 @@ def predict_sweep(argv: list[str]) -> int:
     return 0
 
 
+def _records(args) -> int:
+    from predict.this_machine import predict_records
+
+    for path in args.records:
+        if not Path(path).is_file():
+            print(f"python -m predict records: error: no such file: {path}", file=sys.stderr)
+            return 2
+    for path in args.records:
+        predicted = predict_records(Path(path))
+        where = predictions_path(path) if predicted else "nothing written"
+        print(f"{path}: {len(predicted)} run(s) predicted ({where})")
+    return 0
+
+
 def _plan(args) -> int:
     from ours.plan.auto import (SimulatedChoice, fitted_model_path, plan_dir, simulated_choices_path,
                                 write_simulated_choices)
@@ -189,7 +208,7 @@ def _plan(args) -> int:
     return 0
 
 
-COMMANDS = ("calibrate", "validate", "seed", "plan-check", "plan", "sweep")
+COMMANDS = ("calibrate", "validate", "seed", "plan-check", "plan", "sweep", "records")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("plan-check")
     q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json")
     q.set_defaults(fn=_plan_check)
+    q = sub.add_parser("records", help="this machine's prediction of every recorded CPU run, kept beside its "
+                       "records file for the report")
+    q.add_argument("records", nargs="+", help="records files (JSON lines)")
+    q.set_defaults(fn=_records)
     q = sub.add_parser("plan", help="ours' slicing per batch chosen by simulation (used by --n-slices auto)")
     q.add_argument("--model", default="cpu-small")
     q.add_argument("--pp", type=int, default=2)

@@ -20,12 +20,12 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from contract import RunConfig
-from contract.records import read_records
+from contract import ConfigError, RunConfig
+from contract.records import predictions_path, read_records
 from network_emulation.profiles import parse_profile
 from predict.fitting import fit_overheads
 from predict.compute import CpuCompute, Overheads
-from predict.from_config import NotModelled, spec_from_config, spec_from_record
+from predict.from_config import NotModelled, config_of_record, spec_from_config, spec_from_record
 from predict.step_time import predict
 from predict.run_spec import Link, Prediction
 from contract.registry import read_options
@@ -320,8 +320,8 @@ def predict_here(cfg: RunConfig, probed: dict | None = None) -> Prediction:
 
 
 def record_prediction(cfg: RunConfig, probed: dict | None = None) -> dict | None:
-    """What a record carries: the predicted step time and its parts, or None where this machine has no
-    calibration for the run (a GPU cluster, an unprofiled shape) or the simulator does not model it."""
+    """A run's predicted step time and its parts, or None where this machine has no calibration for
+    the run (a GPU cluster, an unprofiled shape) or the simulator does not model it."""
     if cfg.device == "cuda":
         return None
     try:
@@ -332,6 +332,30 @@ def record_prediction(cfg: RunConfig, probed: dict | None = None) -> dict | None
         print(f"prediction not made: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
     return {"step_time": p.step_time, **p.parts(), "source": "predict, this machine's calibration"}
+
+
+def predict_records(path: Path) -> dict[str, dict]:
+    """The predictions of the ok CPU runs recorded in ``path`` by run id (``record_prediction``, over
+    the link each run's probe measured), kept beside it (``contract.records.predictions_path``) for the
+    report; an earlier file of predictions is replaced (removed when none could be made)."""
+    predicted = {}
+    for rec in read_records(path):
+        env = rec.get("environment") or {}
+        if rec.get("status") != "ok" or env.get("device_kind") != "cpu" or not rec.get("config"):
+            continue
+        try:
+            cfg = config_of_record(rec)
+        except (ConfigError, KeyError, TypeError, ValueError):  # a record of an unknown system or option
+            continue
+        p = record_prediction(cfg, (env.get("network") or {}).get("measured_link"))
+        if p is not None:
+            predicted[rec["run_id"]] = p
+    out = predictions_path(path)
+    if predicted:
+        out.write_text(json.dumps(predicted, indent=1) + "\n")
+    else:
+        out.unlink(missing_ok=True)
+    return predicted
 
 
 def local_link(network: str, loopback: tuple[float, float], probed: dict | None = None,

@@ -58,7 +58,6 @@ class RunRecord:
     dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync
     barrier_time: float | None = None  # median over steps of the step's closing barrier on the last rank to arrive
     verify: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None  # predict's step time and parts, where this machine is calibrated
     config: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # the run's identity (RunConfig.key): a sweep skips it when recorded, a report cell keeps the newest
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

@@ -133,10 +133,6 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
             env["network"] = result.network
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
-        if record.status == "ok" and placement.node_rank == 0:
-            from predict.this_machine import record_prediction
-
-            record.prediction = record_prediction(cfg, (result.network or {}).get("measured_link"))
     finally:
         shutil.rmtree(result.run_dir, ignore_errors=True)
     if out and placement.node_rank == 0:

@@ -1,5 +1,5 @@
-"""python -m predict with the run command's own flags, and with a sweep file; the prediction a
-record carries."""
+"""python -m predict with the run command's own flags, with a sweep file, and over a records file (the
+predictions the report shows beside the measured step times)."""
 from __future__ import annotations
 
 import subprocess
@@ -43,7 +43,7 @@ def test_a_sweep_predicted_in_the_reports_shape(tmp_path):
     assert "not predicted" in p.stderr and "reference" in p.stderr
 
 
-def test_a_record_carries_the_prediction_where_this_machine_is_calibrated():
+def test_a_run_is_predicted_where_this_machine_is_calibrated():
     from predict.this_machine import record_prediction
     from runners.request import build_parser, config_from_args
 
@@ -63,3 +63,30 @@ def test_a_fault_of_the_simulator_leaves_the_record_without_a_prediction(monkeyp
     monkeypatch.setattr(local, "predict_here", broken)
     assert local.record_prediction(config_from_args(build_parser().parse_args(RUN))) is None
     assert capsys.readouterr().err.strip() == "prediction not made: SimulationError: deadlock: rank 0 stuck"
+
+
+def test_recorded_runs_predicted_beside_their_records_and_shown_by_the_report(tmp_path):
+    import report
+    from contract.records import predictions_path
+    from contract.registry import get_system
+    from runners.record import build_record
+    from runners.request import build_parser, config_from_args
+
+    records = tmp_path / "runs.jsonl"
+    lines = []
+    for argv, kind in ((RUN, "cpu"), (RUN + ["--seed", "1"], "cuda"), (RUN[:-2] + ["--n-slices", "2"], "cpu")):
+        cfg = config_from_args(build_parser().parse_args(argv))
+        rec = build_record(cfg, get_system(cfg.system), "ok", None, None, {"device_kind": kind, "device_name": kind})
+        rec.median_step_time = 0.5
+        lines.append(rec)
+    records.write_text("".join(r.to_json() + "\n" for r in lines))
+    p = predict_cli("records", str(records))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"{records}: 2 run(s) predicted ({predictions_path(records)})"
+    kept = __import__("json").loads(predictions_path(records).read_text())
+    assert set(kept) == {lines[0].run_id, lines[2].run_id}  # a GPU run is not this machine's to predict
+    shown = report.load_records([str(tmp_path)])
+    assert [r.get("prediction", {}).get("step_time") for r in shown] == [
+        kept[lines[0].run_id]["step_time"], None, kept[lines[2].run_id]["step_time"]]
+    assert "(pred " in report.render(shown)
+    assert predict_cli("records", str(tmp_path / "missing.jsonl")).returncode == 2
