@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from network_emulation.profiles import ProfileError, parse_profile
 from contract.records import read_predictions, read_records, record_files
 from contract.registry import read_options
 
@@ -54,24 +53,25 @@ def layout_label(layout: dict) -> str:
     return " ".join(parts) or "1 device"
 
 
-def _link(name: str):
-    try:
-        return parse_profile(name).link(0, 1)
-    except ProfileError:
-        return None
+def network_setting(r: dict) -> dict:
+    """A record's network setting in words and numbers: its label, one-way delay (ms) and bandwidth
+    (Gbit/s) between ranks 0 and 1 (None without emulation). Records from before ``network_setting``
+    was recorded: the profile their emulation described, else the setting's name."""
+    if r.get("network_setting"):
+        return r["network_setting"]
+    prof = ((r.get("environment") or {}).get("network") or {}).get("profile") or {}
+    link = prof.get("link") or {}
+    if prof.get("kind") == "matrix":
+        link = {k: prof[k][0][1] for k in ("delay_ms", "bandwidth_gbps")}
+    return {"label": prof.get("label") or r["network"], "delay_ms": link.get("delay_ms"),
+            "bandwidth_gbps": link.get("bandwidth_gbps")}
 
 
-def network_label(name: str) -> str:
-    try:
-        return parse_profile(name).label
-    except ProfileError:
-        return name
-
-
-def network_order(name: str) -> tuple[float, float]:
+def network_order(setting: dict) -> tuple[float, float]:
     """Rows go from the fastest network to the slowest: by delay, then by falling bandwidth."""
-    link = _link(name)
-    return (-1.0, 0.0) if link is None else (link.delay_ms, -link.bandwidth_gbps)
+    if setting.get("delay_ms") is None:
+        return (-1.0, 0.0)
+    return (setting["delay_ms"], -setting["bandwidth_gbps"])
 
 
 def fmt_time(t: float | None) -> str:
@@ -110,6 +110,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         c = r.get("config") or {}
         shape = r["model_shape"]
         options = read_options(r["system"], c.get("options") or {})
+        setting = network_setting(r)
         rows.append({
             "key": r.get("key") or json.dumps(c, sort_keys=True),
             "timestamp": r.get("timestamp", ""),
@@ -129,6 +130,9 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "layout": layout_label(r["layout"]),
             "dp": r["layout"].get("dp", 1),
             "network": r["network"],
+            "setting": setting["label"],
+            "order": network_order(setting),
+            "delay": setting.get("delay_ms"),
             "emulated": r["network"] != "none",
             "status": r["status"],
             "median_step_time": r.get("median_step_time"),
@@ -215,11 +219,11 @@ def layout_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
 def network_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
     out = []
     for fixed, g in tables:
-        g = g.assign(order=g["network"].map(network_order)).sort_values("order")
-        table = _pivot(g.assign(setting=g["network"].map(network_label)), "setting")
+        g = g.sort_values("order", kind="stable")
+        table = _pivot(g, "setting")
         if table.size < 2:
             continue
-        table = table.reindex(g["network"].map(network_label).unique())
+        table = table.reindex(g["setting"].unique())
         table.index.name = "Network setting"
         out.append(f"### Step time by network setting: {fixed['model']}, micro-batch {fixed['mb']}\n\n"
                    f"{heading(fixed)}\n\n" + table.to_markdown(tablefmt="github"))
@@ -267,8 +271,8 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
             lines.append(f"- **Layouts**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]
     for fixed, g in networks:
-        g = g.assign(order=g["network"].map(network_order)).sort_values("order")
-        rows = [(f"{network_label(net)}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
+        g = g.sort_values("order", kind="stable")
+        rows = [(f"{r['setting'].iloc[0]}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
         if rows and len(g) > 1:
             lines.append(f"- **Networks**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]
@@ -293,7 +297,7 @@ def all_runs(df: pd.DataFrame) -> str:
     t["peak_mem_mb"] = t["peak_mem_mb"].map(lambda v: f"{v:,.0f}")
     t["busy"] = t["busy"].map(_busy_range)
     t["dp_sync_time"] = t["dp_sync_time"].map(lambda v: fmt_time(v) if v == v and v else "")
-    t["network"] = t["network"].map(lambda n: "none" if n == "none" else network_label(n))
+    t["network"] = df["network"].where(df["network"] == "none", df["setting"])
     t = t.rename(columns={"median_step_time": "step", "peak_mem_mb": "peak MiB per rank (max)",
                           "busy": "busy per rank", "dp_sync_time": "DP sync"})
     return "## Every run\n\n" + t.to_markdown(index=False, tablefmt="github")
@@ -303,7 +307,7 @@ def failures(df: pd.DataFrame) -> str:
     bad = df[df["status"] != "ok"]
     if bad.empty:
         return ""
-    lines = [f"- {r.system} {r.layout} mb={r.mb} ({network_label(r.network)}): {r.status}: {r.error[:200]}"
+    lines = [f"- {r.system} {r.layout} mb={r.mb} ({r.setting}): {r.status}: {r.error[:200]}"
              for r in bad.itertuples()]
     return "## Failed runs\n\n" + "\n".join(lines)
 
@@ -333,8 +337,7 @@ def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
 
     paths = []
     for i, (fixed, g) in enumerate(_tables(df, emulated=True)):
-        g = g[g["status"] == "ok"].assign(delay=g["network"].map(lambda n: getattr(_link(n), "delay_ms", None)))
-        g = g[g["delay"].notna()]
+        g = g[(g["status"] == "ok") & g["delay"].notna()]
         if g["network"].nunique() < 2:
             continue
         fig, ax = plt.subplots(figsize=(8, 4.8))

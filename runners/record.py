@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import RunConfig, SystemSpec
+from network_emulation.profiles import describe_setting
 
 STATUSES = ("ok", "oom", "error", "timeout", "unfit")  # unfit: not run, it does not fit the cluster (error says why)
 
@@ -35,6 +36,8 @@ class RunRecord:
     precision: str
     recompute: bool
     network: str
+    # the network setting in words and numbers, as the report shows it: label, delay_ms, bandwidth_gbps
+    network_setting: dict[str, Any]
     status: str
     error: str | None = None
     options: dict[str, Any] = field(default_factory=dict)  # the system's options, and the choices resolved at run time
@@ -102,7 +105,8 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
                      "vocab_size": m.vocab_size, "params": count_params(m, include_embeddings=True)},
         layout={"pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp}, batch_size=cfg.batch_size,
         global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size, seq_len=m.seq_len,
-        precision=cfg.precision, recompute=cfg.recompute, network=cfg.network, status=status, error=error,
+        precision=cfg.precision, recompute=cfg.recompute, network=cfg.network,
+        network_setting=describe_setting(cfg.network), status=status, error=error,
         options=options, details=spec.run_details(options), environment=dict(environment), verify=verify,
         config=cfg.to_dict(), key=cfg.key())
     if not ranks:

@@ -148,3 +148,18 @@ def test_every_run_shows_the_ranks_busy_share():
     pipe_row = next(l for l in table.splitlines() if l.startswith("| torch_pipe"))
     col = [c.strip() for c in header.split("|")].index("busy per rank")
     assert ours_row.split("|")[col].strip() == "86%-95%" and pipe_row.split("|")[col].strip() == ""  # GPU: no share
+
+
+def test_older_records_without_the_network_setting_read_it_from_their_emulation():
+    recs = []
+    for net, t in (("d10-1g", 2.0), ("d1-5g", 1.2)):
+        for system, pp in (("ours", 12), ("torch_pipe", 12)):
+            d = _rec(system=system, pp=pp, network=net, t=t).__dict__
+            setting = d.pop("network_setting")  # as the run command wrote records before it kept the setting
+            d["environment"]["network"] = {"profile": {"name": net, "label": setting["label"], "kind": "uniform",
+                                                       "link": {k: setting[k] for k in ("delay_ms", "bandwidth_gbps")}}}
+            recs.append(d)
+    assert render(recs) == render([_rec(system=s, pp=12, network=n, t=t).__dict__
+                                   for n, t in (("d10-1g", 2.0), ("d1-5g", 1.2)) for s in ("ours", "torch_pipe")])
+    bare = {k: v for k, v in recs[0].items() if k not in ("environment",)}
+    assert "d10-1g" in render([bare, {**bare, "system": "torch_pipe", "label": "torch_pipe", "key": "other"}])
