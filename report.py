@@ -17,13 +17,15 @@ run, the newest wins. Plots (``--plots``): step time (log scale) against the one
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from contract.config import VOLATILE_FIELDS, RunConfig
 from contract.records import read_predictions, read_records, record_files
 from contract.registry import read_options
 
@@ -31,6 +33,10 @@ FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)
 # The fields a table's cells share, in the order its heading states them (the rest of a run's
 # identity, beyond the axes, is added to the heading when it is not the default).
 HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "steps")
+# RunConfig's fields the tables show as axes, columns or in the heading (the rest of a run's identity,
+# where it is not the default, is stated beside the heading)
+SHOWN = frozenset({"system", "model", "pp", "tp", "dp", "batch_size", "micro_batch_size", "steps", "warmup",
+                   "mixed_precision", "recompute", "network", "options"})
 
 
 def load_records(paths: list[str]) -> list[dict]:
@@ -90,16 +96,21 @@ def cell(row: pd.Series) -> str:
 
 
 def _rest_of_identity(r: dict) -> str:
-    """Identity fields of a run that are neither axes nor in HEADING, as text (e.g. 'seed 3, lr 0.001')."""
+    """The fields of a run's identity that are neither axes nor in HEADING, where they are not
+    RunConfig's defaults, as text (e.g. 'seed 3, sgd lr 0.001')."""
     c = r.get("config") or {}
-    opt = c.get("optimizer") or {}
     parts = []
-    if c.get("seed", 0) != 0:
-        parts.append(f"seed {c['seed']}")
-    if opt and (opt.get("kind"), opt.get("lr")) != ("adam", 1e-4):
-        parts.append(f"{opt.get('kind')} lr {opt.get('lr'):g}")
-    if c.get("data"):
-        parts.append(f"data {c['data']}")
+    for f in dataclasses.fields(RunConfig):
+        if f.name in SHOWN or f.name in VOLATILE_FIELDS or f.name not in c:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = c[f.name]
+        if value == json.loads(json.dumps(dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default)):
+            continue
+        if f.name == "optimizer":
+            parts.append(f"{value.get('kind')} lr {value.get('lr'):g}")
+        else:
+            parts.append(f"{f.name.replace('_', ' ')} {value}")
     return ", ".join(parts)
 
 

@@ -197,10 +197,10 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 
 def cannot_run(args: list[str]) -> str | None:
     """Why the run command would refuse ``args`` (its own judgement), or None."""
     from contract import ConfigError
-    from runners.request import build_parser, config_from_args, judge
+    from runners.request import judge, parse_request
 
     try:
-        judge(config_from_args(build_parser().parse_args(args)))
+        judge(*parse_request(args))
     except ConfigError as exc:
         return str(exc)
     return None

@@ -105,15 +105,17 @@ def predict_run(argv: list[str]) -> int:
     """One run from the run command's own flags: its predicted step time and breakdown."""
     from contract import ConfigError
     from predict.from_config import NotModelled
+    from contract.registry import get_system
     from runners.request import build_parser, config_from_args, judge
 
     target, rest = _target_args(argv)
     parser = build_parser()
     parser.prog = "python -m predict"
-    args = parser.parse_args([*rest, "--out", "/dev/null"] if "--out" not in rest else rest)
+    args = parser.parse_args(rest)
     try:
-        cfg = config_from_args(args)
-        judge(cfg)
+        spec = get_system(args.system)
+        cfg = config_from_args(args, spec)
+        judge(cfg, spec)
         p = _predict(cfg, target.device_file, target.in_flight)
     except (ConfigError, NotModelled, FileNotFoundError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
@@ -132,8 +134,7 @@ def predict_sweep(argv: list[str]) -> int:
     from report import render
     from predict.from_config import NotModelled
     from runners.record import build_record
-    from contract.registry import get_system
-    from runners.request import build_parser, config_from_args
+    from runners.request import parse_request
     from runners.sweep.plan import SweepError, load_sweep
 
     target, rest = _target_args(argv)
@@ -147,13 +148,13 @@ def predict_sweep(argv: list[str]) -> int:
         return 2
     records, skipped = [], []
     for run in sweep.valid_runs:
-        cfg = config_from_args(build_parser().parse_args([*run.args, "--out", "/dev/null"]))
+        cfg, spec = parse_request(run.args)
         try:
             p = _predict(cfg, target.device_file, target.in_flight)
         except (ConfigError, NotModelled, FileNotFoundError) as exc:
             skipped.append(f"{run.label()}: {exc}")
             continue
-        rec = build_record(cfg, get_system(cfg.system), "ok", None, None,
+        rec = build_record(cfg, spec, "ok", None, None,
                            {"device_name": target.device_file or "this machine (predicted)"})
         rec.median_step_time = p.step_time
         records.append(rec.__dict__)

@@ -381,10 +381,9 @@ def local_link(network: str, loopback: tuple[float, float], probed: dict | None 
 
 def predict_local(run: LocalRun, cal: Calibration, probed: dict | None = None, directory: Path = RESULTS):
     """The prediction of a LocalRun (spec built from the run command's own config)."""
-    from runners.request import build_parser, config_from_args
+    from runners.request import parse_request
 
-    argv = run.argv(Path("/dev/null"), 3, 1)[3:]  # the run command's flags
-    cfg = config_from_args(build_parser().parse_args(argv))
+    cfg, _ = parse_request(run.argv(Path("/dev/null"), 3, 1)[3:])  # the run command's flags
     spec = spec_from_config(cfg, cal.link(run.network, probed))
     return predict(spec, cal.compute(run.shape(), directory), cal.cores)
 

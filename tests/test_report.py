@@ -163,3 +163,16 @@ def test_older_records_without_the_network_setting_read_it_from_their_emulation(
                                    for n, t in (("d10-1g", 2.0), ("d1-5g", 1.2)) for s in ("ours", "torch_pipe")])
     bare = {k: v for k, v in recs[0].items() if k not in ("environment",)}
     assert "d10-1g" in render([bare, {**bare, "system": "torch_pipe", "label": "torch_pipe", "key": "other"}])
+
+
+def test_the_rest_of_a_runs_identity_is_stated_where_it_is_not_runconfigs_default():
+    from workload.configs import OptimizerConfig
+
+    plain = [_rec(pp=8, t=19.71).__dict__, _rec(tp=8, t=25.0).__dict__]
+    assert "seed" not in render(plain) and " lr " not in render(plain)
+    changed = []
+    for r in plain:
+        cfg = RunConfig.from_dict(r["config"], get_system("megatron").options)
+        cfg = cfg.replace(seed=3, optimizer=OptimizerConfig(kind="sgd", lr=1e-3))
+        changed.append({**r, "config": cfg.to_dict(), "key": cfg.key()})
+    assert "seed 3, sgd lr 0.001" in render(changed)

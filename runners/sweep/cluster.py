@@ -41,8 +41,7 @@ from network_emulation.signals import signals_deferred
 from network_emulation.ssh_shaping import for_host
 from runners.output import Pump, is_peer_failure
 from runners.record import append_line, append_record, build_record
-from contract.registry import get_system
-from runners.request import build_parser, config_from_args
+from runners.request import parse_request
 from runners.sweep.execute import SAFETY_MARGIN_S
 from runners.sweep.hostfile import DoesNotFit, Host, NodePlacement, parse_hostfile, place
 from runners.sweep.plan import REPO, PlannedRun, Sweep
@@ -350,9 +349,9 @@ class ClusterExecutor:
     def _record(self, run: PlannedRun, out: Path, status: str, error: str, environment: dict[str, Any]) -> None:
         """A record for a run that produced none (it did not fit, or ssh / shaping failed), so that
         the report shows it."""
-        cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
+        cfg, spec = parse_request(run.args)
         env = {"launcher_host": os.uname().nodename, "device_count": run.devices, **environment}
-        append_record(out, build_record(cfg, get_system(cfg.system), status, error[:2000], None, env))
+        append_record(out, build_record(cfg, spec, status, error[:2000], None, env))
 
     def _record_unfit(self, run: PlannedRun, out: Path, error: str) -> None:
         """Record an unfit run, unless the newest record of the run already says the same."""

@@ -108,12 +108,12 @@ def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node:
     except SystemExit:
         msg = err.getvalue().strip().splitlines()
         return PlannedRun(**base, error=(msg[-1] if msg else "bad arguments").removeprefix(f"{parser.prog}: error: "))
+    spec = get_system(ns.system)
     try:
-        cfg = config_from_args(ns)
-        judge(cfg)
+        cfg = config_from_args(ns, spec)
+        judge(cfg, spec)
     except ConfigError as e:
         return PlannedRun(**base, error=str(e))
-    spec = get_system(cfg.system)
     return PlannedRun(**base, key=cfg.key(), world=spec.processes(cfg), devices_per_process=spec.devices_per_process(cfg),
                       timeout=cfg.timeout)
 

@@ -82,12 +82,12 @@ def test_efficiency_round_trip():
 
 
 def test_spec_from_a_run_config():
-    from runners.request import build_parser, config_from_args
+    from runners.request import parse_request
 
-    args = build_parser().parse_args(["--system", "ours", "--model", "tiny", "--pp", "2", "--dp", "2", "--batch-size",
-                                      "2", "--micro-batch-size", "1", "--n-slices", "4", "--dp-mode", "central_ps"])
+    cfg, _ = parse_request(["--system", "ours", "--model", "tiny", "--pp", "2", "--dp", "2", "--batch-size", "2",
+                            "--micro-batch-size", "1", "--n-slices", "4", "--dp-mode", "central_ps"])
     link = local_link("d10-1g", (1e-4, 2e9), {"one_way_delay_ms": 10.2, "bandwidth_gbps": 0.9}, 24576)
-    spec = spec_from_config(config_from_args(args), link)
+    spec = spec_from_config(cfg, link)
     assert spec.slices == (32, 32, 32, 32) and spec.dp == 2 and spec.dp_mode == "central_ps"
     assert spec.link.latency == pytest.approx(10.3e-3) and spec.link.bandwidth == pytest.approx(0.9e9 / 8)
     assert spec.link.stall_bytes == 24576
@@ -143,11 +143,10 @@ def test_seed_gpipe_column_from_the_default_row():
 def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_path, monkeypatch):
     from predict.from_config import NotModelled
     from predict.this_machine import record_prediction
-    from runners.request import build_parser, config_from_args
+    from runners.request import parse_request
 
     monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))  # no fitted model: the rule of thumb
-    cfg = lambda *a: config_from_args(build_parser().parse_args(["--model", "tiny", "--batch-size", "2",
-                                                                 "--micro-batch-size", "1", *a]))
+    cfg = lambda *a: parse_request(["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", *a])[0]
     link = Link.from_ms_gbps(0.1, 10)
     assert spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices == (64, 64)
     with pytest.raises(NotModelled):

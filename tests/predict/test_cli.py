@@ -45,9 +45,9 @@ def test_a_sweep_predicted_in_the_reports_shape(tmp_path):
 
 def test_a_run_is_predicted_where_this_machine_is_calibrated():
     from predict.this_machine import record_prediction
-    from runners.request import build_parser, config_from_args
+    from runners.request import parse_request
 
-    pred = record_prediction(config_from_args(build_parser().parse_args(RUN)))
+    pred = record_prediction(parse_request(RUN)[0])
     assert pred["step_time"] > 0 and abs(sum(pred[k] for k in ("compute", "overhead", "exposed_comm", "bubble",
                                                                  "dp_sync", "barrier")) - pred["step_time"]) < 1e-9
 
@@ -55,28 +55,27 @@ def test_a_run_is_predicted_where_this_machine_is_calibrated():
 def test_a_fault_of_the_simulator_leaves_the_record_without_a_prediction(monkeypatch, capsys):
     from predict import this_machine as local
     from predict.simulator import SimulationError
-    from runners.request import build_parser, config_from_args
+    from runners.request import parse_request
 
     def broken(*args, **kwargs):
         raise SimulationError("deadlock: rank 0 stuck")
 
     monkeypatch.setattr(local, "predict_here", broken)
-    assert local.record_prediction(config_from_args(build_parser().parse_args(RUN))) is None
+    assert local.record_prediction(parse_request(RUN)[0]) is None
     assert capsys.readouterr().err.strip() == "prediction not made: SimulationError: deadlock: rank 0 stuck"
 
 
 def test_recorded_runs_predicted_beside_their_records_and_shown_by_the_report(tmp_path):
     import report
     from contract.records import predictions_path
-    from contract.registry import get_system
     from runners.record import build_record
-    from runners.request import build_parser, config_from_args
+    from runners.request import parse_request
 
     records = tmp_path / "runs.jsonl"
     lines = []
     for argv, kind in ((RUN, "cpu"), (RUN + ["--seed", "1"], "cuda"), (RUN[:-2] + ["--n-slices", "2"], "cpu")):
-        cfg = config_from_args(build_parser().parse_args(argv))
-        rec = build_record(cfg, get_system(cfg.system), "ok", None, None, {"device_kind": kind, "device_name": kind})
+        cfg, spec = parse_request(argv)
+        rec = build_record(cfg, spec, "ok", None, None, {"device_kind": kind, "device_name": kind})
         rec.median_step_time = 0.5
         lines.append(rec)
     records.write_text("".join(r.to_json() + "\n" for r in lines))

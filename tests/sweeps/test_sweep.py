@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from contract.registry import get_system
 from runners.record import build_record
-from runners.request import build_parser, config_from_args
+from runners.request import parse_request
 from runners.sweep.__main__ import main
 from runners.sweep.cluster import ClusterExecutor
 from runners.sweep.hostfile import Host, NodePlacement, parse_hostfile
@@ -167,10 +166,10 @@ def test_layout_notation():
 
 
 def _fake_record(run: PlannedRun, status: str = "ok", **config_changes) -> str:
-    cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
+    cfg, spec = parse_request(run.args)
     # what the run command would write, with volatile fields changed: still the same run
     cfg = cfg.replace(timeout=12.0, verify=True, **config_changes)
-    rec = build_record(cfg, get_system(cfg.system), status, None, None, {})
+    rec = build_record(cfg, spec, status, None, None, {})
     rec.median_step_time = 1.0
     return rec.to_json()
 
