@@ -20,7 +20,7 @@ from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
 from ours.schedule import SCHEDULES
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
-WIRE_DTYPES = ("fp32", "bf16", "fp16")
+WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --wire-dtype: the torch dtype's name
 
 
 def slice_count(text: str) -> int | str:
@@ -64,7 +64,7 @@ class OursOptions(SystemOptions):
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
     wire_dtype: str = option("fp32", "the type activations, their gradients and the DP push and pull cross the "
                                      "network in; bf16 and fp16 halve the bytes and are lossy (opt-in, as "
-                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=WIRE_DTYPES)
+                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=tuple(WIRE_DTYPES))
     trace: str | None = option(None, "write a Chrome trace of every rank's spans to this file", identity=False,
                                output_path=True, metavar="FILE")
 

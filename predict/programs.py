@@ -43,9 +43,9 @@ from predict import collectives as coll
 from predict.compute import ComputeModel, Overheads, Scaled, stage_params
 from predict.simulator import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
 from predict.run_spec import RunSpec
+from ours.dp import BUCKET_BYTES
 from ours.schedule import unit_order
 
-BUCKET_BYTES = 4 * 1024 * 1024  # ours.dp.BUCKET_BYTES
 
 
 @dataclass(frozen=True)
