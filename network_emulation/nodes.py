@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import netem, node_ssh
-from .signals import Guarded, Terminated, signals_deferred, signals_raise
+from .signals import Guarded, Terminated, signals_deferred, signals_raise, stop_process
 from .virtual_cluster import PREFIX, TCP_MEM_MAX, _run, _start_time, cleanup_stale, destroy_namespace, list_namespaces
 
 REPO = Path(__file__).resolve().parent.parent
@@ -471,13 +471,7 @@ def _await_keeper(keeper: subprocess.Popen[bytes], directory: Path, timeout_s: f
 
 def _stop_keeper(keeper: subprocess.Popen[bytes]) -> None:
     """SIGTERM (the keeper removes its nodes), SIGKILL if that takes more than 30 s."""
-    if keeper.poll() is None:
-        keeper.terminate()
-        try:
-            keeper.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            keeper.kill()
-            keeper.wait()
+    stop_process(keeper, signal.SIGTERM, 30.0)
 
 
 def down(directory: Path, out: TextIO = sys.stdout, timeout_s: float = 30.0) -> int:

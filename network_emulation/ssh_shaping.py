@@ -48,7 +48,7 @@ from typing import IO, Any, TextIO
 from . import netem
 from .probe import DEFAULT_PORT, LinkMeasurement, bulk_duration, measure_with
 from .profiles import Profile, ProfileError
-from .signals import Guarded, signals_deferred
+from .signals import Guarded, signals_deferred, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 QUEUE_BASE = 4700  # NFQUEUE numbers of the delayer: QUEUE_BASE (uniform) or QUEUE_BASE + source rank
@@ -144,11 +144,7 @@ class _Agent:
         answer = self.read(deadline) if self.proc.stdout else None
         while answer is not None and "cleared" not in answer:
             answer = self.read(deadline)
-        try:
-            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, None, max(0.1, deadline - time.monotonic()))
         if self.proc.stdout:
             self.proc.stdout.close()
         error = None

@@ -47,7 +47,7 @@ from typing import Any, TextIO
 from . import netem
 from .probe import DEFAULT_PORT, LinkMeasurement, bulk_duration, measure
 from .profiles import Profile, parse_profile
-from .signals import Guarded, signals_deferred
+from .signals import Guarded, signals_deferred, stop_process
 
 PREFIX = "nemu-"
 _NS_RE = re.compile(rf"^{PREFIX}(\d+)\.([0-9a-f]+)-")
@@ -205,12 +205,8 @@ class VirtualCluster(Guarded):
         with signals_deferred():
             if self.delayer is not None:
                 if self.delayer.stdin:
-                    self.delayer.stdin.close()
-                try:
-                    self.delayer.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    self.delayer.kill()
-                    self.delayer.wait()
+                    self.delayer.stdin.close()  # its cue to stop
+                stop_process(self.delayer, None, 2.0)
                 if self.delayer.stdout:
                     self.delayer.stdout.close()
                 self.delayer = None
@@ -320,8 +316,7 @@ class VirtualCluster(Guarded):
                 self.delayer = p
                 self.delayer_realtime = argv[0] == "chrt"
                 return
-            p.kill()
-            p.wait()
+            stop_process(p, signal.SIGKILL, 5.0)
             for f in (p.stdin, p.stdout):
                 if f:
                     f.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,6 +78,7 @@ def fit_message_latency(points: list[dict], delay: float, bandwidth: float, smal
 def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=print) -> dict:
     """Ping-pong of each size between two virtual hosts under ``network`` (root needed)."""
     from network_emulation import VirtualCluster
+    from network_emulation.signals import stop_process
 
     points = []
     with VirtualCluster(2, network, name="stall", log=None) as vc:
@@ -95,9 +97,7 @@ def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=p
                 outs = [p.communicate(timeout=120) for p in procs]
             finally:
                 for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
+                    stop_process(p, signal.SIGKILL, 5.0)
             points.append(json.loads(outs[0][0].strip().splitlines()[-1]))
             log(f"  {nbytes} bytes: round trip {points[-1]['round_trip'] * 1e3:.1f} ms")
     from network_emulation.profiles import parse_profile

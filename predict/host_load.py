@@ -9,10 +9,13 @@ ranks then get ``cores_with_background(c, B)[k - 1]`` cores' worth between them 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
+
+from network_emulation.signals import stop_process
 
 PROC = Path("/proc")
 
@@ -100,9 +103,7 @@ def watch_run(argv: list[str], cwd: Path, timeout: float = 900, period: float = 
                 break
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signal.SIGKILL, 5.0)
         done.set()
         sampler.join()
     starts = [t for t, warm in marks if warm]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Iterable, Sequence
 
 from contract.records import read_records
+from network_emulation.signals import stop_process
 from runners.lifetime import die_with_parent
 from runners.output import Pump
 from runners.record import remove_records
@@ -62,10 +63,10 @@ def run_command(args: Sequence[str], *, out: str | os.PathLike | None = None, ti
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _stop(proc)
+            stop_process(proc, signal.SIGINT, STOP_GRACE_S)
             pump.lines.append(f"stopped after {timeout:g} s\n")
         except BaseException:
-            _stop(proc)
+            stop_process(proc, signal.SIGINT, STOP_GRACE_S)
             raise
         finally:
             pump.join()
@@ -75,12 +76,3 @@ def run_command(args: Sequence[str], *, out: str | os.PathLike | None = None, ti
         if temp:
             remove_records(temp)
 
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

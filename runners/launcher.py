@@ -23,6 +23,7 @@ import torch
 
 from contract import RunConfig
 from network_emulation import VirtualCluster, parse_profile
+from network_emulation.signals import stop_process
 from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.output import Pump
 from runners.request import Placement
@@ -76,23 +77,6 @@ def local_agents(world: int, placement: Placement, run_dir: Path) -> list[Agent]
     return [Agent(argv, {})]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            continue
-    # The leader may be gone while workers of its group linger: make sure of them too.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result: bool = True) -> LaunchResult:
     procs: list[subprocess.Popen] = []
     pumps: list[Pump] = []
@@ -121,8 +105,8 @@ def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result
             pump.mute()
         raise
     finally:
-        for p in procs:
-            _kill_group(p)
+        for p in procs:  # torchrun and its workers: a session each
+            stop_process(p, signal.SIGTERM, 5.0, group=True)
         for pump in pumps:
             pump.join(timeout=2)
     oom_after = oom_kills()

@@ -37,7 +37,7 @@ from typing import IO, Any
 from contract.records import newest, parse_records, read_records
 from network_emulation import SshShapingSession, parse_profile
 from network_emulation.netem import ssh_argv, ssh_base
-from network_emulation.signals import signals_deferred
+from network_emulation.signals import signals_deferred, stop_process
 from network_emulation.ssh_shaping import for_host
 from runners.output import Pump, is_peer_failure
 from runners.record import append_line, append_record, build_record
@@ -314,13 +314,8 @@ class ClusterExecutor:
         while any(p.poll() is None for p in procs) and time.monotonic() < end:
             time.sleep(0.2)
         signal_all("KILL")
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        for p in procs:  # the ssh clients end with their remote commands
+            stop_process(p, None, 5.0)
 
     def _collect(self, host0: str, remote_out: str, out: Path, network: dict[str, Any] | None,
                  cluster_env: dict[str, Any], blame: str | None) -> str | None:
