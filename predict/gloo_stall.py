@@ -11,7 +11,7 @@ two gloo ranks on two virtual hosts, at a setting none of the validation's profi
 - gloo's own per-message latency over the emulated link: half a small message's round trip minus the
   probed one-way delay (the simulator adds it to the link's latency).
 
-    python -m predict.gloo_stall RANK SIZE ITERS   # one rank (inside a virtual host)
+Each rank is ``python -m ours.plan.ping_pong`` on a virtual host of its own.
 """
 from __future__ import annotations
 
@@ -21,38 +21,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
-from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (2048, 4096, 8192, 16384, 32768, 65536, 262144)
 PROBE_NETWORK = "delay 20ms bandwidth 1Gbps"
-
-
-def _rank(rank: int, nbytes: int, iters: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                            rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    x, y = torch.zeros(max(1, nbytes // 4)), torch.zeros(max(1, nbytes // 4))
-    times = []
-    for i in range(iters + 2):
-        t = time.perf_counter()
-        if rank == 0:
-            dist.send(x, 1)
-            dist.recv(y, 1)
-        else:
-            dist.recv(x, 0)
-            dist.send(y, 0)
-        if i >= 2:
-            times.append(time.perf_counter() - t)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        print(json.dumps({"bytes": nbytes, "round_trip": statistics.median(times)}))
 
 
 def fit_stall(points: list[dict], delay: float, bandwidth: float) -> float | None:
@@ -91,7 +64,7 @@ def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=p
                        "PYTHONPATH": str(REPO)}
                 argv = [*h.command_prefix(), "env", *[f"{k}={v}" for k, v in env.items() if k in (
                     "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "PATH")],
-                        sys.executable, "-m", "predict.gloo_stall", str(h.index), str(nbytes), str(iters)]
+                        sys.executable, "-m", "ours.plan.ping_pong", str(h.index), str(nbytes), str(iters)]
                 procs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
             try:
                 outs = [p.communicate(timeout=120) for p in procs]
@@ -110,6 +83,3 @@ def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=p
     return dict(network=network, one_way_delay_ms=delay * 1e3, points=points, stall_bytes=stall,
                 message_latency=extra)
 
-
-if __name__ == "__main__":
-    _rank(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
