@@ -98,16 +98,21 @@ VALIDATION_RUNS = (
 )
 
 
-def run_and_read(argv: list[str], out: Path, timeout: float = 900) -> tuple[dict | None, float | None]:
-    """Run the run command; (the record it appended to ``out`` or None, the host's background load over
-    its measured steps: other runnable processes, see ``predict.host_load``)."""
+def run_and_read(run: LocalRun, out: Path, steps: int, warmup: int,
+                 timeout: float = 900) -> tuple[dict | None, float | None, float]:
+    """Run ``run`` through the run command, its record appended to ``out``: (the record if the run
+    was ok, else None; the host's background load over its measured steps, other runnable processes
+    (``predict.host_load``), kept beside the record (``record_load``); the seconds it took)."""
     from predict.host_load import watch_run
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    before = len(read_records(out))
-    _, background = watch_run(argv, REPO, timeout)
+    start, before = time.perf_counter(), len(read_records(out))
+    _, background = watch_run(run.argv(out, steps, warmup), REPO, timeout)
     records = read_records(out)
-    return (records[-1] if len(records) > before else None), background
+    rec = records[-1] if len(records) > before and records[-1].get("status") == "ok" else None
+    if rec is not None:
+        record_load(out, rec, background)
+    return rec, background, time.perf_counter() - start
 
 
 def shape_key(m: ModelConfig) -> str:
@@ -253,14 +258,9 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
     out = directory / "calibration-runs.jsonl"
     for r in runs:
         for _ in range(repeats):
-            t = time.perf_counter()
-            rec, background = run_and_read(r.argv(out, steps, warmup), out)
-            ok = rec is not None and rec.get("status") == "ok"
-            if ok:
-                record_load(out, rec, background)
+            rec, background, took = run_and_read(r, out, steps, warmup)
             bg = "-" if background is None else f"{background:.1f}"
-            log(f"  {r.name}: {rec['median_step_time'] if ok else 'failed'} (background load {bg}; "
-                f"{time.perf_counter() - t:.0f} s)")
+            log(f"  {r.name}: {rec['median_step_time'] if rec else 'failed'} (background load {bg}; {took:.0f} s)")
     measured = recorded_runs(runs, out)
     cores = (1.0, QUIET_CORES)
     link = local_link("none", loopback)
@@ -407,17 +407,14 @@ def validate(runs=VALIDATION_RUNS, steps: int = 6, warmup: int = 1, directory: P
         pred = predict_local(r, cal, probes.get(r.network), directory)
         times, loads, ids = [], [], []
         for _ in range(repeats):
-            t = time.perf_counter()
-            rec, background = run_and_read(r.argv(out, steps, warmup), out)
-            ok = rec is not None and rec.get("status") == "ok"
-            if ok:
-                record_load(out, rec, background)
+            rec, background, took = run_and_read(r, out, steps, warmup)
+            if rec:
                 times.append(rec["median_step_time"])
                 ids.append(rec["run_id"])
             loads.append(background or 0.0)
-            got = f"{rec['median_step_time']:.4f} s" if ok else "failed"
+            got = f"{rec['median_step_time']:.4f} s" if rec else "failed"
             log(f"  {r.name} @ {r.network}: predicted {pred.step_time:.4f} s, measured {got} (background load "
-                f"{loads[-1]:.1f}; {time.perf_counter() - t:.0f} s)")
+                f"{loads[-1]:.1f}; {took:.0f} s)")
         m = statistics.median(times) if times else None
         bg = statistics.mean(loads) if loads else 0.0
         loaded = predict_local(r, replace(cal, cores=cores_with_background(QUIET_CORES, bg)),
