@@ -5,7 +5,7 @@ TeraPipe's formula (``ours.plan``), T = B/b sum t_i + (K - 1) max t_i plus per-s
 what each slice costs beyond its math (the engine's per-slice and per-layer work, the receives and
 sends) and what the pipeline's ranks do to each other (two ranks on shared cores, the closing
 barrier); the simulator runs ours' program with those. ``check_evaluation`` predicts every row of an
-``ours.plan evaluate`` result (its measured medians untouched) with both; ``choose_slicing`` simulates
+``python -m bench plan-evaluation`` result (its measured medians untouched) with both; ``choose_slicing`` simulates
 the planner's optimum at several granularities and the uniform slicings and returns the fastest.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def compute_for(model, cal: Calibration, directory: Path = RESULTS) -> CpuComput
 
 def check_evaluation(path: str | Path, cal: Calibration | None = None, directory: Path = RESULTS,
                      cores: tuple | None = None) -> dict:
-    """Simulated predictions of every row of an ``ours.plan evaluate`` result, raw (nothing fitted to its
+    """Simulated predictions of every row of a ``python -m bench plan-evaluation`` result, raw (nothing fitted to its
     measurements), against the formula's raw predictions stored in it."""
     ev = json.loads(Path(path).read_text())
     cal = cal or load_calibration(directory)
