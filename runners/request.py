@@ -151,8 +151,7 @@ def _add_system_options(p: argparse.ArgumentParser, specs: dict[str, SystemSpec]
                 help_text += f" (also of {', '.join(shared[1:])})"
                 notes = [_describe(next(x for x in specs[o].options.declared() if x.name == f.name), o) for o in shared]
             help_text = "; ".join([help_text] + [n for n in notes if n])
-            hint = hints[f.name] if hints[f.name] is bool or f.metadata.get("parse") else _flag_type(hints[f.name])
-            _add_flag(g, f, hint, dest=OPTION_PREFIX + f.name, help=help_text)
+            _add_flag(g, f, hints[f.name], dest=OPTION_PREFIX + f.name, help=help_text)
 
 
 def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.ArgumentParser:
