@@ -109,7 +109,9 @@ class RunConfig:
                                         default_factory=OptimizerConfig)
     data: str | None = option(None, "a text file to train on (byte-level tokens); synthetic tokens by default",
                               group=TRAINING)
-    network: str = option("none", "network profile: none, a profile name, or 'delay 10ms bandwidth 1Gbps'", group=RUN)
+    network: str = option("none", "network profile: none, a profile name, 'delay 10ms bandwidth 1Gbps', or a per-link "
+                                  "matrix file FILE.json ({\"delay_ms\": [[...]], \"bandwidth_gbps\": [[...]]}, N x N "
+                                  "for N ranks)", group=RUN)
     verify: bool = option(False, "also train the single-process reference and compare losses and gradients",
                           group=RUN, identity=False)
     device: str = option("auto", "auto | cpu | cuda", group=RUN, identity=False)

@@ -24,6 +24,9 @@ MAX_BANDWIDTH_GBPS = 1_000.0  # 1 Tbit/s
 # QUEUE_MAXLEN packets per link, so the bytes in flight (bandwidth x delay) must fit in that many
 # MTU-sized packets (netem's queue limit is sized from the same product).
 MIN_EMULATED_BANDWIDTH_GBPS = 0.01
+MATRIX_KEYS = ("delay_ms", "bandwidth_gbps")  # a per-link matrix file holds these, N x N each, and nothing else
+MATRIX_FORMAT = '{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}, N x N, row i: from rank i'
+
 MAX_IN_FLIGHT_BYTES = QUEUE_MAXLEN * 1500
 
 
@@ -204,6 +207,9 @@ def parse_profile(text: str) -> Profile:
             return p
     if text.strip().endswith(".json"):
         return load_matrix(text.strip())
+    if Path(text.strip()).is_file():
+        raise ProfileError(f"{text.strip()!r} is a file, and a per-link matrix is read from a JSON file named *.json "
+                           f"({MATRIX_FORMAT})")
     d, r = _DELAY_RE.search(key), _RATE_RE.search(key)
     rest = _RATE_RE.sub("", _DELAY_RE.sub("", key)).strip(" ,;")
     if d is None or r is None or rest:
@@ -234,9 +240,13 @@ def load_matrix(path: str | Path) -> MatrixProfile:
 
 
 def matrix_profile(data: Any, name: str = "matrix", label: str = "matrix") -> MatrixProfile:
-    """Build a MatrixProfile from ``{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}``."""
+    """Build a MatrixProfile from ``{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}`` (no other key)."""
     if not isinstance(data, dict) or "delay_ms" not in data or "bandwidth_gbps" not in data:
         raise ProfileError("matrix profile must be an object with 'delay_ms' and 'bandwidth_gbps'")
+    unknown = sorted(set(data) - set(MATRIX_KEYS))
+    if unknown:
+        raise ProfileError(f"matrix profile: unknown key(s) {', '.join(map(repr, unknown))}; a matrix has "
+                           f"{' and '.join(MATRIX_KEYS)} only")
 
     def rows(key: str) -> tuple[tuple[float, ...], ...]:
         m = data[key]

@@ -120,7 +120,11 @@ def test_sigkill_under_network_emulation_leaves_no_namespace_or_process(out_file
 
 def _bad_requests(tmp: Path) -> list[tuple[list[str], str]]:
     base = ["--system", "reference", *TINY, "--batch-size", "2", "--micro-batch-size", "1"]
+    ours_p2 = ["--system", "ours", *TINY, "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1"]
     (tmp / "adir").mkdir()
+    text, matrix = tmp / "text.txt", tmp / "matrix.txt"
+    text.write_text("training text " * 20)
+    matrix.write_text('{"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[0, 1], [1, 0]]}')
     return [
         (base + ["--out", str(tmp / "adir")], "--out " + str(tmp / "adir") + " is a directory"),
         (base + ["--out", str(tmp / "missing" / "r.jsonl")], "--out " + str(tmp / "missing" / "r.jsonl") + ": no such directory"),
@@ -136,6 +140,10 @@ def _bad_requests(tmp: Path) -> list[tuple[list[str], str]]:
         (base + ["--network", "delay 1ms bandwidth 50kbps"], "--network: bandwidth 0.05 Mbit/s is below what the emulation can do"),
         (base + ["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
         (base + ["--hidden-size", "66"], "--hidden-size 66 is not divisible by --num-heads 4"),
+        # issue #31: one file for two roles, a network for one process, a matrix not named *.json
+        (base + ["--vocab-size", "256", "--data", str(text), "--out", str(text)], f"--out {text} and --data {text} are the same file"),
+        (base + ["--network", "d10-1g"], "--network d10-1g: reference runs one process here"),
+        (ours_p2 + ["--network", str(matrix)], "a per-link matrix is read from a JSON file named *.json"),
     ]
 
 
@@ -157,6 +165,7 @@ def test_requests_judged_before_launching(tmp_path):
         named = [w.rstrip(":,") for w in lines[0].split() if w.startswith("--")]
         assert named and all(f in flags for f in named), lines[0]
         assert not out.exists() and time.time() - start < 30
+    assert (tmp_path / "text.txt").read_text() == "training text " * 20  # an input is never written to
     assert not [p for p in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*")
                 if not (p / "config.json").exists() and p.stat().st_mtime > time.time() - 60]
 
