@@ -6,6 +6,7 @@ from report import render
 from contract import RunConfig
 from runners.record import append_record, build_record
 from contract.registry import get_system
+from contract.records import read_records
 from tests.conftest import REPO
 from workload.configs import get_model_config
 
@@ -22,7 +23,8 @@ def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network=
                   "device_name": "Tesla V100-SXM2-16GB", "backend": "nccl", "peak_tflops": 15.7, "peak_source": "table:fp32"}
                  for r in range(n)]
     return build_record(cfg, spec, status, None if status == "ok" else "CUDA out of memory", ranks,
-                        {"torch_version": "2.13", "device_name": "Tesla V100-SXM2-16GB", "device_count": n})
+                        {"torch_version": "2.13", "device_kind": "cuda", "device_name": "Tesla V100-SXM2-16GB",
+                         "device_count": n})
 
 
 def test_layout_table_like_the_seed():
@@ -176,3 +178,70 @@ def test_the_rest_of_a_runs_identity_is_stated_where_it_is_not_runconfigs_defaul
         cfg = cfg.replace(seed=3, optimizer=OptimizerConfig(kind="sgd", lr=1e-3))
         changed.append({**r, "config": cfg.to_dict(), "key": cfg.key()})
     assert "seed 3, sgd lr 0.001" in render(changed)
+
+
+def test_the_report_never_writes_over_what_it_reads(tmp_path, capsys):
+    """Issue #31, item 1: report.py F.jsonl --out F.jsonl overwrote its 3 records with markdown."""
+    from report import main
+
+    records = tmp_path / "F.jsonl"
+    for t in (19.71, 20.0, 21.0):
+        append_record(records, _rec(pp=8, t=t))
+    before = records.read_text()
+    other = tmp_path / "other.jsonl"
+    append_record(other, _rec(tp=8, t=25.0))
+    (tmp_path / "link.md").symlink_to(records)
+    for out, message in ((records, "which the report reads"), (tmp_path / "link.md", "which the report reads"),
+                         (tmp_path / "F.predictions.json", None), (other, "holds run records"),
+                         (tmp_path, "is a directory, not a file")):
+        if message is None:  # the predictions kept beside an input are read too
+            out.write_text("{}")
+            message = "which the report reads"
+        assert main([str(records), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert main([str(tmp_path), "--out", str(tmp_path / "sub" / "x.jsonl")]) == 0  # not yet a file of records
+    assert main([str(tmp_path / "sub"), "--out", str(tmp_path / "sub" / "x.jsonl")]) == 2  # now an input
+    assert records.read_text() == before and len(read_records(other)) == 1
+
+
+def test_malformed_fields_are_left_out_with_a_warning_naming_file_and_line(tmp_path, capsys):
+    """Issue #31, item 8: a median step time that is NaN or text crashed the report; a record without
+    one showed as an ok cell holding only its prediction."""
+    from report import main
+
+    path = tmp_path / "r.jsonl"
+    append_record(path, _rec(tp=8, t=25.0))
+    for value in (float("nan"), "fast", None):
+        d = _rec(pp=8, t=19.71).__dict__
+        if value is None:
+            del d["median_step_time"]
+        else:
+            d["median_step_time"] = value
+        with open(path, "a") as f:
+            f.write(json.dumps(d) + "\n")
+    (tmp_path / "r.predictions.json").write_text(json.dumps({d["run_id"]: {"step_time": 0.046},
+                                                             "other": {"step_time": "soon"}}))
+    assert main([str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{path}:2: field median_step_time left out (nan is not a finite number)" in err
+    assert f'{path}:3: field median_step_time left out ("fast" is not a finite number)' in err
+    assert f"{path}:4: an ok record without a median_step_time" in err
+    assert "the prediction of run other left out (no finite step_time)" in err and "Traceback" not in err
+    assert "ok, no step time (pred 0.046)" in out and "fastest `megatron T-8` 25.00 s" in out
+
+
+def test_records_of_one_config_on_different_hardware_never_share_a_cell(tmp_path):
+    """Issue #31, item 5: a newer record with device_kind cuda replaced the CPU measurement in its cell,
+    and with only device_kind edited it sat in the "hardware: cpu" table and was called fastest."""
+    def run(system, pp, t, kind="cpu", timestamp="2025-01-01T00:00:00+00:00"):
+        d = _rec(system=system, pp=pp, t=t).__dict__
+        d["environment"] = {**d["environment"], "device_kind": kind, "device_name": "cpu"}
+        return {**d, "timestamp": timestamp}
+
+    cpu, baseline = run("ours", 2, 0.3), run("torch_pipe", 2, 0.4)
+    gpu = {**run("ours", 2, 0.01, kind="cuda", timestamp="2025-01-02T00:00:00+00:00"), "key": cpu["key"]}
+    text = render([cpu, baseline, gpu])
+    cpu_table = next(t for t in text.split("## Every run")[0].split("### ")[1:] if "hardware: cpu;" in t)
+    assert "0.300 s" in cpu_table and "0.010 s" not in cpu_table
+    assert "fastest `ours P-2` 0.300 s" in text and "0.010 s" in text.split("## Every run")[1]
