@@ -36,7 +36,7 @@ HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "ste
 # RunConfig's fields the tables show as axes, columns or in the heading (the rest of a run's identity,
 # where it is not the default, is stated beside the heading)
 SHOWN = frozenset({"system", "model", "pp", "tp", "dp", "batch_size", "micro_batch_size", "steps", "warmup",
-                   "mixed_precision", "recompute", "network", "options"})
+                   "mixed_precision", "recompute", "network", "network_matrix", "options"})
 
 
 def load_records(paths: list[str]) -> list[dict]:
@@ -61,9 +61,10 @@ def layout_label(layout: dict) -> str:
 
 
 def network_setting(r: dict) -> dict:
-    """A record's network setting in words and numbers: its label, one-way delay (ms) and bandwidth
-    (Gbit/s) between ranks 0 and 1 (None without emulation). Records from before ``network_setting``
-    was recorded: the profile their emulation described, else the setting's name."""
+    """A record's network setting in words and numbers, as the run recorded it: its label, one-way
+    delay (ms) and bandwidth (Gbit/s) of its link (None without emulation; a per-link matrix: its
+    slowest link, whether all its links are one, the digest of its contents). Records from before
+    ``network_setting`` was recorded: the profile their emulation described, else the setting's name."""
     if r.get("network_setting"):
         return r["network_setting"]
     prof = ((r.get("environment") or {}).get("network") or {}).get("profile") or {}
@@ -153,10 +154,10 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "mb": r["micro_batch_size"],
             "layout": layout_label(r["layout"]),
             "dp": r["layout"].get("dp", 1),
-            "network": r["network"],
+            "network": r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else ""),
             "setting": setting["label"],
             "order": network_order(setting),
-            "delay": setting.get("delay_ms"),
+            "delay": setting.get("delay_ms") if setting.get("uniform", True) else None,  # a matrix: several
             "emulated": r["network"] != "none",
             "status": r["status"],
             "median_step_time": r.get("median_step_time"),
@@ -361,6 +362,8 @@ def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
 
     paths = []
     for i, (fixed, g) in enumerate(_tables(df, emulated=True)):
+        for label in g[(g["status"] == "ok") & g["delay"].isna()]["setting"].unique():
+            print(f"plot: left out {label}: its links differ, it has no one delay", file=sys.stderr)
         g = g[(g["status"] == "ok") & g["delay"].notna()]
         if g["network"].nunique() < 2:
             continue

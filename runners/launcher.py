@@ -165,16 +165,17 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
 def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
     """Every rank on a virtual host of its own (a network namespace), links shaped by the profile:
     one torchrun agent per virtual node, rendezvous at virtual host 0."""
-    profile = parse_profile(cfg.network)
+    profile = parse_profile(cfg.network, cfg.network_matrix)
     with VirtualCluster(world, profile, name="run") as vc:
-        measured = vc.probe(0, 1).describe() if world > 1 and profile.emulated else None
-        if measured:
-            print(f"network: {profile.name}: measured one-way delay {measured.get('one_way_delay_ms', float('nan')):.2f} ms, "
-                  f"bandwidth {measured.get('bandwidth_gbps', float('nan')):.2f} Gbit/s ({vc.backend})", file=sys.stderr)
+        measured = vc.probe_links() if world > 1 and profile.emulated else {"measured_link": None}
+        for m in measured.get("measured_links") or []:
+            print(f"network: {profile.name}: host {m['src']} -> {m['dst']} (set {m['set']['delay_ms']:g} ms, "
+                  f"{m['set']['bandwidth_gbps']:g} Gbit/s): measured one-way delay {m['one_way_delay_ms']:.2f} ms, "
+                  f"bandwidth {m['bandwidth_gbps']:.2f} Gbit/s ({vc.backend})", file=sys.stderr)
         master = f"{vc.hosts[0].address}:29500"
         agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), h.env()) for h in vc.hosts]
         result = run_agents(agents, cfg.timeout, run_dir)
-        result.network = {**vc.describe(), "measured_link": measured}
+        result.network = {**vc.describe(), **measured}
     return result
 
 

@@ -106,7 +106,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
         layout={"pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp}, batch_size=cfg.batch_size,
         global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size, seq_len=m.seq_len,
         precision=cfg.precision, recompute=cfg.recompute, network=cfg.network,
-        network_setting=describe_setting(cfg.network), status=status, error=error,
+        network_setting=network_setting(cfg), status=status, error=error,
         options=options, details=spec.run_details(options), environment=dict(environment), verify=verify,
         config=cfg.to_dict(), key=cfg.key())
     if not ranks:
@@ -134,6 +134,16 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
         rec.tflops_per_device = rec.tokens_per_s / len(ranks) * flops_per_token(m) / 1e12
         rec.mfu = rec.tflops_per_device / rec.peak_tflops if rec.peak_tflops else None
     return rec
+
+
+def network_setting(cfg: RunConfig) -> dict[str, Any]:
+    """The run's network setting as the report shows it (``describe_setting``); under a per-link
+    matrix, of the contents the run read, with their digest (part of the run's identity) in the label."""
+    setting = describe_setting(cfg.network, cfg.network_matrix)
+    digest = cfg.network_digest()
+    if digest:
+        setting.update(digest=digest, label=f"{setting['label']} [{digest[:8]}]")
+    return setting
 
 
 def host_environment(device: str = "auto") -> dict[str, Any]:

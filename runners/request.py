@@ -17,7 +17,7 @@ from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec, option
 from contract.registry import get_system, systems
-from network_emulation.profiles import ProfileError, check_emulable, parse_profile
+from network_emulation.profiles import MatrixProfile, ProfileError, check_emulable, parse_profile
 from workload.configs import count_params, get_model_config
 
 OPTION_PREFIX = "option:"  # argparse dest of a system option
@@ -192,7 +192,20 @@ def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
     common = {f.name: getattr(args, f.name) for f, hint in _flag_fields(RunConfig) if not dataclasses.is_dataclass(hint)}
     nested = {f.name: _from_args(hint, args) for f, hint in _flag_fields(RunConfig)
               if dataclasses.is_dataclass(hint) and f.name != "model"}
-    return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given)})
+    return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given),
+                        "network_matrix": matrix_contents(common["network"])})
+
+
+def matrix_contents(network: str) -> dict | None:
+    """The contents of the per-link matrix file ``network`` names, as they are now, or None (another
+    profile, or one that does not parse: ``judge`` says why)."""
+    if network == "none":
+        return None
+    try:
+        profile = parse_profile(network)
+    except ProfileError:
+        return None
+    return profile.contents() if isinstance(profile, MatrixProfile) else None
 
 
 def placement_from_args(args: argparse.Namespace) -> Placement:
@@ -215,7 +228,7 @@ def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, 
     spec.validate(cfg)
     if cfg.network != "none":
         try:
-            profile = parse_profile(cfg.network)
+            profile = parse_profile(cfg.network, cfg.network_matrix)
             check_emulable(profile)
             if spec.processes(cfg) > 1:
                 profile.check_hosts(spec.processes(cfg))

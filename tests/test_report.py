@@ -245,3 +245,31 @@ def test_records_of_one_config_on_different_hardware_never_share_a_cell(tmp_path
     cpu_table = next(t for t in text.split("## Every run")[0].split("### ")[1:] if "hardware: cpu;" in t)
     assert "0.300 s" in cpu_table and "0.010 s" not in cpu_table
     assert "fastest `ours P-2` 0.300 s" in text and "0.010 s" in text.split("## Every run")[1]
+
+
+def test_runs_under_one_matrix_file_with_other_contents_are_rows_of_their_own(tmp_path, capsys):
+    """Issue #31, items 3 and 4: the 5 ms and the 40 ms runs of one edited net.json shared a row, and
+    a heterogeneous matrix was plotted at its link 0 -> 1 (0.1 ms)."""
+    from report import plot_networks, to_frame
+
+    def under(matrix: dict, t: float, system: str = "ours"):
+        d = _rec(system=system, pp=2, network="net.json", t=t).__dict__
+        cfg = RunConfig.from_dict(d["config"], get_system(system).options).replace(network_matrix=matrix)
+        return {**d, **{k: v for k, v in build_record(cfg, get_system(system), "ok", None, None, {}).__dict__.items()
+                        if k in ("config", "key", "network_setting")}}
+
+    def uniform(delay, gbps):
+        return {"delay_ms": [[0, delay], [delay, 0]], "bandwidth_gbps": [[0, gbps], [gbps, 0]]}
+
+    hetero = {"delay_ms": [[0, 0.1], [67, 0]], "bandwidth_gbps": [[0, 10], [0.79, 0]]}
+    recs = [under(uniform(5, 1), 0.2), under(uniform(5, 1), 0.3, "torch_pipe"), under(uniform(40, 0.1), 0.9),
+            under(uniform(40, 0.1), 1.2, "torch_pipe"), under(hetero, 0.5), under(hetero, 0.7, "torch_pipe")]
+    text = render(recs)
+    table = text.split("### Step time by network setting")[1].split("## Every run")[0]
+    rows = [l for l in table.splitlines() if l.startswith("| net.json")]
+    assert len(rows) == 3, table
+    assert "net.json (2 hosts, 5 ms, 1 Gbit/s) [" in rows[0] and "0.200 s" in rows[0] and "0.900 s" not in rows[0]
+    assert "net.json (2 hosts, 40 ms, 0.1 Gbit/s) [" in rows[1] and "0.900 s" in rows[1]
+    assert "net.json (2 hosts, 0.1-67 ms, 0.79-10 Gbit/s) [" in rows[2]  # ordered by its slowest link
+    paths = plot_networks(to_frame(recs), tmp_path / "plots")
+    assert len(paths) == 1 and "plot: left out net.json (2 hosts, 0.1-67 ms" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from contract.records import read_records
 from runners.record import build_record
 from runners.request import parse_request
 from runners.sweep.__main__ import main
@@ -464,3 +465,36 @@ def test_hostfile_errors_exit_2_with_one_line(tmp_path, hostfile, message):
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+
+
+def _matrix(path: Path, delay_ms: float, gbps: float) -> None:
+    path.write_text(json.dumps({"delay_ms": [[0, delay_ms], [delay_ms, 0]], "bandwidth_gbps": [[0, gbps], [gbps, 0]]}))
+
+
+def test_a_run_under_a_matrix_is_identified_by_the_matrix_it_ran(tmp_path):
+    """Issue #31, item 3: a sweep under net.json, edited from 5 ms / 1 Gbit/s to 40 ms / 0.1 Gbit/s,
+    skipped its run as already recorded, and the record's setting was read from the file afterwards."""
+    net = tmp_path / "net.json"
+    _matrix(net, 5, 1)
+    sweep_file = write(tmp_path, f'name = "m"\nnetworks = ["{net}"]\nlayouts = ["P-2"]\nsystems = ["torch_pipe"]\n'
+                                 f'[fixed]\nmodel = "tiny"\nbatch_size = 2\nmicro_batch_size = 1\n')
+    (run,) = load_sweep(sweep_file).runs
+    cfg, spec = parse_request(run.args)
+    out = tmp_path / "o.jsonl"
+    _matrix(net, 40, 0.1)  # edited while (or after) the run ran: the record says what it ran under
+    out.write_text(build_record(cfg, spec, "ok", None, None, {}).to_json() + "\n")
+    (rec,) = read_records(out)
+    assert rec["key"] == run.key and rec["config"]["network_matrix"]["delay_ms"] == [[0, 5], [5, 0]]
+    digest = cfg.network_digest()
+    assert rec["network_setting"] == {"label": f"{net} (2 hosts, 5 ms, 1 Gbit/s) [{digest[:8]}]", "delay_ms": 5,
+                                      "bandwidth_gbps": 1, "slowest_link": [0, 1], "link_classes": 1, "uniform": True,
+                                      "digest": digest}
+    (resumed,) = load_sweep(sweep_file).runs
+    assert resumed.key != run.key and json.loads(resumed.key)["network_matrix"] != digest
+    calls = []
+    res = run_sweep(load_sweep(sweep_file), out, executor=lambda r, o: calls.append(r.key) or (0, ""), probe=False,
+                    report=False, need_root_for_network=False, stream=io.StringIO())
+    assert calls == [resumed.key] and res.skipped == 0
+    plain, _ = parse_request(["--system", "torch_pipe", "--model", "tiny", "--pp", "2", "--batch-size", "2",
+                              "--micro-batch-size", "1", "--network", "d10-1g"])
+    assert "network_matrix" not in plain.key()  # every other run keeps the identity it had
