@@ -24,7 +24,7 @@ import torch
 from contract import RunConfig
 from network_emulation import VirtualCluster, parse_profile
 from network_emulation.signals import stop_process
-from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag
+from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag, remove_with_owner
 from runners.output import Pump
 from runners.request import Placement
 
@@ -180,7 +180,8 @@ def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
 
 
 def reap_stale_run_dirs() -> None:
-    """Remove the run directories of run commands that died without removing them (SIGKILL)."""
+    """Remove the run directories of run commands that died without removing them, where their
+    watchdog (``lifetime.remove_with_owner``) could not either (it was killed too)."""
     for d in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
         tag = d.name.removeprefix(RUN_DIR_PREFIX).rpartition("-")[0]
         if d.is_dir() and not owner_alive(tag):
@@ -195,6 +196,7 @@ def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
     its run directory is removed before the interruption goes on."""
     reap_stale_run_dirs()
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{owner_tag()}-"))
+    remove_with_owner(run_dir)  # whatever way this process ends
     try:
         (run_dir / "config.json").write_text(cfg.to_json())
         if cfg.network != "none" and placement.nnodes == 1:

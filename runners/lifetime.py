@@ -3,15 +3,21 @@
 On Linux a process can ask the kernel for a signal when its parent dies (``prctl(PR_SET_PDEATHSIG)``):
 the torchrun agents ask for SIGKILL when the run command dies, and every rank asks for SIGKILL when
 its agent dies, so that nothing outlives a run command killed with SIGKILL (or a rank stopped with
-SIGSTOP, which SIGKILL still ends). Elsewhere these are no-ops.
+SIGSTOP, which SIGKILL still ends). Elsewhere these are no-ops. What a run command leaves on disk (its
+run directory) goes with it too: a watchdog (``remove_with_owner``; this file is its program) removes
+it when the run command ends, however it ends.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
+import select
+import shutil
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -86,3 +92,39 @@ def owner_alive(tag: str) -> bool:
     except ValueError:
         return False
 
+
+
+def remove_with_owner(path: Path) -> None:
+    """Start a watchdog that removes the directory ``path`` when this process ends, however it ends
+    (SIGKILL too): it holds the reading end of a pipe whose writing end only this process has (not
+    inherited by its children), and removes ``path`` at the pipe's end of file. It ends by itself
+    once ``path`` is gone (removed by its owner). In a session of its own: a Ctrl-C to the owner's
+    terminal does not reach it."""
+    read, write = os.pipe()  # both close-on-exec: the ranks never hold the writing end
+    try:
+        subprocess.Popen([sys.executable, "-I", str(Path(__file__).resolve()), str(path)], stdin=read,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    # ``write`` stays open, unreferenced, for as long as this process lives: its end of file is the signal
+
+
+def _watch(path: Path, poll_s: float = 1.0) -> None:
+    """The watchdog: until its standard input ends (the owner ended) or ``path`` is gone; then remove
+    ``path``, again while dying ranks may still be writing into it."""
+    while path.exists():
+        ready, _, _ = select.select([0], [], [], poll_s)
+        if ready and not os.read(0, 4096):
+            for _ in range(20):
+                shutil.rmtree(path, ignore_errors=True)
+                if not path.exists():
+                    return
+                time.sleep(0.25)
+            return
+
+
+if __name__ == "__main__":
+    _watch(Path(sys.argv[1]))

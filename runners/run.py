@@ -2,8 +2,9 @@
 
 Parse and judge the request (a bad one: one line on stderr, exit status 2, nothing written), launch
 the ranks through torchrun, optionally verify against the single-process reference, and append one
-RunRecord to --out. Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad request,
-130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a
+RunRecord to --out (held for this run alone while it runs: a second run command or a sweep writing to
+it at the same time is refused). Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad
+request (or --out held by another writer), 130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a
 resumed sweep runs it again).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec
 from contract.registry import get_system
+from runners.record import hold_records
 from runners.request import Placement, build_parser, config_from_args, judge, placement_from_args
 from runners.tolerance import Tolerance, relative, verify_tolerance
 
@@ -161,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    if args.out and placement.node_rank == 0:
+        try:
+            hold_records(args.out)  # until this process ends
+        except BlockingIOError:
+            print(f"{parser.prog}: error: --out {args.out}: another run command or sweep is writing to it now, and "
+                  "each would time the other's load (wait for it to end, or give another --out)", file=sys.stderr)
+            return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:

@@ -448,7 +448,7 @@ def test_a_second_sweep_on_the_same_records_is_refused(tmp_path, capsys):
     sweep_file = write(tmp_path, SMALL)
     with records_lock(out):  # a sweep running (or a run command of a killed one, which inherits the lock)
         assert main([str(sweep_file), "--out", str(out), "--no-probe", "--no-report", "--only", "megatron"]) == 2
-    assert "another sweep (or a run it started) is writing to" in capsys.readouterr().err
+    assert "another sweep or run command is writing to" in capsys.readouterr().err
 
 
 @pytest.mark.faults
