@@ -16,7 +16,7 @@ A sweep file (see sweeps/*.toml)::
     name = "ours"                             # + the system's own options; a list is one more axis
     n_slices = 4
     dp_mode = "central_ps"
-    layouts = ["P-2"]                         # optional per-system layouts / micro_batch_sizes
+    layouts = ["P-2 D-2"]                     # optional per-system layouts / micro_batch_sizes
 
 Every run is an argument list (never a shell string) for ``python -m runners.run``, judged with the
 run command's own parser and validation (and, for a sweep run on this machine, whether its ranks fit
