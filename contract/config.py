@@ -95,6 +95,10 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: str | None = None  # a text file (byte-level tokens); synthetic tokens when None
     device: str = "auto"  # auto | cpu | cuda
+    # What the ranks run on, resolved from ``device`` before launch (runners.request.resolve_devices):
+    # "cpu" or "cuda:<GPU model>"; None until then (a planned run). Part of the identity: CPU and GPU
+    # measurements of one config are different measurements.
+    hardware: str | None = None
     verify: bool = False  # also train the single-process reference and compare
     timeout: float = 3600.0  # seconds before the run is stopped and recorded as timeout
     options: SystemOptions = field(default_factory=SystemOptions)  # the system's own options
@@ -134,8 +138,8 @@ class RunConfig:
         return cls(**d)
 
     def identity(self) -> dict[str, Any]:
-        """What identifies the measurement: every field but the volatile ones, and of the system's
-        options only those that are part of its identity."""
+        """What identifies the measurement: every field but the volatile ones (the hardware too, None
+        until resolved), and of the system's options only those that are part of its identity."""
         d = _plain(asdict(self.replace(options=SystemOptions())))
         for name in VOLATILE_FIELDS:
             del d[name]
@@ -146,6 +150,16 @@ class RunConfig:
         """The run's identity as one string (sorted JSON): a sweep skips a key already recorded,
         a report cell shows the newest record of its key."""
         return json.dumps(self.identity(), sort_keys=True)
+
+
+def planned_key(key: str) -> tuple[str, str | None]:
+    """A recorded key (``RunConfig.key``) as its planned run's key (the hardware not yet resolved),
+    and the hardware it names (None: not resolved, or a record older than the hardware's place in
+    the identity)."""
+    d = json.loads(key)
+    hardware = d.get("hardware")
+    d["hardware"] = None
+    return json.dumps(d, sort_keys=True), hardware
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from contract import ConfigError, RunConfig, SystemOptions
 from runners.registry import get_system
-from runners.request import Placement, build_parser, check_environment, config_from_args, judge, placement_from_args
+from runners.request import (Placement, build_parser, check_environment, config_from_args, judge, placement_from_args,
+                             resolve_devices)
 from runners.tolerance import Tolerance, relative, verify_tolerance
 
 if TYPE_CHECKING:  # torch is imported only once a request has been judged runnable
@@ -116,7 +117,7 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
 
     spec = get_system(cfg.system)
     world = spec.processes(cfg)
-    env = dict(host_environment(cfg.device), device_count=world)
+    env = dict(host_environment(cfg.hardware), device_count=world * spec.devices_per_process(cfg))
     result = launch(cfg, world, placement)
     verification = None
     try:
@@ -179,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
             import runners.launcher  # noqa: F401
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            cfg = resolve_devices(cfg, placement)  # the GPUs, judged once torch is imported
+        except ConfigError as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
         record, verification = execute(cfg, placement, args.out)
     except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) \
