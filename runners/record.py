@@ -65,6 +65,9 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync
     barrier_time: float | None = None  # median over steps of the step's closing barrier on the last rank to arrive
+    # ... and on the first rank to arrive: its wait for the last one, and the barrier's delays on the way
+    # (at least one one-way delay under an emulated network, if the barrier blocks the host)
+    barrier_time_first: float | None = None
     verify: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None  # runners.predict's step time and parts, where this machine is calibrated
     config: dict[str, Any] = field(default_factory=dict)
@@ -134,6 +137,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
         rec.dp_sync_time = statistics.median(max(s) for s in zip(*(r["dp_sync_times"] for r in ranks)))
     if all(r.get("barrier_times") for r in ranks):  # the last rank to arrive waits only for the barrier itself
         rec.barrier_time = statistics.median(min(b) for b in zip(*(r["barrier_times"] for r in ranks)))
+        rec.barrier_time_first = statistics.median(max(b) for b in zip(*(r["barrier_times"] for r in ranks)))
     rec.peak_tflops = statistics.mean(r["peak_tflops"] for r in ranks)
     rec.peak_source = ranks[0]["peak_source"]
     if per_step:

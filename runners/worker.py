@@ -1,8 +1,9 @@
 """The rank entry point, started by torchrun: python -m runners.worker RUN_DIR.
 
 Initialises torch.distributed (nccl on CUDA, gloo on CPU), runs the system's train(config, context)
-and hands its measurements to rank 0, which writes RUN_DIR/result.json for the launcher. A rank that
-fails writes RUN_DIR/error-rank<R>.json (status oom or error) and exits non-zero.
+and hands its measurements (and under --verify its gradients) to rank 0, which writes
+RUN_DIR/result.json (and RUN_DIR/grads-rank<R>.pt) for the launcher, on node 0 of a multi-node run.
+A rank that fails writes RUN_DIR/error-rank<R>.json (status oom or error) and exits non-zero.
 """
 from __future__ import annotations
 
@@ -111,8 +112,13 @@ def main(run_dir: Path) -> int:
         ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg,
                       barrier_group=barrier_group, devices=devices)
         m = spec.load()(cfg, ctx)
-        if m.grads is not None:
-            torch.save({k: v.detach().float().cpu() for k, v in m.grads.items()}, run_dir / f"grads-rank{rank}.pt")
+        if cfg.verify:  # every rank's gradients to rank 0, whose run directory the launcher reads (on node 0)
+            mine = {k: v.detach().float().cpu() for k, v in m.grads.items()} if m.grads is not None else None
+            every: list | None = [None] * world if rank == 0 else None
+            dist.gather_object(mine, every, dst=0)
+            for r, grads in enumerate(every or []):
+                if grads is not None:
+                    torch.save(grads, run_dir / f"grads-rank{r}.pt")
         summary = {k: v for k, v in asdict(m).items() if k != "grads"}
         summary.update(rank=rank, hostname=socket.gethostname(), device=str(device), devices=[str(d) for d in devices],
                        device_name=device_name, backend=backend, peak_tflops=peak, peak_source=peak_source,

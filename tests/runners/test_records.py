@@ -41,6 +41,13 @@ def test_record_aggregates_ranks():
     assert rec.busy_fraction == []  # no CPU times (a GPU run): no busy share
 
 
+def test_record_barrier_on_the_last_and_the_first_rank_to_arrive():
+    ranks = [_rank(0, [1.0, 1.0]), _rank(1, [1.0, 1.0])]
+    ranks[0]["barrier_times"], ranks[1]["barrier_times"] = [0.001, 0.002], [0.030, 0.025]
+    rec = build_record(_cfg(), TORCH_PIPE, "ok", None, ranks, {})
+    assert rec.barrier_time == pytest.approx(0.0015) and rec.barrier_time_first == pytest.approx(0.0275)
+
+
 def test_record_busy_share_per_rank():
     ranks = [_rank(0, [1.0, 3.0], busy=[0.5, 1.5]), _rank(1, [2.0, 2.0], busy=[1.9, 1.7])]
     rec = build_record(_cfg(), TORCH_PIPE, "ok", None, ranks, {})
