@@ -142,7 +142,8 @@ def environment_line(device: str) -> Line:
     found = f"torch {torch.__version__}, Python {platform.python_version()}, {', '.join(versions)}"
     if device == "cpu":
         return Line("environment", "missing" not in found, f"CPU over gloo (a rehearsal); {found}")
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+    version = torch.cuda.nccl.version()  # a tuple, or an int in older torch
+    nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     gpus = local_gpus()
     try:
         hardware = judge_gpus("cuda", gpus, 1)
@@ -346,9 +347,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu_check: no GPU here (torch.cuda.is_available() is False): nothing checked, nothing written")
         return 0
     from network_emulation.signals import Terminated, signals_raise
+    from runners.devices import local_gpus
 
     only = set(args.only or CHECKS)
-    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    try:
+        name = local_gpus().names[0] if args.device == "cuda" else "cpu"  # (no CUDA context held here)
+    except ConfigError as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 1
     out = Path(args.out or REPO / "results" / "measured-here" / f"gpu-check-{slug(name)}.md")
     records = out.with_suffix(".jsonl")
     records.unlink(missing_ok=True)

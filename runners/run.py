@@ -117,7 +117,8 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
 
     spec = get_system(cfg.system)
     world = spec.processes(cfg)
-    env = dict(host_environment(cfg.hardware), device_count=world * spec.devices_per_process(cfg))
+    gpus_each = spec.devices_per_process(cfg) if (cfg.hardware or "").startswith("cuda") else 1
+    env = dict(host_environment(cfg.hardware), device_count=world * gpus_each)
     result = launch(cfg, world, placement)
     verification = None
     try:
