@@ -196,7 +196,7 @@ def test_recorded_runs_are_skipped(tmp_path):
 
 def test_a_run_recorded_on_other_hardware_is_not_recorded_here(tmp_path):
     """CPU and GPU records of one config are different runs: a local sweep (on this CPU machine) skips
-    the one recorded on cpu only; a cluster sweep, which cannot see its nodes' hardware, either."""
+    the one recorded on cpu only; a cluster sweep, which cannot see its nodes' hardware, skips both."""
     sweep = load_sweep(write(tmp_path, SMALL))
     valid = sweep.valid_runs
     out = tmp_path / "o.jsonl"
