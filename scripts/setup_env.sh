@@ -46,6 +46,11 @@ installed=none
 [ -f "$stamp" ] && installed=$(cat "$stamp") && installed=${installed:-cpu}
 if [ "$installed" != "$mode" ]; then
   pip=(.venv/bin/pip install -q --disable-pip-version-check "${pip_from[@]}")
+  purelib=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  rm -f "$purelib/_system_torch.pth"
+  if [ "$mode" != cpu ]; then  # another build (a torch 2.13.0 of another mode would count as installed)
+    .venv/bin/pip uninstall -y -q torch >/dev/null 2>&1 || true
+  fi
   case "$mode" in
     cpu)
       echo "setup: installing dependencies into .venv (torch==2.13.0, fairscale, megatron-core, pandas ...)" >&2
@@ -54,7 +59,7 @@ if [ "$installed" != "$mode" ]; then
     system)
       site=$("$PY" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))') \
         || { echo "setup: --use-system-torch: $PY has no torch" >&2; exit 1; }
-      echo "$site" > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_system_torch.pth"
+      echo "$site" > "$purelib/_system_torch.pth"
       .venv/bin/python -m scripts.torch_build check
       mapfile -t need < <(.venv/bin/python -m scripts.torch_build missing)
       if [ "${#need[@]}" -gt 0 ]; then
