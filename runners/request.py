@@ -256,7 +256,8 @@ def check_writable(path: str, flag: str) -> None:
 
 
 def _check_environment(cfg: RunConfig, out: str | None) -> None:
-    """What this machine must offer the run: writable output files, a readable data file, the device."""
+    """What this machine must offer the run: writable output files, a readable data file (the devices:
+    ``resolve_devices``)."""
     if out:
         check_writable(out, "--out")
     for name, path in cfg.options.output_paths():
@@ -267,8 +268,15 @@ def _check_environment(cfg: RunConfig, out: str | None) -> None:
         if Path(cfg.data).stat().st_size < cfg.model.seq_len + 2:
             raise ConfigError(f"--data {cfg.data}: {Path(cfg.data).stat().st_size} bytes, need more than "
                               f"{cfg.model.seq_len + 1} (one sequence)")
-    if cfg.device == "cuda":
-        import torch  # only when CUDA is asked for: importing torch takes seconds
 
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: CUDA is not available on this machine (use --device auto or cpu)")
+
+def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> RunConfig:
+    """``cfg`` with the hardware its ranks on this machine run on (``runners.devices.judge_gpus``:
+    one GPU of their own per rank, a torch build that runs on them; else a ConfigError). The last
+    judgement before launch, after ``judge``: it imports torch (and on a GPU machine reads its GPUs in a
+    subprocess), which the run command does only once the request is otherwise judged runnable."""
+    from runners.devices import Gpus, judge_gpus, local_gpus
+
+    gpus = local_gpus() if cfg.device != "cpu" else Gpus()
+    here = spec.processes(cfg) // placement.nnodes
+    return cfg.replace(hardware=judge_gpus(cfg.device, gpus, here, spec.devices_per_process(cfg)))

@@ -18,7 +18,8 @@ def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network=
     ranks = None
     if status == "ok":
         ranks = [{"rank": r, "step_times": [t] * 3, "losses": [1.0] * 3 if r == n - 1 else None, "dp_sync_times": [0.0] * 3,
-                  "peak_memory_bytes": 1 << 30, "extra": {}, "hostname": "h", "device": "cuda:0",
+                  "gpu_memory": [{"device": "cuda:0", "allocated_bytes": 1 << 30, "reserved_bytes": 1 << 30}],
+                  "cpu_rss_bytes": 1 << 28, "extra": {}, "hostname": "h", "device": "cuda:0",
                   "device_name": "Tesla V100-SXM2-16GB", "backend": "nccl", "peak_tflops": 15.7, "peak_source": "table:fp32"}
                  for r in range(n)]
     return build_record(cfg, spec, status, None if status == "ok" else "CUDA out of memory", ranks,
