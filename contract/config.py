@@ -120,6 +120,10 @@ class RunConfig:
     verify: bool = option(False, "also train the single-process reference and compare losses and gradients",
                           group=RUN, identity=False)
     device: str = option("auto", "auto | cpu | cuda", group=RUN, identity=False)
+    # What the ranks run on, resolved from ``device`` before launch (runners.request.resolve_devices):
+    # "cpu" or "cuda:<GPU model>"; None until then (a planned run). Not a flag. Part of the identity: CPU
+    # and GPU measurements of one config are different measurements.
+    hardware: str | None = None
     timeout: float = option(3600.0, "seconds before the run is stopped and recorded as timeout", group=RUN,
                             identity=False)
     options: SystemOptions = field(default_factory=SystemOptions)  # the system's own options (their own flags)
@@ -159,8 +163,9 @@ class RunConfig:
         return cls(**d)
 
     def identity(self) -> dict[str, Any]:
-        """What identifies the measurement: every field but the volatile ones (``VOLATILE_FIELDS``), and
-        of the system's options only those that are part of its identity."""
+        """What identifies the measurement: every field but the volatile ones (``VOLATILE_FIELDS``; the
+        hardware is kept, None until resolved), and of the system's options only those that are part of
+        its identity."""
         d = _plain(asdict(self.replace(options=SystemOptions())))
         for name in VOLATILE_FIELDS:
             del d[name]
@@ -186,6 +191,16 @@ class RunConfig:
 # Fields of RunConfig that do not change what a run measures (declared ``identity=False``): two runs
 # that differ only in these are the same measurement (a sweep runs it once; a report keeps the newest).
 VOLATILE_FIELDS = frozenset(f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("identity", True))
+
+
+def planned_key(key: str) -> tuple[str, str | None]:
+    """A recorded key (``RunConfig.key``) as its planned run's key (the hardware not yet resolved),
+    and the hardware it names (None: not resolved, or a record older than the hardware's place in
+    the identity)."""
+    d = json.loads(key)
+    hardware = d.get("hardware")
+    d["hardware"] = None
+    return json.dumps(d, sort_keys=True), hardware
 
 
 @dataclass(frozen=True)

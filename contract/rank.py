@@ -31,7 +31,6 @@ class Measurements:
     # measured step, on CPU devices only (a GPU rank's host time says nothing of its device): over the
     # step time, how busy the rank was, its bubbles and waits left out.
     busy_times: list[float] = field(default_factory=list)
-    peak_memory_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # choices resolved at run time (e.g. the slicing)
     # Under --verify: the last step's gradients (full tensors, averaged over data parallelism) of the
     # parameters this rank holds, by the shared model's parameter names. Never written to a record.
@@ -45,10 +44,16 @@ class Context:
     rank: int
     local_rank: int
     world_size: int
-    device: torch.device
+    device: torch.device  # the rank's (first) device
     backend: str  # nccl on CUDA, gloo on CPU
     config: RunConfig
     barrier_group: Any = None  # a process group of every rank kept for the timing barrier (None: the default one)
+    # Every device the process computes on, ``device`` first (fairscale: its pipe's GPUs); () = (device,)
+    devices: tuple[torch.device, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            object.__setattr__(self, "devices", (self.device,))
 
     @property
     def data(self) -> TokenSource:
@@ -67,8 +72,10 @@ class Context:
         return build_stage(self.config.model, spec, self.config.seed, self.device)
 
     def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Wait until every GPU this process uses has finished the work queued on it."""
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
 
 class StepBarrier:

@@ -134,13 +134,16 @@ class VirtualHost:
         return ["ip", "netns", "exec", self.namespace]
 
     def env(self) -> dict[str, str]:
-        """Environment for torch.distributed ranks on this host (gloo/NCCL over eth0 sockets)."""
+        """Environment for torch.distributed ranks on this host (gloo/NCCL over eth0 sockets): NCCL
+        kept off every path the emulation cannot shape (GPU peer-to-peer, shared memory, InfiniBand
+        and network plugins such as EFA's)."""
         return {
             "GLOO_SOCKET_IFNAME": self.iface,
             "NCCL_SOCKET_IFNAME": self.iface,
             "NCCL_P2P_DISABLE": "1",
             "NCCL_SHM_DISABLE": "1",
             "NCCL_IB_DISABLE": "1",
+            "NCCL_NET": "Socket",
         }
 
 

@@ -305,12 +305,14 @@ def machine_memory() -> int | None:
 
 def check_fits_here(cfg: RunConfig, spec: SystemSpec, nnodes: int = 1) -> None:
     """The ranks a run starts on this machine (its share of ``nnodes``) fit it: their processes
-    (``RANK_PROCESS_BYTES`` each) and, on CPU, their share of every replica's weights and gradients,
+    (``RANK_PROCESS_BYTES`` each) and, where they compute on the CPU (the resolved hardware, or
+    ``--device cpu`` before it is resolved), their share of every replica's weights and gradients,
     within this machine's memory (``machine_memory``). A lower bound of what the run needs: a layout
     refused here cannot run here."""
     share = 1 / max(1, nnodes)
     local = math.ceil(spec.processes(cfg) * share)
-    model = 0 if cfg.device == "cuda" else count_params(cfg.model, include_embeddings=True) * cfg.dp * share
+    on_cpu = (cfg.hardware or cfg.device) == "cpu"
+    model = count_params(cfg.model, include_embeddings=True) * cfg.dp * share if on_cpu else 0
     need = local * RANK_PROCESS_BYTES + model * WEIGHT_AND_GRAD_BYTES
     have = machine_memory()
     if have is not None and need > have:
@@ -355,7 +357,7 @@ def check_roles(roles: list[tuple[str, str]]) -> None:
 
 def _check_environment(cfg: RunConfig, out: str | None) -> None:
     """What this machine must offer the run: one file per role, writable output files, a readable data
-    file, the device."""
+    file that fits its memory (the devices: ``resolve_devices``)."""
     check_roles(file_roles(cfg, out))
     if out:
         check_writable(out, "--out")
@@ -371,8 +373,17 @@ def _check_environment(cfg: RunConfig, out: str | None) -> None:
         if have is not None and size > have:  # one byte a token, the file mapped once for every rank
             raise ConfigError(f"--data {cfg.data}: its {size / 2**30:.1f} GiB of byte tokens do not fit this "
                               f"machine's memory ({have / 2**30:.1f} GiB)")
-    if cfg.device == "cuda":
-        import torch  # only when CUDA is asked for: importing torch takes seconds
 
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: CUDA is not available on this machine (use --device auto or cpu)")
+
+def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> RunConfig:
+    """``cfg`` with the hardware its ranks on this machine run on (``runners.devices.judge_gpus``:
+    one GPU of their own per rank, a torch build that runs on them; else a ConfigError). The last
+    judgement before launch, after ``judge``: it imports torch (and on a GPU machine reads its GPUs in a
+    subprocess), which the run command does only once the request is otherwise judged runnable."""
+    from runners.devices import Gpus, judge_gpus, local_gpus
+
+    gpus = local_gpus() if cfg.device != "cpu" else Gpus()
+    here = spec.processes(cfg) // placement.nnodes
+    resolved = cfg.replace(hardware=judge_gpus(cfg.device, gpus, here, spec.devices_per_process(cfg)))
+    check_fits_here(resolved, spec, placement.nnodes)  # now knowing whether the weights live in this memory
+    return resolved

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec
 from contract.registry import get_system
 from runners.record import hold_records
-from runners.request import Placement, build_parser, config_from_args, judge, placement_from_args
+from runners.request import (Placement, build_parser, config_from_args, judge, placement_from_args,
+                             resolve_devices)
 from runners.tolerance import Tolerance, relative, verify_tolerance
 
 if TYPE_CHECKING:  # torch is imported only once a request has been judged runnable
@@ -117,7 +118,8 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
     from runners.record import append_record, build_record, host_environment
 
     world = spec.processes(cfg)
-    env = dict(host_environment(cfg.device), device_count=world)
+    gpus_each = spec.devices_per_process(cfg) if (cfg.hardware or "").startswith("cuda") else 1
+    env = dict(host_environment(cfg.hardware), device_count=world * gpus_each)
     result = launch(cfg, world, placement)
     verification = None
     try:
@@ -180,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
             import runners.launcher  # noqa: F401
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            cfg = resolve_devices(cfg, spec, placement)  # the GPUs: the last judgement, once torch is imported
+        except ConfigError as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
         record, verification = execute(cfg, spec, placement, args.out)
     except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) \

@@ -19,7 +19,8 @@ def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network=
     ranks = None
     if status == "ok":
         ranks = [{"rank": r, "step_times": [t] * 3, "losses": [1.0] * 3 if r == n - 1 else None, "dp_sync_times": [0.0] * 3,
-                  "peak_memory_bytes": 1 << 30, "extra": {}, "hostname": "h", "device": "cuda:0",
+                  "gpu_memory": [{"device": "cuda:0", "allocated_bytes": 1 << 30, "reserved_bytes": 1 << 30}],
+                  "cpu_rss_bytes": 1 << 28, "extra": {}, "hostname": "h", "device": "cuda:0",
                   "device_name": "Tesla V100-SXM2-16GB", "backend": "nccl", "peak_tflops": 15.7, "peak_source": "table:fp32"}
                  for r in range(n)]
     return build_record(cfg, spec, status, None if status == "ok" else "CUDA out of memory", ranks,
@@ -273,3 +274,27 @@ def test_runs_under_one_matrix_file_with_other_contents_are_rows_of_their_own(tm
     assert "net.json (2 hosts, 0.1-67 ms, 0.79-10 Gbit/s) [" in rows[2]  # ordered by its slowest link
     paths = plot_networks(to_frame(recs), tmp_path / "plots")
     assert len(paths) == 1 and "plot: left out net.json (2 hosts, 0.1-67 ms" in capsys.readouterr().err
+
+
+def test_cpu_and_gpu_records_of_one_config_are_different_runs():
+    """Issue #31, item 5, with the hardware in the run's identity (RunConfig.hardware): the record of
+    a run on a GPU is not the newest record of its CPU run, and never sits in a CPU table."""
+    def run(system: str, t: float, hardware: str):
+        spec = get_system(system)
+        cfg = RunConfig(system=system, model=get_model_config("tiny"), batch_size=2, micro_batch_size=1, pp=2,
+                        options=spec.options(), hardware=hardware)
+        kind, _, name = hardware.partition(":")
+        ranks = [{"rank": r, "step_times": [t] * 3, "losses": [1.0] * 3 if r == 1 else None, "dp_sync_times": [0.0] * 3,
+                  "gpu_memory": [], "cpu_rss_bytes": 1 << 28, "extra": {}, "hostname": "h",
+                  "device": "cpu" if kind == "cpu" else f"cuda:{r}", "device_name": name or "cpu",
+                  "backend": "gloo" if kind == "cpu" else "nccl", "peak_tflops": 1.0, "peak_source": "x"}
+                 for r in range(2)]
+        return build_record(cfg, spec, "ok", None, ranks, {}).__dict__
+
+    cpu, gpu = run("ours", 0.3, "cpu"), run("ours", 0.01, "cuda:NVIDIA H100 80GB HBM3")
+    assert cpu["key"] != gpu["key"]
+    text = render([cpu, run("torch_pipe", 0.4, "cpu"), gpu, run("torch_pipe", 0.02, "cuda:NVIDIA H100 80GB HBM3")])
+    tables = text.split("## Every run")[0].split("### ")[1:]
+    on_cpu = next(t for t in tables if "hardware: cpu;" in t)
+    on_gpu = next(t for t in tables if "hardware: cuda: NVIDIA H100 80GB HBM3;" in t)
+    assert "0.300 s" in on_cpu and "0.010 s" not in on_cpu and "0.010 s" in on_gpu and "0.300 s" not in on_gpu

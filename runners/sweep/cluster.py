@@ -5,7 +5,8 @@ per node as fit; a run that does not fit is recorded with status ``unfit`` and s
 run's network on every node it uses (``SshShapingSession``: netem where the node has it, else tbf
 plus the delayer), probe the link between its first two nodes once per network setting, start the
 run command on every node with ``--nnodes N --node-rank i --rdzv-endpoint node0:PORT`` and the
-interface in ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, copy node 0's record back into the
+interface in ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` (under shaping NCCL also kept off
+InfiniBand and network plugins: ``SHAPED_NCCL_ENV``), copy node 0's record back into the
 sweep's out file (with the shaping and the measured link in its environment), and clear the shaping:
 always, also on errors and Ctrl-C.
 
@@ -54,7 +55,10 @@ STOP_S = 20.0  # after the interruption, how long a node's run command gets befo
 PID_WAIT_S = 15.0  # how long a node being stopped gets to say its run command's pid (ssh's connection time)
 SSH_LOST = 255  # ssh's exit status when the connection fails or ends
 BAD_REQUEST = 2  # the run command's exit status for a request it refused (it started nothing)
-IFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# Under a shaped network, NCCL forced onto the shaped interface's sockets: on InfiniBand or EFA it
+# would bypass the kernel (and tc) through its own transport or a network plugin, and the record
+# would claim a link the run never used. Recorded in the run's environment (cluster.nccl_env).
+SHAPED_NCCL_ENV = {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
 
 
 @dataclass
@@ -100,10 +104,16 @@ class ClusterExecutor:
         return place(run.world, self.hosts, devices_per_process=run.devices_per_process,
                      ranks_per_node=run.nproc_per_node, emulated=run.emulated)
 
+    def nccl_env(self, run: PlannedRun) -> dict[str, str]:
+        """NCCL's environment on the nodes: its interface, and under a shaped network its sockets only."""
+        return {"NCCL_SOCKET_IFNAME": self.iface, **(SHAPED_NCCL_ENV if run.emulated else {})}
+
     def run_argv(self, run: PlannedRun, nodes: NodePlacement, node_rank: int, remote_out: str) -> list[str]:
-        """The run command on one node (an argument list), with the interface for gloo and NCCL."""
+        """The run command on one node (an argument list), with the interface for gloo and NCCL (and
+        NCCL kept on it under a shaped network)."""
         host = nodes.hosts[node_rank]
-        return ["env", *(f"{v}={self.iface}" for v in IFACE_VARIABLES), self.python_on(host), "-m", "runners.run",
+        env = {"GLOO_SOCKET_IFNAME": self.iface, **self.nccl_env(run)}
+        return ["env", *(f"{k}={v}" for k, v in env.items()), self.python_on(host), "-m", "runners.run",
                 *run.args, "--nnodes", str(nodes.nnodes), "--node-rank", str(node_rank),
                 "--rdzv-endpoint", f"{nodes.hosts[0]}:{self.port}", "--out", remote_out]
 
@@ -179,7 +189,8 @@ class ClusterExecutor:
                 self._note(f"cluster: the run took {time.monotonic() - t1:.1f} s on {nodes.nnodes} node(s)")
         except Exception as e:  # shaping, probe or ssh trouble: the run did not happen
             tail.append(f"cluster: {e}")
-        cluster_env = {"hosts": list(nodes.hosts), "ranks_per_node": nodes.ranks_per_node, "iface": self.iface}
+        cluster_env = {"hosts": list(nodes.hosts), "ranks_per_node": nodes.ranks_per_node, "iface": self.iface,
+                       "nccl_env": self.nccl_env(run)}
         status = self._collect(nodes.hosts[0], remote_out, out, network, cluster_env, blame)
         if status is None:
             status = "timeout" if timed_out else "error"

@@ -69,6 +69,7 @@ class PlannedRun:
     key: str | None = None  # the run's identity (None for an invalid combination)
     error: str | None = None  # why the combination is invalid
     world: int = 1  # processes the run needs
+    device: str = "auto"  # the run's --device (what hardware it gets is judged where it runs)
     devices_per_process: int = 1  # devices each process uses (fairscale: its pipe's devices)
     timeout: float = 3600.0  # the run's own --timeout
     nproc_per_node: int | None = None  # placement hint from the sweep file (cluster mode)
@@ -121,7 +122,7 @@ def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node:
     except ConfigError as e:
         return PlannedRun(**base, error=str(e))
     return PlannedRun(**base, key=cfg.key(), world=spec.processes(cfg), devices_per_process=spec.devices_per_process(cfg),
-                      timeout=cfg.timeout)
+                      timeout=cfg.timeout, device=cfg.device)
 
 
 _LAYOUT_TOKEN = re.compile(r"^([TPD])-?(\d+)$", re.IGNORECASE)
