@@ -26,7 +26,7 @@ from contract.registry import get_system
 from network_emulation import VirtualCluster, parse_profile
 from network_emulation.signals import stop_process
 from runners.devices import agent_devices, visible_entries
-from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag, remove_with_owner
+from runners.lifetime import DirectoryWatchdog, die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.output import Pump
 from runners.request import Placement
 
@@ -43,7 +43,16 @@ class LaunchResult:
     ranks: list[dict] | None  # what every rank measured (on node 0)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # under --verify
     run_dir: Path | None = None
-    network: dict | None = None  # the emulated network: backend, profile, links, the measured link
+    network: dict | None = None  # the emulated network: backend, profile, links, the measured links
+    watchdog: DirectoryWatchdog | None = None  # removes run_dir if the run command ends before it does
+
+    def remove_run_dir(self) -> None:
+        """Remove the run directory (what the ranks wrote: their results, gradients, logs) and end its
+        watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.remove()
+        elif self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -198,7 +207,7 @@ def emulated_gpus(cfg: RunConfig, world: int) -> list[dict[str, str]]:
 
 def reap_stale_run_dirs() -> None:
     """Remove the run directories of run commands that died without removing them, where their
-    watchdog (``lifetime.remove_with_owner``) could not either (it was killed too)."""
+    watchdog (``lifetime.DirectoryWatchdog``) could not either (it was killed too)."""
     for d in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
         tag = d.name.removeprefix(RUN_DIR_PREFIX).rpartition("-")[0]
         if d.is_dir() and not owner_alive(tag):
@@ -213,13 +222,16 @@ def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
     its run directory is removed before the interruption goes on."""
     reap_stale_run_dirs()
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{owner_tag()}-"))
-    remove_with_owner(run_dir)  # whatever way this process ends
+    watchdog = DirectoryWatchdog(run_dir)  # removes it whatever way this process ends
     try:
         (run_dir / "config.json").write_text(cfg.to_json())
         if cfg.network != "none" and placement.nnodes == 1:
-            return launch_emulated(cfg, world, run_dir)
-        return run_agents(local_agents(world, placement, run_dir), cfg.timeout, run_dir,
-                          expect_result=placement.node_rank == 0)
+            result = launch_emulated(cfg, world, run_dir)
+        else:
+            result = run_agents(local_agents(world, placement, run_dir), cfg.timeout, run_dir,
+                                expect_result=placement.node_rank == 0)
     except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        watchdog.remove()
         raise
+    result.watchdog = watchdog
+    return result

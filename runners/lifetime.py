@@ -4,7 +4,7 @@ On Linux a process can ask the kernel for a signal when its parent dies (``prctl
 the torchrun agents ask for SIGKILL when the run command dies, and every rank asks for SIGKILL when
 its agent dies, so that nothing outlives a run command killed with SIGKILL (or a rank stopped with
 SIGSTOP, which SIGKILL still ends). Elsewhere these are no-ops. What a run command leaves on disk (its
-run directory) goes with it too: a watchdog (``remove_with_owner``; this file is its program) removes
+run directory) goes with it too: a watchdog (``DirectoryWatchdog``; this file is its program) removes
 it when the run command ends, however it ends.
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -94,36 +93,49 @@ def owner_alive(tag: str) -> bool:
 
 
 
-def remove_with_owner(path: Path) -> None:
-    """Start a watchdog that removes the directory ``path`` when this process ends, however it ends
+class DirectoryWatchdog:
+    """A watchdog process that removes the directory ``path`` when this process ends, however it ends
     (SIGKILL too): it holds the reading end of a pipe whose writing end only this process has (not
-    inherited by its children), and removes ``path`` at the pipe's end of file. It ends by itself
-    once ``path`` is gone (removed by its owner). In a session of its own: a Ctrl-C to the owner's
-    terminal does not reach it."""
-    read, write = os.pipe()  # both close-on-exec: the ranks never hold the writing end
-    try:
-        subprocess.Popen([sys.executable, "-I", str(Path(__file__).resolve()), str(path)], stdin=read,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    except BaseException:
-        os.close(write)
-        raise
-    finally:
-        os.close(read)
-    # ``write`` stays open, unreferenced, for as long as this process lives: its end of file is the signal
+    inherited by its children) and removes ``path`` at the pipe's end of file. ``remove`` removes it
+    now and ends the watchdog. In a session of its own: a Ctrl-C to the owner's terminal does not
+    reach it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        read, self._write = os.pipe()  # both close-on-exec: the ranks never hold the writing end
+        try:
+            self._process = subprocess.Popen([sys.executable, "-I", str(Path(__file__).resolve()), str(path)],
+                                             stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                             start_new_session=True)
+        except BaseException:
+            os.close(self._write)
+            raise
+        finally:
+            os.close(read)
+
+    def remove(self) -> None:
+        """Remove the directory now, and end the watchdog (it finds nothing left to remove)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._write is not None:
+            os.close(self._write)
+            self._write = None
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
 
 
-def _watch(path: Path, poll_s: float = 1.0) -> None:
-    """The watchdog: until its standard input ends (the owner ended) or ``path`` is gone; then remove
-    ``path``, again while dying ranks may still be writing into it."""
-    while path.exists():
-        ready, _, _ = select.select([0], [], [], poll_s)
-        if ready and not os.read(0, 4096):
-            for _ in range(20):
-                shutil.rmtree(path, ignore_errors=True)
-                if not path.exists():
-                    return
-                time.sleep(0.25)
+def _watch(path: Path) -> None:
+    """The watchdog's program: wait for the end of its standard input (the owner ended, or released
+    it); then remove ``path``, again while dying ranks may still be writing into it."""
+    while os.read(0, 4096):
+        pass
+    for _ in range(20):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
             return
+        time.sleep(0.25)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ resumed sweep runs it again).
 """
 from __future__ import annotations
 
-import shutil
 import signal
 import sys
 from dataclasses import dataclass, replace
@@ -130,14 +129,13 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
                 verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights, cuda)),
                                                    reference=how)
             finally:
-                if ref.run_dir is not None:
-                    shutil.rmtree(ref.run_dir, ignore_errors=True)
+                ref.remove_run_dir()
         if result.network is not None:
             env["network"] = result.network
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
     finally:
-        shutil.rmtree(result.run_dir, ignore_errors=True)
+        result.remove_run_dir()
     if out and placement.node_rank == 0:
         append_record(out, record)
     return record, verification

@@ -140,6 +140,7 @@ def _bad_requests(tmp: Path) -> list[tuple[list[str], str]]:
         (base + ["--network", "delay 1ms bandwidth 50kbps"], "--network: bandwidth 0.05 Mbit/s is below what the emulation can do"),
         (base + ["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
         (base + ["--hidden-size", "66"], "--hidden-size 66 is not divisible by --num-heads 4"),
+        (base + ["--hidden-size", "1000000"], "--pp 1 --tp 1 --dp 1 starts 1 ranks on this machine, which need at least"),
         # issue #31: one file for two roles, a network for one process, a matrix not named *.json
         (base + ["--vocab-size", "256", "--data", str(text), "--out", str(text)], f"--out {text} and --data {text} are the same file"),
         (base + ["--network", "d10-1g"], "--network d10-1g: reference runs one process here"),
@@ -173,8 +174,10 @@ def test_requests_judged_before_launching(tmp_path):
 @pytest.mark.faults
 @pytest.mark.multiprocess
 def test_cpu_out_of_memory_is_recorded_as_oom(out_file):
-    proc = run_cli("--system", "reference", *TINY, "--hidden-size", "1000000", "--batch-size", "1",
-                   "--micro-batch-size", "1", "--steps", "1", "--out", str(out_file), timeout=300)
+    """A model that fits but whose logits do not (1,000 sequences of 32 tokens over a million-token
+    vocabulary: 128 GB); one whose weights alone do not fit is refused before launch."""
+    proc = run_cli("--system", "reference", *TINY, "--vocab-size", "1000000", "--batch-size", "1000",
+                   "--micro-batch-size", "1000", "--steps", "1", "--out", str(out_file), timeout=300)
     assert proc.returncode == 1
     (rec,) = read_records(out_file)
     assert rec["status"] == "oom" and rec["error"].startswith("rank 0:") and "allocate" in rec["error"]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from runners.launcher import RUN_DIR_PREFIX, reap_stale_run_dirs
-from runners.lifetime import owner_alive, owner_tag, pid_namespace, remove_with_owner, start_time
+from runners.lifetime import DirectoryWatchdog, owner_alive, owner_tag, pid_namespace, start_time
 
 
 def test_owner_tags_name_the_process_and_its_pid_namespace():
@@ -39,25 +39,28 @@ def _gone_within(path: Path, seconds: float) -> bool:
     return not path.exists()
 
 
+def _watchdogs_of(path: Path) -> list[str]:
+    return subprocess.run(["pgrep", "-f", f"lifetime.py {path}"], capture_output=True, text=True).stdout.split()
+
+
 def test_a_directory_goes_with_its_owner_however_it_ends(tmp_path):
     """Issue #31, item 14: after a SIGKILL of the run command its run directory stayed until the next
-    run removed it. Its watchdog removes it, and ends by itself once the owner has removed it."""
+    run removed it. Its watchdog removes it; an owner that removes it itself ends the watchdog too."""
     owned = tmp_path / "run"
     owned.mkdir()
     (owned / "result.json").write_text("{}")
-    code = ("import sys, time; from pathlib import Path; from runners.lifetime import remove_with_owner; "
-            "remove_with_owner(Path(sys.argv[1])); print('watched', flush=True); time.sleep(600)")
+    code = ("import sys, time; from pathlib import Path; from runners.lifetime import DirectoryWatchdog; "
+            "w = DirectoryWatchdog(Path(sys.argv[1])); print('watched', flush=True); time.sleep(600)")
     owner = subprocess.Popen([sys.executable, "-c", code, str(owned)], stdout=subprocess.PIPE, text=True)
     assert owner.stdout.readline().strip() == "watched" and owned.exists()
     owner.kill()
     owner.wait()
     assert _gone_within(owned, 5.0)
     owned.mkdir()
-    remove_with_owner(owned)  # this process owns it and removes it itself: the watchdog just ends
-    owned.rmdir()
-    time.sleep(1.5)
-    watchdogs = subprocess.run(["pgrep", "-f", f"lifetime.py {owned}"], capture_output=True, text=True).stdout
-    assert not watchdogs.split()
+    watchdog = DirectoryWatchdog(owned)
+    assert _watchdogs_of(owned)
+    watchdog.remove()
+    assert not owned.exists() and not _watchdogs_of(owned)
 
 
 def test_the_next_run_reaps_a_run_directory_whose_owner_and_watchdog_are_gone(tmp_path):
