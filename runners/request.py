@@ -319,7 +319,7 @@ def check_fits_here(cfg: RunConfig, spec: SystemSpec, nnodes: int = 1) -> None:
         raise ConfigError(f"--pp {cfg.pp} --tp {cfg.tp} --dp {cfg.dp} starts {local} ranks on this machine, which "
                           f"need at least {need / 2**30:.0f} GiB ({RANK_PROCESS_BYTES / 2**30:.1f} GiB a process"
                           + (f", {model * WEIGHT_AND_GRAD_BYTES / 2**30:.0f} GiB of fp32 weights and gradients"
-                             if model else "") + f"); it has {have / 2**30:.0f} GiB (run it across nodes: --nnodes)")
+                             if model else "") + f"); it has {have / 2**30:.0f} GiB: run it across nodes with --nnodes N")
 
 
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
