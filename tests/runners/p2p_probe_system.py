@@ -26,7 +26,7 @@ def train(config: RunConfig, ctx):
     import torch
     import torch.distributed as dist
 
-    from contract.training import StepOutput, run_steps
+    from contract.rank import StepOutput, run_steps
 
     other = 1 - ctx.rank
 

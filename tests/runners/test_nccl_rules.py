@@ -11,9 +11,10 @@ import time
 import pytest
 
 from contract import ConfigError, RunConfig
+from contract.records import read_records
 from contract.spec import check_common
 from runners.nccl_rules import pending_summary
-from tests.conftest import NCCL_RULES, read_jsonl, run_cli
+from tests.conftest import NCCL_RULES, run_cli
 from workload.configs import get_model_config
 
 PROBE = {"PIPEBENCH_SYSTEMS": "tests.runners.p2p_probe_system"}
@@ -28,7 +29,7 @@ def test_a_cross_posted_pair_passes_on_gloo_and_hangs_under_nccl_rules_naming_th
     assert gloo.returncode == 0, gloo.stderr[-3000:]
     nccl = run_cli(*ARGS, *NCCL_RULES, "--probe-pattern", "cross", "--timeout", "15", "--out", str(out), env=PROBE)
     assert nccl.returncode == 1
-    ok, hung = read_jsonl(out)
+    ok, hung = read_records(out)
     assert ok["status"] == "ok" and "p2p_semantics" not in ok["key"]
     assert hung["status"] == "timeout" and hung["config"]["p2p_semantics"] == "nccl", hung["error"]
     assert '"p2p_semantics": "nccl"' in hung["key"]
@@ -45,7 +46,7 @@ def test_a_message_that_does_not_fit_its_receive_fails_under_nccl_rules_naming_b
     out = tmp_path / "runs.jsonl"  # (it passes on plain gloo, reshaped in silence: the test above)
     nccl = run_cli(*ARGS, *NCCL_RULES, "--probe-pattern", "mismatch", "--timeout", "60", "--out", str(out), env=PROBE)
     assert nccl.returncode == 1
-    (rec,) = read_jsonl(out)
+    (rec,) = read_records(out)
     assert rec["status"] == "error", rec["error"]
     assert rec["error"].startswith("rank 1: ") and "rank 1's irecv #0 from rank 0 (float32[3x2]" in rec["error"]
     assert "was matched with rank 0's isend #0 to rank 1 (float32[2x3]" in rec["error"]
