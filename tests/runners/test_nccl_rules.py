@@ -13,7 +13,10 @@ import pytest
 from contract import ConfigError, RunConfig
 from contract.records import read_records
 from contract.spec import check_common
+from runners import devices
+from runners.devices import Gpus
 from runners.nccl_rules import pending_summary
+from runners.request import Placement, judge, parse_request, resolve_devices
 from tests.conftest import NCCL_RULES, run_cli
 from workload.configs import get_model_config
 
@@ -75,3 +78,19 @@ def test_p2p_semantics_is_judged_and_part_of_the_identity_only_when_not_gloo():
     assert cfg.replace(p2p_semantics="nccl").identity()["p2p_semantics"] == "nccl"
     with pytest.raises(ConfigError, match="unknown --p2p-semantics 'mpi'; choose from gloo, nccl"):
         check_common(cfg.replace(p2p_semantics="mpi"))
+
+
+def test_p2p_semantics_nccl_is_refused_where_it_would_do_nothing(monkeypatch):
+    """A one-process run sends no message; ranks on CUDA run NCCL itself (the flag's stated rule)."""
+    ours = ["--system", "ours", "--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", *NCCL_RULES]
+    with pytest.raises(ConfigError, match="ours runs one process here, which sends no message"):
+        judge(*parse_request(ours))
+    judge(*parse_request([*ours, "--pp", "2"]))
+    with pytest.raises(ConfigError, match="ranks on CUDA run NCCL itself"):
+        judge(*parse_request([*ours, "--pp", "2", "--device", "cuda"]))
+    monkeypatch.setattr(devices, "local_gpus", lambda: Gpus(("NVIDIA L4",) * 2, ((8, 9),) * 2, ("sm_89",),
+                                                            "2.13.0+cu126", ("0", "1")))
+    cfg, spec = parse_request([*ours, "--pp", "2"])
+    with pytest.raises(ConfigError, match="ranks on CUDA run NCCL itself"):
+        resolve_devices(cfg, spec, Placement())
+    assert resolve_devices(cfg.replace(device="cpu"), spec, Placement()).hardware == "cpu"
