@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 from workload.configs import MODEL_CONFIGS, ModelConfig, OptimizerConfig
 
+P2P_SEMANTICS = ("gloo", "nccl")  # --p2p-semantics: gloo's own, or NCCL's rules followed on gloo
+
 
 class ConfigError(ValueError):
     """A request that cannot run; the message is one line for the user."""
@@ -126,6 +128,11 @@ class RunConfig:
     hardware: str | None = None
     timeout: float = option(3600.0, "seconds before the run is stopped and recorded as timeout", group=RUN,
                             identity=False)
+    p2p_semantics: str = option("gloo", "gloo's own point-to-point semantics, or NCCL's rules followed on gloo "
+                                        "(runners.nccl_rules: messages matched in issue order, tags ignored, a "
+                                        "pair's operations one at a time): what would hang under NCCL hangs and "
+                                        "ends as timeout naming each rank's pending operations; CPU only",
+                                choices=P2P_SEMANTICS, group=RUN)
     options: SystemOptions = field(default_factory=SystemOptions)  # the system's own options (their own flags)
 
     @property
@@ -169,6 +176,8 @@ class RunConfig:
         d = _plain(asdict(self.replace(options=SystemOptions())))
         for name in VOLATILE_FIELDS:
             del d[name]
+        if self.p2p_semantics == "gloo":  # the identity of every run before the field is as it always was
+            del d["p2p_semantics"]
         d["options"] = _plain(self.options.identity())
         if self.network_matrix is None:  # the identity of every run without a matrix is as it always was
             del d["network_matrix"]

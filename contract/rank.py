@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from contract.config import RunConfig
+from contract.links import link_groups
 from workload.data import TokenSource
 from workload.model import GPT, build_gpt
 from workload.partition import StageSpec, build_stage
@@ -47,7 +48,6 @@ class Context:
     device: torch.device  # the rank's (first) device
     backend: str  # nccl on CUDA, gloo on CPU
     config: RunConfig
-    barrier_group: Any = None  # a process group of every rank kept for the timing barrier (None: the default one)
     # Every device the process computes on, ``device`` first (fairscale: its pipe's GPUs); () = (device,)
     devices: tuple[torch.device, ...] = ()
 
@@ -82,45 +82,41 @@ class StepBarrier:
     """The timing barrier: returns once every rank has called it. A dissemination barrier (Hensgen,
     Finkel and Manber, 1988): ceil(log2 n) rounds, in round k each rank signals rank + 2^k and waits
     for rank - 2^k, so it pays one one-way network delay per round, where gloo's barrier (an
-    all-reduce) pays 2 at 2 ranks and 4 at 4 (measured on the virtual cluster). Over gloo a message
-    moves only once its receive is posted, so each use posts the next use's receives (the last use
-    leaves none behind); over NCCL a pending receive would hold the communicator's later sends, so the
-    receives are posted with the sends. It runs on a process group of its own (``Context.barrier_group``):
-    it never matches a system's own point-to-point messages (ours posts its next step's receives
-    before the closing barrier)."""
+    all-reduce) pays 2 at 2 ranks and 4 at 4 (measured on the virtual cluster). Each round's signal
+    travels on a link of its own (``contract.links``: a process group per ordered pair, which also
+    keeps it from matching a system's own messages). Over gloo a message moves only once its receive
+    is posted, so each use posts the next use's receives (the last use leaves none behind); on a
+    link that carries one direction only, a pending receive holds back no send, as NCCL's rules
+    require. On CUDA it blocks the host: an NCCL ``wait`` only orders the current stream, so the
+    barrier synchronises that stream after its last round (else its wait moves into the next step)."""
 
     def __init__(self, ctx: Context, uses: int):
         self.ctx, self.uses = ctx, uses
         n = ctx.world_size
-        self.peers = [((ctx.rank + k) % n, (ctx.rank - k) % n) for k in _powers_below(n)]  # (to, from) per round
-        self.ahead = ctx.backend == "gloo"
+        rounds = _powers_below(n)
+        self.links = link_groups(((r, (r + k) % n) for r in range(n) for k in rounds), ctx.device)
+        self.peers = [((ctx.rank + k) % n, (ctx.rank - k) % n) for k in rounds]  # (to, from) per round
         self.token = torch.zeros(1, device=ctx.device)
-        self._posted = self._post() if self.ahead else None
+        self._posted = self._post()
 
     def _post(self) -> list[tuple[torch.Tensor, Any]] | None:
         if self.uses <= 0:
             return None
+        me = self.ctx.rank
         bufs = [torch.empty(1, device=self.ctx.device) for _ in self.peers]
-        return [(b, dist.irecv(b, src, group=self.ctx.barrier_group, tag=i))
-                for i, (b, (_, src)) in enumerate(zip(bufs, self.peers))]
+        return [(b, dist.irecv(b, src, group=self.links[src, me])) for b, (_, src) in zip(bufs, self.peers)]
 
     def wait(self) -> None:
-        group = self.ctx.barrier_group
-        if self.ahead:
-            posted, self.uses = self._posted, self.uses - 1
-            assert posted is not None, "StepBarrier used more often than declared"
-            for i, ((dst, _), (_, recv)) in enumerate(zip(self.peers, posted)):
-                send = dist.isend(self.token, dst, group=group, tag=i)
-                recv.wait()
-                send.wait()
-            self._posted = self._post()
-            return
-        self.uses -= 1
-        seen = torch.empty(1, device=self.ctx.device)
-        for dst, src in self.peers:
-            ops = [dist.P2POp(dist.isend, self.token, dst, group), dist.P2POp(dist.irecv, seen, src, group)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        posted, self.uses = self._posted, self.uses - 1
+        assert posted is not None, "StepBarrier used more often than declared"
+        me = self.ctx.rank
+        for (dst, _), (_, recv) in zip(self.peers, posted):
+            send = dist.isend(self.token, dst, group=self.links[me, dst])
+            recv.wait()
+            send.wait()
+        self._posted = self._post()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.current_stream(self.ctx.device).synchronize()
 
 
 def _powers_below(n: int) -> list[int]:

@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from contract.config import ConfigError, RunConfig, SystemOptions
+from contract.config import P2P_SEMANTICS, ConfigError, RunConfig, SystemOptions
 
 if TYPE_CHECKING:  # torch: only the ranks import it
     from contract.rank import Context, Measurements
@@ -143,6 +143,8 @@ def check_common(config: RunConfig) -> None:
                           f"{config.micro_batch_size}")
     if config.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"unknown --device {config.device!r}; choose from auto, cpu, cuda")
+    if config.p2p_semantics not in P2P_SEMANTICS:
+        raise ConfigError(f"unknown --p2p-semantics {config.p2p_semantics!r}; choose from {', '.join(P2P_SEMANTICS)}")
     opt = config.optimizer
     if opt.kind not in ("adam", "sgd"):
         raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from adam, sgd")

@@ -24,6 +24,12 @@ which this replaces, paid several (``python -m bench.network_slope``, tiny model
 with reduce_scatter + all_gather for the sharded PS, 5.1 with all_reduce; 2 rank micro-benchmark at
 40 ms: 2 MB all_reduce 172 ms, reduce + broadcast 211 ms, pre-posted push + pull 85 ms).
 
+Each ordered pair of DP ranks has a process group of its own (``contract.links``), on which one rank
+only sends and the other only receives, so a pending receive holds back no send (NCCL runs a pair's
+operations on a group in issue order), and messages match by order (NCCL has no tags): a rank sends
+a peer its pushes in bucket order, then what it sends back in bucket order, and the peer posts its
+receives in that order.
+
 Optional lossy wire precision (``wire_dtype`` bf16 or fp16, as AQ-SGD / CocktailSGD compress what
 crosses a slow link): the pushed gradients and what comes back cross the network in that type; sums,
 averages and the optimizer's master copy stay fp32, and every replica (the reducing rank too) applies
@@ -38,16 +44,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
+from contract.links import Link
 from ours.trace import Tracer
 from workload.training import OptimizerConfig, make_optimizer
 
 BUCKET_BYTES = 4 * 1024 * 1024  # small buckets pipeline push, reduction and what comes back
-_TAG_GRAD = 1 << 20  # + bucket index; the pipeline's tags are unit indices
-_TAG_BACK = 1 << 21
+
+
+def dp_links(pp: int, dp: int) -> list[Link]:
+    """Every ordered pair of each stage's DP ranks (global rank = dp_rank * P + stage)."""
+    return [(a * pp + s, b * pp + s) for s in range(pp) for a in range(dp) for b in range(dp) if a != b]
 
 
 def buckets(params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.nn.Parameter]]:
@@ -89,7 +100,9 @@ def _ordered(named: list[tuple[str, torch.nn.Parameter]], order: list[torch.nn.P
 
 
 class _Readiness:
-    """Per bucket, how many of its parameters' gradients are not final yet in this step."""
+    """Per bucket, how many of its parameters' gradients are not final yet in this step; buckets are
+    released in index order (the order their messages are matched in), each once it and every
+    bucket before it is complete."""
 
     def __init__(self, bucket_params: list[list[torch.nn.Parameter]]):
         self._bucket_of = {id(p): i for i, ps in enumerate(bucket_params) for p in ps}
@@ -98,23 +111,25 @@ class _Readiness:
 
     def reset(self) -> None:
         self._pending = list(self._sizes)
+        self._next = 0  # the first bucket not released yet
 
-    def ready(self, params: list[torch.nn.Parameter]) -> list[int]:
-        """Mark these parameters' gradients final; the buckets that are complete now."""
+    def _release(self) -> list[int]:
         done = []
-        for p in params:
-            i = self._bucket_of[id(p)]
-            self._pending[i] -= 1
-            if self._pending[i] == 0:
-                done.append(i)
+        while self._next < len(self._pending) and self._pending[self._next] == 0:
+            done.append(self._next)
+            self._next += 1
         return done
 
+    def ready(self, params: list[torch.nn.Parameter]) -> list[int]:
+        """Mark these parameters' gradients final; the buckets released now."""
+        for p in params:
+            self._pending[self._bucket_of[id(p)]] -= 1
+        return self._release()
+
     def rest(self) -> list[int]:
-        """The buckets not complete yet, now taken as complete (nobody reported them)."""
-        rest = [i for i, n in enumerate(self._pending) if n > 0]
-        for i in rest:
-            self._pending[i] = 0
-        return rest
+        """The buckets not released yet, now taken as complete (nobody reported them)."""
+        self._pending = [0] * len(self._pending)
+        return self._release()
 
 
 class LocalSync:
@@ -169,12 +184,15 @@ class PointToPointSync:
     optimizer of its range on an fp32 master copy and sends the updated parameters back; without,
     sends the averaged gradient back, and every rank steps its own full optimizer. With the
     ``replicated`` layout every rank reduces every bucket, and nothing is sent back.
-    ``ranks[j]``: the global rank of dp_rank j in ``group``."""
+    ``ranks[j]``: the global rank of dp_rank j in ``group`` (the stage's DP group: ``grads``'
+    collectives); ``links``: the process group of each ordered pair of them (``contract.links``)."""
 
-    def __init__(self, named, opt_cfg: OptimizerConfig, *, group, ranks: list[int], dp_rank: int, layout: str,
-                 serve: bool, order: list[torch.nn.Parameter] | None = None, wire_dtype: torch.dtype = torch.float32,
+    def __init__(self, named, opt_cfg: OptimizerConfig, *, group, links: Mapping[Link, dist.ProcessGroup],
+                 ranks: list[int], dp_rank: int, layout: str, serve: bool,
+                 order: list[torch.nn.Parameter] | None = None, wire_dtype: torch.dtype = torch.float32,
                  bucket_bytes: int = BUCKET_BYTES, tracer: Tracer | None = None):
         self.named, self.group, self.ranks, self.dp_rank = named, group, list(ranks), dp_rank
+        self.links = dict(links)
         self.tracer = tracer or Tracer(dp_rank, enabled=False)
         self.dp, self.layout, self.serve, self.wire_dtype = len(ranks), layout, serve, wire_dtype
         self.peers = [j for j in range(self.dp) if j != dp_rank]
@@ -209,21 +227,27 @@ class PointToPointSync:
         lo, hi = self.buckets[i].ranges[j]
         return hi > lo and self.buckets[i].ranges[self.dp_rank] != (0, self.buckets[i].numel)
 
+    def _link(self, src: int, dst: int) -> dist.ProcessGroup:
+        """The process group of the link from dp_rank src to dp_rank dst."""
+        return self.links[self.ranks[src], self.ranks[dst]]
+
     def post_receives(self) -> None:
-        """Post every receive of the coming step's sync: the peers' pushes of the ranges this rank
-        reduces, and what the peers send back of theirs."""
+        """Post every receive of the coming step's sync, in the order each peer sends: its pushes of
+        the ranges this rank reduces, bucket by bucket, then what it sends back of its own."""
         if self._recvs is not None:
             return
         recvs = {}
-        for i, b in enumerate(self.buckets):
+        me = self.dp_rank
+        for i in range(len(self.buckets)):
             lo, hi = self._own(i)
             for j in self.peers:
                 if hi > lo:
-                    recvs["grad", i, j] = dist.irecv(self._grads_in[i][j], self.ranks[j], group=self.group, tag=_TAG_GRAD + i)
+                    recvs["grad", i, j] = dist.irecv(self._grads_in[i][j], self.ranks[j], group=self._link(j, me))
+        for i, b in enumerate(self.buckets):
+            for j in self.peers:
                 if self._returned(i, j):
                     jlo, jhi = b.ranges[j]
-                    recvs["back", i, j] = dist.irecv(self._back[i][jlo:jhi], self.ranks[j], group=self.group,
-                                                     tag=_TAG_BACK + i)
+                    recvs["back", i, j] = dist.irecv(self._back[i][jlo:jhi], self.ranks[j], group=self._link(j, me))
         self._recvs = recvs
 
     def grads_ready(self, params: list[torch.nn.Parameter]) -> None:
@@ -243,7 +267,7 @@ class PointToPointSync:
         for j in self.peers:
             jlo, jhi = b.ranges[j]
             if jhi > jlo:
-                self._sends.append((wire, dist.isend(wire[jlo:jhi], self.ranks[j], group=self.group, tag=_TAG_GRAD + i)))
+                self._sends.append((wire, dist.isend(wire[jlo:jhi], self.ranks[j], group=self._link(self.dp_rank, j))))
 
     @torch.no_grad()
     def _reduce(self, i: int, recvs: dict) -> None:
@@ -276,7 +300,7 @@ class PointToPointSync:
             out.copy_(acc)
         for j in self.peers:
             if b.ranges[j] != (0, b.numel):
-                self._sends.append((out, dist.isend(out, self.ranks[j], group=self.group, tag=_TAG_BACK + i)))
+                self._sends.append((out, dist.isend(out, self.ranks[j], group=self._link(self.dp_rank, j))))
 
     @torch.no_grad()
     def step(self) -> float:
@@ -318,7 +342,8 @@ class PointToPointSync:
                 if self.layout == "replicated":  # every rank reduced the whole bucket
                     full.copy_(self._last_grad[i])
                     break
-                piece = self._last_grad[i].clone() if j == self.dp_rank else torch.empty(hi - lo, dtype=full.dtype)
+                piece = (self._last_grad[i].clone() if j == self.dp_rank
+                         else torch.empty(hi - lo, dtype=full.dtype, device=full.device))
                 dist.broadcast(piece, src=self.ranks[j], group=self.group)
                 full[lo:hi] = piece
             off = 0
@@ -329,13 +354,15 @@ class PointToPointSync:
 
 
 def make_sync(mode: str, named, opt_cfg: OptimizerConfig, *, group, dp: int, dp_rank: int, ranks: list[int],
-              order: list[torch.nn.Parameter] | None = None, wire_dtype: torch.dtype = torch.float32,
-              tracer: Tracer | None = None):
+              links: Mapping[Link, dist.ProcessGroup] | None = None, order: list[torch.nn.Parameter] | None = None,
+              wire_dtype: torch.dtype = torch.float32, tracer: Tracer | None = None):
     """The DP sync of one stage. ``ranks``: the global ranks of the stage's DP group, by dp_rank;
-    ``order``: the parameters in the order the pipeline reports their gradients final."""
+    ``links``: a process group per ordered pair of them (``dp_links``); ``order``: the parameters in
+    the order the pipeline reports their gradients final."""
     if dp == 1:
         return LocalSync(named, opt_cfg)
-    common = dict(group=group, ranks=ranks, dp_rank=dp_rank, order=order, wire_dtype=wire_dtype, tracer=tracer)
+    common = dict(group=group, links=links or {}, ranks=ranks, dp_rank=dp_rank, order=order, wire_dtype=wire_dtype,
+                  tracer=tracer)
     if mode == "allreduce":
         return PointToPointSync(named, opt_cfg, layout="replicated" if dp == 2 else "sharded", serve=False, **common)
     if mode == "central_ps":

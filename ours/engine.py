@@ -12,13 +12,18 @@ One step: the batch is cut into batch slices (micro_batch_size rows) x token sli
 stage, sending its output to the next — and later backward, in the order ``ours.schedule`` gives
 (``1f1b`` over batch slices by default; ``gpipe``: every forward, then every backward). Activations and
 their gradients move with asynchronous point-to-point operations, one message per unit and
-direction. Every receive of a step is posted a step ahead (``post_receives``): gloo sends a message
-only once the receiver's notice that its receive is posted has reached the sender, so a receive
-posted as the step starts costs the first message a second network delay. Sends are waited for only
-at the end of the step. Linear weight gradients are deferred: computed while the stage waits for a
-message, and what is left once per step after the stage's last backward (while the previous stage
-is still in its backward); ``grads_ready`` is told as each parameter's gradient becomes final, so
-data parallelism can start moving it (``ours.dp``).
+direction, each direction of a link on a process group of its own (``contract.links``: activations
+from stage s to s + 1, their gradients from s + 1 to s), where they match by order, as NCCL matches
+them (no tags): a stage receives a link's units in the order its neighbour sends them (forwards in
+unit order, backwards in the schedule's order, the same on every stage). Every receive of a step
+is posted a step ahead (``post_receives``): gloo sends a message only once the receiver's notice
+that its receive is posted has reached the sender, so a receive posted as the step starts costs the
+first message a second network delay; on a group that carries one direction only, a pending
+receive holds back no send (under NCCL a pair's operations on a group run one at a time, in issue
+order). Sends are waited for only at the end of the step. Linear weight gradients are deferred:
+computed while the stage waits for a message, and what is left once per step after the stage's last
+backward (while the previous stage is still in its backward); ``grads_ready`` is told as each
+parameter's gradient becomes final, so data parallelism can start moving it (``ours.dp``).
 
 ``wire_dtype`` (default fp32): the type activations and their gradients cross the network in; bf16
 or fp16 is lossy (compute stays in the stage's own precision).
@@ -27,13 +32,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from contract.links import Link
 from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
 from ours.schedule import unit_order
 from ours.trace import Tracer
@@ -42,6 +48,12 @@ from workload.partition import StageSpec
 from workload.training import autocast
 
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def pipeline_links(pp: int, dp: int) -> list[Link]:
+    """Every link of the D pipelines of P stages (global rank = dp_rank * P + stage), both ways:
+    stage s to s + 1 (activations), s + 1 to s (their gradients)."""
+    return [link for d in range(dp) for s in range(d * pp, (d + 1) * pp - 1) for link in ((s, s + 1), (s + 1, s))]
 
 
 class _Arrivals:
@@ -99,17 +111,17 @@ class StageEngine:
     def __init__(self, model: GPT, spec: StageSpec, *, slices: tuple[int, ...], batch_size: int, micro_batch_size: int,
                  device: torch.device, rank: int, prev_rank: int | None, next_rank: int | None, tracer: Tracer,
                  mixed_precision: bool = False, recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
-                 schedule: str = "1f1b", grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None):
+                 schedule: str = "1f1b", grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None,
+                 links: Mapping[Link, dist.ProcessGroup] | None = None):
         cfg = model.config
         self.model, self.spec, self.device, self.rank = model, spec, device, rank
         self.C, self.H, self.T, self.V = cfg.n_embd, cfg.n_head, cfg.seq_len, cfg.vocab_size
         self.slices = [(sum(slices[:i]), slices[i]) for i in range(len(slices))]
         self.batch_size, self.mb = batch_size, micro_batch_size
         self.nb = batch_size // micro_batch_size
-        # (batch slice, token slice) of every unit, in forward order; a unit's index is its tag
+        # (batch slice, token slice) of every unit, in forward order
         self.units = [(b, i) for b in range(self.nb) for i in range(len(slices))]
-        # (F|B, unit) in the order this stage runs them; a unit's index (its messages' tag) is its
-        # position in forward order
+        # (F|B, unit) in the order this stage runs them; a unit's index is its position in forward order
         self.order = [(kind, b * len(slices) + i)
                       for kind, b, i in unit_order(schedule, self.nb, len(slices), spec.index, spec.n_stages)]
         # 1f1b bounds what a stage holds: the weight-gradient stash (each linear's input and output
@@ -118,6 +130,7 @@ class StageEngine:
         held = min(self.nb, spec.n_stages - spec.index)
         self.stash_limit = held * len(slices) if schedule == "1f1b" else None
         self.prev, self.next = prev_rank, next_rank
+        self.links = dict(links or {})  # (source, destination) -> the process group of that link's direction
         self.tracer = tracer
         self.mixed = mixed_precision
         self.recompute = recompute
@@ -220,7 +233,7 @@ class StageEngine:
 
     def post_receives(self) -> None:
         """Post every receive of the coming step: the activations of each unit from the previous stage
-        and their gradients from the next (in the order they will be consumed)."""
+        and their gradients from the next, each link's in the order they will be consumed."""
         if self._posted is not None:
             return
         units = self.units
@@ -230,12 +243,12 @@ class StageEngine:
             if src is None:
                 continue
             buf = torch.empty(self.mb, self.slices[units[u][1]][1], self.C, dtype=self.wire_dtype, device=self.device)
-            (fwd if kind == "F" else bwd)[u] = (buf, dist.irecv(buf, src, tag=u))
+            (fwd if kind == "F" else bwd)[u] = (buf, dist.irecv(buf, src, group=self.links[src, self.rank]))
         self._posted = (fwd, bwd)
 
-    def _send(self, t: torch.Tensor, dst: int, tag: int, sends: list) -> None:
+    def _send(self, t: torch.Tensor, dst: int, sends: list) -> None:
         out = t.detach().to(self.wire_dtype).contiguous()  # gloo: contiguous CPU tensors
-        sends.append((out, dist.isend(out, dst, tag=tag)))
+        sends.append((out, dist.isend(out, dst, group=self.links[self.rank, dst])))
 
     def _report(self, params: list[torch.nn.Parameter]) -> None:
         if self.grads_ready is not None and params:
@@ -317,7 +330,7 @@ class StageEngine:
                     st.saved[u] = (x_in, x)
                 if not spec.is_last:
                     with tr.span("send", f"send f{b}.{i}"):
-                        self._send(x, self.next, u, st.sends)
+                        self._send(x, self.next, st.sends)
                 continue
             x_in, y = st.saved[u]
             st.saved[u] = None
@@ -335,7 +348,7 @@ class StageEngine:
             del y
             if not spec.is_first:
                 with tr.span("send", f"send b{b}.{i}"):
-                    self._send(x_in.grad, self.prev, u, st.sends)
+                    self._send(x_in.grad, self.prev, st.sends)
             del x_in
             self._bound_stash()
         st.pos = stop

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from contract import RunConfig
+from contract.links import link_groups
 from contract.rank import Context, Measurements, StepOutput, run_steps
 from ours import WIRE_DTYPES, OursOptions, leading_forwards
-from ours.dp import make_sync
-from ours.engine import StageEngine
+from ours.dp import dp_links, make_sync
+from ours.engine import StageEngine, pipeline_links
 from ours.plan.auto import auto_slicing
 from ours.trace import Tracer
 from workload.partition import stage_specs
@@ -74,25 +75,27 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     slices, slicing_source = resolve_slices(cfg, ctx)
     tracer = Tracer(ctx.rank, enabled=options.trace is not None)
 
-    # every rank creates every stage's DP group, in the same order
+    # every rank creates every stage's DP group (--verify's collectives), in the same order, and a
+    # group per link and direction of the pipelines and of DP (their point-to-point traffic)
     group = None
     if dp > 1:
         for s in range(pp):
             g = dist.new_group([d * pp + s for d in range(dp)])
             if s == pp_rank:
                 group = g
+    links = link_groups(pipeline_links(pp, dp) + dp_links(pp, dp), ctx.device)
 
     wire = getattr(torch, WIRE_DTYPES[options.wire_dtype])
     engine = StageEngine(
         model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
         device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
         next_rank=None if spec.is_last else ctx.rank + 1, tracer=tracer, mixed_precision=cfg.mixed_precision,
-        recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule)
+        recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule, links=links)
     named = list(model.named_parameters())
     params = [p for _, p in named]
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
-                     ranks=[d * pp + pp_rank for d in range(dp)], order=engine.grad_order(), wire_dtype=wire,
-                     tracer=tracer)
+                     ranks=[d * pp + pp_rank for d in range(dp)], links=links, order=engine.grad_order(),
+                     wire_dtype=wire, tracer=tracer)
     scaler = _LossScaler(cfg.mixed_precision and ctx.device.type == "cuda", ctx.device)
     if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
         engine.grads_ready = sync.grads_ready

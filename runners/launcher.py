@@ -27,6 +27,7 @@ from network_emulation import VirtualCluster, parse_profile
 from network_emulation.signals import stop_process
 from runners.devices import agent_devices, visible_entries
 from runners.lifetime import DirectoryWatchdog, die_with_parent, oom_kills, owner_alive, owner_tag
+from runners.nccl_rules import pending_summary
 from runners.output import Pump
 from runners.request import Placement
 
@@ -147,7 +148,9 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
         for name, g in torch.load(path).items():
             grads.setdefault(name, g)
     if timed_out:
-        return LaunchResult("timeout", f"timed out after {timeout:g} s", ranks, grads, run_dir)
+        pending = pending_summary(run_dir)  # what each rank waited for, where NCCL's rules were followed
+        error = f"timed out after {timeout:g} s" + (f"; pending operations: {pending}" if pending else "")
+        return LaunchResult("timeout", error, ranks, grads, run_dir)
     own = sorted((e for e in errors if not e.get("peer_failure")), key=lambda e: (e["status"] != "oom", e["time"]))
     if own:
         first = own[0]

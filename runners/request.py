@@ -220,6 +220,12 @@ def parse_request(argv: Sequence[str]) -> tuple[RunConfig, SystemSpec]:
     return config_from_args(args, spec), spec
 
 
+# The rule for --p2p-semantics nccl where the ranks compute on GPUs: it follows NCCL's rules on gloo,
+# and on CUDA the backend is NCCL itself, so the flag would change nothing but the run's identity.
+P2P_ON_CUDA = ("--p2p-semantics nccl holds gloo to NCCL's rules on CPU; ranks on CUDA run NCCL itself "
+               "(use --device cpu, or leave the flag out)")
+
+
 def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, out: str | None = None) -> None:
     """Raise ConfigError if ``cfg`` cannot run: the system's judgement (common fields, its own
     options), then the network profile. For a run about to be launched here (``placement`` given),
@@ -237,6 +243,12 @@ def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, 
         if spec.processes(cfg) == 1:
             raise ConfigError(f"--network {cfg.network}: {spec.name} runs one process here, which has no link to "
                               "emulate (use --network none)")
+    if cfg.p2p_semantics == "nccl":
+        if spec.processes(cfg) == 1:
+            raise ConfigError(f"--p2p-semantics nccl: {spec.name} runs one process here, which sends no message to "
+                              "hold to NCCL's rules (leave the flag out)")
+        if cfg.device == "cuda":
+            raise ConfigError(P2P_ON_CUDA)
     if placement is None:
         return
     if placement.nnodes < 1:
@@ -385,5 +397,7 @@ def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> R
     gpus = local_gpus() if cfg.device != "cpu" else Gpus()
     here = spec.processes(cfg) // placement.nnodes
     resolved = cfg.replace(hardware=judge_gpus(cfg.device, gpus, here, spec.devices_per_process(cfg)))
+    if cfg.p2p_semantics == "nccl" and resolved.hardware != "cpu":
+        raise ConfigError(P2P_ON_CUDA)
     check_fits_here(resolved, spec, placement.nnodes)  # now knowing whether the weights live in this memory
     return resolved

@@ -63,7 +63,7 @@ class Verification:
 def reference_config(cfg: RunConfig) -> RunConfig:
     """The same workload on one process: same seed, data and global batch."""
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
-                       network_matrix=None, options=SystemOptions())
+                       network_matrix=None, p2p_semantics="gloo", options=SystemOptions())
 
 
 def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:

@@ -28,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 
 from contract import RunConfig  # noqa: E402
 from contract.rank import Context  # noqa: E402
+from runners import nccl_rules  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
@@ -106,11 +107,12 @@ def main(run_dir: Path) -> int:
         if device.type == "cpu":
             torch.set_num_threads(1)  # one thread per rank: ranks share few cores
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(60.0, cfg.timeout)))
+        if cfg.p2p_semantics == "nccl":  # gloo under NCCL's rules (a no-op where the backend is NCCL)
+            nccl_rules.install(rank, device, run_dir)
         torch.manual_seed(cfg.seed)
         peak, peak_source, device_name = hardware_peak(devices, cfg)
-        barrier_group = dist.new_group(list(range(world))) if world > 1 else None  # the timing barrier's own
         ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg,
-                      barrier_group=barrier_group, devices=devices)
+                      devices=devices)
         m = spec.load()(cfg, ctx)
         if cfg.verify:  # every rank's gradients to rank 0, whose run directory the launcher reads (on node 0)
             mine = {k: v.detach().float().cpu() for k, v in m.grads.items()} if m.grads is not None else None

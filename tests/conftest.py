@@ -31,6 +31,10 @@ TINY = ["--model", "tiny", "--num-layers", "4", "--hidden-size", "64", "--num-he
         "--vocab-size", "128"]
 """A model small enough for many multi-process tests on 2 cores."""
 
+NCCL_RULES = ["--p2p-semantics", "nccl"]
+"""gloo under NCCL's point-to-point rules (runners.nccl_rules): the multi-rank --verify tests run in this
+stricter mode, but for a few kept on plain gloo."""
+
 
 def assert_verified(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"

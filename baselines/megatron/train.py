@@ -68,7 +68,7 @@ from workload.configs import ModelConfig  # noqa: E402
 from workload.model import GPT, init_weights  # noqa: E402
 
 
-def transformer_config(cfg: RunConfig, cuda: bool, nccl: bool) -> TransformerConfig:
+def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
     m = cfg.model
     fp16 = cfg.mixed_precision and cuda
     bf16 = cfg.mixed_precision and not cuda
@@ -85,10 +85,11 @@ def transformer_config(cfg: RunConfig, cuda: bool, nccl: bool) -> TransformerCon
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True, batch_p2p_sync=cuda,
-        # gloo matches point-to-point messages per peer in posting order: megatron's batched ops post
-        # [send_prev, recv_prev, send_next, recv_next], which with pp=2 (prev == next) and the
-        # interleaved schedule swaps activations and gradients. The unbatched path orders by rank parity.
-        batch_p2p_comm=nccl,
+        # NCCL (and gloo with one tag) matches a pair's messages in issue order: megatron's batched ops
+        # post [send_prev, recv_prev, send_next, recv_next], which with pp=2 (prev == next) and the
+        # interleaved schedule swaps activations and gradients (found under --p2p-semantics nccl;
+        # Megatron-LM issue 750). The unbatched path orders sends and receives by rank parity.
+        batch_p2p_comm=False,
     )
     if cfg.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -225,7 +226,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
 def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     m = cfg.model
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-    config = transformer_config(cfg, cuda, ctx.backend == "nccl")
+    config = transformer_config(cfg, cuda)
     models = build_chunks(cfg, config)
     load_shared_weights(cfg, models)
     if cuda:

@@ -4,14 +4,14 @@ from __future__ import annotations
 import pytest
 
 from contract.records import read_records
-from tests.conftest import TINY, assert_verified, run_cli
+from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_fairscale_fsdp_dp2_pipe2_matches_reference(out_file):
     # 2 processes (FSDP over dp=2), each a fairscale Pipe of 2 partitions with 2 micro-batches
-    proc = run_cli("--system", "fairscale_fsdp", *TINY, "--dp", "2", "--pp", "2", "--batch-size", "4",
+    proc = run_cli("--system", "fairscale_fsdp", *TINY, *NCCL_RULES, "--dp", "2", "--pp", "2", "--batch-size", "4",
                    "--micro-batch-size", "2", "--steps", "3", "--warmup", "0", "--verify", "--out", str(out_file))
     assert_verified(proc)
     (rec,) = read_records(out_file)

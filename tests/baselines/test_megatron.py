@@ -1,16 +1,17 @@
-"""megatron-core tensor, pipeline and data parallelism, through the real run command on gloo ranks."""
+"""megatron-core tensor, pipeline and data parallelism, through the real run command on gloo ranks, under
+NCCL's rules (--p2p-semantics nccl) but for dp2 on plain gloo."""
 from __future__ import annotations
 
 import pytest
 
 from contract.records import read_records
-from tests.conftest import TINY, assert_verified, run_cli
+from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
 LAYOUTS = {
-    "tp2": ["--tp", "2"],
-    "pp2": ["--pp", "2"],
+    "tp2": ["--tp", "2", *NCCL_RULES],
+    "pp2": ["--pp", "2", *NCCL_RULES],
     "dp2": ["--dp", "2"],
 }
 
@@ -26,9 +27,10 @@ def test_megatron_matches_reference(layout, out_file):
 
 def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):
     # 4 ranks: TP 2 x PP 2, with the interleaved schedule (2 model chunks per rank, 4 micro-batches).
-    # With pp=2 this is the case where gloo's in-order p2p matching swaps activations and gradients
-    # if megatron's batched p2p ops are used (see baselines/megatron.py); 1F1B is covered by pp2.
-    proc = run_cli("--system", "megatron", *TINY, "--tp", "2", "--pp", "2", "--schedule", "interleaved",
+    # With pp=2 this is the case where in-order p2p matching (NCCL's, and gloo's with one tag) swaps
+    # activations and gradients if megatron's batched p2p ops are used (see baselines/megatron/train.py);
+    # 1F1B is covered by pp2.
+    proc = run_cli("--system", "megatron", *TINY, *NCCL_RULES, "--tp", "2", "--pp", "2", "--schedule", "interleaved",
                    "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "--warmup", "0", "--verify",
                    "--out", str(out_file))
     assert_verified(proc)
@@ -41,7 +43,7 @@ def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):
     ["--tp", "2", "--sequence-parallel"],
 ], ids=["dp2-distributed-optimizer", "tp2-sequence-parallel"])
 def test_megatron_distributed_optimizer_and_sequence_parallel_match_reference(args, out_file):
-    proc = run_cli("--system", "megatron", *TINY, *args, "--batch-size", "4", "--micro-batch-size", "2",
+    proc = run_cli("--system", "megatron", *TINY, *NCCL_RULES, *args, "--batch-size", "4", "--micro-batch-size", "2",
                    "--steps", "3", "--warmup", "0", "--verify", "--out", str(out_file))
     assert_verified(proc)
     (rec,) = read_records(out_file)

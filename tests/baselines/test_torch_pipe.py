@@ -8,7 +8,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from baselines.torch_pipe import SCHEDULES, V_SHAPED, TorchPipeOptions, micro_batch_rule, stage_indices
 from contract import ConfigError, RunConfig
 from contract.records import read_records
-from tests.conftest import TINY, assert_verified, run_cli
+from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 from workload.configs import get_model_config
 
 
@@ -61,8 +61,9 @@ def test_v_shaped_schedules_take_exactly_two_chunks_per_rank(schedule):
 @pytest.mark.parametrize("schedule", ["zb", "zbv", "dualpipev"])
 def test_zero_bubble_and_dualpipev_match_reference(schedule, out_file):
     # P = 2, 4 micro-batches (DualPipeV's minimum), two stages per rank
-    proc = run_cli("--system", "torch_pipe", *TINY, "--pp", "2", "--schedule", schedule, "--batch-size", "4",
-                   "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--verify", "--out", str(out_file))
+    proc = run_cli("--system", "torch_pipe", *TINY, *NCCL_RULES, "--pp", "2", "--schedule", schedule,
+                   "--batch-size", "4", "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--verify",
+                   "--out", str(out_file))
     assert_verified(proc)
     (rec,) = read_records(out_file)
     assert rec["label"] == f"torch_pipe {schedule}" and rec["options"]["virtual_pp"] == 2
@@ -74,6 +75,7 @@ def test_zero_bubble_and_dualpipev_match_reference(schedule, out_file):
 def test_zbv_with_fsdp2_data_parallelism_matches_reference(out_file):
     # 4 ranks: 2 pipelines of 2 stages; under zbv the last stage's block gradients were lost when each
     # block was an FSDP unit of its own (see baselines/torch_pipe/train.py)
-    proc = run_cli("--system", "torch_pipe", *TINY, "--pp", "2", "--dp", "2", "--schedule", "zbv", "--batch-size", "2",
+    proc = run_cli("--system", "torch_pipe", *TINY, *NCCL_RULES, "--pp", "2", "--dp", "2", "--schedule", "zbv",
+                   "--batch-size", "2",
                    "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--verify", "--out", str(out_file))
     assert_verified(proc)

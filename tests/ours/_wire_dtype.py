@@ -12,8 +12,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ours.dp import make_sync
-from ours.engine import StageEngine
+from contract.links import link_groups
+from ours.dp import dp_links, make_sync
+from ours.engine import StageEngine, pipeline_links
 from ours.trace import Tracer
 from workload.configs import ModelConfig, OptimizerConfig
 from workload.data import TokenSource
@@ -23,16 +24,18 @@ PP, DP = 2, 2
 CFG = ModelConfig("wire", 4, 64, 4, seq_len=32, vocab_size=128)
 
 
-def one_step(mode: str, wire: torch.dtype, group, dp_rank: int, pp_rank: int) -> dict:
+def one_step(mode: str, wire: torch.dtype, group, links, dp_rank: int, pp_rank: int) -> dict:
     spec = stage_specs(CFG.n_layer, PP)[pp_rank]
     model = build_stage(CFG, spec, seed=0, device="cpu")
     rank = dist.get_rank()
     engine = StageEngine(model, spec, slices=(12, 12, 8), batch_size=2, micro_batch_size=1, device=torch.device("cpu"),
                          rank=rank, prev_rank=None if spec.is_first else rank - 1,
-                         next_rank=None if spec.is_last else rank + 1, tracer=Tracer(rank, False), wire_dtype=wire)
+                         next_rank=None if spec.is_last else rank + 1, tracer=Tracer(rank, False), wire_dtype=wire,
+                         links=links)
     named = list(model.named_parameters())
     sync = make_sync(mode, named, OptimizerConfig(kind="sgd", lr=1e-2), group=group, dp=DP, dp_rank=dp_rank,
-                     ranks=[d * PP + pp_rank for d in range(DP)], order=engine.grad_order(), wire_dtype=wire)
+                     ranks=[d * PP + pp_rank for d in range(DP)], links=links, order=engine.grad_order(),
+                     wire_dtype=wire)
     engine.grads_ready = sync.grads_ready
     sync.post_receives()
     inputs, targets = TokenSource(CFG.seq_len, CFG.vocab_size, seed=0).replica_batch(0, 2, dp_rank, DP)
@@ -61,9 +64,10 @@ def main() -> None:
         g = dist.new_group([d * PP + s for d in range(DP)])
         if s == pp_rank:
             group = g
+    links = link_groups(pipeline_links(PP, DP) + dp_links(PP, DP), torch.device("cpu"))
     result = {}
     for mode in ("allreduce", "central_ps", "sharded_ps"):
-        exact, low = (one_step(mode, w, group, dp_rank, pp_rank) for w in (torch.float32, lossy))
+        exact, low = (one_step(mode, w, group, links, dp_rank, pp_rank) for w in (torch.float32, lossy))
 
         def rel(key: str) -> float:
             return max(float((low[key][n] - exact[key][n]).abs().max() / exact[key][n].abs().max().clamp_min(1e-12))

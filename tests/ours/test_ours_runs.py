@@ -1,13 +1,14 @@
 """ours through the real run command (torchrun, gloo ranks): --verify against the single-process
 reference (per-step losses and the last step's gradients within 1e-5 after 3 optimizer steps),
-over pipeline depths, data-parallel modes and slicings; bad requests; the Chrome trace."""
+over pipeline depths, data-parallel modes and slicings, under NCCL's rules (--p2p-semantics nccl)
+but for the all-reduce on plain gloo; bad requests; the Chrome trace."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from tests.conftest import TINY, assert_verified, run_cli
+from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
 COMMON = ["--system", "ours", *TINY, "--batch-size", "4", "--micro-batch-size", "2", "--steps", "3", "--warmup", "0"]
 
@@ -15,7 +16,7 @@ COMMON = ["--system", "ours", *TINY, "--batch-size", "4", "--micro-batch-size", 
 @pytest.mark.multiprocess
 def test_p2_equal_slices_verified_and_traced(tmp_path):
     trace = tmp_path / "trace.json"
-    proc = run_cli(*COMMON, "--pp", "2", "--n-slices", "4", "--verify", "--trace", str(trace),
+    proc = run_cli(*COMMON, *NCCL_RULES, "--pp", "2", "--n-slices", "4", "--verify", "--trace", str(trace),
                    "--out", str(tmp_path / "runs.jsonl"))
     assert_verified(proc)
     events = json.loads(trace.read_text())["traceEvents"]
@@ -38,7 +39,8 @@ def test_p2_equal_slices_verified_and_traced(tmp_path):
 def test_p2_gpipe_order_verified(tmp_path):
     """--schedule gpipe: every forward, then every backward (the order before 1f1b became the default)."""
     out = tmp_path / "runs.jsonl"
-    proc = run_cli(*COMMON, "--pp", "2", "--n-slices", "2", "--schedule", "gpipe", "--verify", "--out", str(out))
+    proc = run_cli(*COMMON, *NCCL_RULES, "--pp", "2", "--n-slices", "2", "--schedule", "gpipe", "--verify",
+                   "--out", str(out))
     assert_verified(proc)
     rec = json.loads(out.read_text().splitlines()[-1])
     assert rec["options"]["schedule"] == "gpipe" and rec["label"] == "ours gpipe"
@@ -53,7 +55,8 @@ def test_prefetch_runs_the_next_steps_first_forwards_ahead_and_verifies(tmp_path
     """--prefetch 2: the first stage runs the next step's first two forwards once its optimizer (and,
     with DP, the parameter server's update) has stepped; losses and gradients stay the reference's."""
     trace = tmp_path / "trace.json"
-    proc = run_cli(*COMMON, *layout, "--n-slices", "4", "--prefetch", "2", "--verify", "--trace", str(trace),
+    proc = run_cli(*COMMON, *NCCL_RULES, *layout, "--n-slices", "4", "--prefetch", "2", "--verify",
+                   "--trace", str(trace),
                    "--out", str(tmp_path / "runs.jsonl"))
     assert_verified(proc)
     spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
@@ -72,19 +75,19 @@ def test_prefetch_runs_the_next_steps_first_forwards_ahead_and_verifies(tmp_path
 
 @pytest.mark.multiprocess
 def test_p3_unequal_slices_with_recompute_verified(tmp_path):
-    proc = run_cli(*COMMON, "--num-layers", "6", "--seq-length", "96", "--pp", "3", "--slices", "40,32,24",
+    proc = run_cli(*COMMON, *NCCL_RULES, "--num-layers", "6", "--seq-length", "96", "--pp", "3", "--slices", "40,32,24",
                    "--recompute", "--verify", "--out", str(tmp_path / "runs.jsonl"))
     assert_verified(proc)
 
 
-@pytest.mark.parametrize("mode,slicing", [
-    ("allreduce", ["--n-slices", "1"]),
-    ("central_ps", ["--slices", "12,12,8"]),
-    ("sharded_ps", ["--n-slices", "4"]),
+@pytest.mark.parametrize("mode,slicing,rules", [
+    ("allreduce", ["--n-slices", "1"], []),
+    ("central_ps", ["--slices", "12,12,8"], NCCL_RULES),
+    ("sharded_ps", ["--n-slices", "4"], NCCL_RULES),
 ])
 @pytest.mark.multiprocess
-def test_p2_d2_data_parallel_modes_verified(tmp_path, mode, slicing):
-    proc = run_cli(*COMMON, "--pp", "2", "--dp", "2", "--dp-mode", mode, *slicing, "--verify",
+def test_p2_d2_data_parallel_modes_verified(tmp_path, mode, slicing, rules):
+    proc = run_cli(*COMMON, *rules, "--pp", "2", "--dp", "2", "--dp-mode", mode, *slicing, "--verify",
                    "--out", str(tmp_path / "runs.jsonl"))
     assert_verified(proc)
     rec = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 
 from contract.records import read_records
-from tests.conftest import REPO, TINY, assert_verified, run_cli
+from tests.conftest import NCCL_RULES, REPO, TINY, assert_verified, run_cli
 
 BASE = [*TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "--warmup", "0"]
 
 
 @pytest.mark.parametrize("layout", [
-    ["--pp", "2", "--schedule", "gpipe"],
-    ["--pp", "2", "--schedule", "1f1b"],
-    ["--pp", "2", "--dp", "2", "--schedule", "1f1b"],
-    ["--pp", "2", "--schedule", "interleaved"],
+    ["--pp", "2", "--schedule", "gpipe"],  # plain gloo; the others under NCCL's rules
+    ["--pp", "2", "--schedule", "1f1b", *NCCL_RULES],
+    ["--pp", "2", "--dp", "2", "--schedule", "1f1b", *NCCL_RULES],
+    ["--pp", "2", "--schedule", "interleaved", *NCCL_RULES],
 ], ids=["gpipe", "1f1b", "pp2-dp2", "interleaved"])
 @pytest.mark.multiprocess
 def test_torch_pipe_matches_reference(layout, out_file):

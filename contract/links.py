@@ -1,0 +1,42 @@
+"""A process group per link and direction: how point-to-point traffic meets NCCL's rules.
+
+NCCL matches a pair's messages in the order they were issued (no tags) and runs a pair's operations
+on one stream per process group, in issue order: a posted receive holds back every later operation
+of the pair on that group, its sends included (shared/notes/nccl-rules.md). Traffic that goes one
+way only on a group of its own is free of both hazards: a rank only sends on it, its peer only
+receives, so receives can be posted as far ahead as one likes without holding back a send, and
+messages match as long as the receiver posts its receives in the order the sender issues its sends.
+
+NCCL creates a pair's communicator at the pair's first operation, which blocks the host until the
+peer issues one too: two ranks whose first operations on two links wait for each other's second
+would deadlock there. So each link is opened where its group is made, both ends at once, by one
+message.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+Link = tuple[int, int]  # (source, destination) global ranks
+
+
+def link_groups(links: Iterable[Link], device: torch.device) -> dict[Link, dist.ProcessGroup]:
+    """A two-rank process group of its own for each link (source, destination), opened by one message
+    on ``device`` (see the module docstring); returns those this rank is an end of. Collective over the
+    world: every rank passes the same links (the whole world's), and every rank creates every group,
+    in one order (a group's other ranks only count it)."""
+    me = dist.get_rank()
+    groups = {}
+    for src, dst in sorted(set(links)):
+        if src == dst:
+            raise ValueError(f"a link needs two ranks, got {src} -> {dst}")
+        group = dist.new_group([src, dst])
+        if me == src:
+            dist.send(torch.zeros(1, device=device), dst, group=group)
+        elif me == dst:
+            dist.recv(torch.empty(1, device=device), src, group=group)
+        if me in (src, dst):
+            groups[src, dst] = group
+    return groups
