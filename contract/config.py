@@ -14,6 +14,9 @@ from workload.configs import ModelConfig, OptimizerConfig
 # Fields of RunConfig that do not change what a run measures: two runs that differ only in these
 # are the same measurement (a sweep runs it once; a report keeps the newest).
 VOLATILE_FIELDS = frozenset({"verify", "timeout", "device"})
+# The precision policies (RunConfig.precision): every system runs each, --verify judges each against
+# the reference under the same policy (workload.training holds what each means).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -88,7 +91,7 @@ class RunConfig:
     dp: int = 1  # data-parallel degree (pipelines)
     steps: int = 10  # measured steps
     warmup: int = 2  # steps run before the measured ones, excluded from timing
-    mixed_precision: bool = False  # fp16 + loss scaling on CUDA, bf16 autocast on CPU
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (with dynamic loss scaling): the run's one precision policy
     recompute: bool = False  # activation recomputation
     network: str = "none"  # a network profile of network_emulation; "none": no emulation
     seed: int = 0
@@ -111,10 +114,6 @@ class RunConfig:
     def total_steps(self) -> int:
         return self.warmup + self.steps
 
-    @property
-    def precision(self) -> str:
-        return "mixed" if self.mixed_precision else "fp32"
-
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
 
@@ -126,8 +125,13 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], options: type[SystemOptions] = SystemOptions) -> RunConfig:
-        """The inverse of ``to_dict``; ``options`` is the class of the system's options."""
+        """The inverse of ``to_dict``; ``options`` is the class of the system's options. A config
+        written before ``precision`` existed has ``mixed_precision``: true meant fp16 on CUDA and
+        bf16 elsewhere (``legacy_mixed_precision``)."""
         d = dict(d)
+        if "mixed_precision" in d:
+            mixed = d.pop("mixed_precision")
+            d.setdefault("precision", legacy_mixed_precision(d.get("device", "auto")) if mixed else "fp32")
         d["model"] = ModelConfig(**d["model"])
         d["optimizer"] = OptimizerConfig(**d["optimizer"])
         d["options"] = options.from_dict(d.get("options") or {})
@@ -146,6 +150,12 @@ class RunConfig:
         """The run's identity as one string (sorted JSON): a sweep skips a key already recorded,
         a report cell shows the newest record of its key."""
         return json.dumps(self.identity(), sort_keys=True)
+
+
+def legacy_mixed_precision(device: str) -> str:
+    """The policy ``--mixed-precision`` (and a record's ``mixed_precision``) stands for on ``device``
+    (cpu, cuda, or auto as resolved): fp16 with loss scaling on CUDA, bf16 on CPU."""
+    return "fp16" if device == "cuda" else "bf16"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec
+from contract.config import PRECISIONS, legacy_mixed_precision
 from network_emulation.profiles import ProfileError, check_emulable, parse_profile
 from runners.registry import get_system, systems
 from workload.configs import MODEL_CONFIGS, OptimizerConfig, get_model_config
@@ -112,7 +113,9 @@ def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.Argumen
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=10, help="measured steps")
     g.add_argument("--warmup", type=int, default=2, help="warm-up steps, not timed")
-    g.add_argument("--mixed-precision", action="store_true", help="fp16 + loss scaling on CUDA, bf16 autocast on CPU")
+    g.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="the precision policy: fp32 (default), bf16 autocast, or fp16 autocast with dynamic loss scaling")
+    g.add_argument("--mixed-precision", action="store_true", help="alias: --precision fp16 on CUDA, bf16 on CPU")
     g.add_argument("--recompute", action="store_true", help="activation recomputation")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--optimizer", default="adam", help="adam | sgd")
@@ -151,9 +154,24 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         system=spec.name, model=model, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
         pp=args.pp, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup,
-        mixed_precision=args.mixed_precision, recompute=args.recompute, network=args.network, seed=args.seed,
+        precision=precision_from_args(args), recompute=args.recompute, network=args.network, seed=args.seed,
         optimizer=OptimizerConfig(kind=args.optimizer, lr=args.lr), data=args.data, device=args.device,
         verify=args.verify, timeout=args.timeout, options=spec.options(**given))
+
+
+def precision_from_args(args: argparse.Namespace) -> str:
+    """--precision, or the policy --mixed-precision stands for on the device the run will use (with
+    --device auto: fp16 where CUDA is available, which costs importing torch here)."""
+    if not args.mixed_precision:
+        return args.precision or "fp32"
+    if args.precision is not None:
+        raise ConfigError(f"--mixed-precision is an alias of --precision bf16 or fp16: give only --precision {args.precision}")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return legacy_mixed_precision(device)
 
 
 def placement_from_args(args: argparse.Namespace) -> Placement:

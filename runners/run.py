@@ -123,9 +123,7 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
         if cfg.verify:
             ref, how = reference_result(reference_config(cfg))
             try:
-                cuda = bool(result.ranks) and str(result.ranks[0].get("device", "")).startswith("cuda")
-                verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights, cuda)),
-                                                   reference=how)
+                verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights)), reference=how)
             finally:
                 if ref.run_dir is not None:
                     shutil.rmtree(ref.run_dir, ignore_errors=True)

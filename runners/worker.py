@@ -30,6 +30,7 @@ from contract.training import Context  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from runners.registry import get_system  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
+from workload.training import compute_dtype  # noqa: E402
 
 
 def pick_device(requested: str, local_rank: int, devices_per_process: int = 1) -> tuple[torch.device, str]:
@@ -51,7 +52,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def hardware_peak(device: torch.device, cfg: RunConfig) -> tuple[float, str, str]:
     """(peak TFLOP/s, where it came from, device name)."""
-    precision = ("fp16" if device.type == "cuda" else "bf16") if cfg.mixed_precision else "fp32"
+    precision = cfg.precision
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_tflops(name, precision)
@@ -59,7 +60,7 @@ def hardware_peak(device: torch.device, cfg: RunConfig) -> tuple[float, str, str
             return peak, f"table:{precision}", name
     else:
         name = "cpu"
-    dtype = torch.float32 if precision == "fp32" else (torch.float16 if device.type == "cuda" else torch.bfloat16)
+    dtype = compute_dtype(precision)
     return measure_matmul_tflops(device, dtype), f"measured-matmul:{precision}", name
 
 

@@ -15,14 +15,14 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     if cfg.recompute:
         checkpoint_blocks(model)
     opt = make_optimizer(model.parameters(), cfg.optimizer)
-    scaler = grad_scaler(ctx.device, cfg.mixed_precision)
+    scaler = grad_scaler(ctx.device, cfg.precision)
     n_chunks = cfg.batch_size // cfg.micro_batch_size
 
     def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=ctx.device)
         for x, y in zip(inputs.split(cfg.micro_batch_size), targets.split(cfg.micro_batch_size)):
-            with autocast(ctx.device, cfg.mixed_precision):
+            with autocast(ctx.device, cfg.precision):
                 loss = lm_loss(model(x), y) / n_chunks
             scaler.scale(loss).backward()
             total += loss.detach()

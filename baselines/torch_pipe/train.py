@@ -4,6 +4,11 @@ dimension (FSDP1 and DDP do not combine correctly with pipelining in torch 2.13)
 
 Stages are built by hand from the shared model (``workload.partition``), so parameter names are the
 reference's. Ranks: global rank = dp_rank * P + pp_rank.
+
+Precision (``workload.training``): each stage's forward runs under the policy's autocast. fp16's loss
+scaling is one ``SharedGradScaler`` over every rank: the last stage scales each micro-batch's loss,
+the gradients reaching the other stages carry that scale, and every stage unscales by the same scale
+and skips the step when any stage (or FSDP2 shard) found an overflow.
 """
 from __future__ import annotations
 
@@ -20,15 +25,15 @@ from contract import RunConfig
 from contract.training import Context, Measurements, StepOutput, run_steps
 from workload.model import GPT, lm_loss
 from workload.partition import stage_specs
-from workload.training import autocast, checkpoint_blocks, grad_scaler, make_optimizer
+from workload.training import SharedGradScaler, autocast, checkpoint_blocks, make_optimizer
 
 
-def _with_autocast(module: GPT, device: torch.device) -> None:
-    """Mixed precision applied from outside: the stage's forward runs under autocast."""
+def _with_autocast(module: GPT, device: torch.device, precision: str) -> None:
+    """The precision policy applied from outside: the stage's forward runs under its autocast."""
     forward = module.forward
 
     def autocast_forward(*args, **kwargs):
-        with autocast(device, True):
+        with autocast(device, precision):
             return forward(*args, **kwargs)
 
     module.forward = autocast_forward
@@ -66,15 +71,15 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     for module in modules:
         if cfg.recompute:
             checkpoint_blocks(module)
-        if cfg.mixed_precision:
-            _with_autocast(module, ctx.device)
+        if cfg.precision != "fp32":
+            _with_autocast(module, ctx.device, cfg.precision)
         if D > 1:
             if cfg.options.schedule not in ONE_FSDP_UNIT:
                 for block in module.blocks.values():
                     fully_shard(block, mesh=mesh["dp"])
             fully_shard(module, mesh=mesh["dp"])
     stages = [PipelineStage(m, s.index, P * V, ctx.device, group=mesh["pp"].get_group()) for m, s in zip(modules, mine)]
-    scaler = grad_scaler(ctx.device, cfg.mixed_precision)
+    scaler = SharedGradScaler(ctx.device, cfg.precision)  # over every rank: all stages, all DP shards
     schedule = build_schedule(cfg, stages, loss_fn=lambda out, tgt: scaler.scale(lm_loss(out, tgt)))
     params = [p for m in modules for p in m.parameters()]
     opt = make_optimizer(params, cfg.optimizer)

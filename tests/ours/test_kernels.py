@@ -87,7 +87,7 @@ def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False, schedul
     model = build_gpt(CFG, 0)
     eng = StageEngine(model, stage_specs(CFG.n_layer, 1)[0], slices=slices, batch_size=batch, micro_batch_size=mb,
                       device=torch.device("cpu"), rank=0, prev_rank=None, next_rank=None, tracer=Tracer(0, False),
-                      mixed_precision=mixed, recompute=recompute, schedule=schedule)
+                      precision="bf16" if mixed else "fp32", recompute=recompute, schedule=schedule)
     if engine_hook is not None:
         engine_hook(eng)
     loss = eng.step(x, y)
