@@ -49,11 +49,13 @@ MULTI_STAGE = {"interleaved": ScheduleInterleaved1F1B, "zb": ScheduleInterleaved
 
 
 def build_schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn):
-    """The schedule over this rank's stages (placed by ``stage_indices`` for the same schedule)."""
+    """The schedule over this rank's stages (placed by ``stage_indices`` for the same schedule).
+    ``loss_fn`` gives a micro-batch's share of the batch's loss (its mean over the micro-batch count),
+    so the schedule does not scale the gradients itself."""
     name, n_mb = cfg.options.schedule, cfg.n_micro_batches
     if name in SINGLE_STAGE:
-        return SINGLE_STAGE[name](stages[0], n_mb, loss_fn=loss_fn)
-    return MULTI_STAGE[name](stages, n_mb, loss_fn=loss_fn)
+        return SINGLE_STAGE[name](stages[0], n_mb, loss_fn=loss_fn, scale_grads=False)
+    return MULTI_STAGE[name](stages, n_mb, loss_fn=loss_fn, scale_grads=False)
 
 
 def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
@@ -80,7 +82,11 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
             fully_shard(module, mesh=mesh["dp"])
     stages = [PipelineStage(m, s.index, P * V, ctx.device, group=mesh["pp"].get_group()) for m, s in zip(modules, mine)]
     scaler = SharedGradScaler(ctx.device, cfg.precision)  # over every rank: all stages, all DP shards
-    schedule = build_schedule(cfg, stages, loss_fn=lambda out, tgt: scaler.scale(lm_loss(out, tgt)))
+    # each micro-batch's share of the loss is scaled before its backward, as the reference scales it: a
+    # micro-batch's mean loss scaled whole would run its fp16 backward n_micro times larger, so it
+    # would overflow (and skip the step) where the reference does not
+    n_mb = cfg.n_micro_batches
+    schedule = build_schedule(cfg, stages, loss_fn=lambda out, tgt: scaler.scale(lm_loss(out, tgt) / n_mb))
     params = [p for m in modules for p in m.parameters()]
     opt = make_optimizer(params, cfg.optimizer)
     has_first = any(s.is_first for s in mine)
@@ -97,7 +103,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         scaler.step(opt)
         scale = scaler.get_scale() if scaler.is_enabled() else 1.0
         scaler.update()
-        loss = float(torch.stack(losses).detach().float().mean()) / scale if losses else None
+        loss = float(torch.stack(losses).detach().float().sum()) / scale if losses else None
         return StepOutput(loss=loss)
 
     m = run_steps(ctx, dp_rank, step)
