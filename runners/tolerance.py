@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from contract import RunConfig
 
 DERIVED_AT_STEPS = 12  # the optimizer steps of the runs the tolerances are derived from (a run's default: 2 + 10)
+DERIVED_TOKENS = 32  # their tokens per micro-batch (the tests' model: sequence 32, micro-batch 1)
 MARGIN = 2.0  # over the largest difference measured
 
 
@@ -77,6 +78,13 @@ def round_up(x: float) -> float:
         if m * 10**k >= x * (1 - 1e-12):
             return float(f"{m * 10**k:.0e}")
     raise AssertionError("unreachable")
+
+
+def derivation_runs(policy: str, rows: list[dict]) -> list[dict]:
+    """Of ``runners.verify_spread``'s rows, those a policy's tolerance is derived from: the policy's
+    verified runs at ``DERIVED_AT_STEPS`` steps and ``DERIVED_TOKENS`` tokens per micro-batch."""
+    return [r for r in rows if r["class"] == policy and r["steps"] == DERIVED_AT_STEPS
+            and r["tokens"] == DERIVED_TOKENS and r["status"] == "ok" and r.get("max_rel_grad_diff") is not None]
 
 
 def derive(policy: str, runs: list[dict]) -> Tolerance:

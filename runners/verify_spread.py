@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from runners.invoke import run_command
-from runners.tolerance import DERIVED_AT_STEPS, derive, policy_class, tolerance_table
+from runners.tolerance import DERIVED_AT_STEPS, DERIVED_TOKENS, derivation_runs, derive, policy_class, tolerance_table
 
 REPO = Path(__file__).resolve().parent.parent
 KEEP = REPO / "results" / "measured-here" / "verify-spread.jsonl"
@@ -112,38 +112,40 @@ def _fmt(x: float | None) -> str:
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
-    """Markdown: per policy class and case at each steps, the spread; then per class the derived
-    tolerance against the one in force."""
+    """Markdown: per policy class, case, model shape and steps, the spread; the runs whose verification
+    failed or did not run; then per class the tolerance the rule gives against the one in force."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("max_rel_grad_diff") is not None]
-    out = ["| policy | case | steps | runs | rel grad diff median | max | abs grad diff max | loss diff median | max |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| policy | case | shape (tokens per micro-batch) | steps | runs | rel grad diff median | max | "
+           "abs grad diff max | loss diff median | max |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     groups: dict[tuple, list[dict]] = {}
     for r in ok:
-        groups.setdefault((r["class"], r["case"], r["steps"]), []).append(r)
-    for (cls, case, steps), rs in sorted(groups.items()):
+        groups.setdefault((r["class"], r["case"], r["tokens"], r["shape"], r["steps"]), []).append(r)
+    for (cls, case, tokens, shape, steps), rs in sorted(groups.items()):
         rel = [r["max_rel_grad_diff"] for r in rs]
-        absd = [r["max_abs_grad_diff"] for r in rs]
         loss = [r["max_abs_loss_diff"] for r in rs]
-        out.append(f"| {cls} | {case} | {steps} | {len(rs)} | {_fmt(statistics.median(rel))} | {_fmt(max(rel))} | "
-                   f"{_fmt(max(absd))} | {_fmt(statistics.median(loss))} | {_fmt(max(loss))} |")
-    failed = [r for r in rows if r["status"] != "ok"]
-    if failed:
-        out.append("")
-        out += [f"- not ok: {r['case']} {r['precision']} seed {r['seed']} steps {r['steps']}: {r['status']} "
-                f"{r.get('error', '')}" for r in failed]
-    out += ["", f"Tolerances over each policy's runs at {DERIVED_AT_STEPS} steps (``runners.tolerance.derive``):", "",
-            "| policy | runs | rel grad diff max | loss diff max | abs grad diff max | derived (grad, loss) | in force |",
+        out.append(f"| {cls} | {case} | {shape} ({tokens}) | {steps} | {len(rs)} | {_fmt(statistics.median(rel))} | "
+                   f"{_fmt(max(rel))} | {_fmt(max(r['max_abs_grad_diff'] for r in rs))} | "
+                   f"{_fmt(statistics.median(loss))} | {_fmt(max(loss))} |")
+    bad = [r for r in rows if r not in ok or not r.get("passed")]
+    if bad:
+        out += ["", "Runs whose verification failed or did not run:", ""]
+        out += [f"- {r['case']} {r['precision']} {r['shape']} seed {r['seed']} steps {r['steps']}: {r['status']}, "
+                f"rel {_fmt(r.get('max_rel_grad_diff'))}, loss {_fmt(r.get('max_abs_loss_diff'))}, judged by "
+                f"{r.get('tolerance')} {r.get('error', '')}".rstrip() for r in bad]
+    out += ["", f"Each policy's tolerance by the rule (``runners.tolerance.derive``) over its runs on the tests' "
+                f"model ({DERIVED_TOKENS} tokens per micro-batch) at {DERIVED_AT_STEPS} steps:", "",
+            "| policy | runs | rel grad diff max | abs grad diff max | loss diff max | derived | in force |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
     table = tolerance_table()
     for cls in sorted({r["class"] for r in ok}):
-        rs = [r for r in ok if r["class"] == cls and r["steps"] == DERIVED_AT_STEPS]
+        rs = derivation_runs(cls, ok)
         if not rs:
             continue
-        d = derive(cls, rs)
         force = table.get(cls)
         out.append(f"| {cls} | {len(rs)} | {_fmt(max(r['max_rel_grad_diff'] for r in rs))} | "
-                   f"{_fmt(max(r['max_abs_loss_diff'] for r in rs))} | {_fmt(max(r['max_abs_grad_diff'] for r in rs))} | "
-                   f"{d.describe()} | {force.describe() if force else '-'} |")
+                   f"{_fmt(max(r['max_abs_grad_diff'] for r in rs))} | {_fmt(max(r['max_abs_loss_diff'] for r in rs))} | "
+                   f"{derive(cls, rs).describe()} | {force.describe() if force else '-'} |")
     return out
 
 
