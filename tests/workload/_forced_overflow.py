@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from contract import RunConfig
-from contract.training import Context
+from contract.rank import Context
 from workload.configs import ModelConfig
 
 MODEL = ModelConfig("overflow", 2, 32, 4, seq_len=16, vocab_size=64)
@@ -64,7 +64,7 @@ def patch_ours(log: list, rank: int) -> None:
 
 
 def train(system: str, rank: int, world: int) -> list[dict]:
-    from runners.registry import get_system
+    from contract.registry import get_system
 
     spec = get_system(system)
     options = spec.options(**({"schedule": "1f1b"} if system == "torch_pipe" else {"n_slices": 2}))

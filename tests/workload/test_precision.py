@@ -13,38 +13,51 @@ import pytest
 import torch
 
 from contract import ConfigError, RunConfig
-from runners.request import build_parser, config_from_args, judge
+from contract.records import parse_records
+from runners.request import judge, parse_request
 from tests.conftest import REPO, TINY
 from workload.configs import get_model_config
 from workload.training import LOSS_SCALING, autocast, grad_scaler
 
 
 def _config(*flags: str) -> RunConfig:
-    args = build_parser().parse_args(["--system", "torch_pipe", *TINY, "--batch-size", "2", "--micro-batch-size", "1",
-                                      *flags])
-    cfg = config_from_args(args)
-    judge(cfg)
+    cfg, spec = parse_request(["--system", "torch_pipe", *TINY, "--batch-size", "2", "--micro-batch-size", "1", *flags])
+    judge(cfg, spec)
     return cfg
 
 
-def test_precision_flag_and_the_mixed_precision_alias():
+def test_precision_flag():
     assert _config().precision == "fp32"
     assert _config("--precision", "fp16").precision == "fp16"
-    assert _config("--mixed-precision", "--device", "cpu").precision == "bf16"
-    assert _config("--mixed-precision", "--device", "cuda").precision == "fp16"  # as --mixed-precision always meant
-    with pytest.raises(ConfigError, match="give only --precision fp16"):
-        _config("--mixed-precision", "--precision", "fp16")
-    with pytest.raises(ConfigError, match="unknown --precision 'fp8'"):
-        judge(_config().replace(precision="fp8"))
+    assert _config("--precision", "bf16").precision == "bf16"
+    with pytest.raises(SystemExit):  # argparse refuses it: one line, exit 2
+        _config("--precision", "fp8")
+    cfg, spec = parse_request(["--system", "torch_pipe", *TINY, "--batch-size", "2", "--micro-batch-size", "1"])
+    with pytest.raises(ConfigError, match="unknown --precision 'fp8'"):  # a sweep's config: judged alike
+        judge(cfg.replace(precision="fp8"), spec)
 
 
 def test_a_record_written_before_precision_loads_as_its_policy():
+    """--mixed-precision was bf16 on CPU and fp16 on CUDA: an old config and an old record (its config,
+    key and precision) read as the policy it ran, the key the same as a new run's of that policy."""
     cfg = RunConfig(system="reference", model=get_model_config("tiny"), batch_size=2, micro_batch_size=1)
     old = {k: v for k, v in cfg.to_dict().items() if k != "precision"}
     assert RunConfig.from_dict({**old, "mixed_precision": False}).precision == "fp32"
     assert RunConfig.from_dict({**old, "mixed_precision": True}).precision == "bf16"  # CPU: bf16 autocast
     assert RunConfig.from_dict({**old, "mixed_precision": True, "device": "cuda"}).precision == "fp16"
     assert RunConfig.from_dict({**old, "mixed_precision": True}).key() == cfg.replace(precision="bf16").key()
+
+    def record(kind: str) -> dict:
+        key = {k: v for k, v in json.loads(cfg.key()).items() if k != "precision"}
+        return {"system": "reference", "status": "ok", "model": "tiny", "model_shape": {}, "layout": {},
+                "batch_size": 2, "micro_batch_size": 1, "network": "none", "precision": "mixed",
+                "config": {**old, "mixed_precision": True}, "key": json.dumps({**key, "mixed_precision": True}),
+                "environment": {"device_kind": kind}}
+
+    cpu, cuda = parse_records("\n".join(json.dumps(record(kind)) for kind in ("cpu", "cuda")))
+    assert (cpu["precision"], cuda["precision"]) == ("bf16", "fp16")
+    assert cpu["config"]["precision"] == "bf16" and "mixed_precision" not in cpu["config"]
+    assert cpu["key"] == cfg.replace(precision="bf16").key() and cuda["key"] == cfg.replace(precision="fp16").key()
 
 
 def test_each_policy_autocasts_to_its_dtype_and_only_fp16_scales():
