@@ -36,7 +36,7 @@ HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "ste
 # RunConfig's fields the tables show as axes, columns or in the heading (the rest of a run's identity,
 # where it is not the default, is stated beside the heading)
 SHOWN = frozenset({"system", "model", "pp", "tp", "dp", "batch_size", "micro_batch_size", "steps", "warmup",
-                   "mixed_precision", "recompute", "network", "network_matrix", "options"})
+                   "precision", "recompute", "network", "network_matrix", "options"})
 
 
 def load_records(paths: list[str]) -> list[dict]:

@@ -19,6 +19,9 @@ from typing import Any, Callable
 from workload.configs import MODEL_CONFIGS, ModelConfig, OptimizerConfig
 
 P2P_SEMANTICS = ("gloo", "nccl")  # --p2p-semantics: gloo's own, or NCCL's rules followed on gloo
+# The precision policies (RunConfig.precision): every system runs each, --verify judges each against
+# the reference under the same policy (workload.training holds what each means).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -105,7 +108,9 @@ class RunConfig:
     micro_batch_size: int = option(help="sequences per micro-batch (batch-size divides into them)", group=LAYOUT)
     steps: int = option(10, "measured steps", group=TRAINING)
     warmup: int = option(2, "warm-up steps, not timed", group=TRAINING)
-    mixed_precision: bool = option(False, "fp16 + loss scaling on CUDA, bf16 autocast on CPU", group=TRAINING)
+    precision: str = option("fp32", "the precision policy: fp32, bf16 autocast, or fp16 autocast with dynamic loss "
+                                    "scaling (what --mixed-precision was: bf16 on CPU, fp16 on CUDA)",
+                            choices=PRECISIONS, group=TRAINING)
     recompute: bool = option(False, "activation recomputation", group=TRAINING)
     seed: int = option(0, "seed of the initial weights and of the synthetic tokens", group=TRAINING)
     optimizer: OptimizerConfig = option(help="the optimizer every system runs", group=TRAINING,
@@ -147,10 +152,6 @@ class RunConfig:
     def total_steps(self) -> int:
         return self.warmup + self.steps
 
-    @property
-    def precision(self) -> str:
-        return "mixed" if self.mixed_precision else "fp32"
-
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
 
@@ -162,8 +163,9 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], options: type[SystemOptions] = SystemOptions) -> RunConfig:
-        """The inverse of ``to_dict``; ``options`` is the class of the system's options."""
-        d = dict(d)
+        """The inverse of ``to_dict``; ``options`` is the class of the system's options. A config
+        written before ``precision`` existed (``mixed_precision``) gets its policy (``legacy_precision``)."""
+        d = legacy_precision(d)
         d["model"] = ModelConfig(**d["model"])
         d["optimizer"] = OptimizerConfig(**d["optimizer"])
         d["options"] = options.from_dict(d.get("options") or {})
@@ -200,6 +202,20 @@ class RunConfig:
 # Fields of RunConfig that do not change what a run measures (declared ``identity=False``): two runs
 # that differ only in these are the same measurement (a sweep runs it once; a report keeps the newest).
 VOLATILE_FIELDS = frozenset(f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("identity", True))
+
+
+def legacy_precision(config: dict[str, Any], device_kind: str | None = None) -> dict[str, Any]:
+    """A config's fields (a dict, as ``to_dict`` or a run's key has them) with ``precision`` for the
+    ``mixed_precision`` of a config written before the policy existed: false was fp32, true fp16 with
+    loss scaling on CUDA and bf16 autocast elsewhere (``device_kind``, else the config's own device or
+    hardware, says which: 'cuda' or not). A config that has ``precision`` comes back as it is (a copy)."""
+    d = dict(config)
+    if "mixed_precision" not in d:
+        return d
+    mixed = d.pop("mixed_precision")
+    kind = device_kind or str(d.get("hardware") or d.get("device") or "").split(":")[0]
+    d.setdefault("precision", ("fp16" if kind == "cuda" else "bf16") if mixed else "fp32")
+    return d
 
 
 def planned_key(key: str) -> tuple[str, str | None]:

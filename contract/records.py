@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from contract.config import legacy_precision
+
 # What makes a JSON object a run record (what the report needs of every one), and the type of each.
 REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 _REQUIRED_TYPES = dict(system=str, status=str, model=str, model_shape=dict, layout=dict, batch_size=int,
@@ -83,10 +85,31 @@ def parse_records(text: str, source: str = "records", warn: Callable[[str], None
                 warn(f"{source}:{n}: field {name} left out ({_shown(value)} is not "
                      f"{'a finite number' if name in NUMBERS else 'a list of finite numbers' if name in NUMBER_LISTS else 'a table' if name in TABLES else 'text'})")
             del rec[name]
+        _upgrade_precision(rec)
         if rec["status"] == "ok" and rec.get("median_step_time") is None and warn:
             warn(f"{source}:{n}: an ok record without a median_step_time (shown as such)")
         records.append(rec)
     return records
+
+
+def _upgrade_precision(rec: dict) -> None:
+    """A record written before the precision policy (``mixed_precision`` in its config and key,
+    ``precision`` 'mixed') as one written now: its policy (``contract.config.legacy_precision``, from
+    the device it ran on) in its config, its key and its ``precision``, so that it reports and is
+    recognised by a sweep as the same run as a new one of that policy."""
+    config = rec.get("config")
+    if not isinstance(config, dict) or "mixed_precision" not in config:
+        return
+    kind = str((rec.get("environment") or {}).get("device_kind") or "") or None
+    rec["config"] = legacy_precision(config, kind)
+    rec["precision"] = rec["config"]["precision"]
+    if isinstance(rec.get("key"), str):
+        try:
+            key = json.loads(rec["key"])
+        except json.JSONDecodeError:
+            return
+        if isinstance(key, dict):
+            rec["key"] = json.dumps(legacy_precision(key, kind), sort_keys=True)
 
 
 def _shown(value: Any) -> str:

@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from contract.config import P2P_SEMANTICS, ConfigError, RunConfig, SystemOptions
+from contract.config import P2P_SEMANTICS, PRECISIONS, ConfigError, RunConfig, SystemOptions
 
 if TYPE_CHECKING:  # torch: only the ranks import it
     from contract.rank import Context, Measurements
@@ -85,9 +85,9 @@ class SystemSpec:
     label: Callable[[RunConfig], str] | None = None  # a run's column in reports (default: the name)
     details: Callable[[dict[str, Any]], str] | None = None  # a run's resolved choices, from its record's options
     role: str = "baseline"  # "baseline", "ours" or "reference": how reports compare it (ours against the best baseline)
-    # Its --mixed-precision keeps the weights themselves in half precision (fp32 main copies in the
-    # optimizer, as megatron) rather than autocasting fp32 weights as the reference does: --verify
-    # then judges it by that policy's tolerance.
+    # Under --precision bf16 / fp16 it keeps the weights and activations themselves in half precision
+    # (fp32 main copies in the optimizer, as megatron) rather than autocasting fp32 weights: --verify
+    # then compares it with the reference run the same way (runners.tolerance).
     half_weights: bool = False
 
     def load(self) -> Train:
@@ -141,6 +141,8 @@ def check_common(config: RunConfig) -> None:
     if config.batch_size % config.micro_batch_size:
         raise ConfigError(f"--batch-size {config.batch_size} is not divisible by --micro-batch-size "
                           f"{config.micro_batch_size}")
+    if config.precision not in PRECISIONS:
+        raise ConfigError(f"unknown --precision {config.precision!r}; choose from {', '.join(PRECISIONS)}")
     if config.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"unknown --device {config.device!r}; choose from auto, cpu, cuda")
     if config.p2p_semantics not in P2P_SEMANTICS:

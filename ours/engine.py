@@ -27,6 +27,11 @@ parameter's gradient becomes final, so data parallelism can start moving it (``o
 
 ``wire_dtype`` (default fp32): the type activations and their gradients cross the network in; bf16
 or fp16 is lossy (compute stays in the stage's own precision).
+
+``precision`` (``workload.training``): under bf16 / fp16 the units run under that autocast, the
+linears apply the weights cast once per step to the half type, and each weight gradient is summed
+over the units in fp32 (``WeightGrad``). fp16's loss scale is set by the caller (``loss_scale``): the
+last stage scales each unit's loss by it.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ from ours.schedule import unit_order
 from ours.trace import Tracer
 from workload.model import GPT, block_forward
 from workload.partition import StageSpec
-from workload.training import autocast
+from workload.training import autocast, compute_dtype
 
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
@@ -110,7 +115,7 @@ class _Step:
 class StageEngine:
     def __init__(self, model: GPT, spec: StageSpec, *, slices: tuple[int, ...], batch_size: int, micro_batch_size: int,
                  device: torch.device, rank: int, prev_rank: int | None, next_rank: int | None, tracer: Tracer,
-                 mixed_precision: bool = False, recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
+                 precision: str = "fp32", recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
                  schedule: str = "1f1b", grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None,
                  links: Mapping[Link, dist.ProcessGroup] | None = None):
         cfg = model.config
@@ -132,10 +137,10 @@ class StageEngine:
         self.prev, self.next = prev_rank, next_rank
         self.links = dict(links or {})  # (source, destination) -> the process group of that link's direction
         self.tracer = tracer
-        self.mixed = mixed_precision
+        self.precision = precision
         self.recompute = recompute
         self.masks = MaskCache()
-        self.low_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        self.low_dtype = compute_dtype(precision)
         self.blocks = list(model.blocks.values())
         # deferred-gradient linears: (weight param, bias param or None, stash)
         self.linears: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter | None, WeightGrad]] = {}
@@ -152,7 +157,7 @@ class StageEngine:
         self.grads_ready = grads_ready  # called with each group of parameters whose gradient is final
         self._posted: tuple[dict, dict] | None = None  # the coming step's (forward, backward) receives
         self._pending: _Step | None = None  # the next step, its first forwards run ahead (``prefetch``)
-        self.loss_scale = 1.0  # dynamic loss scaling (fp16 on CUDA) sets it
+        self.loss_scale = 1.0  # fp16's dynamic loss scaling sets it
 
     # ---- the functional forward -------------------------------------------------------------
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +184,7 @@ class StageEngine:
         downstream waits for it, so the forward phase (which the previous stage's first gradient
         waits on) gets shorter, and a unit's logits live only during its own backward."""
         c, l = self.slices[i]
-        with autocast(self.device, self.mixed):
+        with autocast(self.device, self.precision):
             h = F.layer_norm(x, (self.C,), self.model.ln_f.weight, self.model.ln_f.bias)
             logits = self._lin("lm_head", h)
             tgt = targets[b * self.mb : (b + 1) * self.mb, c : c + l]
@@ -187,12 +192,12 @@ class StageEngine:
 
     def _prepare_weights(self) -> None:
         """The weights the linears apply this step (detached: their gradients are computed by
-        ``WeightGrad``); cast once per step to the low precision under mixed precision."""
+        ``WeightGrad``); cast once per step to the half type under bf16 / fp16."""
         self._w = {}
         for name, (w, b, wg) in self.linears.items():
             w = w.detach()
             b = b.detach() if b is not None else None
-            if self.mixed:
+            if self.low_dtype != torch.float32:
                 w = w.to(self.low_dtype)
                 b = b.to(self.low_dtype) if b is not None else None
             self._w[name] = (w, b, wg)
@@ -357,7 +362,7 @@ class StageEngine:
                  i: int) -> torch.Tensor:
         """Unit (b, i)'s forward through the stage: the embeddings on the first stage, then its layers."""
         c, l = self.slices[i]
-        with autocast(self.device, self.mixed):
+        with autocast(self.device, self.precision):
             if self.spec.is_first:
                 idx = inputs[b * self.mb : (b + 1) * self.mb, c : c + l]
                 x = F.embedding(idx, self.model.wte.weight) + self.model.wpe.weight[c : c + l]

@@ -169,9 +169,13 @@ class DeferredLinear(torch.autograd.Function):
 
 
 class WeightGrad:
-    """The weight (and bias) gradient of one DeferredLinear, accumulated from its stash in place
-    (``addmm_``: no concatenation copy, no per-slice gradient tensor). ``drain`` may run at any time
-    (e.g. while the stage waits for a message); ``finish`` drains what is left and returns dW, db."""
+    """The weight (and bias) gradient of one DeferredLinear, accumulated from its stash in fp32.
+    fp32 units: in place (``addmm_``: no concatenation copy, no per-slice gradient tensor). Half
+    precision units (bf16 / fp16 policies): each unit's product in the half type (as autocast computes
+    a micro-batch's weight gradient), summed in fp32 (as autograd accumulates fp32 weights' gradients):
+    a half accumulator would round every partial sum, and under fp16's loss scale of 2^16 a sum over many
+    units can overflow where each unit does not. ``drain`` may run at any time (e.g. while the stage
+    waits for a message); ``finish`` drains what is left and returns dW, db (fp32)."""
 
     __slots__ = ("stash", "with_bias", "dW", "db")
 
@@ -189,14 +193,25 @@ class WeightGrad:
             dy = dy.reshape(-1, dy.shape[-1])
             if x.dtype != dy.dtype:
                 x = x.to(dy.dtype)
-            if self.dW is None:
-                self.dW = dy.t().mm(x)
-                if self.with_bias:
-                    self.db = dy.sum(0)
+            if dy.dtype not in (torch.float16, torch.bfloat16):
+                if self.dW is None:
+                    self.dW = dy.t().mm(x)
+                    if self.with_bias:
+                        self.db = dy.sum(0)
+                else:
+                    self.dW.addmm_(dy.t(), x)
+                    if self.with_bias:
+                        self.db.add_(dy.sum(0))
             else:
-                self.dW.addmm_(dy.t(), x)
-                if self.with_bias:
-                    self.db.add_(dy.sum(0))
+                dW = dy.t().mm(x)
+                db = dy.sum(0, dtype=torch.float32) if self.with_bias else None
+                if self.dW is None:
+                    self.dW = dW.float()
+                    self.db = db
+                else:
+                    self.dW.add_(dW)
+                    if self.with_bias:
+                        self.db.add_(db)
             n += 1
         return n
 

@@ -19,6 +19,7 @@ from ours.engine import StageEngine, pipeline_links
 from ours.plan.auto import auto_slicing
 from ours.trace import Tracer
 from workload.partition import stage_specs
+from workload.training import LOSS_SCALING
 
 def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[tuple[int, ...], str]:
     """The token slicing every rank uses and how it was chosen: explicit / K equal slices, or
@@ -35,12 +36,13 @@ def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[tuple[int, ...], str]:
 
 
 class _LossScaler:
-    """Dynamic loss scaling for fp16 (CUDA): one scale for the whole world, kept in step by an
-    all-reduced overflow flag. Disabled (scale 1) otherwise."""
+    """fp16's dynamic loss scaling (``workload.training.LOSS_SCALING``, on any device): one scale for
+    the whole world, kept in step by an all-reduced overflow flag: an overflow on any rank skips the
+    step on every rank and halves the scale. Disabled (scale 1) under fp32 and bf16."""
 
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled, self.device = enabled, device
-        self.scale = 2.0**16 if enabled else 1.0
+        self.scale = LOSS_SCALING["init_scale"] if enabled else 1.0
         self.good_steps = 0
 
     def check_and_unscale(self, params: list[torch.nn.Parameter]) -> bool:
@@ -53,15 +55,15 @@ class _LossScaler:
                 bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().float())
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if bad.item() > 0:
-            self.scale *= 0.5
+            self.scale *= LOSS_SCALING["backoff_factor"]
             self.good_steps = 0
             return False
         for p in params:
             if p.grad is not None:
                 p.grad.div_(self.scale)
         self.good_steps += 1
-        if self.good_steps % 2000 == 0:
-            self.scale *= 2.0
+        if self.good_steps % LOSS_SCALING["growth_interval"] == 0:
+            self.scale *= LOSS_SCALING["growth_factor"]
         return True
 
 
@@ -89,14 +91,14 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     engine = StageEngine(
         model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
         device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
-        next_rank=None if spec.is_last else ctx.rank + 1, tracer=tracer, mixed_precision=cfg.mixed_precision,
+        next_rank=None if spec.is_last else ctx.rank + 1, tracer=tracer, precision=cfg.precision,
         recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule, links=links)
     named = list(model.named_parameters())
     params = [p for _, p in named]
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
                      ranks=[d * pp + pp_rank for d in range(dp)], links=links, order=engine.grad_order(),
                      wire_dtype=wire, tracer=tracer)
-    scaler = _LossScaler(cfg.mixed_precision and ctx.device.type == "cuda", ctx.device)
+    scaler = _LossScaler(cfg.precision == "fp16", ctx.device)
     if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
         engine.grads_ready = sync.grads_ready
 

@@ -78,13 +78,13 @@ def _target(device_file: str | None, cfg, in_flight: int | None):
         cal = load_calibration()
         return (CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.link(cfg.network, None, cfg.network_matrix),
                 cal.cores, "gloo")
-    from predict.from_config import single_link
+    from predict.from_config import modelled_precision, single_link
     from predict.seed_tables import NVLINK
     from predict.run_spec import Link
 
     link = single_link(cfg.network, cfg.network_matrix)
     link = NVLINK if link is None else Link.from_ms_gbps(link.delay_ms, link.bandwidth_gbps, in_flight)
-    return load_device(device_file, cfg.model, cfg.precision), link, None, "nccl"
+    return load_device(device_file, cfg.model, modelled_precision(cfg)), link, None, "nccl"
 
 
 def _predict(cfg, device_file: str | None, in_flight: int | None):

@@ -45,10 +45,16 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo") -> Run
         return RunSpec(system=cfg.system, model=cfg.model, batch_size=cfg.batch_size,
                        micro_batch_size=cfg.micro_batch_size, link=link, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
                        schedule=schedule, virtual_pp=virtual_pp, slices=slices, dp_mode=dp_mode,
-                       precision="mixed" if cfg.mixed_precision else "fp32", recompute=cfg.recompute,
+                       precision=modelled_precision(cfg), recompute=cfg.recompute,
                        transport=transport)
     except ValueError as exc:
         raise NotModelled(str(exc)) from None
+
+
+def modelled_precision(cfg: RunConfig) -> str:
+    """The simulator's precision of a run: fp32, or 'mixed' for either half policy (bf16, fp16): it
+    models 2-byte messages and a device file's one half-precision efficiency."""
+    return "fp32" if cfg.precision == "fp32" else "mixed"
 
 
 def config_of_record(record: dict) -> RunConfig:

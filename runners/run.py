@@ -125,9 +125,7 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
         if cfg.verify:
             ref, how = reference_result(reference_config(cfg))
             try:
-                cuda = bool(result.ranks) and str(result.ranks[0].get("device", "")).startswith("cuda")
-                verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights, cuda)),
-                                                   reference=how)
+                verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights)), reference=how)
             finally:
                 ref.remove_run_dir()
         if result.network is not None:

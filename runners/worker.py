@@ -32,6 +32,7 @@ from runners import nccl_rules  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
+from workload.training import compute_dtype  # noqa: E402
 
 
 def pick_devices(requested: str, local_rank: int, devices_per_process: int = 1) -> tuple[tuple[torch.device, ...], str]:
@@ -60,22 +61,14 @@ def peak_memory(devices: tuple[torch.device, ...]) -> dict:
     return {"gpu_memory": gpus, "cpu_rss_bytes": rss}
 
 
-def peak_precision(cfg: RunConfig, device: torch.device) -> str:
-    """The precision the run's matmuls compute in: its policy (fp32, bf16, fp16); --mixed-precision is
-    fp16 on CUDA and bf16 on CPU."""
-    if cfg.precision in ("fp32", "bf16", "fp16"):
-        return cfg.precision
-    return "fp16" if device.type == "cuda" else "bf16"
-
-
 def hardware_peak(devices: tuple[torch.device, ...], cfg: RunConfig) -> tuple[float, str, str]:
     """(peak TFLOP/s of one device, where it came from, device name): a GPU's from the table of
     datasheet peaks (workload.flops) where it lists the model, else measured by a matmul on each of
     the process's GPUs (the mean); on CPU measured. A measurement's memory is given back and the peak
     memory statistics start afresh."""
     device = devices[0]
-    precision = peak_precision(cfg, device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    precision = cfg.precision  # the dtype the run's matmuls compute in
+    dtype = compute_dtype(precision)
     if device.type != "cuda":
         return measure_matmul_tflops(device, dtype), f"measured-matmul:{precision}", "cpu"
     name = torch.cuda.get_device_name(device)

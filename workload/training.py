@@ -1,12 +1,32 @@
-"""What every system's training step shares: the optimizer and its settings, and mixed precision."""
+"""What every system's training step shares: the optimizer and its settings, and the precision
+policies (``RunConfig.precision``):
+
+- ``fp32``: everything in fp32.
+- ``bf16``: fp32 weights, the forward under bf16 autocast (matmuls in bf16, reductions, norms and the
+  loss in fp32), fp32 gradients and optimizer. No loss scaling: bf16 has fp32's range.
+- ``fp16``: the same under fp16 autocast, with dynamic loss scaling (``LOSS_SCALING``): the loss is
+  multiplied by the scale before backward, the gradients divided by it before the optimizer step; a
+  step whose gradients hold an inf or NaN anywhere (on any rank) is skipped by every rank and the
+  scale halved; after ``growth_interval`` good steps in a row it doubles.
+
+A system that keeps half-precision weights instead of autocasting (megatron's Float16Module, see
+``contract.SystemSpec.half_weights``) applies the same dtype and the same loss scaling.
+"""
 from __future__ import annotations
 
 import contextlib
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from workload.configs import OptimizerConfig
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16's dynamic loss scaling, one policy for every system (torch.amp.GradScaler's defaults; megatron's
+# optimizer is configured to the same: initial scale, halving on every overflow, growth interval).
+LOSS_SCALING = dict(init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0, growth_interval=2000)
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -16,17 +36,38 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -
     return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
 
-def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
-    """Mixed precision: fp16 on CUDA (with a loss scaler), bf16 on CPU."""
-    if not enabled:
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the policy computes matmuls in (fp32, or the half type)."""
+    return HALF_DTYPES.get(precision, torch.float32)
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The policy's autocast on ``device`` (nothing under fp32)."""
+    if precision not in HALF_DTYPES:
         return contextlib.nullcontext()
-    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=HALF_DTYPES[precision])
 
 
-def grad_scaler(device: torch.device, enabled: bool) -> torch.amp.GradScaler:
-    """Dynamic loss scaling where fp16 needs it (CUDA); a disabled pass-through elsewhere."""
-    return torch.amp.GradScaler(device.type, enabled=enabled and device.type == "cuda")
+def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """One process's dynamic loss scaling (``LOSS_SCALING``) under fp16; a disabled pass-through else."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16", **LOSS_SCALING)
+
+
+class SharedGradScaler(ShardedGradScaler):
+    """Dynamic loss scaling for a model spread over the ranks of ``group`` (pipeline stages, shards):
+    one scale and one decision for all of them. Every rank must call ``step`` (or ``unscale_``) and
+    ``update`` once per step, in the same order: the inf/NaN found in each rank's gradients is summed
+    over the group before any rank steps, so an overflow on any rank skips the step on every rank, and
+    every rank updates its scale from that same verdict. The scales start equal (``LOSS_SCALING``) and
+    stay equal without being sent: the rank that computes the loss scales it with the scale every other
+    rank unscales by. Every rank creates its scale at once (torch's creates it in the first ``scale``,
+    which a pipeline stage without the loss never calls: its ``step`` then fails)."""
+
+    def __init__(self, device: torch.device, precision: str, group: dist.ProcessGroup | None = None):
+        super().__init__(device.type, enabled=precision == "fp16", process_group=group or dist.group.WORLD,
+                         **LOSS_SCALING)
+        if self.is_enabled():
+            self._lazy_init_scale_growth_tracker(device)
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> None:

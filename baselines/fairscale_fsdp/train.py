@@ -13,8 +13,10 @@ A stage piece is the shared GPT with the parts it does not own removed (workload
 parameter names and initial weights are those of the reference. On CPU, fairscale's CUDA
 assumptions are patched by ``baselines.fairscale_cpu_shim`` (installed only when CUDA is absent).
 
-Mixed precision: torch autocast inside each stage (bf16 on CPU; fp16 with fairscale's
-ShardedGradScaler on CUDA); FSDP keeps fp32 parameters and reduces fp32 gradients.
+Precision (``workload.training``): the policy's autocast inside each stage; FSDP keeps fp32 parameters
+and reduces fp32 gradients. fp16's loss scaling is one ``SharedGradScaler`` over the processes (as
+fairscale's own ShardedGradScaler: each process holds a shard of the gradients, so an overflow in
+any shard skips the step everywhere).
 Recompute: every transformer block is checkpointed (``workload.training.checkpoint_blocks``).
 ``dp_sync_time``: wall time inside FSDP's parameter all-gathers and gradient reduce-scatters
 (blocking collectives on gloo; on CUDA they are issued on side streams, so the number is the
@@ -33,7 +35,7 @@ from contract import RunConfig
 from contract.rank import Context, Measurements, StepOutput, run_steps
 from workload.model import lm_loss
 from workload.partition import stage_specs
-from workload.training import autocast, checkpoint_blocks, make_optimizer
+from workload.training import SharedGradScaler, autocast, checkpoint_blocks, make_optimizer
 
 from baselines.fairscale_fsdp import cpu_shim  # noqa: E402
 
@@ -62,14 +64,14 @@ class Stage(nn.Module):
     """One Pipe partition: an FSDP-wrapped stage of the shared GPT, run under autocast (autocast is
     thread-local and Pipe runs partitions in worker threads, so it is entered here)."""
 
-    def __init__(self, fsdp: FSDP, device: torch.device, mixed: bool):
+    def __init__(self, fsdp: FSDP, device: torch.device, precision: str):
         super().__init__()
         self.fsdp = fsdp
         self.device = device
-        self.mixed = mixed
+        self.precision = precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with autocast(self.device, self.mixed):
+        with autocast(self.device, self.precision):
             return self.fsdp(x)
 
 
@@ -118,30 +120,22 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         fsdp._post_backward_hook = timer.wrap(fsdp._post_backward_hook)
         fsdp._wait_for_post_backward = timer.wrap(fsdp._wait_for_post_backward)
         fsdps.append(fsdp)
-        stages.append(Stage(fsdp, device, cfg.mixed_precision))
+        stages.append(Stage(fsdp, device, cfg.precision))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         model = Pipe(nn.Sequential(*stages), balance=[1] * cfg.pp, devices=devices, chunks=cfg.n_micro_batches,
                      checkpoint="never")
     opt = make_optimizer(model.parameters(), cfg.optimizer)
-    scaler = None
-    if cfg.mixed_precision and devices[0].type == "cuda":
-        from fairscale.optim.grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler()
+    scaler = SharedGradScaler(devices[0], cfg.precision)
 
     def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         timer.total = 0.0
         opt.zero_grad(set_to_none=True)
         logits = model(inputs.to(devices[0]))
         loss = lm_loss(logits, targets.to(logits.device))
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         return StepOutput(loss=float(loss.detach()), dp_sync_time=timer.total)
 
     m = run_steps(ctx, ctx.rank, step)

@@ -53,5 +53,5 @@ SPEC = SystemSpec(
     options=MegatronOptions,
     dims=("pp", "tp", "dp"),
     label=lambda config: label(config.options),
-    half_weights=True,  # --mixed-precision: megatron's Float16Module, bf16 (fp16 on CUDA) weights, fp32 main params
+    half_weights=True,  # --precision bf16 / fp16: megatron's Float16Module, half weights, fp32 main params
 )

@@ -25,10 +25,13 @@ ranks; megatron's own torch LayerNorm refuses it, so the layer spec and the bloc
 gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowParallel biases).
 
 ``--recompute``: full activation recomputation of every layer (granularity full, method uniform,
-one layer per group). ``--mixed-precision``: megatron's own mixed precision (Float16Module:
-half-precision parameters and activations, fp32 main parameters and gradients in the optimizer):
-fp16 with dynamic loss scaling on CUDA, bf16 on CPU. (Not the reference's autocast: --verify
-compares it with the autocast reference under a tolerance of its own, see ``runners.tolerance``.)
+one layer per group). ``--precision bf16 | fp16``: megatron's own mixed precision (Float16Module:
+half-precision parameters and activations, fp32 main parameters and gradients in the optimizer),
+not the reference's autocast (``SystemSpec.half_weights``: --verify compares it with the reference
+run the same way, see ``runners.tolerance``). fp16's dynamic loss scaling is megatron's optimizer's,
+set to the suite's policy (``workload.training.LOSS_SCALING``: initial scale 2^16, halved on every
+overflow, doubled after 2000 good steps), and the schedule scales each micro-batch's loss by it
+through ``grad_scale_func`` (as Megatron-LM's training loop sets it).
 ``dp_sync_time``: the wall time of ``finalize_model_grads`` (DP gradient all-reduce, or
 reduce-scatter with the distributed optimizer) and of the distributed optimizer's parameter
 all-gather.
@@ -66,13 +69,13 @@ from contract import RunConfig  # noqa: E402
 from contract.rank import Context, Measurements, StepOutput, run_steps  # noqa: E402
 from workload.configs import ModelConfig  # noqa: E402
 from workload.model import GPT, init_weights  # noqa: E402
+from workload.training import LOSS_SCALING, compute_dtype  # noqa: E402
 
 
 def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
     m = cfg.model
-    fp16 = cfg.mixed_precision and cuda
-    bf16 = cfg.mixed_precision and not cuda
-    dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+    fp16, bf16 = cfg.precision == "fp16", cfg.precision == "bf16"
+    dtype = compute_dtype(cfg.precision)
     kwargs = dict(
         num_layers=m.n_layer, hidden_size=m.n_embd, num_attention_heads=m.n_head, ffn_hidden_size=4 * m.n_embd,
         kv_channels=m.n_embd // m.n_head, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
@@ -260,8 +263,13 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     opt_config = OptimizerConfig(
         optimizer=opt_cfg.kind, lr=opt_cfg.lr, min_lr=opt_cfg.lr, weight_decay=0.0, adam_beta1=opt_cfg.beta1,
         adam_beta2=opt_cfg.beta2, adam_eps=opt_cfg.eps, sgd_momentum=0.0, clip_grad=0.0, fp16=config.fp16,
-        bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer)
+        bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
+        # fp16's loss scaling as every system's (megatron's defaults: 2^32, halved after 2 overflows in a row)
+        initial_loss_scale=LOSS_SCALING["init_scale"], loss_scale_window=LOSS_SCALING["growth_interval"],
+        hysteresis=1)
     opt = get_megatron_optimizer(opt_config, chunks)
+    if config.fp16:
+        config.grad_scale_func = opt.scale_loss  # the schedule scales each micro-batch's loss before backward
     forward_backward = get_forward_backward_func()
     n_micro = cfg.n_micro_batches
     mbs = cfg.micro_batch_size

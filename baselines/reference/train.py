@@ -15,13 +15,13 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     if cfg.recompute:
         checkpoint_blocks(model)
     opt = make_optimizer(model.parameters(), cfg.optimizer)
-    scaler = grad_scaler(ctx.device, cfg.mixed_precision)
+    scaler = grad_scaler(ctx.device, cfg.precision)
 
     def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=ctx.device)
         for x, y in zip(inputs.split(cfg.micro_batch_size), targets.split(cfg.micro_batch_size)):
-            with autocast(ctx.device, cfg.mixed_precision):
+            with autocast(ctx.device, cfg.precision):
                 loss = lm_loss(model(x), y) / cfg.n_micro_batches
             scaler.scale(loss).backward()
             total += loss.detach()

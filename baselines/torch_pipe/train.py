@@ -4,6 +4,11 @@ dimension (FSDP1 and DDP do not combine correctly with pipelining in torch 2.13)
 
 Stages are built by hand from the shared model (``workload.partition``), so parameter names are the
 reference's. Ranks: global rank = dp_rank * P + pp_rank.
+
+Precision (``workload.training``): each stage's forward runs under the policy's autocast. fp16's loss
+scaling is one ``SharedGradScaler`` over every rank: the last stage scales each micro-batch's loss,
+the gradients reaching the other stages carry that scale, and every stage unscales by the same scale
+and skips the step when any stage (or FSDP2 shard) found an overflow.
 """
 from __future__ import annotations
 
@@ -20,15 +25,15 @@ from contract import RunConfig
 from contract.rank import Context, Measurements, StepOutput, run_steps
 from workload.model import GPT, lm_loss
 from workload.partition import stage_specs
-from workload.training import autocast, checkpoint_blocks, grad_scaler, make_optimizer
+from workload.training import SharedGradScaler, autocast, checkpoint_blocks, make_optimizer
 
 
-def _with_autocast(module: GPT, device: torch.device) -> None:
-    """Mixed precision applied from outside: the stage's forward runs under autocast."""
+def _with_autocast(module: GPT, device: torch.device, precision: str) -> None:
+    """The precision policy applied from outside: the stage's forward runs under its autocast."""
     forward = module.forward
 
     def autocast_forward(*args, **kwargs):
-        with autocast(device, True):
+        with autocast(device, precision):
             return forward(*args, **kwargs)
 
     module.forward = autocast_forward
@@ -44,11 +49,13 @@ MULTI_STAGE = {"interleaved": ScheduleInterleaved1F1B, "zb": ScheduleInterleaved
 
 
 def build_schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn):
-    """The schedule over this rank's stages (placed by ``stage_indices`` for the same schedule)."""
+    """The schedule over this rank's stages (placed by ``stage_indices`` for the same schedule).
+    ``loss_fn`` gives a micro-batch's share of the batch's loss (its mean over the micro-batch count),
+    so the schedule does not scale the gradients itself."""
     name, n_mb = cfg.options.schedule, cfg.n_micro_batches
     if name in SINGLE_STAGE:
-        return SINGLE_STAGE[name](stages[0], n_mb, loss_fn=loss_fn)
-    return MULTI_STAGE[name](stages, n_mb, loss_fn=loss_fn)
+        return SINGLE_STAGE[name](stages[0], n_mb, loss_fn=loss_fn, scale_grads=False)
+    return MULTI_STAGE[name](stages, n_mb, loss_fn=loss_fn, scale_grads=False)
 
 
 def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
@@ -66,16 +73,20 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     for module in modules:
         if cfg.recompute:
             checkpoint_blocks(module)
-        if cfg.mixed_precision:
-            _with_autocast(module, ctx.device)
+        if cfg.precision != "fp32":
+            _with_autocast(module, ctx.device, cfg.precision)
         if D > 1:
             if cfg.options.schedule not in ONE_FSDP_UNIT:
                 for block in module.blocks.values():
                     fully_shard(block, mesh=mesh["dp"])
             fully_shard(module, mesh=mesh["dp"])
     stages = [PipelineStage(m, s.index, P * V, ctx.device, group=mesh["pp"].get_group()) for m, s in zip(modules, mine)]
-    scaler = grad_scaler(ctx.device, cfg.mixed_precision)
-    schedule = build_schedule(cfg, stages, loss_fn=lambda out, tgt: scaler.scale(lm_loss(out, tgt)))
+    scaler = SharedGradScaler(ctx.device, cfg.precision)  # over every rank: all stages, all DP shards
+    # each micro-batch's share of the loss is scaled before its backward, as the reference scales it: a
+    # micro-batch's mean loss scaled whole would run its fp16 backward n_micro times larger, so it
+    # would overflow (and skip the step) where the reference does not
+    n_mb = cfg.n_micro_batches
+    schedule = build_schedule(cfg, stages, loss_fn=lambda out, tgt: scaler.scale(lm_loss(out, tgt) / n_mb))
     params = [p for m in modules for p in m.parameters()]
     opt = make_optimizer(params, cfg.optimizer)
     has_first = any(s.is_first for s in mine)
@@ -92,7 +103,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         scaler.step(opt)
         scale = scaler.get_scale() if scaler.is_enabled() else 1.0
         scaler.update()
-        loss = float(torch.stack(losses).detach().float().mean()) / scale if losses else None
+        loss = float(torch.stack(losses).detach().float().sum()) / scale if losses else None
         return StepOutput(loss=loss)
 
     m = run_steps(ctx, dp_rank, step)

@@ -4,7 +4,7 @@ A sweep file (see sweeps/*.toml)::
 
     name = "local"
     [fixed]                        # settings of every run: any flag of the run command, snake_case
-    model = "tiny"                 #   (model, seq_length, batch_size, steps, warmup, mixed_precision,
+    model = "tiny"                 #   (model, seq_length, batch_size, steps, warmup, precision,
     batch_size = 4                 #    recompute, timeout, ...); booleans are switches
     [[experiment]]                 # each experiment is its own cross-product
     name = "network"

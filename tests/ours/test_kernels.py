@@ -73,6 +73,34 @@ def test_deferred_linear_weight_grads():
     torch.testing.assert_close(x.grad, xr.grad)
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_precision_weight_grads_are_summed_in_fp32(half):
+    """Each unit's product in the half type, the sum over units in fp32: under fp16's loss scale a sum
+    can pass fp16's largest value (65504) where no unit does, and a half accumulator would round
+    every partial sum. 16 units whose dW are about 2^12 each: fp16 would overflow to inf."""
+    torch.manual_seed(4)
+    x = torch.full((16, 8, 4), 2.0**3)
+    dy = torch.full((16, 8, 3), 2.0**6)
+    wg = WeightGrad(True)
+    for u in range(16):
+        wg.stash.append((x[u].to(half), dy[u].to(half)))
+    dW, db = wg.finish()
+    assert dW.dtype == db.dtype == torch.float32
+    torch.testing.assert_close(dW, torch.full((3, 4), 16 * 8 * 2.0**9))  # 2^16: past fp16's range
+    torch.testing.assert_close(db, torch.full((3,), 16 * 8 * 2.0**6))
+    # summed in fp32, the rounding is that of each unit's product (random values, 256 units): about
+    # 1-3 eps of a unit's largest product here, where a half accumulator is off by 14-24
+    xs, dys = torch.randn(256, 2, 16, 4), torch.randn(256, 2, 16, 3)
+    wg = WeightGrad(False)
+    for x, dy in zip(xs, dys):
+        wg.stash.append((x.to(half), dy.to(half)))
+    dW, _ = wg.finish()
+    flat = [(dy.reshape(-1, 3).to(half).double(), x.reshape(-1, 4).to(half).double()) for x, dy in zip(xs, dys)]
+    exact = sum(dy.t() @ x for dy, x in flat)
+    unit = max(float((dy.t() @ x).abs().max()) for dy, x in flat)
+    assert float((dW.double() - exact).abs().max()) <= 6 * torch.finfo(half).eps * unit
+
+
 CFG = ModelConfig("unit", n_layer=2, n_embd=32, n_head=4, seq_len=24, vocab_size=64)
 
 
@@ -87,7 +115,7 @@ def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False, schedul
     model = build_gpt(CFG, 0)
     eng = StageEngine(model, stage_specs(CFG.n_layer, 1)[0], slices=slices, batch_size=batch, micro_batch_size=mb,
                       device=torch.device("cpu"), rank=0, prev_rank=None, next_rank=None, tracer=Tracer(0, False),
-                      mixed_precision=mixed, recompute=recompute, schedule=schedule)
+                      precision="bf16" if mixed else "fp32", recompute=recompute, schedule=schedule)
     if engine_hook is not None:
         engine_hook(eng)
     loss = eng.step(x, y)

@@ -161,7 +161,7 @@ def test_tokens_and_mfu_are_counted_per_gpu():
     """fairscale at P-2 D-2: 2 processes of 2 GPUs each are 4 devices, not 2 (its MFU was twice too high)."""
     spec = get_system("fairscale_fsdp")
     cfg = RunConfig(system="fairscale_fsdp", model=get_model_config("tiny"), batch_size=4, micro_batch_size=1,
-                    pp=2, dp=2, mixed_precision=True, options=spec.options())
+                    pp=2, dp=2, precision="fp16", options=spec.options())
     rec = build_record(cfg, spec, "ok", None, [_gpu_rank(0, [0, 1]), _gpu_rank(1, [2, 3])], {})
     assert rec.environment["device_count"] == 4
     assert rec.tokens_per_s == 8 * 128 / 2.0 and rec.tokens_per_s_per_device == rec.tokens_per_s / 4

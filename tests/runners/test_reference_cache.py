@@ -36,7 +36,7 @@ def test_the_key_is_the_reference_config_and_the_code():
     assert reference_cache.key(_ref(pp=1, dp=1)) == base  # the run's layout: the same reference
     assert reference_cache.key(_ref(optimizer=OptimizerConfig(lr=1e-3))) != base
     assert reference_cache.key(_ref(steps=3)) != base
-    assert reference_cache.key(_ref(mixed_precision=True)) != base
+    assert reference_cache.key(_ref(precision="bf16")) != base != reference_cache.key(_ref(precision="fp16"))
 
 
 def test_a_changed_source_file_is_another_key(tmp_path):

@@ -1,6 +1,6 @@
 """--verify's tolerances per precision policy: loose enough for half-precision rounding, tight
-enough that a real bug fails (real bf16 gradients of the tiny model, computed in this process);
-and every system verified under --mixed-precision through the run command."""
+enough that a real bug fails (real bf16 and fp16 gradients of the tiny model, computed in this
+process); and every system verified under --precision bf16 and fp16 through the run command."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 from contract import RunConfig
 from runners.launcher import LaunchResult
 from runners.run import compare
-from runners.tolerance import FP32_TOLERANCE, verify_tolerance
+from runners.tolerance import FP32_TOLERANCE, policy_class, verify_tolerance
 from contract.records import read_records
 from tests.conftest import TINY, assert_verified, run_cli
 from workload.configs import get_model_config
@@ -21,14 +21,14 @@ MODEL = get_model_config("tiny").with_overrides(n_layer=2, n_embd=64, n_head=4, 
 CPU = torch.device("cpu")
 
 
-def _grads(micro_batches: int, mixed: bool, keep=None) -> tuple[float, dict[str, torch.Tensor]]:
+def _grads(micro_batches: int, precision: str, keep=None) -> tuple[float, dict[str, torch.Tensor]]:
     """The mean loss and gradients of one batch of 4, accumulated over ``micro_batches`` (as the
     reference does); ``keep``: the indices of the micro-batches whose share counts (a bug drops some)."""
     model = build_gpt(MODEL, seed=0)
     x, y = TokenSource(seq_len=MODEL.seq_len, vocab_size=MODEL.vocab_size, seed=0).replica_batch(0, 4, 0, 1)
     total = 0.0
     for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
-        with autocast(CPU, mixed):
+        with autocast(CPU, precision):
             loss = lm_loss(model(xs), ys) / micro_batches
         if keep is None or i in keep:
             loss.backward()
@@ -40,27 +40,28 @@ def _result(loss: float, grads: dict[str, torch.Tensor]) -> LaunchResult:
     return LaunchResult("ok", None, [{"rank": 0, "losses": [loss]}], grads)
 
 
-def _policy(half_weights: bool):
-    cfg = RunConfig(system="reference", model=MODEL, batch_size=4, micro_batch_size=1, mixed_precision=True)
-    return verify_tolerance(cfg, half_weights, cuda=False)
+def _policy(precision: str, half_weights: bool):
+    cfg = RunConfig(system="reference", model=MODEL, batch_size=4, micro_batch_size=1, precision=precision)
+    return verify_tolerance(cfg, half_weights)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("half_weights", [False, True], ids=["autocast", "half-weights"])
-def test_mixed_tolerance_passes_rounding_and_fails_real_bugs(half_weights):
-    tol = _policy(half_weights)
-    ref = _result(*_grads(4, mixed=True))
-    # The same batch in 2 micro-batches of 2: other bf16 roundings of the same computation.
-    regrouped = _result(*_grads(2, mixed=True))
+def test_half_tolerance_passes_rounding_and_fails_real_bugs(precision, half_weights):
+    tol = _policy(precision, half_weights)
+    ref = _result(*_grads(4, precision))
+    # The same batch in 2 micro-batches of 2: other half-precision roundings of the same computation.
+    regrouped = _result(*_grads(2, precision))
     v = compare(regrouped, ref, tol)
     assert v.passed and 0 < v.max_abs_grad_diff, v.line()
-    # bf16 against fp32 is rounding too: it passes the mixed tolerance, not the fp32 one.
-    fp32 = _result(*_grads(4, mixed=False))
+    # half precision against fp32 is rounding too: it passes the policy's tolerance, not the fp32 one.
+    fp32 = _result(*_grads(4, "fp32"))
     assert compare(fp32, ref, tol).passed
     assert not compare(fp32, ref, FP32_TOLERANCE).passed
 
-    loss, grads = _grads(4, mixed=True)
+    loss, grads = _grads(4, precision)
     # A micro-batch's share of every gradient lost (a schedule that skips one backward).
-    _, dropped = _grads(4, mixed=True, keep={0, 1, 2})
+    _, dropped = _grads(4, precision, keep={0, 1, 2})
     assert not compare(_result(loss, dropped), ref, tol).passed
     # One parameter's gradient off by 1/8 (e.g. one slice of 8 missing from a weight's gradient).
     off = dict(grads, **{"blocks.1.attn.c_proj.weight": grads["blocks.1.attn.c_proj.weight"] * (1 - 1 / 8)})
@@ -79,31 +80,32 @@ def test_mixed_tolerance_passes_rounding_and_fails_real_bugs(half_weights):
 
 
 def test_verify_line_says_which_policy_and_tolerance():
-    ref = _result(*_grads(1, mixed=False))
+    ref = _result(*_grads(1, "fp32"))
     assert compare(ref, ref, FP32_TOLERANCE).line().startswith("verify (fp32, tol 1e-5): ")
-    assert compare(ref, ref, _policy(False)).line().startswith("verify (bf16 autocast, tol 5e-2 rel, loss 1e-3): ")
-    assert compare(ref, ref, _policy(True)).line().startswith("verify (bf16 weights + fp32 main params, tol ")
+    assert compare(ref, ref, _policy("bf16", False)).line().startswith("verify (bf16 autocast, tol ")
+    assert compare(ref, ref, _policy("fp16", False)).line().startswith("verify (fp16 autocast, tol ")
+    assert compare(ref, ref, _policy("bf16", True)).line().startswith("verify (bf16 weights + fp32 main params, tol ")
 
 
 def test_a_lossy_wire_is_judged_with_a_tolerance_of_its_own_and_named():
     from ours import OursOptions
 
-    def policy(wire: str, mixed: bool):
-        cfg = RunConfig(system="ours", model=MODEL, batch_size=4, micro_batch_size=1, mixed_precision=mixed,
+    def policy(wire: str, precision: str):
+        cfg = RunConfig(system="ours", model=MODEL, batch_size=4, micro_batch_size=1, precision=precision,
                         options=OursOptions(n_slices=2, wire_dtype=wire))
-        return verify_tolerance(cfg, False, cuda=False)
+        return verify_tolerance(cfg, False)
 
-    assert policy("fp32", False) == FP32_TOLERANCE
-    lossy = policy("bf16", False)
+    assert policy("fp32", "fp32") == FP32_TOLERANCE
+    lossy = policy("bf16", "fp32")
     assert lossy.relative and lossy.grad > FP32_TOLERANCE.grad and lossy.policy == "fp32 + bf16 wire"
-    assert policy("fp16", True).policy == "bf16 autocast + fp16 wire"
-    ref = _result(*_grads(1, mixed=False))
+    assert policy("fp16", "bf16").policy == "bf16 autocast + fp16 wire"
+    ref = _result(*_grads(1, "fp32"))
     assert compare(ref, ref, lossy).line().startswith("verify (fp32 + bf16 wire, tol 5e-2 rel, loss 1e-3): ")
-    dropped = compare(_result(*_grads(4, mixed=False, keep={0, 1, 2})), ref, lossy)  # a micro-batch lost
+    dropped = compare(_result(*_grads(4, "fp32", keep={0, 1, 2})), ref, lossy)  # a micro-batch lost
     assert not dropped.passed
 
 
-MIXED = {
+HALF = {
     "torch_pipe-zbv": ["--system", "torch_pipe", "--pp", "2", "--schedule", "zbv"],
     "fairscale_fsdp": ["--system", "fairscale_fsdp", "--pp", "2"],
     "ours": ["--system", "ours", "--pp", "2", "--n-slices", "2"],
@@ -111,14 +113,21 @@ MIXED = {
 }
 
 
+# torch_pipe and fairscale_fsdp run the reference's autocast, op for op: fp16 takes that path and adds the
+# loss scaling, so their bf16 runs are left to runners.verify_spread (every system, every policy, many seeds)
+RUNS = [(system, "fp16") for system in HALF] + [("ours", "bf16"), ("megatron-pp2", "bf16")]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("system", MIXED, ids=list(MIXED))
-def test_mixed_precision_verifies_under_its_policy(system, out_file):
-    proc = run_cli(*MIXED[system], *TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "2",
-                   "--warmup", "0", "--mixed-precision", "--verify", "--out", str(out_file))
+@pytest.mark.parametrize("system, precision", RUNS, ids=[f"{s}-{p}" for s, p in RUNS])
+def test_every_system_verifies_under_the_half_policies(system, precision, out_file):
+    """Against the reference under the same policy (fp16: loss scaling on every side; megatron's
+    through grad_scale_func: without it its gradients come out 2^-16 of the reference's)."""
+    proc = run_cli(*HALF[system], *TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "2",
+                   "--warmup", "0", "--precision", precision, "--verify", "--out", str(out_file))
     assert_verified(proc)
-    policy = "bf16 weights + fp32 main params" if system.startswith("megatron") else "bf16 autocast"
+    policy = policy_class(precision, half_weights=system.startswith("megatron"))
     (line,) = [l for l in proc.stdout.splitlines() if l.startswith("verify (")]
     assert line.startswith(f"verify ({policy}, tol "), line
     (rec,) = read_records(out_file)
-    assert rec["precision"] == "mixed" and rec["verify"]["tolerance"].startswith(policy)
+    assert rec["precision"] == precision and rec["verify"]["tolerance"].startswith(policy)
