@@ -19,6 +19,9 @@ of a cluster has). Nothing of this machine's /etc/slurm or munge is used or chan
   allocation carries GPUs as on a cluster (``--gpus-per-node``, SLURM_GPUS_ON_NODE); the ranks run
   on CPU all the same. The rehearsal's equivalent of the hostfile's ``slots=1``.
 - SlurmdTimeout is 10 s: a node whose slurmd dies is DOWN ("Not responding") 10-30 s later.
+- Every task gets its node's own temporary directory (TaskProlog: TMPDIR=DIR/<node>/tmp, the one its
+  ssh sessions get), as each machine of a cluster has its own /tmp: a job's environment is the
+  submitter's, and the nodes share one file system.
 
 ``close()`` cancels every job, stops the daemons by their pid files and removes the mounts, the key
 and the configuration (logs stay). The daemons live in the nodes' pid namespaces: if this process is
@@ -94,6 +97,7 @@ def slurm_conf(directory: Path, nodes: Sequence[tuple[str, str]], gpus_per_node:
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "MpiDefault=none",
+        f"TaskProlog={directory / 'etc' / 'task_prolog.sh'}",
         "ReturnToService=2",
         f"SlurmdTimeout={SLURMD_TIMEOUT_S}",
         "InactiveLimit=0",
@@ -105,6 +109,12 @@ def slurm_conf(directory: Path, nodes: Sequence[tuple[str, str]], gpus_per_node:
         "",
     ]
     return "\n".join(lines)
+
+
+def task_prolog(node_directory: Path) -> str:
+    """The tasks' prolog: TMPDIR is the node's own (``node_directory``/<node>/tmp); slurmstepd reads the
+    ``export`` lines it prints into the task's environment."""
+    return f'#!/bin/sh\necho "export TMPDIR={node_directory}/$SLURMD_NODENAME/tmp"\n'
 
 
 def gres_conf(directory: Path, gpus_per_node: int) -> str:
@@ -204,6 +214,9 @@ class SlurmOnNodes(Guarded):
         (d / "etc" / "slurm.conf").write_text(slurm_conf(d, addresses, self.gpus_per_node, os.cpu_count() or 1))
         (d / "etc" / "gres.conf").write_text(gres_conf(d, self.gpus_per_node))
         (d / "etc" / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")  # loaded, never mounted: no cgroup plugins
+        prolog = d / "etc" / "task_prolog.sh"
+        prolog.write_text(task_prolog(Path(self.vn.directory)))
+        prolog.chmod(0o755)
         key = d / "munge.key"
         key.unlink(missing_ok=True)
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -223,8 +236,9 @@ class SlurmOnNodes(Guarded):
 
     def _remove_files(self) -> None:
         d = self.directory
-        for f in ("munge.key", "slurmctld.pid", "etc/slurm.conf", "etc/gres.conf", "etc/cgroup.conf",
-                  *(f"gpus/gpu{i}" for i in range(self.gpus_per_node))):
+        generated = ("munge.key", "slurmctld.pid", *(f"etc/{c}" for c in ("slurm.conf", "gres.conf", "cgroup.conf",
+                                                                           "task_prolog.sh")))
+        for f in (*generated, *(f"gpus/gpu{i}" for i in range(self.gpus_per_node))):
             (d / f).unlink(missing_ok=True)
         shutil.rmtree(d / "ctld", ignore_errors=True)
 

@@ -90,7 +90,7 @@ def rehearse_slurm(args: argparse.Namespace, out: Path) -> int:
         print(f"rehearse: {args.nodes} virtual node(s) up in {time.monotonic() - t0:.1f} s", flush=True)
         with SlurmOnNodes(vn, gpus_per_node=args.nproc_per_node or 1, log=sys.stdout) as slurm:
             rc = _submit_and_follow(slurm, submit_argv(args, out))
-        t1 = time.monotonic()
+            t1 = time.monotonic()
     print(f"rehearse: Slurm and nodes down in {time.monotonic() - t1:.1f} s; {time.monotonic() - t0:.0f} s in all "
           f"(records: {out})", flush=True)
     return rc

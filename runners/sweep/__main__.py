@@ -133,7 +133,8 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
 
 def _slurm_executor(args: argparse.Namespace) -> SlurmExecutor:
     """The Slurm mode's executor, from the allocation this process runs in (judged here: one line, exit 2)."""
-    for flag, given in (("--hostfile", args.hostfile), ("--ssh-config", args.ssh_config), ("--ssh-user", args.ssh_user)):
+    for flag, given in (("--hostfile", args.hostfile), ("--ssh-config", args.ssh_config),
+                        ("--ssh-user", args.ssh_user)):
         if given:
             raise SweepError(f"{flag} is for a cluster over ssh; --slurm takes its nodes from the allocation")
     allocation = read_allocation(os.environ)

@@ -301,7 +301,9 @@ class SlurmExecutor(ClusterExecutor):
                 if p.poll() is None:
                     self._stop_step(p, name)
                 pump.join(timeout=5)
-        tail.extend(line.rstrip("\n") for line in pump.lines)
+        lines = [line.rstrip("\n") for line in pump.lines]
+        first = [l for l in lines if not l.startswith("0: ")]
+        tail.extend([*first, *(l for l in lines if l.startswith("0: "))])  # node 0's lines (its run's summary) last
         self.lost |= watch.lost
         if timed_out:
             return (f"slurm: the run exceeded its timeout ({run.timeout:g} s + {SAFETY_MARGIN_S:g} s); "
