@@ -33,6 +33,7 @@ STOP_S = 10.0  # after the SIGINT, how long CMD gets before SIGKILL
 # What scontrol answers for a step that Slurm no longer has (its own step, or the whole job, ended);
 # anything else (the controller unreachable for a moment) is not taken as the step's end.
 _GONE = ("not found", "Invalid job id")
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def srun_argv(hosts: Sequence[str], argv: Sequence[str], *, chdir: str | None = None, label: bool = False,
@@ -68,9 +69,19 @@ def step_gone(step: str) -> bool:
 
 def guard(argv: Sequence[str], step: str, poll_s: float = POLL_S, stop_s: float = STOP_S) -> int:
     """Run ``argv`` until it ends, or until Slurm no longer has ``step``; its exit status."""
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, lambda signum, frame: None)  # the child got it too; exec resets it there
-    child = subprocess.Popen(list(argv))
+    previous = {s: signal.signal(s, lambda signum, frame: None) for s in _SIGNALS}  # the child got it too
+    try:
+        child = subprocess.Popen(list(argv))  # (exec resets a caught signal to its default)
+        _watch(child, argv, step, poll_s, stop_s)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    rc = child.returncode
+    return 128 - rc if rc < 0 else rc
+
+
+def _watch(child: subprocess.Popen, argv: Sequence[str], step: str, poll_s: float, stop_s: float) -> None:
+    """Wait for ``child``; interrupt it (SIGINT, SIGKILL ``stop_s`` later) once Slurm no longer has ``step``."""
     while True:
         try:
             child.wait(timeout=poll_s)
@@ -87,8 +98,6 @@ def guard(argv: Sequence[str], step: str, poll_s: float = POLL_S, stop_s: float 
                 child.kill()
                 child.wait()
             break
-    rc = child.returncode
-    return 128 - rc if rc < 0 else rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
