@@ -165,6 +165,7 @@ class StepWatch:
         self.failures: list[Failure] = []
         self.last: dict[str, str] = {}
         self.stopping = False
+        self._lost: set[str] = set()
         self._lock = threading.Lock()
 
     def see(self, line: str) -> bool:
@@ -174,10 +175,12 @@ class StepWatch:
                 task = int(m.group(1))
                 if m.group(2).strip() and task < len(self.hosts):
                     self.last[self.hosts[task]] = m.group(2).strip()
+            elif m := _NODE_FAILURE.match(text):
+                self._lost.add(m.group(1))  # (left out of later runs even when the stop came first)
+                if not self.stopping:
+                    self.failures.append(Failure(now, m.group(1), "lost", ""))
             elif self.stopping:
                 pass
-            elif m := _NODE_FAILURE.match(text):
-                self.failures.append(Failure(now, m.group(1), "lost", ""))
             elif m := _LAUNCH_FAILED.match(text):
                 self.failures.append(Failure(now, m.group(1), "launch", m.group(2).strip()))
             elif m := _TASK_ENDED.match(text):
@@ -191,8 +194,9 @@ class StepWatch:
 
     @property
     def lost(self) -> set[str]:
+        """The nodes srun said Slurm lost."""
         with self._lock:
-            return {f.host for f in self.failures if f.kind == "lost"}
+            return set(self._lost)
 
     def blame(self) -> str | None:
         """Which node failed first, and how: a node Slurm lost before a task that did not start, before a
