@@ -17,44 +17,40 @@ run, the newest wins. Plots (``--plots``): step time (log scale) against the one
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from network_emulation.profiles import ProfileError, parse_profile
-from runners.registry import read_options
+from contract.config import VOLATILE_FIELDS, RunConfig
+from contract.records import read_predictions, read_records, record_files
+from contract.registry import read_options
 
-REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
 # The fields a table's cells share, in the order its heading states them (the rest of a run's
 # identity, beyond the axes, is added to the heading when it is not the default).
 HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "steps")
+# RunConfig's fields the tables show as axes, columns or in the heading (the rest of a run's identity,
+# where it is not the default, is stated beside the heading)
+SHOWN = frozenset({"system", "model", "pp", "tp", "dp", "batch_size", "micro_batch_size", "steps", "warmup",
+                   "mixed_precision", "recompute", "network", "options"})
 
 
 def load_records(paths: list[str]) -> list[dict]:
-    """Every record in the files (directories: their *.jsonl); a line that is not a record is
-    skipped with a warning on stderr."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        files += sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
+    """Every record in the files (directories: their *.jsonl), with the simulator's prediction kept
+    beside its file (``python -m predict records``) where it has none of its own; a line that is not
+    a record is skipped with a warning on stderr."""
     records = []
-    for f in files:
-        for n, line in enumerate(f.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                print(f"report.py: skipping {f}:{n}: not JSON", file=sys.stderr)
-                continue
-            missing = [k for k in REQUIRED if not isinstance(rec, dict) or k not in rec]
-            if missing:
-                print(f"report.py: skipping {f}:{n}: not a run record (no {', '.join(missing)})", file=sys.stderr)
-                continue
-            records.append(rec)
+    for f in record_files(paths):
+        found = read_records(f, warn=lambda why: print(f"report.py: skipping {why}", file=sys.stderr))
+        predicted = read_predictions(f)
+        for rec in found:
+            if rec.get("prediction") is None and rec.get("run_id") in predicted:
+                rec["prediction"] = predicted[rec["run_id"]]
+        records += found
     return records
 
 
@@ -63,24 +59,25 @@ def layout_label(layout: dict) -> str:
     return " ".join(parts) or "1 device"
 
 
-def _link(name: str):
-    try:
-        return parse_profile(name).link(0, 1)
-    except ProfileError:
-        return None
+def network_setting(r: dict) -> dict:
+    """A record's network setting in words and numbers: its label, one-way delay (ms) and bandwidth
+    (Gbit/s) between ranks 0 and 1 (None without emulation). Records from before ``network_setting``
+    was recorded: the profile their emulation described, else the setting's name."""
+    if r.get("network_setting"):
+        return r["network_setting"]
+    prof = ((r.get("environment") or {}).get("network") or {}).get("profile") or {}
+    link = prof.get("link") or {}
+    if prof.get("kind") == "matrix":
+        link = {k: prof[k][0][1] for k in ("delay_ms", "bandwidth_gbps")}
+    return {"label": prof.get("label") or r["network"], "delay_ms": link.get("delay_ms"),
+            "bandwidth_gbps": link.get("bandwidth_gbps")}
 
 
-def network_label(name: str) -> str:
-    try:
-        return parse_profile(name).label
-    except ProfileError:
-        return name
-
-
-def network_order(name: str) -> tuple[float, float]:
+def network_order(setting: dict) -> tuple[float, float]:
     """Rows go from the fastest network to the slowest: by delay, then by falling bandwidth."""
-    link = _link(name)
-    return (-1.0, 0.0) if link is None else (link.delay_ms, -link.bandwidth_gbps)
+    if setting.get("delay_ms") is None:
+        return (-1.0, 0.0)
+    return (setting["delay_ms"], -setting["bandwidth_gbps"])
 
 
 def fmt_time(t: float | None) -> str:
@@ -99,16 +96,21 @@ def cell(row: pd.Series) -> str:
 
 
 def _rest_of_identity(r: dict) -> str:
-    """Identity fields of a run that are neither axes nor in HEADING, as text (e.g. 'seed 3, lr 0.001')."""
+    """The fields of a run's identity that are neither axes nor in HEADING, where they are not
+    RunConfig's defaults, as text (e.g. 'seed 3, sgd lr 0.001')."""
     c = r.get("config") or {}
-    opt = c.get("optimizer") or {}
     parts = []
-    if c.get("seed", 0) != 0:
-        parts.append(f"seed {c['seed']}")
-    if opt and (opt.get("kind"), opt.get("lr")) != ("adam", 1e-4):
-        parts.append(f"{opt.get('kind')} lr {opt.get('lr'):g}")
-    if c.get("data"):
-        parts.append(f"data {c['data']}")
+    for f in dataclasses.fields(RunConfig):
+        if f.name in SHOWN or f.name in VOLATILE_FIELDS or f.name not in c:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = c[f.name]
+        if value == json.loads(json.dumps(dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default)):
+            continue
+        if f.name == "optimizer":
+            parts.append(f"{value.get('kind')} lr {value.get('lr'):g}")
+        else:
+            parts.append(f"{f.name.replace('_', ' ')} {value}")
     return ", ".join(parts)
 
 
@@ -119,6 +121,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         c = r.get("config") or {}
         shape = r["model_shape"]
         options = read_options(r["system"], c.get("options") or {})
+        setting = network_setting(r)
         rows.append({
             "key": r.get("key") or json.dumps(c, sort_keys=True),
             "timestamp": r.get("timestamp", ""),
@@ -138,6 +141,9 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "layout": layout_label(r["layout"]),
             "dp": r["layout"].get("dp", 1),
             "network": r["network"],
+            "setting": setting["label"],
+            "order": network_order(setting),
+            "delay": setting.get("delay_ms"),
             "emulated": r["network"] != "none",
             "status": r["status"],
             "median_step_time": r.get("median_step_time"),
@@ -224,11 +230,11 @@ def layout_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
 def network_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
     out = []
     for fixed, g in tables:
-        g = g.assign(order=g["network"].map(network_order)).sort_values("order")
-        table = _pivot(g.assign(setting=g["network"].map(network_label)), "setting")
+        g = g.sort_values("order", kind="stable")
+        table = _pivot(g, "setting")
         if table.size < 2:
             continue
-        table = table.reindex(g["network"].map(network_label).unique())
+        table = table.reindex(g["setting"].unique())
         table.index.name = "Network setting"
         out.append(f"### Step time by network setting: {fixed['model']}, micro-batch {fixed['mb']}\n\n"
                    f"{heading(fixed)}\n\n" + table.to_markdown(tablefmt="github"))
@@ -276,8 +282,8 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
             lines.append(f"- **Layouts**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]
     for fixed, g in networks:
-        g = g.assign(order=g["network"].map(network_order)).sort_values("order")
-        rows = [(f"{network_label(net)}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
+        g = g.sort_values("order", kind="stable")
+        rows = [(f"{r['setting'].iloc[0]}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
         if rows and len(g) > 1:
             lines.append(f"- **Networks**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]
@@ -302,7 +308,7 @@ def all_runs(df: pd.DataFrame) -> str:
     t["peak_mem_mb"] = t["peak_mem_mb"].map(lambda v: f"{v:,.0f}")
     t["busy"] = t["busy"].map(_busy_range)
     t["dp_sync_time"] = t["dp_sync_time"].map(lambda v: fmt_time(v) if v == v and v else "")
-    t["network"] = t["network"].map(lambda n: "none" if n == "none" else network_label(n))
+    t["network"] = df["network"].where(df["network"] == "none", df["setting"])
     t = t.rename(columns={"median_step_time": "step", "peak_mem_mb": "peak MiB per rank (max)",
                           "busy": "busy per rank", "dp_sync_time": "DP sync"})
     return "## Every run\n\n" + t.to_markdown(index=False, tablefmt="github")
@@ -312,7 +318,7 @@ def failures(df: pd.DataFrame) -> str:
     bad = df[df["status"] != "ok"]
     if bad.empty:
         return ""
-    lines = [f"- {r.system} {r.layout} mb={r.mb} ({network_label(r.network)}): {r.status}: {r.error[:200]}"
+    lines = [f"- {r.system} {r.layout} mb={r.mb} ({r.setting}): {r.status}: {r.error[:200]}"
              for r in bad.itertuples()]
     return "## Failed runs\n\n" + "\n".join(lines)
 
@@ -342,8 +348,7 @@ def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
 
     paths = []
     for i, (fixed, g) in enumerate(_tables(df, emulated=True)):
-        g = g[g["status"] == "ok"].assign(delay=g["network"].map(lambda n: getattr(_link(n), "delay_ms", None)))
-        g = g[g["delay"].notna()]
+        g = g[(g["status"] == "ok") & g["delay"].notna()]
         if g["network"].nunique() < 2:
             continue
         fig, ax = plt.subplots(figsize=(8, 4.8))

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -241,6 +242,28 @@ def bulk_duration(profile, src: int, dst: int) -> float:
     on long round trips so that TCP leaves slow start."""
     rtt_ms = sum(link.delay_ms for link in (profile.link(src, dst), profile.link(dst, src)) if link)
     return min(4.0, max(1.0, 25 * rtt_ms / 1e3))
+
+
+class LinkProbing:
+    """Hosts whose links can be measured (a local virtual cluster, an ssh shaping session): ``probe``
+    is what every measurement shares, ``_measure`` runs the probe's two ends where the hosts are."""
+
+    profile: Any  # the shaping: the bulk transfer runs longer on long round trips
+
+    def probe(self, src: int, dst: int, *, samples: int = 20, duration_s: float | None = None,
+              port: int = DEFAULT_PORT) -> LinkMeasurement:
+        """Measure the link from host ``src`` to host ``dst``: median one-way delay and steady TCP goodput.
+
+        ``duration_s`` of the bulk transfer: by default 1 s, longer (up to 4 s) on long round trips
+        so that TCP leaves slow start; 0 measures the delay only."""
+        if src == dst:
+            raise ValueError("probe needs two different hosts")
+        if duration_s is None:
+            duration_s = bulk_duration(self.profile, src, dst)
+        return self._measure(src, dst, samples=samples, duration_s=duration_s, port=port)
+
+    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
+        raise NotImplementedError
 
 
 def measure_with(server: Wrap, client: Wrap, address: str, *, port: int = DEFAULT_PORT, samples: int = 20,

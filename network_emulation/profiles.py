@@ -176,6 +176,19 @@ def _norm(text: str) -> str:
     return " ".join(text.strip().lower().split())
 
 
+def describe_setting(text: str) -> dict[str, Any]:
+    """A network setting in words and numbers, as a run record keeps it for the report: its label and
+    the link from host 0 to host 1 (delay_ms and bandwidth_gbps; None without emulation). A setting
+    that does not parse is described by its text alone."""
+    try:
+        profile = parse_profile(text)
+    except ProfileError:
+        return {"label": text, "delay_ms": None, "bandwidth_gbps": None}
+    link = profile.link(0, 1)
+    return {"label": profile.label, "delay_ms": link.delay_ms if link else None,
+            "bandwidth_gbps": link.bandwidth_gbps if link else None}
+
+
 def parse_profile(text: str) -> Profile:
     """Parse a profile: a short name (``d10-1g``), a seed label, ``none``,
     ``"delay 10ms bandwidth 1Gbps"`` (units us/ms/s, bps/Kbps/Mbps/Gbps, any case),

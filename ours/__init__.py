@@ -20,7 +20,7 @@ from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
 from ours.schedule import SCHEDULES
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
-WIRE_DTYPES = ("fp32", "bf16", "fp16")
+WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --wire-dtype: the torch dtype's name
 
 
 def slice_count(text: str) -> int | str:
@@ -50,7 +50,7 @@ def uniform_slices(seq_len: int, k: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class OursOptions(SystemOptions):
     n_slices: int | str = option("auto", "K equal token slices, or 'auto': the slicing the simulator chose for the "
-                                 "layout (python -m runners.predict plan), else the planner's optimal slicing where a "
+                                 "layout (python -m predict plan), else the planner's optimal slicing where a "
                                  "fitted latency model covers the shape, else K equal slices of >= 128 tokens "
                                  "(at most 4 per stage, never 1)", parse=slice_count, metavar="K|auto")
     slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",
@@ -64,7 +64,7 @@ class OursOptions(SystemOptions):
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
     wire_dtype: str = option("fp32", "the type activations, their gradients and the DP push and pull cross the "
                                      "network in; bf16 and fp16 halve the bytes and are lossy (opt-in, as "
-                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=WIRE_DTYPES)
+                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=tuple(WIRE_DTYPES))
     trace: str | None = option(None, "write a Chrome trace of every rank's spans to this file", identity=False,
                                output_path=True, metavar="FILE")
 

@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 
 from contract import RunConfig
+from contract.registry import get_system
 from network_emulation import VirtualCluster, parse_profile
+from network_emulation.signals import stop_process
+from runners.devices import agent_devices, visible_entries
 from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.output import Pump
 from runners.request import Placement
@@ -76,23 +79,6 @@ def local_agents(world: int, placement: Placement, run_dir: Path) -> list[Agent]
     return [Agent(argv, {})]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            continue
-    # The leader may be gone while workers of its group linger: make sure of them too.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result: bool = True) -> LaunchResult:
     procs: list[subprocess.Popen] = []
     pumps: list[Pump] = []
@@ -121,8 +107,8 @@ def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result
             pump.mute()
         raise
     finally:
-        for p in procs:
-            _kill_group(p)
+        for p in procs:  # torchrun and its workers: a session each
+            stop_process(p, signal.SIGTERM, 5.0, group=True)
         for pump in pumps:
             pump.join(timeout=2)
     oom_after = oom_kills()
@@ -188,10 +174,25 @@ def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
             print(f"network: {profile.name}: measured one-way delay {measured.get('one_way_delay_ms', float('nan')):.2f} ms, "
                   f"bandwidth {measured.get('bandwidth_gbps', float('nan')):.2f} Gbit/s ({vc.backend})", file=sys.stderr)
         master = f"{vc.hosts[0].address}:29500"
-        agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), h.env()) for h in vc.hosts]
+        gpus = emulated_gpus(cfg, world)
+        agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), {**h.env(), **gpu})
+                  for h, gpu in zip(vc.hosts, gpus)]
         result = run_agents(agents, cfg.timeout, run_dir)
         result.network = {**vc.describe(), "measured_link": measured}
+        if any(gpus):  # NCCL kept off the paths the emulation cannot shape, as the hosts' environment says
+            result.network["nccl_env"] = {k: v for k, v in vc.hosts[0].env().items() if k.startswith("NCCL_")}
     return result
+
+
+def emulated_gpus(cfg: RunConfig, world: int) -> list[dict[str, str]]:
+    """The environment that gives each virtual host's agent GPUs of its own on CUDA (its
+    CUDA_VISIBLE_DEVICES): every agent runs one rank with LOCAL_RANK 0, which would otherwise put
+    all of them on cuda:0 (NCCL: "Duplicate GPU detected")."""
+    if not (cfg.hardware or "").startswith("cuda"):
+        return [{} for _ in range(world)]
+    per = get_system(cfg.system).devices_per_process(cfg)
+    visible = visible_entries(torch.cuda.device_count())
+    return [{"CUDA_VISIBLE_DEVICES": v} for v in agent_devices(visible, world, per)]
 
 
 def reap_stale_run_dirs() -> None:

@@ -36,13 +36,13 @@ from pathlib import Path
 
 from network_emulation.netem import NotRootError
 from network_emulation.signals import Terminated, signals_raise
+from runners.rehearse_slurm import rehearse_slurm
 from runners.sweep import __main__ as sweep_command
 from runners.sweep.plan import SweepError, load_sweep
 from runners.sweep.scale import scale_down
-from runners.rehearse_slurm import rehearse_slurm
 from runners.sweep.setup_nodes import SetupError, setup_nodes, venv_ready
 
-DEFAULT_SWEEP = "runners/sweeps/gpt3-xl-cluster.toml"
+DEFAULT_SWEEP = "sweeps/gpt3-xl-cluster.toml"
 SMALL_SWEEPS = ((4, "rehearsal-4.toml"), (1, "rehearsal-2.toml"))  # (nodes at least, sweep) below 12 nodes
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "pipebench-rehearsal"
 IFACE = "eth0"  # the virtual nodes' interface

@@ -1,22 +1,27 @@
-"""A run request from the command line: the run command's parser (built from the registry: every
-system's options under its own heading), the RunConfig it makes, and the one place a request is
-judged before anything is launched (ConfigError, one line, names the real flag).
+"""A run request from the command line: the run command's parser, generated from the fields of
+``RunConfig`` (with the model's and the optimizer's) and of ``Placement``, and every system's options
+under its own heading; the RunConfig it makes; and ``judge``, the one place a request is judged before
+anything is launched (ConfigError, one line, names the real flag).
 """
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import os
 import tempfile
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract import ConfigError, RunConfig, SystemSpec
+from contract import ConfigError, RunConfig, SystemSpec, option
+from contract.registry import get_system, systems
 from network_emulation.profiles import ProfileError, check_emulable, parse_profile
-from runners.registry import get_system, systems
-from workload.configs import MODEL_CONFIGS, OptimizerConfig, get_model_config
+from workload.configs import get_model_config
 
 OPTION_PREFIX = "option:"  # argparse dest of a system option
+MULTI_NODE = "multi-node (passed through to torchrun)"
+GROUP_TITLES = {"model": "model overrides (any field of the model config)"}  # a dataclass field's own flags
 
 
 class Parser(argparse.ArgumentParser):
@@ -28,9 +33,9 @@ class Parser(argparse.ArgumentParser):
 class Placement:
     """Where this invocation's ranks run: one node, or one node of a multi-node rendezvous."""
 
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None  # HOST:PORT of node 0
+    nnodes: int = option(1, "nodes of the run", group=MULTI_NODE)
+    node_rank: int = option(0, "this node's index (node 0 writes the record)", group=MULTI_NODE)
+    rdzv_endpoint: str | None = option(None, "HOST:PORT of node 0", group=MULTI_NODE)
 
 
 def _parse_with(parse, flag: str):
@@ -42,6 +47,68 @@ def _parse_with(parse, flag: str):
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
     convert.__name__ = flag
     return convert
+
+
+def _flag_type(hint):
+    """The type a flag's text becomes: the field's own (the X of ``X | None``), else text."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    hint = args[0] if len(args) == 1 else hint
+    return hint if hint in (int, float, str) else str
+
+
+def _dest(f: dataclasses.Field) -> str:
+    return f.metadata.get("dest") or f.name
+
+
+def _flags(f: dataclasses.Field) -> tuple[str, ...]:
+    return tuple(f.metadata.get("flags") or ()) or ("--" + f.name.replace("_", "-"),)
+
+
+def _add_flag(group, f: dataclasses.Field, hint, *, dest: str, help: str | None, default=argparse.SUPPRESS,
+              choices=None, required: bool = False) -> None:
+    """One field as a flag: a switch for a bool, else a value parsed as the field declares."""
+    flags = _flags(f)
+    kwargs = dict(dest=dest, default=default, help=help or None)
+    if hint is bool:
+        kwargs.update(action="store_true")
+    elif choices is not None:
+        kwargs.update(choices=choices)
+    else:
+        kwargs.update(type=_parse_with(f.metadata.get("parse") or _flag_type(hint), flags[0]),
+                      metavar=f.metadata.get("metavar") or _dest(f).upper())
+    group.add_argument(*flags, required=required, **kwargs)
+
+
+def _flag_fields(cls) -> list[tuple[dataclasses.Field, typing.Any]]:
+    """The fields of a dataclass that are flags (declared with help), with their types."""
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("help")]
+
+
+def _add_fields(p: argparse.ArgumentParser, cls, choices: dict[str, list[str]] | None = None) -> None:
+    """The flags of ``cls``'s fields (RunConfig, Placement), each under its group's heading in field
+    order; a dataclass field's own fields are flags under a heading of their own (the model's
+    overrides) or its group's (the optimizer's), their defaults the dataclass's."""
+    groups: dict[str | None, argparse._ArgumentGroup] = {}
+
+    def group(title):
+        if title is None:
+            return p
+        return groups.setdefault(title, p.add_argument_group(title))
+
+    for f, hint in _flag_fields(cls):
+        nested = dataclasses.is_dataclass(hint)
+        if not nested or f.metadata.get("choices"):  # a nested dataclass chosen by name (the model)
+            explicit = (choices or {}).get(f.name) or f.metadata.get("choices")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            _add_flag(group(f.metadata.get("group")), f, str if nested else hint, dest=f.name,
+                      help=f.metadata["help"], default=default, choices=list(explicit) if explicit else None,
+                      required=f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        if nested:  # chosen by name: its fields override the named one's; else they set its fields
+            g = group(GROUP_TITLES.get(f.name, f.metadata.get("group")))
+            for sub, sub_hint in _flag_fields(hint):
+                default = None if f.metadata.get("choices") or sub.default is dataclasses.MISSING else sub.default
+                _add_flag(g, sub, sub_hint, dest=_dest(sub), help=sub.metadata["help"], default=default)
 
 
 def option_owners(specs: dict[str, SystemSpec]) -> dict[str, list[str]]:
@@ -69,13 +136,13 @@ def _add_system_options(p: argparse.ArgumentParser, specs: dict[str, SystemSpec]
     owners = option_owners(specs)
     added: set[str] = set()
     for spec in specs.values():
+        hints = typing.get_type_hints(spec.options)
         fields = [f for f in spec.options.declared() if f.name not in added]
         if not fields:
             continue
         g = p.add_argument_group(f"{spec.name} options", spec.description)
         for f in fields:
             added.add(f.name)
-            flag = "--" + f.name.replace("_", "-")
             shared = owners[f.name]
             help_text = f.metadata.get("help", "")
             if len(shared) == 1:
@@ -84,63 +151,36 @@ def _add_system_options(p: argparse.ArgumentParser, specs: dict[str, SystemSpec]
                 help_text += f" (also of {', '.join(shared[1:])})"
                 notes = [_describe(next(x for x in specs[o].options.declared() if x.name == f.name), o) for o in shared]
             help_text = "; ".join([help_text] + [n for n in notes if n])
-            if isinstance(f.default, bool):
-                kwargs = dict(action="store_true")
-            else:
-                parse = f.metadata.get("parse") or (type(f.default) if f.default is not None else str)
-                kwargs = dict(type=_parse_with(parse, flag), metavar=f.metadata.get("metavar") or f.name.upper())
-            g.add_argument(flag, dest=OPTION_PREFIX + f.name, default=argparse.SUPPRESS, help=help_text, **kwargs)
+            _add_flag(g, f, hints[f.name], dest=OPTION_PREFIX + f.name, help=help_text)
 
 
 def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.ArgumentParser:
+    """The run command's parser: RunConfig's flags, --out, the placement's, every system's options."""
     specs = systems() if specs is None else specs
     p = Parser(prog="python -m runners.run", description="Train one system on the shared GPT workload and record one run.")
-    p.add_argument("--system", required=True, choices=list(specs))
-    p.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
-    g = p.add_argument_group("model overrides (any field of the model config)")
-    g.add_argument("--num-layers", "--n-layer", dest="n_layer", type=int)
-    g.add_argument("--hidden-size", "--embedding-dim", dest="n_embd", type=int)
-    g.add_argument("--num-heads", "--n-head", dest="n_head", type=int)
-    g.add_argument("--seq-length", dest="seq_len", type=int)
-    g.add_argument("--vocab-size", dest="vocab_size", type=int)
-    g = p.add_argument_group("layout")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (fairscale_fsdp: devices in each process's pipe)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel degree (pipelines)")
-    g.add_argument("--batch-size", type=int, required=True, help="batch per pipeline; global batch = batch-size x dp")
-    g.add_argument("--micro-batch-size", type=int, required=True)
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=10, help="measured steps")
-    g.add_argument("--warmup", type=int, default=2, help="warm-up steps, not timed")
-    g.add_argument("--mixed-precision", action="store_true", help="fp16 + loss scaling on CUDA, bf16 autocast on CPU")
-    g.add_argument("--recompute", action="store_true", help="activation recomputation")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--optimizer", default="adam", help="adam | sgd")
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--data", default=None, help="a text file to train on (byte-level tokens); synthetic tokens by default")
-    g = p.add_argument_group("run")
-    g.add_argument("--network", default="none", help="network profile: none, a profile name, or 'delay 10ms bandwidth 1Gbps'")
-    g.add_argument("--verify", action="store_true", help="also train the single-process reference and compare losses and gradients")
-    g.add_argument("--out", default="results/runs.jsonl", help="the JSON-lines file the run record is appended to")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped and recorded as timeout")
-    g = p.add_argument_group("multi-node (passed through to torchrun)")
-    g.add_argument("--nnodes", type=int, default=1)
-    g.add_argument("--node-rank", type=int, default=0)
-    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0")
+    _add_fields(p, RunConfig, choices={"system": list(specs)})
+    run = next(g for g in p._action_groups if g.title == "run")
+    run.add_argument("--out", default="results/runs.jsonl", help="the JSON-lines file the run record is appended to")
+    _add_fields(p, Placement)
     _add_system_options(p, specs)
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig of parsed arguments; an option of another system is a ConfigError."""
-    spec = get_system(args.system)
+def _from_args(cls, args: argparse.Namespace, **given):
+    """An instance of a flag dataclass (the optimizer, the placement) from the parsed flags given;
+    its own defaults for the rest."""
+    values = {f.name: getattr(args, _dest(f)) for f, _ in _flag_fields(cls) if getattr(args, _dest(f), None) is not None}
+    return cls(**{**values, **given})
+
+
+def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
+    """The RunConfig of parsed arguments for ``spec`` (the system's spec, looked up once by the
+    caller); an option of another system is a ConfigError."""
     try:
         model = get_model_config(args.model)
     except KeyError as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
-    model = model.with_overrides(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
-                                 vocab_size=args.vocab_size)
+    model = model.with_overrides(**{_dest(f): getattr(args, _dest(f)) for f, _ in _flag_fields(type(model))})
     given = {k.removeprefix(OPTION_PREFIX): v for k, v in vars(args).items() if k.startswith(OPTION_PREFIX)}
     mine = {f.name for f in spec.options.declared()}
     foreign = [name for name in given if name not in mine]
@@ -148,28 +188,29 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         owners = option_owners(systems())[foreign[0]]
         raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {' and '.join(owners)}, "
                           f"not of {spec.name}")
-    return RunConfig(
-        system=spec.name, model=model, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-        pp=args.pp, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup,
-        mixed_precision=args.mixed_precision, recompute=args.recompute, network=args.network, seed=args.seed,
-        optimizer=OptimizerConfig(kind=args.optimizer, lr=args.lr), data=args.data, device=args.device,
-        verify=args.verify, timeout=args.timeout, options=spec.options(**given))
+    common = {f.name: getattr(args, f.name) for f, hint in _flag_fields(RunConfig) if not dataclasses.is_dataclass(hint)}
+    nested = {f.name: _from_args(hint, args) for f, hint in _flag_fields(RunConfig)
+              if dataclasses.is_dataclass(hint) and f.name != "model"}
+    return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given)})
 
 
 def placement_from_args(args: argparse.Namespace) -> Placement:
-    if args.nnodes < 1:
-        raise ConfigError(f"--nnodes must be >= 1, got {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
-    if args.nnodes > 1 and not args.rdzv_endpoint:
-        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0)")
-    return Placement(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    return _from_args(Placement, args)
 
 
-def judge(cfg: RunConfig) -> None:
+def parse_request(argv: Sequence[str]) -> tuple[RunConfig, SystemSpec]:
+    """The RunConfig of run-command flags and its system's spec (not judged; a flag argparse refuses
+    exits as the run command does)."""
+    args = build_parser().parse_args(list(argv))
+    spec = get_system(args.system)
+    return config_from_args(args, spec), spec
+
+
+def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, out: str | None = None) -> None:
     """Raise ConfigError if ``cfg`` cannot run: the system's judgement (common fields, its own
-    options), then the network profile."""
-    spec = get_system(cfg.system)
+    options), then the network profile. For a run about to be launched here (``placement`` given),
+    also what this machine must offer it: a valid placement, root for a local virtual cluster,
+    writable output files (``out``: the record's, on node 0), a readable data file, the device."""
     spec.validate(cfg)
     if cfg.network != "none":
         try:
@@ -178,6 +219,18 @@ def judge(cfg: RunConfig) -> None:
             check_emulable(profile)
         except ProfileError as exc:
             raise ConfigError(f"--network: {exc}") from None
+    if placement is None:
+        return
+    if placement.nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1, got {placement.nnodes}")
+    if not 0 <= placement.node_rank < placement.nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{placement.nnodes - 1}, got {placement.node_rank}")
+    if placement.nnodes > 1 and not placement.rdzv_endpoint:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0)")
+    _check_environment(cfg, out)
+    if cfg.network != "none" and placement.nnodes == 1 and os.geteuid() != 0:
+        raise ConfigError(f"--network {cfg.network!r} runs the ranks in a local virtual cluster of network "
+                          "namespaces, which needs root (run as root, or use --network none)")
 
 
 def check_writable(path: str, flag: str) -> None:
@@ -202,8 +255,9 @@ def check_writable(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: not writable")
 
 
-def check_environment(cfg: RunConfig, out: str | None) -> None:
-    """What this machine must offer the run: writable output files, a readable data file, the device."""
+def _check_environment(cfg: RunConfig, out: str | None) -> None:
+    """What this machine must offer the run: writable output files, a readable data file (the devices:
+    ``resolve_devices``)."""
     if out:
         check_writable(out, "--out")
     for name, path in cfg.options.output_paths():
@@ -214,10 +268,15 @@ def check_environment(cfg: RunConfig, out: str | None) -> None:
         if Path(cfg.data).stat().st_size < cfg.model.seq_len + 2:
             raise ConfigError(f"--data {cfg.data}: {Path(cfg.data).stat().st_size} bytes, need more than "
                               f"{cfg.model.seq_len + 1} (one sequence)")
-    if cfg.device == "cuda":
-        import torch  # only when CUDA is asked for: importing torch takes seconds
 
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: CUDA is not available on this machine (use --device auto or cpu)")
-    if not math.isfinite(cfg.timeout):
-        raise ConfigError(f"--timeout must be finite, got {cfg.timeout}")
+
+def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> RunConfig:
+    """``cfg`` with the hardware its ranks on this machine run on (``runners.devices.judge_gpus``:
+    one GPU of their own per rank, a torch build that runs on them; else a ConfigError). The last
+    judgement before launch, after ``judge``: it imports torch (and on a GPU machine reads its GPUs in a
+    subprocess), which the run command does only once the request is otherwise judged runnable."""
+    from runners.devices import Gpus, judge_gpus, local_gpus
+
+    gpus = local_gpus() if cfg.device != "cpu" else Gpus()
+    here = spec.processes(cfg) // placement.nnodes
+    return cfg.replace(hardware=judge_gpus(cfg.device, gpus, here, spec.devices_per_process(cfg)))

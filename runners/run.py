@@ -8,16 +8,16 @@ resumed sweep runs it again).
 """
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from contract import ConfigError, RunConfig, SystemOptions
-from runners.registry import get_system
-from runners.request import Placement, build_parser, check_environment, config_from_args, judge, placement_from_args
+from contract import ConfigError, RunConfig, SystemOptions, SystemSpec
+from contract.registry import get_system
+from runners.request import (Placement, build_parser, config_from_args, judge, placement_from_args,
+                             resolve_devices)
 from runners.tolerance import Tolerance, relative, verify_tolerance
 
 if TYPE_CHECKING:  # torch is imported only once a request has been judged runnable
@@ -109,14 +109,15 @@ def compare(run: LaunchResult, ref: LaunchResult, tolerance: Tolerance) -> Verif
     return Verification(loss_diff, grad_diff, rel_diff, len(run.grads), passed, reason, tol)
 
 
-def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunRecord, Verification | None]:
-    """Launch the run (and the reference under --verify); append its record to ``out`` on node 0."""
+def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
+            out: str | None) -> tuple[RunRecord, Verification | None]:
+    """Launch the run of ``spec`` (and the reference under --verify); append its record to ``out`` on node 0."""
     from runners.launcher import launch
     from runners.record import append_record, build_record, host_environment
 
-    spec = get_system(cfg.system)
     world = spec.processes(cfg)
-    env = dict(host_environment(cfg.device), device_count=world)
+    gpus_each = spec.devices_per_process(cfg) if (cfg.hardware or "").startswith("cuda") else 1
+    env = dict(host_environment(cfg.hardware), device_count=world * gpus_each)
     result = launch(cfg, world, placement)
     verification = None
     try:
@@ -133,10 +134,6 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
             env["network"] = result.network
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
-        if record.status == "ok" and placement.node_rank == 0:
-            from runners.predict.local import record_prediction
-
-            record.prediction = record_prediction(cfg, (result.network or {}).get("measured_link"))
     finally:
         shutil.rmtree(result.run_dir, ignore_errors=True)
     if out and placement.node_rank == 0:
@@ -159,13 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = config_from_args(args)
-        judge(cfg)
+        spec = get_system(args.system)
+        cfg = config_from_args(args, spec)
         placement = placement_from_args(args)
-        check_environment(cfg, args.out if placement.node_rank == 0 else None)
-        if cfg.network != "none" and placement.nnodes == 1 and os.geteuid() != 0:
-            raise ConfigError(f"--network {cfg.network!r} runs the ranks in a local virtual cluster of network "
-                              "namespaces, which needs root (run as root, or use --network none)")
+        judge(cfg, spec, placement, args.out if placement.node_rank == 0 else None)
     except ConfigError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -179,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
             import runners.launcher  # noqa: F401
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-        record, verification = execute(cfg, placement, args.out)
+        try:
+            cfg = resolve_devices(cfg, spec, placement)  # the GPUs: the last judgement, once torch is imported
+        except ConfigError as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
+        record, verification = execute(cfg, spec, placement, args.out)
     except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) \
             else (exc.code - 128 if isinstance(exc.code, int) and exc.code > 128 else signal.SIGTERM)

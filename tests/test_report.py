@@ -5,7 +5,7 @@ import sys
 from report import render
 from contract import RunConfig
 from runners.record import append_record, build_record
-from runners.registry import get_system
+from contract.registry import get_system
 from tests.conftest import REPO
 from workload.configs import get_model_config
 
@@ -18,7 +18,8 @@ def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network=
     ranks = None
     if status == "ok":
         ranks = [{"rank": r, "step_times": [t] * 3, "losses": [1.0] * 3 if r == n - 1 else None, "dp_sync_times": [0.0] * 3,
-                  "peak_memory_bytes": 1 << 30, "extra": {}, "hostname": "h", "device": "cuda:0",
+                  "gpu_memory": [{"device": "cuda:0", "allocated_bytes": 1 << 30, "reserved_bytes": 1 << 30}],
+                  "cpu_rss_bytes": 1 << 28, "extra": {}, "hostname": "h", "device": "cuda:0",
                   "device_name": "Tesla V100-SXM2-16GB", "backend": "nccl", "peak_tflops": 15.7, "peak_source": "table:fp32"}
                  for r in range(n)]
     return build_record(cfg, spec, status, None if status == "ok" else "CUDA out of memory", ranks,
@@ -148,3 +149,31 @@ def test_every_run_shows_the_ranks_busy_share():
     pipe_row = next(l for l in table.splitlines() if l.startswith("| torch_pipe"))
     col = [c.strip() for c in header.split("|")].index("busy per rank")
     assert ours_row.split("|")[col].strip() == "86%-95%" and pipe_row.split("|")[col].strip() == ""  # GPU: no share
+
+
+def test_older_records_without_the_network_setting_read_it_from_their_emulation():
+    recs = []
+    for net, t in (("d10-1g", 2.0), ("d1-5g", 1.2)):
+        for system, pp in (("ours", 12), ("torch_pipe", 12)):
+            d = _rec(system=system, pp=pp, network=net, t=t).__dict__
+            setting = d.pop("network_setting")  # as the run command wrote records before it kept the setting
+            d["environment"]["network"] = {"profile": {"name": net, "label": setting["label"], "kind": "uniform",
+                                                       "link": {k: setting[k] for k in ("delay_ms", "bandwidth_gbps")}}}
+            recs.append(d)
+    assert render(recs) == render([_rec(system=s, pp=12, network=n, t=t).__dict__
+                                   for n, t in (("d10-1g", 2.0), ("d1-5g", 1.2)) for s in ("ours", "torch_pipe")])
+    bare = {k: v for k, v in recs[0].items() if k not in ("environment",)}
+    assert "d10-1g" in render([bare, {**bare, "system": "torch_pipe", "label": "torch_pipe", "key": "other"}])
+
+
+def test_the_rest_of_a_runs_identity_is_stated_where_it_is_not_runconfigs_default():
+    from workload.configs import OptimizerConfig
+
+    plain = [_rec(pp=8, t=19.71).__dict__, _rec(tp=8, t=25.0).__dict__]
+    assert "seed" not in render(plain) and " lr " not in render(plain)
+    changed = []
+    for r in plain:
+        cfg = RunConfig.from_dict(r["config"], get_system("megatron").options)
+        cfg = cfg.replace(seed=3, optimizer=OptimizerConfig(kind="sgd", lr=1e-3))
+        changed.append({**r, "config": cfg.to_dict(), "key": cfg.key()})
+    assert "seed 3, sgd lr 0.001" in render(changed)

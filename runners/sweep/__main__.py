@@ -31,7 +31,7 @@ from runners.sweep.slurm import SlurmExecutor, read_allocation
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m runners.sweep", description=__doc__.split("\n\n")[1])
-    ap.add_argument("sweep", nargs="?", help="a sweep file (TOML), e.g. runners/sweeps/local.toml")
+    ap.add_argument("sweep", nargs="?", help="a sweep file (TOML), e.g. sweeps/local.toml")
     ap.add_argument("--out", default=None, help="the record file (default results/<sweep name>.jsonl)")
     ap.add_argument("--dry-run", action="store_true", help="print the run commands, run nothing")
     ap.add_argument("--only", action="append", default=[], metavar="SYSTEM", help="only this system (repeatable)")

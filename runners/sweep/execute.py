@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import shlex
 import subprocess
@@ -22,6 +21,9 @@ from typing import IO, Protocol
 
 from tqdm import tqdm
 
+from contract import ConfigError
+from contract.config import planned_key
+from contract.records import read_records
 from runners.invoke import run_command
 from runners.sweep.hostfile import DoesNotFit
 from runners.sweep.plan import REPO, PlannedRun, Sweep, SweepError
@@ -35,23 +37,35 @@ class Executor(Protocol):
     def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]: ...
 
 
-def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str]:
-    """The identities already recorded in ``out`` (only the ok ones with retry_failed; never unfit ones)."""
-    p = Path(out)
-    keys: set[str] = set()
-    if not p.exists():
-        return keys
-    for line in p.read_text().splitlines():
+def recorded(out: str | os.PathLike, retry_failed: bool = False) -> dict[str, set[str | None]]:
+    """The runs already recorded in ``out`` (only the ok ones with retry_failed; never unfit ones): each
+    as its planned run's key (``contract.config.planned_key``) with the hardware it was recorded on
+    (None: not known)."""
+    done: dict[str, set[str | None]] = {}
+    for rec in read_records(out):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+            key, hardware = planned_key(rec["key"])
+        except (ValueError, TypeError, KeyError, AttributeError):
             continue
         if rec.get("status") == "unfit" or (retry_failed and rec.get("status") != "ok"):
             continue  # whether a run fits depends on the hostfile: judged again each time
-        keys.add(rec["key"])
-    return keys
+        done.setdefault(key, set()).add(hardware)
+    return done
+
+
+def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str]:
+    """The planned runs' keys already recorded in ``out`` (on any hardware)."""
+    return set(recorded(out, retry_failed))
+
+
+def hardware_here(run: PlannedRun, gpus) -> str | None:
+    """The hardware ``run`` gets on this machine (``runners.devices.judge_gpus``), None where it cannot run here."""
+    from runners.devices import judge_gpus
+
+    try:
+        return judge_gpus(run.device, gpus, run.world, run.devices_per_process)
+    except ConfigError:
+        return None
 
 
 @contextlib.contextmanager
@@ -146,11 +160,21 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
             say(f"skip (bad combination): {r.label()}\n    {r.error}")
             outcome.invalid += 1
     planned = [r for r in planned if r.valid]
-    done = recorded_keys(out, retry_failed) if out else set()
+    done = recorded(out, retry_failed) if out else {}
+    # A run is recorded when its key is, on the hardware it would run on: this machine's in a local
+    # sweep (CPU and GPU records of one config are different runs); any in cluster mode (the nodes'
+    # hardware is seen only by the run command on them).
+    gpus = None
+    if done and not getattr(executor, "cluster", False):
+        from runners.devices import local_gpus
+
+        with contextlib.suppress(ConfigError):  # GPUs that cannot be read: the run command says why
+            gpus = local_gpus()
     todo: list[PlannedRun] = []
     seen: set[str] = set()
     for r in planned:
-        if r.key in done or r.key in seen:
+        hardware = {hardware_here(r, gpus), None} if gpus is not None and r.key in done else None
+        if (r.key in done and (hardware is None or done[r.key] & hardware)) or r.key in seen:
             outcome.skipped += 1
             continue
         seen.add(r.key)

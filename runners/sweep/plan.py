@@ -1,6 +1,6 @@
 """Planning a sweep: a sweep file (TOML) expanded into run commands, each judged before anything runs.
 
-A sweep file (see runners/sweeps/*.toml)::
+A sweep file (see sweeps/*.toml)::
 
     name = "local"
     [fixed]                        # settings of every run: any flag of the run command, snake_case
@@ -39,11 +39,11 @@ from pathlib import Path
 
 from contract import ConfigError
 from network_emulation.profiles import ProfileError, parse_profile
-from runners.registry import get_system
+from contract.registry import get_system
 from runners.request import OPTION_PREFIX, build_parser, config_from_args, judge
 
 REPO = Path(__file__).resolve().parents[2]
-SWEEPS_DIR = REPO / "runners" / "sweeps"
+SWEEPS_DIR = REPO / "sweeps"
 # Flags a sweep controls itself: through its axes, or per run (out file, multi-node placement).
 AXIS_FLAGS = {"system": "systems", "pp": "layouts", "tp": "layouts", "dp": "layouts",
               "micro_batch_size": "micro_batch_sizes", "network": "networks"}
@@ -67,6 +67,7 @@ class PlannedRun:
     key: str | None = None  # the run's identity (None for an invalid combination)
     error: str | None = None  # why the combination is invalid
     world: int = 1  # processes the run needs
+    device: str = "auto"  # the run's --device (what hardware it gets is judged where it runs)
     devices_per_process: int = 1  # devices each process uses (fairscale: its pipe's devices)
     timeout: float = 3600.0  # the run's own --timeout
     nproc_per_node: int | None = None  # placement hint from the sweep file (cluster mode)
@@ -108,14 +109,14 @@ def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node:
     except SystemExit:
         msg = err.getvalue().strip().splitlines()
         return PlannedRun(**base, error=(msg[-1] if msg else "bad arguments").removeprefix(f"{parser.prog}: error: "))
+    spec = get_system(ns.system)
     try:
-        cfg = config_from_args(ns)
-        judge(cfg)
+        cfg = config_from_args(ns, spec)
+        judge(cfg, spec)
     except ConfigError as e:
         return PlannedRun(**base, error=str(e))
-    spec = get_system(cfg.system)
     return PlannedRun(**base, key=cfg.key(), world=spec.processes(cfg), devices_per_process=spec.devices_per_process(cfg),
-                      timeout=cfg.timeout)
+                      timeout=cfg.timeout, device=cfg.device)
 
 
 _LAYOUT_TOKEN = re.compile(r"^([TPD])-?(\d+)$", re.IGNORECASE)

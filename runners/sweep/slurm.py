@@ -47,7 +47,7 @@ from network_emulation.signals import signals_deferred
 from network_emulation.slurm_step import guarded, srun_argv
 from network_emulation.srun_shaping import SrunShapingSession
 from runners.output import Pump, is_peer_failure
-from runners.sweep.cluster import GRACE_S, IFACE_VARIABLES, STOP_S, ClusterExecutor
+from runners.sweep.cluster import GRACE_S, STOP_S, ClusterExecutor
 from runners.sweep.execute import SAFETY_MARGIN_S
 from runners.sweep.hostfile import Host, NodePlacement, place
 from runners.sweep.plan import PlannedRun, SweepError
@@ -253,12 +253,13 @@ class SlurmExecutor(ClusterExecutor):
 
     def run_step_argv(self, run: PlannedRun, nodes: NodePlacement, remote_out: str, name: str) -> list[str]:
         """The srun that starts the run command on every node of the run, each with its node rank
-        (SLURM_NODEID) and the interface for gloo and NCCL, under the step guard."""
+        (SLURM_NODEID) and the interface for gloo and NCCL (and NCCL kept on it under a shaped network),
+        under the step guard."""
         python = self.python_on(nodes.hosts[0])
         run_command = [python, "-m", "runners.run", *run.args, "--nnodes", str(nodes.nnodes),
                        "--rdzv-endpoint", f"{nodes.hosts[0]}:{self.port}", "--out", remote_out]
-        task = ["sh", "-c", TASK, "task", "env", *(f"{v}={self.iface}" for v in IFACE_VARIABLES),
-                *guarded(python, run_command)]
+        env = {"GLOO_SOCKET_IFNAME": self.iface, **self.nccl_env(run)}
+        task = ["sh", "-c", TASK, "task", "env", *(f"{k}={v}" for k, v in env.items()), *guarded(python, run_command)]
         return srun_argv(nodes.hosts, task, chdir=self.dir_on(nodes.hosts[0]), label=True, name=name)
 
     def launch_argvs(self, run: PlannedRun, nodes: NodePlacement, remote_out: str) -> list[list[str]]:
@@ -272,9 +273,9 @@ class SlurmExecutor(ClusterExecutor):
                                   sudo=self.sudo, out=out, remote_dir=self.remote_dir, remote_python=self.remote_python,
                                   backends=self.backends)
 
-    def cluster_environment(self, nodes: NodePlacement) -> dict[str, Any]:
+    def cluster_environment(self, run: PlannedRun, nodes: NodePlacement) -> dict[str, Any]:
         assert self.allocation is not None
-        return {**super().cluster_environment(nodes), "launcher": "slurm", "job_id": self.allocation.job_id}
+        return {**super().cluster_environment(run, nodes), "launcher": "slurm", "job_id": self.allocation.job_id}
 
     # ------------------------------------------------------------------ one run
     def _launch(self, run: PlannedRun, nodes: NodePlacement, remote_out: str,

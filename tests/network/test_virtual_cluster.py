@@ -77,18 +77,19 @@ def test_none_profile_and_four_hosts_reach_each_other() -> None:
 
 
 def _p2p_ms(profile: str, nbytes: int) -> float:
+    """The median round trip (ms) of nbytes sent from virtual host 0 to 1 and a 4-byte reply."""
     with VirtualCluster(2, profile, name="gloo") as vc:
         master = vc.hosts[0].address
         procs = []
         for h in vc.hosts:
             env = dict(os.environ, **h.env(), MASTER_ADDR=master, MASTER_PORT="29533", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([*h.command_prefix(), sys.executable, str(Path(__file__).with_name("_gloo_p2p.py")),
-                                           str(h.index), str(nbytes), "5"],
+            procs.append(subprocess.Popen([*h.command_prefix(), sys.executable, "-m", "ours.plan.ping_pong",
+                                           str(h.index), str(nbytes), "5", "4"], cwd=REPO,
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=120) for p in procs]
         for p, (out, err) in zip(procs, outs):
             assert p.returncode == 0, err[-2000:]
-        return json.loads(outs[0][0])["median_ms"]
+        return json.loads(outs[0][0])["round_trip"] * 1e3
 
 
 def test_gloo_point_to_point_follows_the_profile() -> None:

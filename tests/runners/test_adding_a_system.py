@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import TINY, assert_verified, run_cli
 
 TOY = {"PIPEBENCH_SYSTEMS": "tests.runners.toy_system"}
 ARGS = [*TINY, "--batch-size", "2", "--micro-batch-size", "2", "--steps", "2", "--warmup", "0"]
@@ -37,7 +38,7 @@ def test_options_belong_to_their_system(out_file):
 def test_toy_system_runs_end_to_end(out_file):
     proc = run_cli("--system", "toy", *ARGS, "--verify", "--out", str(out_file), env=TOY)
     assert_verified(proc)
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "ok" and rec["label"] == "toy x1" and rec["details"] == "trained"
     assert rec["options"] == {"toy_lr_scale": 1.0, "toy_note": "trained"}
     assert '"toy_lr_scale": 1.0' in rec["key"]

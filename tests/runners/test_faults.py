@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from runners.launcher import RUN_DIR_PREFIX, reap_stale_run_dirs
-from tests.conftest import REPO, TINY, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import REPO, TINY, run_cli
 from tests.network.conftest import needs_root
 
 LONG = ["--system", "ours", *TINY, "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1", "--steps", "100000"]
@@ -166,7 +167,7 @@ def test_cpu_out_of_memory_is_recorded_as_oom(out_file):
     proc = run_cli("--system", "reference", *TINY, "--hidden-size", "1000000", "--batch-size", "1",
                    "--micro-batch-size", "1", "--steps", "1", "--out", str(out_file), timeout=300)
     assert proc.returncode == 1
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "oom" and rec["error"].startswith("rank 0:") and "allocate" in rec["error"]
 
 
@@ -177,5 +178,5 @@ def test_a_rank_killed_by_a_signal_is_named(out_file):
     os.kill(max(_ranks_of(run_dir)), signal.SIGKILL)  # rank 1 (started second)
     proc.communicate(timeout=120)
     assert proc.returncode == 1
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "error" and rec["error"].endswith("was killed by SIGKILL"), rec["error"]

@@ -9,7 +9,8 @@ from baselines.torch_pipe import SPEC as TORCH_PIPE, TorchPipeOptions
 from contract import RunConfig
 from runners import record as record_mod
 from runners.launcher import LaunchResult
-from runners.record import append_record, build_record, read_records
+from contract.records import read_records
+from runners.record import append_record, build_record
 from runners.run import compare
 from runners.tolerance import FP32_TOLERANCE
 from workload.configs import get_model_config
@@ -25,7 +26,7 @@ def _cfg(**kw) -> RunConfig:
 def _rank(rank, times, losses=None, busy=None):
     return {"rank": rank, "step_times": times, "losses": losses, "dp_sync_times": [0.0] * len(times),
             "busy_times": busy or [],
-            "peak_memory_bytes": 100 + rank, "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
+            "gpu_memory": [], "cpu_rss_bytes": 100 + rank, "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
             "backend": "gloo", "peak_tflops": 0.1, "peak_source": "measured-matmul:fp32"}
 
 
@@ -39,6 +40,13 @@ def test_record_aggregates_ranks():
     assert rec.peak_memory_bytes == [100, 101]
     assert rec.mfu == pytest.approx(rec.tflops_per_device / 0.1)
     assert rec.busy_fraction == []  # no CPU times (a GPU run): no busy share
+
+
+def test_record_barrier_on_the_last_and_the_first_rank_to_arrive():
+    ranks = [_rank(0, [1.0, 1.0]), _rank(1, [1.0, 1.0])]
+    ranks[0]["barrier_times"], ranks[1]["barrier_times"] = [0.001, 0.002], [0.030, 0.025]
+    rec = build_record(_cfg(), TORCH_PIPE, "ok", None, ranks, {})
+    assert rec.barrier_time == pytest.approx(0.0015) and rec.barrier_time_first == pytest.approx(0.0275)
 
 
 def test_record_busy_share_per_rank():

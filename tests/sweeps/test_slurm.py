@@ -114,14 +114,14 @@ def test_srun_argv_refuses_what_is_not_a_node_name() -> None:
 
 def test_the_batch_script(tmp_path: Path) -> None:
     out = tmp_path / "results" / "gpt3.jsonl"
-    text = batch_script("runners/sweeps/gpt3-xl-cluster.toml", out, ["--iface", "ib0"],
+    text = batch_script("sweeps/gpt3-xl-cluster.toml", out, ["--iface", "ib0"],
                         ["--nodes", "12", "--gpus-per-node=1", "--comment", "a b"], "gpt3", python="/v/bin/python")
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash"
     assert f"#SBATCH --output={tmp_path}/results/gpt3-slurm-%j.out" in lines and "#SBATCH --no-kill" in lines
     assert "#SBATCH --nodes 12 --gpus-per-node=1 --comment 'a b'" in lines                # the user's, last
     assert f"cd {shlex.quote(str(REPO))}" in lines and "export PYTHON=/v/bin/python" in lines
-    assert lines[-1] == (f"exec bash runners/run_all.sh --slurm --sweep runners/sweeps/gpt3-xl-cluster.toml --iface ib0 "
+    assert lines[-1] == (f"exec bash runners/run_all.sh --slurm --sweep sweeps/gpt3-xl-cluster.toml --iface ib0 "
                          f"--out {out}")
     script = tmp_path / "s.sbatch"
     script.write_text(text)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from runners.request import build_parser, config_from_args
+from runners.record import build_record
+from runners.request import parse_request
 from runners.sweep.__main__ import main
 from runners.sweep.cluster import ClusterExecutor
 from runners.sweep.hostfile import Host, NodePlacement, parse_hostfile
@@ -165,11 +166,12 @@ def test_layout_notation():
 
 
 def _fake_record(run: PlannedRun, status: str = "ok", **config_changes) -> str:
-    cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
+    cfg, spec = parse_request(run.args)
     # what the run command would write, with volatile fields changed: still the same run
     cfg = cfg.replace(timeout=12.0, verify=True, **config_changes)
-    return json.dumps({"system": run.system, "status": status, "median_step_time": 1.0, "config": cfg.to_dict(),
-                       "key": cfg.key()})
+    rec = build_record(cfg, spec, status, None, None, {})
+    rec.median_step_time = 1.0
+    return rec.to_json()
 
 
 def test_recorded_runs_are_skipped(tmp_path):
@@ -192,6 +194,33 @@ def test_recorded_runs_are_skipped(tmp_path):
     run_sweep(sweep, out, executor=lambda r, o: calls.append(r.key) or (0, ""), retry_failed=True, probe=False,
               report=False, need_root_for_network=False, stream=io.StringIO())
     assert valid[1].key in calls and valid[0].key not in calls
+
+
+def test_a_run_recorded_on_other_hardware_is_not_recorded_here(tmp_path):
+    """CPU and GPU records of one config are different runs: a local sweep (on this CPU machine) skips
+    the one recorded on cpu only; a cluster sweep, which cannot see its nodes' hardware, skips both."""
+    sweep = load_sweep(write(tmp_path, SMALL))
+    valid = sweep.valid_runs
+    out = tmp_path / "o.jsonl"
+    out.write_text(_fake_record(valid[0], hardware="cpu") + "\n"
+                   + _fake_record(valid[1], hardware="cuda:NVIDIA H100 80GB HBM3") + "\n")
+    assert recorded_keys(out) >= {valid[0].key, valid[1].key}  # as planned runs' keys, on any hardware
+    calls = []
+    run_sweep(sweep, out, executor=lambda r, o: calls.append(r.key) or (0, ""), probe=False, report=False,
+              need_root_for_network=False, stream=io.StringIO())
+    assert valid[0].key not in calls and valid[1].key in calls
+
+    class Cluster:
+        cluster = True
+
+        def __call__(self, r, o):
+            calls.append(r.key)
+            return 0, ""
+
+    calls.clear()
+    run_sweep(sweep, out, executor=Cluster(), probe=False, report=False, need_root_for_network=False,
+              stream=io.StringIO())
+    assert valid[0].key not in calls and valid[1].key not in calls
 
 
 def test_exit_2_at_run_time_counts_as_invalid(tmp_path):
@@ -316,6 +345,10 @@ def test_ssh_commands_keep_hostile_values_quoted(tmp_path):
     assert words[0] == "exec"
     assert words[1:] == ex.run_argv(run, nodes, 1, "/srv/my suite's dir/results/.x.jsonl")
     assert words[1:4] == ["env", "GLOO_SOCKET_IFNAME=eth0; reboot", "NCCL_SOCKET_IFNAME=eth0; reboot"]
+    assert words[4:6] == ["NCCL_IB_DISABLE=1", "NCCL_NET=Socket"]  # shaped: NCCL kept on the shaped interface
+    unshaped = sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 4, "micro_batch_size": 1},
+                                "systems": ["ours"], "layouts": ["P-2"], "networks": ["none"]}).runs[0]
+    assert "NCCL_NET=Socket" not in ex.run_argv(unshaped, nodes, 1, "/x.jsonl")
     assert words[words.index("--rdzv-endpoint") + 1] == "a;rm -rf /:29500"
     assert words[words.index("--data") + 1] == "my data; rm -rf ~/$(whoami) `x`.txt"
     assert words[words.index("--node-rank") + 1] == "1" and words[words.index("--nnodes") + 1] == "2"
@@ -371,6 +404,7 @@ def test_cluster_failure_without_record_is_recorded(tmp_path, monkeypatch):
     rec = json.loads(out.read_text())
     assert rec["status"] == "error" and rec["error"].startswith("n0 failed first: it did not answer ssh")
     assert "Could not resolve" in rec["error"] and rec["environment"]["cluster"]["hosts"] == ["n0", "n1"]
+    assert rec["environment"]["cluster"]["nccl_env"] == {"NCCL_SOCKET_IFNAME": "eth0"}  # unshaped: no forcing
     assert rec["key"] == sweep.runs[0].key  # so a re-run of the sweep skips it
     assert all(a[0] == "ssh" for a in seen)
 
