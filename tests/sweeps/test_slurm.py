@@ -94,12 +94,14 @@ def test_the_run_step_and_where_runs_go() -> None:
     i = argv.index("sh")
     assert argv[i + 1] == "-c" and '"$@" --node-rank "$SLURM_NODEID"' in argv[i + 2]    # the rank of each node
     rest = argv[i + 4:]
-    assert rest[:3] == ["env", "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0"]
-    assert rest[4:7] == ["-m", "network_emulation.slurm_step", "--"]                    # under the step guard
+    assert rest[:5] == ["env", "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",  # NCCL on the shaped link
+                        "NCCL_IB_DISABLE=1", "NCCL_NET=Socket"]
+    assert rest[6:9] == ["-m", "network_emulation.slurm_step", "--"]                    # under the step guard
     assert rest[-6:] == ["--nnodes", "2", "--rdzv-endpoint", "node01:29500", "--out", "/x/results/.cluster-1.jsonl"]
     assert "--node-rank" not in rest
-    assert ex.cluster_environment(nodes) == {"hosts": ["node01", "node02"], "ranks_per_node": 1, "iface": "eth0",
-                                             "launcher": "slurm", "job_id": "42"}
+    assert ex.cluster_environment(run, nodes) == {
+        "hosts": ["node01", "node02"], "ranks_per_node": 1, "iface": "eth0", "launcher": "slurm", "job_id": "42",
+        "nccl_env": {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}}
     assert executor(lost={"node01"}).place(run).hosts == ("node02", "node03")         # a lost node is left out
     with pytest.raises(DoesNotFit, match=r"needs 2 GPUs, the allocation \(without node01, node02, lost\) has 1"):
         executor(lost={"node01", "node02"}).place(run)
