@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from contract.config import VOLATILE_FIELDS, RunConfig
-from contract.records import read_predictions, read_records, record_files
+from contract.records import predictions_path, read_predictions, read_records, record_files
 from contract.registry import read_options
 
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
@@ -36,7 +36,7 @@ HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "ste
 # RunConfig's fields the tables show as axes, columns or in the heading (the rest of a run's identity,
 # where it is not the default, is stated beside the heading)
 SHOWN = frozenset({"system", "model", "pp", "tp", "dp", "batch_size", "micro_batch_size", "steps", "warmup",
-                   "mixed_precision", "recompute", "network", "options"})
+                   "mixed_precision", "recompute", "network", "network_matrix", "options"})
 
 
 def load_records(paths: list[str]) -> list[dict]:
@@ -44,9 +44,10 @@ def load_records(paths: list[str]) -> list[dict]:
     beside its file (``python -m predict records``) where it has none of its own; a line that is not
     a record is skipped with a warning on stderr."""
     records = []
+    warn = lambda why: print(f"report.py: skipping {why}", file=sys.stderr)  # noqa: E731
     for f in record_files(paths):
-        found = read_records(f, warn=lambda why: print(f"report.py: skipping {why}", file=sys.stderr))
-        predicted = read_predictions(f)
+        found = read_records(f, warn=warn)
+        predicted = read_predictions(f, warn=warn)
         for rec in found:
             if rec.get("prediction") is None and rec.get("run_id") in predicted:
                 rec["prediction"] = predicted[rec["run_id"]]
@@ -60,9 +61,10 @@ def layout_label(layout: dict) -> str:
 
 
 def network_setting(r: dict) -> dict:
-    """A record's network setting in words and numbers: its label, one-way delay (ms) and bandwidth
-    (Gbit/s) between ranks 0 and 1 (None without emulation). Records from before ``network_setting``
-    was recorded: the profile their emulation described, else the setting's name."""
+    """A record's network setting in words and numbers, as the run recorded it: its label, one-way
+    delay (ms) and bandwidth (Gbit/s) of its link (None without emulation; a per-link matrix: its
+    slowest link, whether all its links are one, the digest of its contents). Records from before
+    ``network_setting`` was recorded: the profile their emulation described, else the setting's name."""
     if r.get("network_setting"):
         return r["network_setting"]
     prof = ((r.get("environment") or {}).get("network") or {}).get("profile") or {}
@@ -71,6 +73,15 @@ def network_setting(r: dict) -> dict:
         link = {k: prof[k][0][1] for k in ("delay_ms", "bandwidth_gbps")}
     return {"label": prof.get("label") or r["network"], "delay_ms": link.get("delay_ms"),
             "bandwidth_gbps": link.get("bandwidth_gbps")}
+
+
+def hardware_of(environment: dict) -> str:
+    """What a run ran on, as its record says: the device kind, and the device's name where it says
+    more ('cpu'; 'cuda: Tesla V100-SXM2-16GB'). Part of a report row's identity: records of one
+    config on different hardware never share a table."""
+    kind = str(environment.get("device_kind") or "")
+    name = str(environment.get("device_name") or "")
+    return kind if not name or name == kind else f"{kind}: {name}" if kind else name
 
 
 def network_order(setting: dict) -> tuple[float, float]:
@@ -89,7 +100,9 @@ def fmt_time(t: float | None) -> str:
 def cell(row: pd.Series) -> str:
     if row["status"] == "ok":
         pred = row.get("predicted")
-        return fmt_time(row["median_step_time"]) + (f" (pred {fmt_time(pred).removesuffix(' s')})" if pred == pred and pred else "")
+        t = row["median_step_time"]
+        return (fmt_time(t) if t == t and t is not None else "ok, no step time") + \
+            (f" (pred {fmt_time(pred).removesuffix(' s')})" if pred == pred and pred else "")
     if row["status"] == "unfit":
         return f"Fail ({row['error']})"
     return FAIL.get(row["status"], f"Fail ({row['status']})")
@@ -122,15 +135,16 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         shape = r["model_shape"]
         options = read_options(r["system"], c.get("options") or {})
         setting = network_setting(r)
+        hardware = hardware_of(env)
         rows.append({
-            "key": r.get("key") or json.dumps(c, sort_keys=True),
+            "key": (r.get("key") or json.dumps(c, sort_keys=True)) + " on " + hardware,
             "timestamp": r.get("timestamp", ""),
             "system": r.get("label") or r["system"],
             "role": r.get("role") or "baseline",
             "options": json.dumps(options, sort_keys=True),
             "model": r["model"],
             "shape": "L{n_layer} h{n_embd} a{n_head} s{seq_len}".format(**shape),
-            "hardware": str(env.get("device_name", env.get("device_kind", "?"))),
+            "hardware": hardware,
             "devices": env.get("device_count"),
             "precision": r.get("precision", "fp32"),
             "recompute": "recompute" if r.get("recompute") else "no recompute",
@@ -140,10 +154,10 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "mb": r["micro_batch_size"],
             "layout": layout_label(r["layout"]),
             "dp": r["layout"].get("dp", 1),
-            "network": r["network"],
+            "network": r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else ""),
             "setting": setting["label"],
             "order": network_order(setting),
-            "delay": setting.get("delay_ms"),
+            "delay": setting.get("delay_ms") if setting.get("uniform", True) else None,  # a matrix: several
             "emulated": r["network"] != "none",
             "status": r["status"],
             "median_step_time": r.get("median_step_time"),
@@ -243,7 +257,7 @@ def network_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
 
 def _verdict(row: pd.DataFrame) -> str | None:
     """The fastest run of one row and its margin over the best baseline (or ours' gap to it)."""
-    ok = row[(row["status"] == "ok") & (row["role"] != "reference")]
+    ok = row[(row["status"] == "ok") & (row["role"] != "reference") & row["median_step_time"].notna()]
     if ok.empty:
         return None
     fastest = ok.loc[ok["median_step_time"].idxmin()]
@@ -265,7 +279,7 @@ def _verdict(row: pd.DataFrame) -> str | None:
 def _verdicts(row: pd.DataFrame) -> list[tuple[str, str]]:
     """(qualifier, verdict) of one row: one verdict, or one per device count when the row's runs use
     different numbers of devices (P-2 against P-2 D-2 is not a race)."""
-    ok = row[(row["status"] == "ok") & (row["role"] != "reference")]
+    ok = row[(row["status"] == "ok") & (row["role"] != "reference") & row["median_step_time"].notna()]
     counts = sorted(ok["devices"].dropna().unique())
     if len(counts) <= 1:
         groups = [("", row)]
@@ -348,6 +362,8 @@ def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
 
     paths = []
     for i, (fixed, g) in enumerate(_tables(df, emulated=True)):
+        for label in g[(g["status"] == "ok") & g["delay"].isna()]["setting"].unique():
+            print(f"plot: left out {label}: its links differ, it has no one delay", file=sys.stderr)
         g = g[(g["status"] == "ok") & g["delay"].notna()]
         if g["network"].nunique() < 2:
             continue
@@ -380,6 +396,25 @@ def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
     return paths
 
 
+def check_outputs(inputs: list[str], out: str | None, plots: str | None) -> str | None:
+    """Why the report cannot write where it is asked to (one line), or None: the report never writes
+    over what it reads (a records file, the predictions kept beside one) nor over a file that holds
+    run records; ``--out`` is a file, ``--plots`` a directory."""
+    if plots and Path(plots).exists() and not Path(plots).is_dir():
+        return f"--plots {plots} is not a directory"
+    if not out:
+        return None
+    if Path(out).is_dir():
+        return f"--out {out} is a directory, not a file"
+    read = [f for p in record_files(inputs) for f in (p, predictions_path(p))]
+    same = next((f for f in read if f.exists() and Path(out).exists() and Path(out).samefile(f)), None)
+    if same is not None:
+        return f"--out {out} is {same}, which the report reads: give the report a file of its own"
+    if Path(out).is_file() and read_records(out):
+        return f"--out {out} holds run records: give the report a file of its own"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python report.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="*", default=["results"], help="record files or directories (default: results/)")
@@ -389,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [p for p in args.inputs if not Path(p).exists()]
     if missing:
         print(f"python report.py: error: no such file or directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    bad = check_outputs(args.inputs, args.out, args.plots)
+    if bad:
+        print(f"python report.py: error: {bad}", file=sys.stderr)
         return 2
     records = load_records(args.inputs)
     text = render(records)

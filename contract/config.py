@@ -11,6 +11,7 @@ model's and the optimizer's (``workload.configs``) carry the same metadata keys.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, Callable
@@ -109,7 +110,13 @@ class RunConfig:
                                         default_factory=OptimizerConfig)
     data: str | None = option(None, "a text file to train on (byte-level tokens); synthetic tokens by default",
                               group=TRAINING)
-    network: str = option("none", "network profile: none, a profile name, or 'delay 10ms bandwidth 1Gbps'", group=RUN)
+    network: str = option("none", "network profile: none, a profile name, 'delay 10ms bandwidth 1Gbps', or a per-link "
+                                  "matrix file FILE.json ({\"delay_ms\": [[...]], \"bandwidth_gbps\": [[...]]}, N x N "
+                                  "for N ranks)", group=RUN)
+    # A per-link matrix's contents ({"delay_ms": [[...]], "bandwidth_gbps": [[...]]}) as the request read
+    # them from the file ``network`` names, None for any other profile: the run is emulated, recorded
+    # and identified by these (their digest), never by the path alone (set by the run command).
+    network_matrix: dict[str, Any] | None = None
     verify: bool = option(False, "also train the single-process reference and compare losses and gradients",
                           group=RUN, identity=False)
     device: str = option("auto", "auto | cpu | cuda", group=RUN, identity=False)
@@ -163,7 +170,17 @@ class RunConfig:
         for name in VOLATILE_FIELDS:
             del d[name]
         d["options"] = _plain(self.options.identity())
+        if self.network_matrix is None:  # the identity of every run without a matrix is as it always was
+            del d["network_matrix"]
+        else:
+            d["network_matrix"] = self.network_digest()
         return d
+
+    def network_digest(self) -> str | None:
+        """The digest (SHA-256, 16 hex digits) of the per-link matrix the run ran under, or None."""
+        if self.network_matrix is None:
+            return None
+        return hashlib.sha256(json.dumps(self.network_matrix, sort_keys=True).encode()).hexdigest()[:16]
 
     def key(self) -> str:
         """The run's identity as one string (sorted JSON): a sweep skips a key already recorded,

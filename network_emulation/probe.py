@@ -262,6 +262,18 @@ class LinkProbing:
             duration_s = bulk_duration(self.profile, src, dst)
         return self._measure(src, dst, samples=samples, duration_s=duration_s, port=port)
 
+    def probe_links(self) -> dict[str, Any]:
+        """Every kind of link of the profile measured once, on the first host pair that has it
+        (``profiles.link_classes``: one for a uniform profile, one per kind of link of a matrix):
+        ``measured_links``, each measurement with its pair (``src``, ``dst``) and what the link was
+        ``set`` to; ``measured_link``, the slowest one's (what a simulation of the run reads)."""
+        from .profiles import link_classes, slowest
+
+        classes = link_classes(self.profile)
+        links = [{"src": i, "dst": j, "set": link.describe(), **self.probe(i, j).describe()} for i, j, link in classes]
+        src, dst, _ = slowest(classes)
+        return {"measured_link": next(m for m in links if (m["src"], m["dst"]) == (src, dst)), "measured_links": links}
+
     def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
         raise NotImplementedError
 

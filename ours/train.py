@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from contract import RunConfig
 from contract.rank import Context, Measurements, StepOutput, run_steps
-from ours import WIRE_DTYPES, OursOptions
+from ours import WIRE_DTYPES, OursOptions, leading_forwards
 from ours.dp import make_sync
 from ours.engine import StageEngine
 from ours.plan.auto import auto_slicing
@@ -122,4 +122,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     if options.trace:
         tracer.write(options.trace, ctx.world_size)
     m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.n_micro_batches)
+    if options.prefetch:  # what the first stage could run ahead (known before launch only for a slicing given)
+        m.extra["prefetch"] = min(options.prefetch, leading_forwards(options.schedule, cfg.n_micro_batches,
+                                                                     len(slices), pp))
     return m

@@ -76,12 +76,13 @@ def _target(device_file: str | None, cfg, in_flight: int | None):
 
     if device_file is None:
         cal = load_calibration()
-        return CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.link(cfg.network), cal.cores, "gloo"
-    from network_emulation.profiles import parse_profile
+        return (CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.link(cfg.network, None, cfg.network_matrix),
+                cal.cores, "gloo")
+    from predict.from_config import single_link
     from predict.seed_tables import NVLINK
     from predict.run_spec import Link
 
-    link = parse_profile(cfg.network).link(0, 1)
+    link = single_link(cfg.network, cfg.network_matrix)
     link = NVLINK if link is None else Link.from_ms_gbps(link.delay_ms, link.bandwidth_gbps, in_flight)
     return load_device(device_file, cfg.model, cfg.precision), link, None, "nccl"
 

@@ -2,12 +2,24 @@
 from __future__ import annotations
 
 from contract import RunConfig
+from network_emulation.profiles import LinkSpec, link_classes, parse_profile
 from predict.run_spec import SYSTEMS, Link, RunSpec
 from contract.registry import get_system
 
 
 class NotModelled(ValueError):
     """A run the simulator has no program for (a system or an option it does not model)."""
+
+
+def single_link(network: str, matrix: dict | None = None) -> LinkSpec | None:
+    """The one link the simulator puts between every pair of a run's ranks: its profile's (None without
+    emulation; ``matrix``: a per-link matrix's contents as the run read them). NotModelled for a
+    matrix with more than one kind of link: the simulator models no per-link matrices."""
+    classes = link_classes(parse_profile(network, matrix))
+    if len(classes) > 1:
+        raise NotModelled(f"--network {network}: a per-link matrix with {len(classes)} kinds of link is not modelled "
+                          "(the simulator puts one link between every pair of ranks)")
+    return classes[0][2] if classes else None
 
 
 def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo") -> RunSpec:

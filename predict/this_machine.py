@@ -22,10 +22,9 @@ from pathlib import Path
 
 from contract import ConfigError, RunConfig
 from contract.records import predictions_path, read_records
-from network_emulation.profiles import parse_profile
 from predict.fitting import fit_overheads
 from predict.compute import CpuCompute, Overheads
-from predict.from_config import NotModelled, config_of_record, spec_from_config, spec_from_record
+from predict.from_config import NotModelled, config_of_record, single_link, spec_from_config, spec_from_record
 from predict.step_time import predict
 from predict.run_spec import Link, Prediction
 from contract.registry import read_options
@@ -176,8 +175,8 @@ class Calibration:
         return cls({k: Overheads(**v) for k, v in d["overhead"].items()}, tuple(d["loopback"]), tuple(d["cores"]),
                    tuple(d.get("runs") or ()), d.get("stall_bytes"), d.get("message_latency"))
 
-    def link(self, network: str, probed: dict | None = None):
-        return local_link(network, self.loopback, probed, self.stall_bytes, self.message_latency)
+    def link(self, network: str, probed: dict | None = None, matrix: dict | None = None):
+        return local_link(network, self.loopback, probed, self.stall_bytes, self.message_latency, matrix)
 
 
 def load_stall(directory: Path = RESULTS, make: bool = True, log=print) -> tuple[float | None, float | None]:
@@ -315,7 +314,7 @@ def predict_here(cfg: RunConfig, probed: dict | None = None) -> Prediction:
     the probed one under emulation (``probed``: a LinkMeasurement.describe() dict), else the profile's.
     FileNotFoundError without a calibration or a profile that covers the shape; NotModelled."""
     cal = load_calibration()
-    spec = spec_from_config(cfg, cal.link(cfg.network, probed))
+    spec = spec_from_config(cfg, cal.link(cfg.network, probed, cfg.network_matrix))
     return predict(spec, CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.cores)
 
 
@@ -347,6 +346,11 @@ def predict_records(path: Path) -> dict[str, dict]:
             cfg = config_of_record(rec)
         except (ConfigError, KeyError, TypeError, ValueError):  # a record of an unknown system or option
             continue
+        try:
+            single_link(cfg.network, cfg.network_matrix)
+        except NotModelled as exc:  # a per-link matrix: said, not predicted as if it were uniform
+            print(f"{path}: run {rec['run_id']} ({rec.get('label')}): not predicted: {exc}")
+            continue
         p = record_prediction(cfg, (env.get("network") or {}).get("measured_link"))
         if p is not None:
             predicted[rec["run_id"]] = p
@@ -359,16 +363,18 @@ def predict_records(path: Path) -> dict[str, dict]:
 
 
 def local_link(network: str, loopback: tuple[float, float], probed: dict | None = None,
-               stall_bytes: float | None = None, message_latency: float | None = None) -> Link:
+               stall_bytes: float | None = None, message_latency: float | None = None,
+               matrix: dict | None = None) -> Link:
     """The link between two ranks of a local run: gloo over loopback for ``none``; under a network
     profile the probe's one-way delay and bandwidth (``probed``: a LinkMeasurement.describe() dict),
     or the profile's own values where there is no probe, plus gloo's own per-message latency over the
     emulated link (``message_latency``, from the message probe; None: the loopback latency);
-    ``stall_bytes``: the emulator's per-message stall (``Link.stall``)."""
+    ``stall_bytes``: the emulator's per-message stall (``Link.stall``); ``matrix``: a per-link matrix's
+    contents as the run read them (NotModelled where its links differ: ``single_link``)."""
     lat, bw = loopback
     if network == "none":
         return Link(lat, bw)
-    spec = parse_profile(network).link(0, 1)
+    spec = single_link(network, matrix)
     delay_ms, gbps = spec.delay_ms, spec.bandwidth_gbps
     if probed:
         delay_ms = probed.get("one_way_delay_ms") or delay_ms

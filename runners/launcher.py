@@ -26,7 +26,7 @@ from contract.registry import get_system
 from network_emulation import VirtualCluster, parse_profile
 from network_emulation.signals import stop_process
 from runners.devices import agent_devices, visible_entries
-from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag
+from runners.lifetime import DirectoryWatchdog, die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.output import Pump
 from runners.request import Placement
 
@@ -43,7 +43,16 @@ class LaunchResult:
     ranks: list[dict] | None  # what every rank measured (on node 0)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # under --verify
     run_dir: Path | None = None
-    network: dict | None = None  # the emulated network: backend, profile, links, the measured link
+    network: dict | None = None  # the emulated network: backend, profile, links, the measured links
+    watchdog: DirectoryWatchdog | None = None  # removes run_dir if the run command ends before it does
+
+    def remove_run_dir(self) -> None:
+        """Remove the run directory (what the ranks wrote: their results, gradients, logs) and end its
+        watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.remove()
+        elif self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -167,18 +176,19 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
 def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
     """Every rank on a virtual host of its own (a network namespace), links shaped by the profile:
     one torchrun agent per virtual node, rendezvous at virtual host 0."""
-    profile = parse_profile(cfg.network)
+    profile = parse_profile(cfg.network, cfg.network_matrix)
     with VirtualCluster(world, profile, name="run") as vc:
-        measured = vc.probe(0, 1).describe() if world > 1 and profile.emulated else None
-        if measured:
-            print(f"network: {profile.name}: measured one-way delay {measured.get('one_way_delay_ms', float('nan')):.2f} ms, "
-                  f"bandwidth {measured.get('bandwidth_gbps', float('nan')):.2f} Gbit/s ({vc.backend})", file=sys.stderr)
+        measured = vc.probe_links() if world > 1 and profile.emulated else {"measured_link": None}
+        for m in measured.get("measured_links") or []:
+            print(f"network: {profile.name}: host {m['src']} -> {m['dst']} (set {m['set']['delay_ms']:g} ms, "
+                  f"{m['set']['bandwidth_gbps']:g} Gbit/s): measured one-way delay {m['one_way_delay_ms']:.2f} ms, "
+                  f"bandwidth {m['bandwidth_gbps']:.2f} Gbit/s ({vc.backend})", file=sys.stderr)
         master = f"{vc.hosts[0].address}:29500"
         gpus = emulated_gpus(cfg, world)
         agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), {**h.env(), **gpu})
                   for h, gpu in zip(vc.hosts, gpus)]
         result = run_agents(agents, cfg.timeout, run_dir)
-        result.network = {**vc.describe(), "measured_link": measured}
+        result.network = {**vc.describe(), **measured}
         if any(gpus):  # NCCL kept off the paths the emulation cannot shape, as the hosts' environment says
             result.network["nccl_env"] = {k: v for k, v in vc.hosts[0].env().items() if k.startswith("NCCL_")}
     return result
@@ -196,7 +206,8 @@ def emulated_gpus(cfg: RunConfig, world: int) -> list[dict[str, str]]:
 
 
 def reap_stale_run_dirs() -> None:
-    """Remove the run directories of run commands that died without removing them (SIGKILL)."""
+    """Remove the run directories of run commands that died without removing them, where their
+    watchdog (``lifetime.DirectoryWatchdog``) could not either (it was killed too)."""
     for d in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
         tag = d.name.removeprefix(RUN_DIR_PREFIX).rpartition("-")[0]
         if d.is_dir() and not owner_alive(tag):
@@ -211,12 +222,16 @@ def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
     its run directory is removed before the interruption goes on."""
     reap_stale_run_dirs()
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{owner_tag()}-"))
+    watchdog = DirectoryWatchdog(run_dir)  # removes it whatever way this process ends
     try:
         (run_dir / "config.json").write_text(cfg.to_json())
         if cfg.network != "none" and placement.nnodes == 1:
-            return launch_emulated(cfg, world, run_dir)
-        return run_agents(local_agents(world, placement, run_dir), cfg.timeout, run_dir,
-                          expect_result=placement.node_rank == 0)
+            result = launch_emulated(cfg, world, run_dir)
+        else:
+            result = run_agents(local_agents(world, placement, run_dir), cfg.timeout, run_dir,
+                                expect_result=placement.node_rank == 0)
     except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        watchdog.remove()
         raise
+    result.watchdog = watchdog
+    return result

@@ -117,7 +117,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
         layout={"pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp}, batch_size=cfg.batch_size,
         global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size, seq_len=m.seq_len,
         precision=cfg.precision, recompute=cfg.recompute, network=cfg.network,
-        network_setting=describe_setting(cfg.network), status=status, error=error,
+        network_setting=network_setting(cfg), status=status, error=error,
         options=options, details=spec.run_details(options), environment=dict(environment), verify=verify,
         config=cfg.to_dict(), key=cfg.key())
     if not ranks:
@@ -153,6 +153,16 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     return rec
 
 
+def network_setting(cfg: RunConfig) -> dict[str, Any]:
+    """The run's network setting as the report shows it (``describe_setting``); under a per-link
+    matrix, of the contents the run read, with their digest (part of the run's identity) in the label."""
+    setting = describe_setting(cfg.network, cfg.network_matrix)
+    digest = cfg.network_digest()
+    if digest:
+        setting.update(digest=digest, label=f"{setting['label']} [{digest[:8]}]")
+    return setting
+
+
 def device_count(ranks: list[dict]) -> int:
     """The devices a run computed on: each rank's distinct devices (fairscale: its pipe's GPUs; on CPU
     one per rank), summed. Tokens/s, TFLOP/s and MFU per device divide by it."""
@@ -178,11 +188,49 @@ def _lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
+def _writer_lock_path(path: Path) -> Path:
+    """The lock a run command or a sweep holds while it writes to a records file (``hold_records``)."""
+    path = Path(os.path.realpath(path))
+    return path.with_name(path.name + ".writer.lock")
+
+
 def remove_records(path: str | Path) -> None:
-    """Delete a records file and the lock file appending made beside it (e.g. a temporary one)."""
+    """Delete a records file and the lock files appending and writing made beside it (e.g. a temporary one)."""
     path = Path(path)
-    for p in (path, _lock_path(path)):
+    for p in (path, _lock_path(path), _writer_lock_path(path)):
         p.unlink(missing_ok=True)
+
+
+HELD_LOCK_ENV = "PIPEBENCH_RECORDS_LOCK_FD"  # a sweep's run command: the descriptor of the lock it inherits
+
+
+def hold_records(path: str | Path) -> int:
+    """Hold a records file for one writer while it runs: an exclusive lock beside it that a second run
+    command or sweep writing to the same file cannot take (two runs at once would each time the
+    other's load). A run command started by a sweep that holds it inherits the sweep's descriptor
+    (named by ``HELD_LOCK_ENV``) and holds the lock with it. Returns the descriptor (released when
+    the process ends, however it ends); BlockingIOError if another writer holds it."""
+    lock = _writer_lock_path(path)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = _inherited(lock)
+    if fd is None:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _inherited(lock: Path) -> int | None:
+    """The descriptor of ``lock`` this process inherited from the sweep that started it, or None."""
+    try:
+        fd = int(os.environ.get(HELD_LOCK_ENV, ""))
+        held, target = os.fstat(fd), lock.stat()
+    except (ValueError, OSError):
+        return None
+    return fd if (held.st_dev, held.st_ino) == (target.st_dev, target.st_ino) else None
 
 
 def append_line(path: str | Path, line: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import tempfile
 import typing
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec, option
 from contract.registry import get_system, systems
-from network_emulation.profiles import ProfileError, check_emulable, parse_profile
-from workload.configs import get_model_config
+from network_emulation.profiles import MatrixProfile, ProfileError, check_emulable, parse_profile
+from workload.configs import count_params, get_model_config
 
 OPTION_PREFIX = "option:"  # argparse dest of a system option
 MULTI_NODE = "multi-node (passed through to torchrun)"
@@ -191,7 +192,20 @@ def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
     common = {f.name: getattr(args, f.name) for f, hint in _flag_fields(RunConfig) if not dataclasses.is_dataclass(hint)}
     nested = {f.name: _from_args(hint, args) for f, hint in _flag_fields(RunConfig)
               if dataclasses.is_dataclass(hint) and f.name != "model"}
-    return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given)})
+    return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given),
+                        "network_matrix": matrix_contents(common["network"])})
+
+
+def matrix_contents(network: str) -> dict | None:
+    """The contents of the per-link matrix file ``network`` names, as they are now, or None (another
+    profile, or one that does not parse: ``judge`` says why)."""
+    if network == "none":
+        return None
+    try:
+        profile = parse_profile(network)
+    except ProfileError:
+        return None
+    return profile.contents() if isinstance(profile, MatrixProfile) else None
 
 
 def placement_from_args(args: argparse.Namespace) -> Placement:
@@ -214,11 +228,15 @@ def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, 
     spec.validate(cfg)
     if cfg.network != "none":
         try:
-            profile = parse_profile(cfg.network)
-            profile.check_hosts(spec.processes(cfg))
+            profile = parse_profile(cfg.network, cfg.network_matrix)
             check_emulable(profile)
+            if spec.processes(cfg) > 1:
+                profile.check_hosts(spec.processes(cfg))
         except ProfileError as exc:
             raise ConfigError(f"--network: {exc}") from None
+        if spec.processes(cfg) == 1:
+            raise ConfigError(f"--network {cfg.network}: {spec.name} runs one process here, which has no link to "
+                              "emulate (use --network none)")
     if placement is None:
         return
     if placement.nnodes < 1:
@@ -227,6 +245,7 @@ def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, 
         raise ConfigError(f"--node-rank must be in 0..{placement.nnodes - 1}, got {placement.node_rank}")
     if placement.nnodes > 1 and not placement.rdzv_endpoint:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0)")
+    check_fits_here(cfg, spec, placement.nnodes)
     _check_environment(cfg, out)
     if cfg.network != "none" and placement.nnodes == 1 and os.geteuid() != 0:
         raise ConfigError(f"--network {cfg.network!r} runs the ranks in a local virtual cluster of network "
@@ -255,9 +274,91 @@ def check_writable(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: not writable")
 
 
+# A rank's process holds this much before any model is built (torch, gloo; the peak RSS of a rank of
+# the tiny model measured here: 0.32 GiB), and every replica of the model at least its fp32 weights
+# and their gradients (the optimizer's state, activations and buffers come on top): a layout whose
+# ranks need more than the machine has cannot run on it.
+RANK_PROCESS_BYTES = int(0.3 * 2**30)
+WEIGHT_AND_GRAD_BYTES = 8  # per parameter
+MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
+
+
+def machine_memory() -> int | None:
+    """This machine's memory as the run's processes see it: MemTotal of /proc/meminfo, or the memory
+    cgroup's limit where that is lower (None where neither is readable)."""
+    sizes = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                sizes.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in MEMORY_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge number: no limit
+            sizes.append(int(text))
+    return min(sizes) if sizes else None
+
+
+def check_fits_here(cfg: RunConfig, spec: SystemSpec, nnodes: int = 1) -> None:
+    """The ranks a run starts on this machine (its share of ``nnodes``) fit it: their processes
+    (``RANK_PROCESS_BYTES`` each) and, where they compute on the CPU (the resolved hardware, or
+    ``--device cpu`` before it is resolved), their share of every replica's weights and gradients,
+    within this machine's memory (``machine_memory``). A lower bound of what the run needs: a layout
+    refused here cannot run here."""
+    share = 1 / max(1, nnodes)
+    local = math.ceil(spec.processes(cfg) * share)
+    on_cpu = (cfg.hardware or cfg.device) == "cpu"
+    model = count_params(cfg.model, include_embeddings=True) * cfg.dp * share if on_cpu else 0
+    need = local * RANK_PROCESS_BYTES + model * WEIGHT_AND_GRAD_BYTES
+    have = machine_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"--pp {cfg.pp} --tp {cfg.tp} --dp {cfg.dp} starts {local} ranks on this machine, which "
+                          f"need at least {need / 2**30:.0f} GiB ({RANK_PROCESS_BYTES / 2**30:.1f} GiB a process"
+                          + (f", {model * WEIGHT_AND_GRAD_BYTES / 2**30:.0f} GiB of fp32 weights and gradients"
+                             if model else "") + f"); it has {have / 2**30:.0f} GiB: run it across nodes with --nnodes N")
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same path once links are resolved, or (both existing) the
+    same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def file_roles(cfg: RunConfig, out: str | None) -> list[tuple[str, str]]:
+    """(flag, path) of every file the run reads or writes: the record's, its outputs', the data's, a
+    per-link matrix's."""
+    roles = [("--out", out)] if out else []
+    roles += [("--" + name.replace("_", "-"), path) for name, path in cfg.options.output_paths()]
+    if cfg.data is not None:
+        roles.append(("--data", cfg.data))
+    if cfg.network != "none" and Path(cfg.network.strip()).is_file():
+        roles.append(("--network", cfg.network.strip()))
+    return roles
+
+
+def check_roles(roles: list[tuple[str, str]]) -> None:
+    """One file given for two roles is a bad request (a record appended to the training text, a
+    trace that becomes line 1 of the records file)."""
+    for i, (flag, path) in enumerate(roles):
+        for other, other_path in roles[i + 1:]:
+            if same_file(path, other_path):
+                raise ConfigError(f"{flag} {path} and {other} {other_path} are the same file: "
+                                  "give each role a file of its own")
+
+
 def _check_environment(cfg: RunConfig, out: str | None) -> None:
-    """What this machine must offer the run: writable output files, a readable data file (the devices:
-    ``resolve_devices``)."""
+    """What this machine must offer the run: one file per role, writable output files, a readable data
+    file that fits its memory (the devices: ``resolve_devices``)."""
+    check_roles(file_roles(cfg, out))
     if out:
         check_writable(out, "--out")
     for name, path in cfg.options.output_paths():
@@ -265,9 +366,13 @@ def _check_environment(cfg: RunConfig, out: str | None) -> None:
     if cfg.data is not None:
         if not Path(cfg.data).is_file() or not os.access(cfg.data, os.R_OK):
             raise ConfigError(f"--data {cfg.data}: not a readable file")
-        if Path(cfg.data).stat().st_size < cfg.model.seq_len + 2:
-            raise ConfigError(f"--data {cfg.data}: {Path(cfg.data).stat().st_size} bytes, need more than "
-                              f"{cfg.model.seq_len + 1} (one sequence)")
+        size = Path(cfg.data).stat().st_size
+        if size < cfg.model.seq_len + 2:
+            raise ConfigError(f"--data {cfg.data}: {size} bytes, need more than {cfg.model.seq_len + 1} (one sequence)")
+        have = machine_memory()
+        if have is not None and size > have:  # one byte a token, the file mapped once for every rank
+            raise ConfigError(f"--data {cfg.data}: its {size / 2**30:.1f} GiB of byte tokens do not fit this "
+                              f"machine's memory ({have / 2**30:.1f} GiB)")
 
 
 def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> RunConfig:
@@ -279,4 +384,6 @@ def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> R
 
     gpus = local_gpus() if cfg.device != "cpu" else Gpus()
     here = spec.processes(cfg) // placement.nnodes
-    return cfg.replace(hardware=judge_gpus(cfg.device, gpus, here, spec.devices_per_process(cfg)))
+    resolved = cfg.replace(hardware=judge_gpus(cfg.device, gpus, here, spec.devices_per_process(cfg)))
+    check_fits_here(resolved, spec, placement.nnodes)  # now knowing whether the weights live in this memory
+    return resolved

@@ -2,13 +2,13 @@
 
 Parse and judge the request (a bad one: one line on stderr, exit status 2, nothing written), launch
 the ranks through torchrun, optionally verify against the single-process reference, and append one
-RunRecord to --out. Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad request,
-130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a
+RunRecord to --out (held for this run alone while it runs: a second run command or a sweep writing to
+it at the same time is refused). Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad
+request (or --out held by another writer), 130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a
 resumed sweep runs it again).
 """
 from __future__ import annotations
 
-import shutil
 import signal
 import sys
 from dataclasses import dataclass, replace
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec
 from contract.registry import get_system
+from runners.record import hold_records
 from runners.request import (Placement, build_parser, config_from_args, judge, placement_from_args,
                              resolve_devices)
 from runners.tolerance import Tolerance, relative, verify_tolerance
@@ -62,7 +63,7 @@ class Verification:
 def reference_config(cfg: RunConfig) -> RunConfig:
     """The same workload on one process: same seed, data and global batch."""
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
-                       options=SystemOptions())
+                       network_matrix=None, options=SystemOptions())
 
 
 def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:
@@ -128,14 +129,13 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
                 verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights, cuda)),
                                                    reference=how)
             finally:
-                if ref.run_dir is not None:
-                    shutil.rmtree(ref.run_dir, ignore_errors=True)
+                ref.remove_run_dir()
         if result.network is not None:
             env["network"] = result.network
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
     finally:
-        shutil.rmtree(result.run_dir, ignore_errors=True)
+        result.remove_run_dir()
     if out and placement.node_rank == 0:
         append_record(out, record)
     return record, verification
@@ -163,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    if args.out and placement.node_rank == 0:
+        try:
+            hold_records(args.out)  # until this process ends
+        except BlockingIOError:
+            print(f"{parser.prog}: error: --out {args.out}: another run command or sweep is writing to it now, and "
+                  "each would time the other's load (wait for it to end, or give another --out)", file=sys.stderr)
+            return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:

@@ -30,6 +30,15 @@ class ModelConfig:
         return replace(self, **{k: v for k, v in fields.items() if v is not None})
 
 
+def count_params(cfg: ModelConfig, include_embeddings: bool = False) -> int:
+    h, L = cfg.n_embd, cfg.n_layer
+    per_block = 12 * h * h + 13 * h  # qkv + proj + fc + proj weights, their biases, two LayerNorms
+    n = L * per_block + 2 * h + cfg.vocab_size * h  # final LayerNorm and LM head
+    if include_embeddings:
+        n += cfg.vocab_size * h + cfg.seq_len * h
+    return n
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The same optimizer for every system (Megatron's distributed optimizer takes only Adam)."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -22,14 +22,10 @@ def synthetic_tokens(seed: int, step: int, rows: int, seq_len: int, vocab_size: 
     return base.gather(1, idx)
 
 
-def encode_bytes(text: bytes) -> torch.Tensor:
-    """The byte-level tokenizer: token id = byte value (needs vocab_size >= 256)."""
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-
-
 @dataclass(frozen=True)
 class TokenSource:
-    """Where the batches come from: synthetic (``text_path`` None) or a user's text file."""
+    """Where the batches come from: synthetic (``text_path`` None) or a user's text file, byte-level:
+    token id = byte value (needs vocab_size >= 256)."""
 
     seq_len: int
     vocab_size: int
@@ -39,12 +35,12 @@ class TokenSource:
     def global_batch(self, step: int, rows: int) -> torch.Tensor:
         if self.text_path is None:
             return synthetic_tokens(self.seed, step, rows, self.seq_len, self.vocab_size)
-        tokens = _load_text(self.text_path)
-        if tokens.numel() < self.seq_len + 2:
-            raise ValueError(f"{self.text_path}: {tokens.numel()} bytes, need more than {self.seq_len + 1}")
+        tokens = _map_text(self.text_path)
+        if len(tokens) < self.seq_len + 2:
+            raise ValueError(f"{self.text_path}: {len(tokens)} bytes, need more than {self.seq_len + 1}")
         g = torch.Generator().manual_seed(self.seed * 7919 + step + 1)
-        starts = torch.randint(0, tokens.numel() - self.seq_len - 1, (rows,), generator=g)
-        return torch.stack([tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
+        starts = torch.randint(0, len(tokens) - self.seq_len - 1, (rows,), generator=g)
+        return torch.from_numpy(np.stack([tokens[s : s + self.seq_len + 1] for s in starts.tolist()])).long()
 
     def replica_batch(self, step: int, batch_size: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (batch_size, seq_len), for data-parallel replica dp_rank."""
@@ -53,5 +49,8 @@ class TokenSource:
 
 
 @lru_cache(maxsize=2)
-def _load_text(path: str) -> torch.Tensor:
-    return encode_bytes(Path(path).read_bytes())
+def _map_text(path: str) -> np.ndarray:
+    """The file's byte tokens, memory-mapped (uint8, read-only): a rank holds only the pages its batches
+    touch, and every rank on a host shares them through the page cache; only a batch's rows become
+    int64."""
+    return np.memmap(path, dtype=np.uint8, mode="r")

@@ -76,7 +76,7 @@ class ClusterExecutor:
     port: int = 29500
     dry_run: bool = False
     log: IO | None = None
-    measured: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)  # (network, src, dst) -> link
+    measured: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = field(default_factory=dict)  # (network, nodes) -> links
     backends: dict[str, str] = field(default_factory=dict)  # host -> shaping backend found (skips re-probing netem)
     cluster = True
 
@@ -213,19 +213,25 @@ class ClusterExecutor:
                 "nccl_env": self.nccl_env(run)}
 
     def _measure(self, run: PlannedRun, hosts: tuple[str, ...], session: SshShapingSession) -> dict[str, Any]:
-        """The link between the run's first two nodes, measured once per network setting (and pair);
+        """The links between the run's nodes, measured once per network setting (and nodes): every
+        kind of link of the profile on the first pair of nodes that has it (``LinkProbing.probe_links``;
+        one for a uniform profile), the slowest one's as ``measured_link`` between the nodes it names;
         nothing for a run on one node (it has no link between nodes)."""
         if len(hosts) < 2:
             return {"measured_link": None}
-        key = (run.network, hosts[0], hosts[1])
+        key = (run.network, hosts)
         if key not in self.measured:
             try:
-                m = session.probe(0, 1)
+                measured = session.probe_links()
             except Exception as e:
-                raise RuntimeError(f"probing {hosts[0]} -> {hosts[1]} under {run.network} failed: {e}") from None
-            self.measured[key] = m.describe()
-            self._note(f"cluster: {run.network}: {hosts[0]} -> {hosts[1]}: {m}")
-        return {"measured_link": self.measured[key], "measured_between": list(key[1:])}
+                raise RuntimeError(f"probing the links between {', '.join(hosts)} under {run.network} failed: {e}") from None
+            self.measured[key] = measured
+            for m in measured["measured_links"]:
+                self._note(f"cluster: {run.network}: {hosts[m['src']]} -> {hosts[m['dst']]}: "
+                           f"{m['one_way_delay_ms']:.3f} ms, {m['bandwidth_gbps']:.3f} Gbit/s")
+        measured = self.measured[key]
+        slow = measured["measured_link"]
+        return {**measured, "measured_between": [hosts[slow["src"]], hosts[slow["dst"]]]}
 
     def _note(self, line: str) -> None:
         if self.log:

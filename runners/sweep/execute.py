@@ -8,7 +8,6 @@ status, last output lines)``; ``LocalExecutor`` on this machine, ``ClusterExecut
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shlex
 import subprocess
@@ -25,6 +24,7 @@ from contract import ConfigError
 from contract.config import planned_key
 from contract.records import read_records
 from runners.invoke import run_command
+from runners.record import HELD_LOCK_ENV, hold_records
 from runners.sweep.hostfile import DoesNotFit
 from runners.sweep.plan import REPO, PlannedRun, Sweep, SweepError
 
@@ -70,16 +70,14 @@ def hardware_here(run: PlannedRun, gpus) -> str | None:
 
 @contextlib.contextmanager
 def records_lock(out: Path) -> Iterator[int]:
-    """Held while a sweep writes to ``out``, and by the run command it is running (which inherits the
-    descriptor), so that a second sweep on the same file, or a resumed one while a run of the old one
-    is still stopping, is refused. Yields the locked descriptor."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out.with_name(out.name + ".sweep.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    """Held while a sweep writes to ``out`` (``runners.record.hold_records``), and by the run command
+    it is running (which inherits the descriptor), so that a second sweep or a run command on the same
+    file, or a resumed sweep while a run of the old one is still stopping, is refused. Yields the
+    locked descriptor."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = hold_records(out)
     except BlockingIOError:
-        os.close(fd)
-        raise SweepError(f"another sweep (or a run it started) is writing to {out}; wait for it to end or stop it") from None
+        raise SweepError(f"another sweep or run command is writing to {out}; wait for it to end or stop it") from None
     try:
         yield fd
     finally:
@@ -113,12 +111,13 @@ class LocalExecutor:
 
     python: str = sys.executable
     log: IO | None = None
-    pass_fds: tuple[int, ...] = ()  # the records lock, held by the child too
+    pass_fds: tuple[int, ...] = ()  # the records lock (hold_records), held by the child too
     cluster = False
 
     def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]:
         inv = run_command(run.args, out=out, timeout=run.timeout + SAFETY_MARGIN_S, python=self.python,
-                          sinks=[self.log] if self.log else [], pass_fds=self.pass_fds)
+                          sinks=[self.log] if self.log else [], pass_fds=self.pass_fds,
+                          env={HELD_LOCK_ENV: str(self.pass_fds[0])} if self.pass_fds else None)
         return inv.returncode, inv.output
 
 

@@ -61,6 +61,12 @@ def test_matrix_profile_per_link() -> None:
                          duration_s=0.5)
         assert abs(a.one_way_delay_ms - 2) < 0.5 and abs(b.one_way_delay_ms - 8) < 0.5, (a, b)
         assert abs(a.bandwidth_gbps / 0.2 - 1) < 0.15 and abs(b.bandwidth_gbps / 0.5 - 1) < 0.15, (a, b)
+        # what a run under it records (issue #31, item 4): every kind of link, each on its first pair
+        links = vc.probe_links()
+        assert [(m["src"], m["dst"], m["set"]["delay_ms"]) for m in links["measured_links"]] == [
+            (0, 1, 2), (0, 2, 8), (1, 0, 2), (2, 0, 8)]
+        slow = links["measured_link"]
+        assert (slow["src"], slow["dst"]) == (0, 2) and slow["one_way_delay_ms"] > 4, slow
 
 
 def test_none_profile_and_four_hosts_reach_each_other() -> None:

@@ -155,3 +155,26 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
         spec_from_config(cfg("--system", "ours", "--pp", "2", "--prefetch", "1"), link)
     assert record_prediction(cfg("--system", "reference")) is None  # a record without a prediction
 
+
+
+def test_a_matrix_whose_links_differ_is_not_modelled(tmp_path, capsys):
+    """Issue #31, item 4: a run under a two-region matrix was predicted (0.090 s, no DP sync, against
+    0.329 s measured) as if every link were its link 0 -> 1; a matrix of one kind of link is that link."""
+    from contract.registry import get_system
+    from predict.from_config import NotModelled, single_link
+    from predict.this_machine import predict_records
+    from runners.record import append_record, build_record
+    from runners.request import parse_request
+
+    hetero = {"delay_ms": [[0, 0.1], [67, 0]], "bandwidth_gbps": [[0, 10], [0.79, 0]]}
+    with pytest.raises(NotModelled, match="a per-link matrix with 2 kinds of link is not modelled"):
+        single_link("two-region.json", hetero)
+    same = single_link("net.json", {"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[0, 1], [1, 0]]})
+    assert (same.delay_ms, same.bandwidth_gbps) == (5, 1) and single_link("none") is None
+    cfg, spec = parse_request(["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2",
+                               "--micro-batch-size", "1", "--n-slices", "2"])
+    cfg = cfg.replace(network="two-region.json", network_matrix=hetero)
+    rec = build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu"})
+    append_record(tmp_path / "r.jsonl", rec)
+    assert predict_records(tmp_path / "r.jsonl") == {}
+    assert f"run {rec.run_id} (ours): not predicted: --network two-region.json: a per-link matrix" in capsys.readouterr().out

@@ -35,12 +35,12 @@ def test_one_run_from_the_run_commands_flags():
 def test_a_sweep_predicted_in_the_reports_shape(tmp_path):
     sweep = tmp_path / "s.toml"
     sweep.write_text('networks = ["default", "d10-1g"]\nlayouts = ["P-2"]\n'
-                     'systems = ["ours", {name = "torch_pipe", schedule = "gpipe"}, {name = "reference", layouts = ["1"]}]\n'
+                     'systems = ["ours", {name = "torch_pipe", schedule = "gpipe"}, {name = "fairscale_fsdp", layouts = ["D-2"]}]\n'
                      '[fixed]\nmodel = "tiny"\nbatch_size = 2\nmicro_batch_size = 1\n')
     p = predict_cli("sweep", str(sweep))
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("# Predicted: sweep s") and "Network setting" in p.stdout
-    assert "not predicted" in p.stderr and "reference" in p.stderr
+    assert "not predicted" in p.stderr and "fairscale_fsdp" in p.stderr
 
 
 def test_a_run_is_predicted_where_this_machine_is_calibrated():

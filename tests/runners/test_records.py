@@ -121,3 +121,34 @@ def test_a_record_is_strict_json_with_label_key_and_options_from_the_spec():
     assert d["label"] == "torch_pipe gpipe" and d["role"] == "baseline"
     assert d["options"] == {"schedule": "gpipe", "virtual_pp": 1} and d["key"] == _cfg().key()
     assert _cfg(timeout=5.0, verify=True).key() == _cfg().key() != _cfg(steps=3).key()
+
+
+@pytest.mark.faults
+def test_one_writer_of_a_records_file_at_a_time(tmp_path):
+    """Issue #31, item 13: two run commands writing the same --out at once both succeeded, each timing
+    the other's load. The second is refused before it launches anything; the run command a sweep
+    starts holds the sweep's lock with it."""
+    import subprocess
+    import sys
+
+    from runners.record import HELD_LOCK_ENV, hold_records
+    from tests.conftest import REPO, TINY, run_cli
+
+    out = tmp_path / "r.jsonl"
+    fd = hold_records(out)  # a run command or a sweep writing to it
+    try:
+        proc = run_cli("--system", "reference", *TINY, "--batch-size", "1", "--micro-batch-size", "1",
+                       "--out", str(out), timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert f"--out {out}: another run command or sweep is writing to it now" in lines[0]
+        hold = "import sys; from runners.record import hold_records; hold_records(sys.argv[1]); print('held')"
+        inherited = subprocess.run([sys.executable, "-c", hold, str(out)], cwd=REPO, capture_output=True, text=True,
+                                   pass_fds=(fd,), env={**os.environ, HELD_LOCK_ENV: str(fd)})
+        assert inherited.stdout.strip() == "held", inherited.stderr
+        alone = subprocess.run([sys.executable, "-c", hold, str(out)], cwd=REPO, capture_output=True, text=True)
+        assert alone.returncode == 1 and "BlockingIOError" in alone.stderr
+    finally:
+        os.close(fd)
+    os.close(hold_records(out))  # released with its holder
+    assert not out.exists()
