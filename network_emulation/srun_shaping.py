@@ -5,8 +5,8 @@ ssh: on each node the same shaping agent (shaping_agent.py: netem where the node
 plus the delayer) runs as a one-task job step whose stdin, held open by srun, is the agent's
 lifeline: the session's end, an exception, Ctrl-C or SIGTERM here close it, the agent clears. The
 agent runs under the step guard (slurm_step.py), so that a node whose slurmd dies mid-session is
-cleared too once Slurm has given the step up. ``probe`` measures a link between two nodes with
-probe.py started the same way.
+cleared too once Slurm has given the step up. ``probe`` / ``probe_links`` measure the links between
+nodes with probe.py started the same way.
 
 It must run inside the allocation (srun finds the job in SLURM_JOB_ID); the suite and its python
 are at ``remote_dir`` / ``remote_python`` on every node (a shared file system, as on most Slurm
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import posixpath
 
-from .probe import DEFAULT_PORT, LinkMeasurement, bulk_duration, measure_with
+from .probe import LinkMeasurement, measure_with
 from .slurm_step import guarded, srun_argv
 from .ssh_shaping import SshShapingSession, for_host
 
@@ -34,14 +34,9 @@ class SrunShapingSession(SshShapingSession):
         return srun_argv([host], guarded(for_host(self.remote_python, host), argv),
                          chdir=for_host(self.remote_dir, host))
 
-    def probe(self, src: int, dst: int, *, samples: int = 20, duration_s: float | None = None,
-              port: int = DEFAULT_PORT) -> LinkMeasurement:
-        """Measure the link from host ``src`` to host ``dst`` (indices into ``hosts``), both ends started
-        through srun; see ``SshShapingSession.probe``."""
-        if src == dst:
-            raise ValueError("probe needs two different hosts")
-        if duration_s is None:
-            duration_s = bulk_duration(self.profile, src, dst)
+    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
+        """The probe's two ends on the hosts (indices into ``hosts``), each started through srun
+        (``LinkProbing.probe``)."""
         server, client = self.hosts[dst], self.hosts[src]
         address = self.iface_addresses.get(server or "localhost") or server
         if not address:

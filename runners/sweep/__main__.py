@@ -90,18 +90,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _sweep(args: argparse.Namespace, run_args: list[str]):
     """The sweep of the parsed arguments: its outcome (None for a cluster dry run)."""
+    here = not (args.hostfile or args.slurm)  # the runs' ranks start on this machine: they must fit it
     if args.networks is not None:
         if args.sweep or not run_args:
             raise SweepError("--networks takes the run arguments after --, and no sweep file")
         if args.scale_down:
             raise SweepError("--scale-down scales a sweep file, not --networks")
-        sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES), here=not args.hostfile)
+        sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES), here=here)
     else:
         if not args.sweep:
             raise SweepError("give a sweep file (or --networks PROFILE... -- RUN_ARGS)")
         if run_args:
             raise SweepError("run arguments after -- go with --networks only")
-        sweep = load_sweep(args.sweep, scale_down if args.scale_down else None, here=not args.hostfile)
+        sweep = load_sweep(args.sweep, scale_down if args.scale_down else None, here=here)
     unknown = [s for s in args.only if s not in {r.system for r in sweep.runs}]
     if unknown:
         raise SweepError(f"--only {', '.join(unknown)}: not in this sweep (it has "

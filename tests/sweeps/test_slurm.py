@@ -192,3 +192,22 @@ def test_submit_judges_the_sweep_before_submitting(tmp_path: Path) -> None:
                         "--slurm-submit", "--nodes=2"], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHON": sys.executable})
     assert_refused(p, tmp_path, "--slurm-submit: error:")
+
+
+
+@needs_scontrol
+def test_a_slurm_sweep_is_placed_on_the_allocation_not_judged_against_this_machine(tmp_path: Path,
+                                                                                   slurm_conf_file: str) -> None:
+    """P-4 D-64 (256 ranks) is refused for a sweep on this machine (#31 item 11); under --slurm it runs on the
+    allocation's nodes: planned there, or recorded unfit where the allocation cannot hold it."""
+    f = tmp_path / "big.toml"
+    f.write_text('name = "big"\n[fixed]\nmodel = "tiny"\nbatch_size = 4\n[[experiment]]\nname = "x"\n'
+                 'micro_batch_sizes = [1]\nlayouts = ["P-4 D-64", "P-2 D-512"]\n  [[experiment.systems]]\n  name = "ours"\n')
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    p = subprocess.run([sys.executable, "-m", "runners.sweep", str(f), "--slurm", "--dry-run", "--out",
+                        str(tmp_path / "o.jsonl")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**clean, "SLURM_CONF": slurm_conf_file, "SLURM_JOB_ID": "7",
+                            "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_GPUS_ON_NODE": "128"})
+    assert p.returncode == 0, p.stderr
+    assert "--pp 4 --tp 1 --dp 64 --batch-size 4 --micro-batch-size 1 --network none  (2 node(s) x 128 rank(s)" in p.stdout
+    assert "does not fit: needs 1024 GPUs, the allocation has 256" in p.stdout
