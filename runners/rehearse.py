@@ -1,8 +1,8 @@
 """Rehearse a cluster on one machine: the cluster sweep, scaled down, over real ssh on virtual nodes.
 
-    python -m runners.rehearse N [--sweep FILE] [--out FILE] [--dir DIR] [--nproc-per-node S]
+    python -m runners.rehearse N [--slurm] [--sweep FILE] [--out FILE] [--dir DIR] [--nproc-per-node S]
                                  [--only SYSTEM] [--retry-failed] [--no-report]
-    (runners/run_all.sh --rehearse N [--sweep FILE] ...)
+    (runners/run_all.sh --rehearse N [--slurm] [--sweep FILE] ...)
 
 1. N virtual nodes come up (``network_emulation.nodes``: one network namespace, sshd, host name
    and /etc/hosts each; DIR/hostfile with ``slots=1`` per node and DIR/ssh_config);
@@ -15,6 +15,12 @@
    as unfit; the report follows;
 4. the nodes go down: at the end, on a failure, on Ctrl-C or SIGTERM (SIGKILL leaves them to the
    next ``up``, rehearsal or ``python -m network_emulation cleanup``).
+
+With ``--slurm`` the launcher rehearsed is Slurm instead (``runners.rehearse_slurm``): slurmctld and
+slurmd on the nodes, the sweep submitted with sbatch on node01 and run with srun.
+
+The default sweep is the seed's GPT-3 XL cluster sweep on 12 nodes or more; on fewer, whose nodes
+could hold none of its runs, a small one they can (``rehearsal-4.toml``, ``rehearsal-2.toml``).
 
 Exit status: that of the sweep (0 all ran, 1 some failed), 2 a bad request (not root, no sshd, a bad
 sweep file), 130 / 143 interrupted.
@@ -30,12 +36,14 @@ from pathlib import Path
 
 from network_emulation.netem import NotRootError
 from network_emulation.signals import Terminated, signals_raise
+from runners.rehearse_slurm import rehearse_slurm
 from runners.sweep import __main__ as sweep_command
 from runners.sweep.plan import SweepError, load_sweep
 from runners.sweep.scale import scale_down
 from runners.sweep.setup_nodes import SetupError, setup_nodes, venv_ready
 
 DEFAULT_SWEEP = "sweeps/gpt3-xl-cluster.toml"
+SMALL_SWEEPS = ((4, "rehearsal-4.toml"), (1, "rehearsal-2.toml"))  # (nodes at least, sweep) below 12 nodes
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "pipebench-rehearsal"
 IFACE = "eth0"  # the virtual nodes' interface
 
@@ -43,7 +51,12 @@ IFACE = "eth0"  # the virtual nodes' interface
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m runners.rehearse", description=__doc__.split("\n\n")[0])
     ap.add_argument("nodes", type=int, help="number of virtual nodes")
-    ap.add_argument("--sweep", default=DEFAULT_SWEEP, help=f"the cluster sweep to rehearse (default {DEFAULT_SWEEP})")
+    ap.add_argument("--sweep", default=None,
+                    help=f"the cluster sweep to rehearse (default {DEFAULT_SWEEP}; on fewer than 12 nodes "
+                         "rehearsal-4.toml or rehearsal-2.toml)")
+    ap.add_argument("--slurm", action="store_true",
+                    help="rehearse the Slurm launcher: slurmctld and slurmd (with munge) on the nodes, the sweep "
+                         "submitted with sbatch on node01 and run with srun")
     ap.add_argument("--out", default=None, help="the record file (default results/<sweep name>-scaled.jsonl)")
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR,
                     help=f"the nodes' keys, configs, logs and suite copies (default {DEFAULT_DIR})")
@@ -53,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--retry-failed", action="store_true", help="re-run configurations recorded as failed")
     ap.add_argument("--no-report", action="store_true", help="do not run report.py at the end")
     return ap
+
+
+def default_sweep(nodes: int) -> str:
+    """The sweep a rehearsal on ``nodes`` nodes runs unless told: the largest its nodes can hold."""
+    if nodes >= 12:
+        return DEFAULT_SWEEP
+    return next((sweep for least, sweep in SMALL_SWEEPS if nodes >= least), SMALL_SWEEPS[-1][1])
 
 
 def sweep_argv(args: argparse.Namespace, hostfile: Path, ssh_config: Path, remote_dir: str, out: Path) -> list[str]:
@@ -75,6 +95,8 @@ def rehearse(args: argparse.Namespace) -> int:
     if sys.prefix == sys.base_prefix or not venv_ready(venv):
         raise SweepError(f"the nodes share this interpreter's venv, and {sys.prefix} is not one set up by "
                          "scripts/setup_env.sh (run runners/run_all.sh, or PYTHON=.venv/bin/python)")
+    if args.slurm:
+        return rehearse_slurm(args, out)
     directory = args.dir.absolute()
     remote_dir = f"{directory}/{{host}}/suite"
     t0 = time.monotonic()
@@ -94,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from network_emulation.nodes import NodesError
 
+    args.sweep = args.sweep or default_sweep(args.nodes)
     try:
         if args.nodes < 1:
             raise SweepError(f"the number of nodes must be >= 1, got {args.nodes}")

@@ -11,9 +11,16 @@
 #                                           # HOSTS lines are 'host slots=GPUS'; --setup-nodes first copies the
 #                                           # suite to every node's DIR and builds its environment there
 #                                           # (--share-venv: nodes sharing this file system link this venv)
-#   runners/run_all.sh --rehearse N [--sweep FILE] [--nproc-per-node N]
+#   runners/run_all.sh --slurm [--sweep FILE] [--iface eth0] [--nproc-per-node N]
+#                                           # inside a Slurm allocation: its nodes and GPUs per node, every run
+#                                           # started with srun + torchrun, the network shaped through srun
+#   runners/run_all.sh [--sweep FILE] [options] --slurm-submit [SBATCH_OPTION...] [-- OPTION...]
+#                                           # write results/NAME.sbatch (runs --slurm with these options) and
+#                                           # sbatch it; --wait waits for the job (docs/clusters-slurm.md)
+#   runners/run_all.sh --rehearse N [--slurm] [--sweep FILE] [--nproc-per-node N]
 #                                           # rehearse the cluster on this machine (root): N virtual nodes with
-#                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down
+#                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down;
+#                                           # --slurm: slurmctld + slurmd on the nodes, the sweep submitted there
 #
 # Other options go to the sweep (python -m runners.sweep --help): --dry-run, --only SYSTEM, --out FILE,
 # --retry-failed, --sudo, --remote-python PY, --port N, --scale-down (with --rehearse: --out, --only,
@@ -23,7 +30,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-hostfile="" sweep="" rehearse="" setup_nodes="" dry_run="" no_report="" out="" cluster_args=() setup_args=() slots=() extra=()
+hostfile="" sweep="" rehearse="" setup_nodes="" dry_run="" no_report="" out="" slurm="" submit=""
+cluster_args=() setup_args=() slots=() extra=() sbatch_args=()
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 need() { [ $# -ge 2 ] || { echo "run_all.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
@@ -40,6 +48,10 @@ while [ $# -gt 0 ]; do
     --out) need "$@"; out=$2; extra+=("$1" "$2"); shift 2 ;;
     --iface) need "$@"; cluster_args+=("$1" "$2"); shift 2 ;;
     --nproc-per-node) need "$@"; slots=("$1" "$2"); shift 2 ;;
+    --slurm) slurm=1; shift ;;
+    --slurm-submit) submit=1; shift  # sbatch's options follow, up to '--'
+      while [ $# -gt 0 ] && [ "$1" != "--" ]; do sbatch_args+=("$1"); shift; done
+      [ $# -eq 0 ] || shift ;;
     *) extra+=("$1"); shift ;;
   esac
 done
@@ -50,6 +62,14 @@ if [ -n "$rehearse" ]; then
     echo "run_all.sh: $a is set by --rehearse itself" >&2; exit 2
   done
   [ -z "$setup_nodes" ] || { echo "run_all.sh: --rehearse sets up its nodes itself; leave out --setup-nodes" >&2; exit 2; }
+  [ -z "$submit" ] || { echo "run_all.sh: --rehearse --slurm submits the sweep itself; leave out --slurm-submit" >&2; exit 2; }
+elif [ -n "$slurm" ] || [ -n "$submit" ]; then
+  what=${slurm:+--slurm}; what=${what:---slurm-submit}
+  [ -z "$slurm" ] || [ -z "$submit" ] || { echo "run_all.sh: --slurm-submit writes a batch script that runs --slurm; give one of them" >&2; exit 2; }
+  [ -z "$hostfile" ] || { echo "run_all.sh: $what takes its nodes from the Slurm allocation; leave out --hostfile" >&2; exit 2; }
+  for a in ${setup_nodes:+--setup-nodes} ${setup_args[0]+"${setup_args[0]}"}; do
+    echo "run_all.sh: $a is for a cluster over ssh (--hostfile), not for $what" >&2; exit 2
+  done
 elif [ -n "$hostfile" ] && [ -z "$setup_nodes" ] && [[ " ${setup_args[*]:-} " == *" --share-venv "* ]]; then
   echo "run_all.sh: --share-venv goes with --setup-nodes" >&2; exit 2
 elif [ -z "$hostfile" ]; then
@@ -68,8 +88,15 @@ fi
 
 status=0
 if [ -n "$rehearse" ]; then
-  "$PY" -m runners.rehearse "$rehearse" ${sweep:+--sweep "$sweep"} ${slots[@]+"${slots[@]}"} \
+  "$PY" -m runners.rehearse "$rehearse" ${slurm:+--slurm} ${sweep:+--sweep "$sweep"} ${slots[@]+"${slots[@]}"} \
     ${extra[@]+"${extra[@]}"} || status=$?
+elif [ -n "$slurm" ]; then
+  "$PY" -m runners.sweep "${sweep:-sweeps/gpt3-xl-cluster.toml}" --slurm --plots results/plots \
+    ${cluster_args[@]+"${cluster_args[@]}"} ${slots[@]+"${slots[@]}"} ${extra[@]+"${extra[@]}"} || status=$?
+elif [ -n "$submit" ]; then
+  "$PY" -m runners.sweep.slurm_submit "${sweep:-sweeps/gpt3-xl-cluster.toml}" \
+    ${cluster_args[@]+"${cluster_args[@]}"} ${slots[@]+"${slots[@]}"} ${extra[@]+"${extra[@]}"} \
+    -- ${sbatch_args[@]+"${sbatch_args[@]}"} || status=$?
 elif [ -z "$hostfile" ]; then
   sweep=${sweep:-sweeps/local.toml}
   if [ "$(id -u)" != 0 ]; then

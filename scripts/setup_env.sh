@@ -95,3 +95,16 @@ if [ "$(id -u)" = 0 ] && ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ]
     fi
   fi
 fi
+# Slurm on virtual nodes (run_all.sh --rehearse N --slurm, network_emulation.slurm_nodes): Debian's slurm-wlm
+# (slurmctld, slurmd, slurm-client) and munge, if missing. Without systemd the packages start no daemon; where
+# systemd runs, the machine-wide daemons they would start are stopped again (the rehearsal runs its own).
+if [ "$(id -u)" = 0 ] && ! { command -v slurmctld && command -v slurmd && command -v srun && command -v munged; } >/dev/null; then
+  if command -v apt-get >/dev/null; then
+    echo "setup: installing slurmctld, slurmd, slurm-client and munge (the Slurm rehearsal's)" >&2
+    if (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null); then
+      if [ -d /run/systemd/system ]; then systemctl disable --now slurmctld slurmd munge >/dev/null 2>&1 || true; fi
+    else
+      echo "setup: could not install Slurm; the Slurm rehearsal tests will be skipped" >&2
+    fi
+  fi
+fi

@@ -2,10 +2,12 @@
 
     python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down]
                                        [--hostfile FILE [--ssh-config FILE] [--iface IFACE] [--nproc-per-node N] ...]
+                                       [--slurm [--iface IFACE] [--nproc-per-node N] ...]   (inside a Slurm allocation)
     python -m runners.sweep --networks PROFILE... [--out FILE] [--dry-run] -- RUN_ARGS...   (netem_sweep.sh)
 
 A sweep file expands into run commands (``runners.sweep.plan``); they run one after another
-(``runners.sweep.execute``), locally or across a cluster's hosts over ssh (``runners.sweep.cluster``);
+(``runners.sweep.execute``), locally, across a cluster's hosts over ssh (``runners.sweep.cluster``) or
+across the nodes of a Slurm allocation with srun (``runners.sweep.slurm``);
 ``--scale-down`` plans the sweep scaled down to one small machine (``runners.sweep.scale``).
 Runs already recorded in the out file are skipped; at the end, a summary and the report.
 Exit status: 0 all ran, 1 some failed, 2 a bad sweep, hostfile or request, 130 interrupted.
@@ -13,6 +15,7 @@ Exit status: 0 all ran, 1 some failed, 2 a bad sweep, hostfile or request, 130 i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +26,7 @@ from runners.sweep.cluster import ClusterExecutor, parse_hostfile
 from runners.sweep.execute import run_sweep, select_runs
 from runners.sweep.plan import REPO, SweepError, adhoc_sweep, load_sweep
 from runners.sweep.scale import scale_down
+from runners.sweep.slurm import SlurmExecutor, read_allocation
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="python on the nodes (default: this interpreter's path, or REMOTE_DIR/.venv/bin/python "
                         "with --remote-dir)")
     c.add_argument("--port", type=int, default=29500, help="rendezvous port on node 0")
+    c.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm allocation: its nodes (SLURM_JOB_NODELIST) and GPUs per node instead of a "
+                        "hostfile, every run started with srun + torchrun, the network shaped through srun")
     return ap
 
 
@@ -83,18 +90,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _sweep(args: argparse.Namespace, run_args: list[str]):
     """The sweep of the parsed arguments: its outcome (None for a cluster dry run)."""
+    here = not (args.hostfile or args.slurm)  # the runs' ranks start on this machine: they must fit it
     if args.networks is not None:
         if args.sweep or not run_args:
             raise SweepError("--networks takes the run arguments after --, and no sweep file")
         if args.scale_down:
             raise SweepError("--scale-down scales a sweep file, not --networks")
-        sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES), here=not args.hostfile)
+        sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES), here=here)
     else:
         if not args.sweep:
             raise SweepError("give a sweep file (or --networks PROFILE... -- RUN_ARGS)")
         if run_args:
             raise SweepError("run arguments after -- go with --networks only")
-        sweep = load_sweep(args.sweep, scale_down if args.scale_down else None, here=not args.hostfile)
+        sweep = load_sweep(args.sweep, scale_down if args.scale_down else None, here=here)
     unknown = [s for s in args.only if s not in {r.system for r in sweep.runs}]
     if unknown:
         raise SweepError(f"--only {', '.join(unknown)}: not in this sweep (it has "
@@ -103,7 +111,12 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
     if not out.is_absolute():
         out = Path.cwd() / out
     executor = None
-    if args.hostfile:
+    if args.slurm:
+        executor = _slurm_executor(args)
+        if args.dry_run:
+            executor.print_plan(sweep, select_runs(sweep, args.only), out)
+            return None
+    elif args.hostfile:
         if args.ssh_config and not Path(args.ssh_config).is_file():
             raise SweepError(f"--ssh-config {args.ssh_config}: no such file")
         ssh_config = str(Path(args.ssh_config).absolute()) if args.ssh_config else None
@@ -117,6 +130,18 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
     return run_sweep(sweep, out, executor=executor, only=args.only, dry_run=args.dry_run,
                      retry_failed=args.retry_failed, need_root_for_network=executor is None,
                      probe=not args.no_probe, report=not args.no_report, plots=args.plots)
+
+
+def _slurm_executor(args: argparse.Namespace) -> SlurmExecutor:
+    """The Slurm mode's executor, from the allocation this process runs in (judged here: one line, exit 2)."""
+    for flag, given in (("--hostfile", args.hostfile), ("--ssh-config", args.ssh_config),
+                        ("--ssh-user", args.ssh_user)):
+        if given:
+            raise SweepError(f"{flag} is for a cluster over ssh; --slurm takes its nodes from the allocation")
+    allocation = read_allocation(os.environ)
+    return SlurmExecutor(allocation.slots(args.nproc_per_node), allocation=allocation, iface=args.iface,
+                         sudo=args.sudo, remote_dir=args.remote_dir, remote_python=args.remote_python, port=args.port,
+                         dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,10 @@ class ClusterExecutor:
         """ssh argv running ``argv`` on ``host`` (quoted), through the ssh config when given."""
         return ssh_argv(self.target(host), argv, ssh_base(self.ssh_config))
 
+    def remote(self, host: str, argv: list[str]) -> list[str]:
+        """argv running ``argv`` on ``host`` (here over ssh), e.g. to fetch node 0's record."""
+        return self.ssh(host, argv)
+
     def dir_on(self, host: str) -> str:
         return for_host(self.remote_dir, host)
 
@@ -160,9 +164,13 @@ class ClusterExecutor:
                   f"{' '.join(nodes.hosts)}; network {run.network})", file=stream)
             remote_out = self.remote_out(nodes.hosts[0])
             with self.shaping(run, nodes.hosts, out=stream):
-                for i in range(nodes.nnodes):
-                    print(shlex.join(self.node_argv(run, nodes, i, remote_out)), file=stream)
+                for argv in self.launch_argvs(run, nodes, remote_out):
+                    print(shlex.join(argv), file=stream)
         return 0
+
+    def launch_argvs(self, run: PlannedRun, nodes: NodePlacement, remote_out: str) -> list[list[str]]:
+        """The commands that start the run (here one ssh per node)."""
+        return [self.node_argv(run, nodes, i, remote_out) for i in range(nodes.nnodes)]
 
     # ------------------------------------------------------------------ one run
 
@@ -189,8 +197,7 @@ class ClusterExecutor:
                 self._note(f"cluster: the run took {time.monotonic() - t1:.1f} s on {nodes.nnodes} node(s)")
         except Exception as e:  # shaping, probe or ssh trouble: the run did not happen
             tail.append(f"cluster: {e}")
-        cluster_env = {"hosts": list(nodes.hosts), "ranks_per_node": nodes.ranks_per_node, "iface": self.iface,
-                       "nccl_env": self.nccl_env(run)}
+        cluster_env = self.cluster_environment(run, nodes)
         status = self._collect(nodes.hosts[0], remote_out, out, network, cluster_env, blame)
         if status is None:
             status = "timeout" if timed_out else "error"
@@ -199,6 +206,11 @@ class ClusterExecutor:
         if blame:
             tail.append(blame)
         return (0 if status == "ok" else 1), "\n".join(tail)
+
+    def cluster_environment(self, run: PlannedRun, nodes: NodePlacement) -> dict[str, Any]:
+        """The placement and NCCL's environment, for the record's ``environment.cluster``."""
+        return {"hosts": list(nodes.hosts), "ranks_per_node": nodes.ranks_per_node, "iface": self.iface,
+                "nccl_env": self.nccl_env(run)}
 
     def _measure(self, run: PlannedRun, hosts: tuple[str, ...], session: SshShapingSession) -> dict[str, Any]:
         """The links between the run's nodes, measured once per network setting (and nodes): every
@@ -340,9 +352,9 @@ class ClusterExecutor:
         (backend, hosts, measured link) and the placement in its environment, and the node that
         failed first named in its error. Returns the record's status (None: no record came)."""
         try:
-            p = subprocess.run(self.ssh(host0, ["cat", remote_out]), stdin=subprocess.DEVNULL, capture_output=True,
+            p = subprocess.run(self.remote(host0, ["cat", remote_out]), stdin=subprocess.DEVNULL, capture_output=True,
                                text=True, timeout=60)
-            subprocess.run(self.ssh(host0, ["rm", "-f", remote_out]), stdin=subprocess.DEVNULL, capture_output=True,
+            subprocess.run(self.remote(host0, ["rm", "-f", remote_out]), stdin=subprocess.DEVNULL, capture_output=True,
                            timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             return None

@@ -85,14 +85,15 @@ def parse_hostfile(path: str | os.PathLike, slots: int | None = None) -> list[Ho
 
 
 def place(world: int, hosts: Sequence[Host], *, devices_per_process: int = 1, ranks_per_node: int | None = None,
-          emulated: bool = False) -> NodePlacement:
+          emulated: bool = False, source: str = "hostfile") -> NodePlacement:
     """Nodes for ``world`` ranks of ``devices_per_process`` GPUs each: the fewest ranks per node
     (``ranks_per_node`` when given) that enough hosts have the slots for, the hosts taken in
     hostfile order. Under an emulated network a run of several ranks needs two nodes or more (its
-    links are shaped on the nodes' interfaces). Raises DoesNotFit."""
+    links are shaped on the nodes' interfaces). Raises DoesNotFit; its reason names the hosts' ``source``
+    (the hostfile, or a Slurm allocation)."""
     need, total = world * devices_per_process, sum(h.slots for h in hosts)
     if need > total:
-        raise DoesNotFit(f"does not fit: needs {need} GPUs, hostfile has {total}")
+        raise DoesNotFit(f"does not fit: needs {need} GPUs, {source} has {total}")
     if ranks_per_node is not None and world % ranks_per_node:
         raise DoesNotFit(f"does not fit: {world} ranks do not divide into nodes of {ranks_per_node}")
     choices = [ranks_per_node] if ranks_per_node else [r for r in range(1, world + 1) if world % r == 0]
@@ -108,6 +109,6 @@ def place(world: int, hosts: Sequence[Host], *, devices_per_process: int = 1, ra
         r, g = ranks_per_node, ranks_per_node * devices_per_process
         have = sum(h.slots >= g for h in hosts)
         raise DoesNotFit(f"does not fit: needs {world // r} node(s) of {g} GPUs ({r} ranks per node), "
-                         f"hostfile has {have} (at most {largest} GPUs per host)")
+                         f"{source} has {have} (at most {largest} GPUs per host)")
     raise DoesNotFit(f"does not fit: {world} ranks of {devices_per_process} GPU(s) need nodes of equal rank counts; "
-                     f"the hostfile's {len(hosts)} hosts ({total} GPUs, at most {largest} per host) cannot hold them")
+                     f"the {source}'s {len(hosts)} hosts ({total} GPUs, at most {largest} per host) cannot hold them")

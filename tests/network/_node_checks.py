@@ -10,6 +10,9 @@ import pytest
 
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.access("/usr/sbin/sshd", os.X_OK) else None)
 needs_sshd = pytest.mark.skipif(SSHD is None, reason="sshd missing: apt-get install -y openssh-server")
+SLURM = all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "srun", "sbatch", "scontrol"))
+needs_slurm = pytest.mark.skipif(not SLURM, reason="Slurm missing: apt-get install -y slurmctld slurmd slurm-client "
+                                                    "munge (scripts/setup_env.sh installs them as root)")
 
 
 def _live(pid: str) -> bool:
