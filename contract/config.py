@@ -97,6 +97,8 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda
     verify: bool = False  # also train the single-process reference and compare
     timeout: float = 3600.0  # seconds before the run is stopped and recorded as timeout
+    eval_every: int = 0  # evaluate the held-out loss before the first step and every N steps (0: never)
+    target_loss: float | None = None  # stop once an eval loss is at or below this (needs eval_every)
     options: SystemOptions = field(default_factory=SystemOptions)  # the system's own options
 
     @property

@@ -85,6 +85,13 @@ def check_common(config: RunConfig) -> None:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if config.warmup < 0:
         raise ConfigError(f"--warmup must be >= 0, got {config.warmup}")
+    if config.eval_every < 0:
+        raise ConfigError(f"--eval-every must be >= 0 steps (0: no eval), got {config.eval_every}")
+    if config.target_loss is not None:
+        if not config.eval_every:
+            raise ConfigError("--target-loss needs --eval-every N (the run stops at an eval)")
+        if not 0 < config.target_loss < float("inf"):
+            raise ConfigError(f"--target-loss must be a finite loss > 0, got {config.target_loss}")
     if not config.timeout > 0 or config.timeout == float("inf"):
         raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {config.timeout}")
     if m.n_embd % m.n_head:

@@ -57,6 +57,9 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync
     barrier_time: float | None = None  # median over steps of the step's closing barrier on the last rank to arrive
+    # under --eval-every: the eval points, the first before any step (contract.evaluation: step,
+    # tokens, wall_time without the timing barriers and the evals, held-out loss, bytes_sent per rank)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     verify: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None  # runners.predict's step time and parts, where this machine is calibrated
     config: dict[str, Any] = field(default_factory=dict)
@@ -115,6 +118,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     per_step = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
     rec.step_times = per_step
     rec.losses = merged_losses(ranks)
+    rec.evals = next((r["evals"] for r in ranks if r.get("evals")), [])
     rec.peak_memory_bytes = [r["peak_memory_bytes"] for r in ranks]
     if all(r.get("busy_times") and sum(r["step_times"]) > 0 for r in ranks):
         rec.busy_fraction = [sum(r["busy_times"]) / sum(r["step_times"]) for r in ranks]

@@ -15,6 +15,7 @@ from contract import ConfigError, RunConfig, SystemSpec
 from network_emulation.profiles import ProfileError, check_emulable, parse_profile
 from runners.registry import get_system, systems
 from workload.configs import MODEL_CONFIGS, OptimizerConfig, get_model_config
+from workload.corpus import BUILTIN, read_corpus
 
 OPTION_PREFIX = "option:"  # argparse dest of a system option
 
@@ -117,7 +118,12 @@ def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.Argumen
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--optimizer", default="adam", help="adam | sgd")
     g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--data", default=None, help="a text file to train on (byte-level tokens); synthetic tokens by default")
+    g.add_argument("--data", default=None, help="a text file to train on (byte-level tokens; its last tenth held out "
+                   "for --eval-every), or 'stdlib' (the Python standard library's sources); synthetic tokens by default")
+    g.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="the held-out loss before the first step and every N steps, in the record (0: never)")
+    g.add_argument("--target-loss", type=float, default=None, metavar="X",
+                   help="stop once an eval loss is at or below X (needs --eval-every)")
     g = p.add_argument_group("run")
     g.add_argument("--network", default="none", help="network profile: none, a profile name, or 'delay 10ms bandwidth 1Gbps'")
     g.add_argument("--verify", action="store_true", help="also train the single-process reference and compare losses and gradients")
@@ -153,7 +159,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         pp=args.pp, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup,
         mixed_precision=args.mixed_precision, recompute=args.recompute, network=args.network, seed=args.seed,
         optimizer=OptimizerConfig(kind=args.optimizer, lr=args.lr), data=args.data, device=args.device,
-        verify=args.verify, timeout=args.timeout, options=spec.options(**given))
+        verify=args.verify, timeout=args.timeout, eval_every=args.eval_every, target_loss=args.target_loss,
+        options=spec.options(**given))
 
 
 def placement_from_args(args: argparse.Namespace) -> Placement:
@@ -209,11 +216,13 @@ def check_environment(cfg: RunConfig, out: str | None) -> None:
     for name, path in cfg.options.output_paths():
         check_writable(path, "--" + name.replace("_", "-"))
     if cfg.data is not None:
-        if not Path(cfg.data).is_file() or not os.access(cfg.data, os.R_OK):
+        if cfg.data not in BUILTIN and (not Path(cfg.data).is_file() or not os.access(cfg.data, os.R_OK)):
             raise ConfigError(f"--data {cfg.data}: not a readable file")
-        if Path(cfg.data).stat().st_size < cfg.model.seq_len + 2:
-            raise ConfigError(f"--data {cfg.data}: {Path(cfg.data).stat().st_size} bytes, need more than "
-                              f"{cfg.model.seq_len + 1} (one sequence)")
+        split = read_corpus(cfg.data)
+        for name, text in (("training", split.train), ("held-out", split.heldout)):
+            if len(text) < cfg.model.seq_len + 2:
+                raise ConfigError(f"--data {cfg.data}: its {name} split has {len(text)} bytes, need more than "
+                                  f"{cfg.model.seq_len + 1} (one sequence; the last tenth is held out)")
     if cfg.device == "cuda":
         import torch  # only when CUDA is asked for: importing torch takes seconds
 

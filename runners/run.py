@@ -117,6 +117,10 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
     spec = get_system(cfg.system)
     world = spec.processes(cfg)
     env = dict(host_environment(cfg.device), device_count=world)
+    if cfg.data is not None:
+        from workload.corpus import describe
+
+        env["corpus"] = describe(cfg.data)  # the text trained on and held out, with its SHA-256
     result = launch(cfg, world, placement)
     verification = None
     try:

@@ -2,14 +2,17 @@
 
 Step ``k`` of a run always sees the same global batch (a function of the seed and k only); data
 parallel replica ``d`` of ``D`` takes rows ``[d·B, (d+1)·B)`` of it, where B is the batch per replica.
+Text (a file, or a built-in corpus of ``workload.corpus``) is trained on from its training split
+only; ``heldout_batch`` is the eval's fixed batch from the held-out split.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 import torch
+
+from workload.corpus import read_corpus
 
 
 def synthetic_tokens(seed: int, step: int, rows: int, seq_len: int, vocab_size: int) -> torch.Tensor:
@@ -29,7 +32,8 @@ def encode_bytes(text: bytes) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TokenSource:
-    """Where the batches come from: synthetic (``text_path`` None) or a user's text file."""
+    """Where the batches come from: synthetic (``text_path`` None), a user's text file, or a built-in
+    corpus by name (``workload.corpus.BUILTIN``)."""
 
     seq_len: int
     vocab_size: int
@@ -39,12 +43,30 @@ class TokenSource:
     def global_batch(self, step: int, rows: int) -> torch.Tensor:
         if self.text_path is None:
             return synthetic_tokens(self.seed, step, rows, self.seq_len, self.vocab_size)
-        tokens = _load_text(self.text_path)
-        if tokens.numel() < self.seq_len + 2:
-            raise ValueError(f"{self.text_path}: {tokens.numel()} bytes, need more than {self.seq_len + 1}")
+        tokens = self._tokens("train")
         g = torch.Generator().manual_seed(self.seed * 7919 + step + 1)
         starts = torch.randint(0, tokens.numel() - self.seq_len - 1, (rows,), generator=g)
         return torch.stack([tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
+
+    def heldout_batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eval's inputs and targets, each (rows, seq_len), the same for every step, seed and
+        system of a data source: for text, ``rows`` windows of the held-out split at evenly spaced
+        starts; for synthetic tokens, rows of a step no run trains on (2**40)."""
+        if self.text_path is None:
+            full = synthetic_tokens(0, HELDOUT_STEP, rows, self.seq_len, self.vocab_size)
+        else:
+            tokens = self._tokens("heldout")
+            last = tokens.numel() - self.seq_len - 1
+            starts = [i * last // max(rows - 1, 1) for i in range(rows)]
+            full = torch.stack([tokens[s : s + self.seq_len + 1] for s in starts])
+        return full[:, :-1].contiguous(), full[:, 1:].contiguous()
+
+    def _tokens(self, split: str) -> torch.Tensor:
+        tokens = _load_text(self.text_path, split)
+        if tokens.numel() < self.seq_len + 2:
+            raise ValueError(f"{self.text_path}: {split} split of {tokens.numel()} bytes, need more than "
+                             f"{self.seq_len + 1}")
+        return tokens
 
     def replica_batch(self, step: int, batch_size: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (batch_size, seq_len), for data-parallel replica dp_rank."""
@@ -52,6 +74,9 @@ class TokenSource:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-@lru_cache(maxsize=2)
-def _load_text(path: str) -> torch.Tensor:
-    return encode_bytes(Path(path).read_bytes())
+HELDOUT_STEP = 1 << 40  # the synthetic eval batch's step: beyond any run's steps
+
+
+@lru_cache(maxsize=4)
+def _load_text(source: str, split: str) -> torch.Tensor:
+    return encode_bytes(getattr(read_corpus(source), split))
