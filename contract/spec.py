@@ -40,6 +40,12 @@ class SystemSpec:
     # optimizer, as megatron) rather than autocasting fp32 weights as the reference does: --verify
     # then judges it by that policy's tolerance.
     half_weights: bool = False
+    # What the run command starts beside the ranks and stops with them (runners.services), e.g.
+    # "torchft-lighthouse" for torchft's quorums.
+    services: tuple[str, ...] = ()
+    # The single-process run --verify compares against (None: the reference system on the global
+    # batch); a system that changes the optimization names a simulation of its own algorithm.
+    reference: Callable[[RunConfig], RunConfig] | None = None
 
     def load(self) -> Callable:
         """The system's train function (imports its training code)."""

@@ -23,8 +23,10 @@ import torch
 
 from contract import RunConfig
 from network_emulation import VirtualCluster, parse_profile
+from runners import services
 from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.output import Pump
+from runners.registry import get_system
 from runners.request import Placement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,12 +70,22 @@ def torchrun_argv(nproc: int, nnodes: int, node_rank: int, master: str | None, r
     return argv + ["-m", "runners.worker", str(run_dir)]
 
 
-def local_agents(world: int, placement: Placement, run_dir: Path) -> list[Agent]:
+def local_agents(world: int, placement: Placement, run_dir: Path, env: dict[str, str] | None = None) -> list[Agent]:
     if world % placement.nnodes:
         raise ValueError(f"world size {world} does not divide over {placement.nnodes} nodes")
     argv = torchrun_argv(world // placement.nnodes, placement.nnodes, placement.node_rank, placement.rdzv_endpoint,
                          run_dir)
-    return [Agent(argv, {})]
+    return [Agent(argv, dict(env or {}))]
+
+
+def local_services(placement: Placement) -> services.Placing:
+    """Where a run's services go outside emulation: this machine on a free port, or node 0 of a
+    cluster (the rendezvous host) on the lighthouse's port."""
+    if placement.nnodes == 1:
+        return services.Placing(bind="127.0.0.1", advertise="127.0.0.1", port=free_port())
+    host = (placement.rdzv_endpoint or "").rpartition(":")[0]
+    return services.Placing(bind="0.0.0.0", advertise=host, port=services.LIGHTHOUSE_PORT,
+                            start=placement.node_rank == 0)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -188,8 +200,13 @@ def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
             print(f"network: {profile.name}: measured one-way delay {measured.get('one_way_delay_ms', float('nan')):.2f} ms, "
                   f"bandwidth {measured.get('bandwidth_gbps', float('nan')):.2f} Gbit/s ({vc.backend})", file=sys.stderr)
         master = f"{vc.hosts[0].address}:29500"
-        agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), h.env()) for h in vc.hosts]
-        result = run_agents(agents, cfg.timeout, run_dir)
+        host0 = vc.hosts[0]
+        where = services.Placing(bind=host0.address, advertise=host0.address, port=services.LIGHTHOUSE_PORT,
+                                 prefix=tuple(host0.command_prefix()))
+        with services.started(get_system(cfg.system).services, cfg, run_dir, where) as env:
+            agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), {**h.env(), **env})
+                      for h in vc.hosts]
+            result = run_agents(agents, cfg.timeout, run_dir)
         result.network = {**vc.describe(), "measured_link": measured}
     return result
 
@@ -212,10 +229,14 @@ def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{owner_tag()}-"))
     try:
         (run_dir / "config.json").write_text(cfg.to_json())
-        if cfg.network != "none" and placement.nnodes == 1:
-            return launch_emulated(cfg, world, run_dir)
-        return run_agents(local_agents(world, placement, run_dir), cfg.timeout, run_dir,
-                          expect_result=placement.node_rank == 0)
+        try:
+            if cfg.network != "none" and placement.nnodes == 1:
+                return launch_emulated(cfg, world, run_dir)
+            with services.started(get_system(cfg.system).services, cfg, run_dir, local_services(placement)) as env:
+                return run_agents(local_agents(world, placement, run_dir, env), cfg.timeout, run_dir,
+                                  expect_result=placement.node_rank == 0)
+        except services.ServiceError as exc:
+            return LaunchResult("error", str(exc), None, run_dir=run_dir)
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)
         raise

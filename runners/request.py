@@ -13,6 +13,7 @@ from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec
 from network_emulation.profiles import ProfileError, check_emulable, parse_profile
+from runners import services
 from runners.registry import get_system, systems
 from workload.configs import MODEL_CONFIGS, OptimizerConfig, get_model_config
 from workload.corpus import BUILTIN, read_corpus
@@ -178,6 +179,7 @@ def judge(cfg: RunConfig) -> None:
     options), then the network profile."""
     spec = get_system(cfg.system)
     spec.validate(cfg)
+    services.check(spec.services)
     if cfg.network != "none":
         try:
             profile = parse_profile(cfg.network)

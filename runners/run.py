@@ -60,7 +60,11 @@ class Verification:
 
 
 def reference_config(cfg: RunConfig) -> RunConfig:
-    """The same workload on one process: same seed, data and global batch."""
+    """The same workload on one process: same seed, data and global batch (or, for a system that
+    names one, the single-process simulation of its own algorithm)."""
+    spec = get_system(cfg.system)
+    if spec.reference is not None:
+        return spec.reference(cfg)
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
                        options=SystemOptions())
 
