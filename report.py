@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
+import quality_report
 from network_emulation.profiles import ProfileError, parse_profile
 from runners.registry import read_options
 
@@ -317,7 +318,7 @@ def failures(df: pd.DataFrame) -> str:
     return "## Failed runs\n\n" + "\n".join(lines)
 
 
-def render(records: list[dict]) -> str:
+def render(records: list[dict], target: float | None = None) -> str:
     df = to_frame(records)
     if df.empty:
         return "No run records found.\n"
@@ -328,6 +329,7 @@ def render(records: list[dict]) -> str:
         parts += ["## Layouts (no network emulation)", *lay]
     if net:
         parts += ["## Networks (emulated)", *net]
+    parts.append(quality_report.render(records, target))  # runs with eval points: time to a held-out loss
     parts += [all_runs(df), failures(df)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
@@ -380,19 +382,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="*", default=["results"], help="record files or directories (default: results/)")
     ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     ap.add_argument("--plots", default=None, help="write network plots (PNG) into this directory")
+    ap.add_argument("--target", type=float, default=None,
+                    help="the held-out loss of the time-to-quality tables, for runs recorded without --target-loss")
     args = ap.parse_args(argv)
     missing = [p for p in args.inputs if not Path(p).exists()]
     if missing:
         print(f"python report.py: error: no such file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2
     records = load_records(args.inputs)
-    text = render(records)
+    text = render(records, args.target)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     if args.plots:
-        for p in plot_networks(to_frame(records), Path(args.plots)):
+        for p in plot_networks(to_frame(records), Path(args.plots)) + quality_report.plot(records, Path(args.plots),
+                                                                                           args.target):
             print(f"plot: {p}", file=sys.stderr)
     return 0
 

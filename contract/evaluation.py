@@ -8,10 +8,13 @@ batch (``workload.heldout``) and tells every rank, so that all stop together at 
 
 Each eval point (rank 0's ``Measurements.evals``) carries:
 - ``step`` and ``tokens``: the steps trained so far and their tokens (steps x global batch x sequence);
-- ``wall_time``: the training's seconds so far: over the steps, the slowest rank's step, from
-  leaving the opening barrier to having finished the step (device synchronised). The harness's
-  timing barriers are left out (a method that talks only every H steps is not charged a global
-  barrier per step), and so are the evals;
+- ``wall_time``: the training's seconds so far: the sum over the steps of (the last rank's end of
+  the step, device synchronised) - (the last rank's start, leaving the opening barrier), on the
+  ranks' common clock (``time.time()``: one clock on one machine, NTP's agreement across a
+  cluster's). The harness's timing barriers are left out (a method that talks only every H steps is
+  not charged a global barrier per step), and so are the evals. Ranks leave a barrier up to a
+  network delay apart; a rank that starts early mostly waits for the late ones (the late start is on
+  the step's critical path), which is why the step is counted from the last start;
 - ``loss``: the held-out loss of the model after those steps;
 - ``bytes_sent``: per rank, the TCP payload bytes it has sent since the first step began
   (``contract.traffic``): the training's messages, the timing barriers' few bytes, and whatever
@@ -44,19 +47,20 @@ class Evaluator:
         self.group = dist.new_group(list(range(ctx.world_size))) if ctx.world_size > 1 else None
         self.sent = SentBytes()
         self.eval_bytes = 0  # sent by the evals themselves, subtracted
-        self.step_seconds: list[float] = []  # this rank's steps since the last eval, barriers left out
+        self.step_spans: list[tuple[float, float]] = []  # this rank's steps since the last eval: start, end
         self.wall_time = 0.0  # rank 0: the training's seconds so far
         self.points: list[dict[str, Any]] = []  # rank 0
 
-    def step_done(self, seconds: float) -> None:
-        self.step_seconds.append(seconds)
+    def step_done(self, start: float, end: float) -> None:
+        """A step ran from ``start`` to ``end`` on this rank (``time.time()``)."""
+        self.step_spans.append((start, end))
 
     def evaluate(self, steps: int) -> float:
         """The held-out loss after ``steps`` steps, on every rank; rank 0 records the point."""
         before = self.sent.read()
         ours = {n: t.detach().float().cpu() for n, t in self.weights().items()}
-        payload = (ours, before - self.eval_bytes, self.step_seconds)
-        self.step_seconds = []
+        payload = (ours, before - self.eval_bytes, self.step_spans)
+        self.step_spans = []
         gathered: list | None = [None] * self.ctx.world_size if self.ctx.rank == 0 else None
         if self.group is None:
             gathered = [payload]
@@ -83,7 +87,8 @@ class Evaluator:
             raise RuntimeError(f"eval: no rank gave the weights of {len(missing)} parameters, e.g. {missing[0]}")
         model.load_state_dict({n: t.to(self.ctx.device) for n, t in weights.items()}, strict=True, assign=True)
         loss = heldout_loss(model.eval(), self.ctx.data)
-        self.wall_time += sum(max(times) for times in zip(*(s for _, _, s in gathered)))
+        for spans in zip(*(s for _, _, s in gathered)):  # one step, every rank's (start, end)
+            self.wall_time += max(end for _, end in spans) - max(start for start, _ in spans)
         self.points.append({"step": steps, "tokens": steps * cfg.global_batch_size * cfg.model.seq_len,
                             "wall_time": self.wall_time, "loss": loss, "bytes_sent": [b for _, b, _ in gathered]})
         return loss

@@ -179,10 +179,10 @@ def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn, weights: Weights | No
         step += 1
         inputs, targets = ctx.batch(step, dp_rank)
         barrier.wait()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, clock_start = time.perf_counter(), time.process_time(), time.time()
         out = step_fn(step, inputs, targets)
         ctx.synchronize()
-        done, busy = time.perf_counter(), time.process_time() - cpu_start
+        done, busy, clock_done = time.perf_counter(), time.process_time() - cpu_start, time.time()
         barrier.wait()
         end = time.perf_counter()
         warm = step < cfg.warmup
@@ -200,7 +200,7 @@ def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn, weights: Weights | No
             print(f"[{cfg.system}] step {step + 1}/{cfg.total_steps} {end - start:.3f} s{loss}{tag}",
                   file=sys.stderr, flush=True)
         if evaluator is not None and not reached:
-            evaluator.step_done(done - start)
+            evaluator.step_done(clock_start, clock_done)
             if (step + 1) % cfg.eval_every == 0 or not ctx.plan.more_after(step):
                 reached = _evaluated(ctx, evaluator, step, barrier)
     m.losses = losses or None

@@ -16,7 +16,7 @@ PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emu
 
 
 def suite_modules() -> dict[str, Path]:
-    mods = {"report": REPO / "report.py"}
+    mods = {"report": REPO / "report.py", "quality_report": REPO / "quality_report.py"}
     for pkg in PACKAGES:
         for path in (REPO / pkg).rglob("*.py"):
             parts = path.relative_to(REPO).with_suffix("").parts
