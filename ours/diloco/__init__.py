@@ -22,7 +22,6 @@ command (``runners.services``).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
@@ -31,7 +30,9 @@ from ours.schedule import SCHEDULES
 
 
 @dataclass(frozen=True)
-class DiLoCoOptions(SystemOptions):
+class DiLoCoAlgorithm(SystemOptions):
+    """The algorithm's options (what the simulation takes too)."""
+
     inner_steps: int = option(8, "H: inner steps (each replica's own optimizer steps) between outer steps; 1 "
                                  "averages every step", metavar="H")
     outer_lr: float = option(0.7, "the outer optimizer's learning rate (SGD with Nesterov momentum on the averaged "
@@ -45,27 +46,16 @@ class DiLoCoOptions(SystemOptions):
                                         "(1 - alpha) x global + alpha x local", metavar="ALPHA")
     quantize: bool = option(False, "torchft's quantized sync (fp8 row-wise all-reduce of the pseudo-gradients; "
                                    "torchft offers it with triton on CUDA only)")
-    n_slices: int | str = option("auto", "ours' pipeline inside a replica (--pp > 1): K equal token slices or 'auto' "
-                                         "(as ours)", parse=slice_count, metavar="K|auto")
-    slices: tuple[int, ...] | None = option(None, "ours' pipeline inside a replica: explicit token slice lengths",
-                                            parse=slice_lengths, metavar="L1,L2,...")
-    schedule: str = option("1f1b", "ours' pipeline inside a replica: the order of forwards and backwards (as ours)",
-                           choices=SCHEDULES)
-
-    def __post_init__(self) -> None:
-        if self.slices is not None and self.n_slices == "auto":  # one canonical form, as ours
-            object.__setattr__(self, "n_slices", len(self.slices))
 
     @property
     def streaming(self) -> bool:
         return self.fragments > 1
 
-    def pipeline(self) -> OursOptions:
-        """ours' options for the pipeline inside a replica."""
-        return OursOptions(n_slices=self.n_slices, slices=self.slices, schedule=self.schedule)
-
     def lossy(self) -> str | None:
         return "fp8 sync" if self.quantize else None
+
+    def algorithm(self) -> DiLoCoAlgorithm:
+        return DiLoCoAlgorithm(**{f.name: getattr(self, f.name) for f in DiLoCoAlgorithm.declared()})
 
     def check(self, config: RunConfig) -> None:
         H, F = self.inner_steps, self.fragments
@@ -89,6 +79,29 @@ class DiLoCoOptions(SystemOptions):
         if F > fewest:
             raise ConfigError(f"--fragments {F}: a stage of {config.model.n_layer // config.pp} layers has only "
                               f"{fewest} units (embeddings, blocks, head) to split")
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions(DiLoCoAlgorithm):
+    """The algorithm's options and those of ours' pipeline inside a replica."""
+
+    n_slices: int | str = option("auto", "ours' pipeline inside a replica (--pp > 1): K equal token slices or 'auto' "
+                                         "(as ours)", parse=slice_count, metavar="K|auto")
+    slices: tuple[int, ...] | None = option(None, "ours' pipeline inside a replica: explicit token slice lengths",
+                                            parse=slice_lengths, metavar="L1,L2,...")
+    schedule: str = option("1f1b", "ours' pipeline inside a replica: the order of forwards and backwards (as ours)",
+                           choices=SCHEDULES)
+
+    def __post_init__(self) -> None:
+        if self.slices is not None and self.n_slices == "auto":  # one canonical form, as ours
+            object.__setattr__(self, "n_slices", len(self.slices))
+
+    def pipeline(self) -> OursOptions:
+        """ours' options for the pipeline inside a replica."""
+        return OursOptions(n_slices=self.n_slices, slices=self.slices, schedule=self.schedule)
+
+    def check(self, config: RunConfig) -> None:
+        super().check(config)
         if config.pp == 1 and (self.slices is not None or self.n_slices != "auto" or self.schedule != "1f1b"):
             raise ConfigError("--n-slices, --slices and --schedule set ours' pipeline inside a replica: they need --pp > 1")
         if config.pp > 1:
@@ -105,7 +118,7 @@ def min_units(n_layer: int, pp: int) -> int:
 
 
 def label(config: RunConfig) -> str:
-    o: DiLoCoOptions = config.options
+    o: DiLoCoAlgorithm = config.options
     name = (f"streaming diloco H={o.inner_steps} F={o.fragments}" + (f" tau={o.sync_delay}" if o.sync_delay else "")
             + (f" alpha={o.fragment_alpha:g}" if o.fragment_alpha else "")) if o.streaming else f"diloco H={o.inner_steps}"
     return name + (" fp8 sync" if o.quantize else "")
@@ -113,10 +126,8 @@ def label(config: RunConfig) -> str:
 
 def simulation(config: RunConfig) -> RunConfig:
     """--verify's reference: the same algorithm, data and replicas in one process. It keeps --pp,
-    which decides the stages' fragments; the pipeline's options do not change the math and are left
-    at their defaults."""
-    options = dataclasses.replace(config.options, n_slices="auto", slices=None, schedule="1f1b")
-    return config.replace(system="diloco_sim", network="none", options=options)
+    which decides the stages' fragments; the pipeline's options do not change the math."""
+    return config.replace(system="diloco_sim", network="none", options=config.options.algorithm())
 
 
 SPEC = SystemSpec(

@@ -18,14 +18,14 @@ import torch
 
 from contract import RunConfig
 from contract.training import Context, Measurements, StepOutput, run_steps
-from ours.diloco import DiLoCoOptions
+from ours.diloco import DiLoCoAlgorithm
 from ours.diloco.fragments import fragment_names
 from workload.model import lm_loss
 from workload.training import autocast, checkpoint_blocks, make_optimizer
 
 
 def train(cfg: RunConfig, ctx: Context) -> Measurements:
-    o: DiLoCoOptions = cfg.options
+    o: DiLoCoAlgorithm = cfg.options
     D, F = cfg.dp, o.fragments
     replicas = [ctx.build_model() for _ in range(D)]
     if cfg.recompute:
