@@ -138,7 +138,8 @@ def _table(g: pd.DataFrame, value) -> str:
         at = g[g["network"] == net]
         rows.append([labels[net]] + [value(at[at["column"] == col]) if (at["column"] == col).any() else ""
                                      for col in cols])
-    return pd.DataFrame(rows, columns=["Network setting", *cols]).to_markdown(index=False, tablefmt="github")
+    return pd.DataFrame(rows, columns=["Network setting", *cols]).to_markdown(index=False, tablefmt="github",
+                                                                               disable_numparse=True)
 
 
 def _bytes_cell(runs: pd.DataFrame) -> str:
