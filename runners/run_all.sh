@@ -10,6 +10,8 @@
 #                                           # HOSTS lines are 'host slots=GPUS'; --setup-nodes first copies the
 #                                           # suite to every node's DIR and builds its environment there
 #                                           # (--share-venv: nodes sharing this file system link this venv)
+#   runners/run_all.sh --quality            # the quality race on this machine (root): runners/sweeps/quality.toml,
+#                                           # time and bytes to a held-out loss, report into results/quality.md
 #   runners/run_all.sh --rehearse N [--sweep FILE] [--nproc-per-node N]
 #                                           # rehearse the cluster on this machine (root): N virtual nodes with
 #                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down
@@ -23,13 +25,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 hostfile="" sweep="" rehearse="" setup_nodes="" dry_run="" cluster_args=() setup_args=() slots=() extra=()
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 need() { [ $# -ge 2 ] || { echo "run_all.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --hostfile) need "$@"; hostfile=$2; shift 2 ;;
     --sweep) need "$@"; sweep=$2; shift 2 ;;
+    --quality) sweep=runners/sweeps/quality.toml; shift ;;
     --rehearse) need "$@"; rehearse=$2; shift 2 ;;
     --setup-nodes) setup_nodes=1; shift ;;
     --ssh-config|--ssh-user|--remote-dir) need "$@"; cluster_args+=("$1" "$2"); setup_args+=("$1" "$2"); shift 2 ;;
