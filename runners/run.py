@@ -97,7 +97,13 @@ def compare(run: LaunchResult, ref: LaunchResult, tolerance: Tolerance) -> Verif
     losses, ref_losses = merged_losses(run.ranks), merged_losses(ref.ranks)
     if len(losses) != len(ref_losses) or not losses:
         return Verification(nan, nan, nan, 0, False, f"{len(losses)} losses against {len(ref_losses)}", tol)
-    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    # under --eval-every the held-out losses too (from each system's weights, contract.evaluation)
+    evals, ref_evals = (next((r["evals"] for r in x.ranks if r.get("evals")), []) for x in (run, ref))
+    if [e["step"] for e in evals] != [e["step"] for e in ref_evals]:
+        return Verification(nan, nan, nan, 0, False, f"evals after steps {[e['step'] for e in evals]} against "
+                                                     f"{[e['step'] for e in ref_evals]}", tol)
+    loss_diff = max(abs(a - b) for a, b in [*zip(losses, ref_losses),
+                                            *((e["loss"], f["loss"]) for e, f in zip(evals, ref_evals))])
     missing = sorted(set(ref.grads) - set(run.grads))
     extra = sorted(set(run.grads) - set(ref.grads))
     diffs = {n: float((run.grads[n] - ref.grads[n]).abs().max()) for n in ref.grads if n in run.grads}
