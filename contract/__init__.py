@@ -9,6 +9,8 @@ how it is timed, and how it declares itself. It imports nothing of the suite but
   ``train(config, context) -> Measurements`` lives. No torch.
 - ``contract.training``: ``Context`` (what a rank is given), ``Measurements`` (what it returns),
   ``StepOutput`` and ``run_steps`` (the timing discipline: barrier, step, synchronise, barrier).
+- ``contract.evaluation``: the held-out eval between steps (``--eval-every``), the same for every
+  system, from the weights each system hands over; ``contract.traffic``: the bytes a rank has sent.
 
 A system imports this package and ``workload``, never the launcher, the sweep or the record file.
 """
