@@ -221,7 +221,9 @@ def plot(records: list[dict], directory: Path, target: float | None = None) -> l
                     ax.plot([e["wall_time"] for e in ev], [e["loss"] for e in ev], color=colors[col], marker=".",
                             alpha=0.85, label=col if k == 0 else None)
             ax.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"target {goal:g}")
-            ax.set_xlabel("training wall time (s; timing barriers and evals left out)")
+            ax.set_xscale("symlog", linthresh=1.0)  # runs seconds and minutes apart on one axis; linear below 1 s
+            ax.set_xlim(left=0)
+            ax.set_xlabel("training wall time (s, log above 1 s; timing barriers and evals left out)")
             ax.set_ylabel("held-out loss")
             ax.set_title(f"{at['network_label'].iloc[0]}\n{group}", fontsize=8)
             ax.grid(True, alpha=0.3)
