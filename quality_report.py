@@ -23,26 +23,18 @@ import json
 import math
 import statistics
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 
-from network_emulation.profiles import MatrixProfile, ProfileError, parse_profile
+# A record's network setting as the report reads it: (what tells settings apart, its label, its sort
+# key: rows go from the fastest network to the slowest). ``report.py`` passes its own reading.
+NetworkOf = Callable[[dict], tuple[str, str, tuple[float, float]]]
 
 
-def _network(name: str) -> tuple[str, tuple[float, float]]:
-    """(label, sort key): uniform settings by their label, a matrix by its file's name and its slowest link."""
-    try:
-        p = parse_profile(name)
-    except ProfileError:
-        return name, (math.inf, 0.0)
-    if isinstance(p, MatrixProfile):
-        n = p.n_hosts
-        links = [p.link(i, j) for i in range(n) for j in range(n) if i != j]
-        worst = max(links, key=lambda link: (link.delay_ms, -link.bandwidth_gbps))
-        return (f"{p.name} (matrix, slowest link {worst.delay_ms:g} ms {worst.bandwidth_gbps:g} Gbit/s)",
-                (worst.delay_ms, -worst.bandwidth_gbps))
-    link = p.link(0, 1)
-    return p.label, ((-1.0, 0.0) if link is None else (link.delay_ms, -link.bandwidth_gbps))
+def _plain_network(r: dict) -> tuple[str, str, tuple[float, float]]:
+    """The setting's name alone, in the order given (what a caller without a reading of its own gets)."""
+    return r["network"], r["network"], (0.0, 0.0)
 
 
 def _layout(layout: dict) -> str:
@@ -64,7 +56,7 @@ def _group(r: dict) -> str:
             f"{opt.get('kind', 'adam')} lr {opt.get('lr', 0):g}")
 
 
-def to_frame(records: list[dict], target: float | None = None) -> pd.DataFrame:
+def to_frame(records: list[dict], target: float | None = None, network: NetworkOf = _plain_network) -> pd.DataFrame:
     """One row per ok run with eval points: its repetition group, column, network, target and
     what it reached."""
     rows = []
@@ -78,12 +70,12 @@ def to_frame(records: list[dict], target: float | None = None) -> pd.DataFrame:
         ident.pop("seed", None)
         hit = next((e for e in evals if e["loss"] <= goal), None)
         last = evals[-1]
+        setting, label, order = network(r)
         rows.append({
             "repetitions": json.dumps(ident, sort_keys=True), "timestamp": r.get("timestamp", ""),
             "seed": c.get("seed", 0), "group": _group(r), "target": goal,
             "column": f"{r.get('label') or r['system']} {_layout(r['layout'])}",
-            "network": r["network"], "network_label": _network(r["network"])[0],
-            "order": _network(r["network"])[1],
+            "network": setting, "network_label": label, "order": order, "network_name": r["network"],
             "reached": hit is not None, "steps": last["step"],
             "time": hit["wall_time"] if hit else None, "tokens": hit["tokens"] if hit else None,
             "bytes_to_target": sum(hit["bytes_sent"]) if hit else None,
@@ -178,9 +170,9 @@ def winners(g: pd.DataFrame) -> list[str]:
     return lines
 
 
-def render(records: list[dict], target: float | None = None) -> str:
+def render(records: list[dict], target: float | None = None, network: NetworkOf = _plain_network) -> str:
     """The time-to-quality section ("" if no record has eval points and a target)."""
-    df = to_frame(records, target)
+    df = to_frame(records, target, network)
     if df.empty:
         return ""
     parts = ["## Time to quality"]
@@ -198,14 +190,15 @@ def render(records: list[dict], target: float | None = None) -> str:
     return "\n\n".join(parts)
 
 
-def plot(records: list[dict], directory: Path, target: float | None = None) -> list[Path]:
+def plot(records: list[dict], directory: Path, target: float | None = None,
+         network: NetworkOf = _plain_network) -> list[Path]:
     """Held-out loss against training wall time: one picture per group and network setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    df = to_frame(records, target)
+    df = to_frame(records, target, network)
     paths: list[Path] = []
     if df.empty:
         return paths
@@ -230,7 +223,7 @@ def plot(records: list[dict], directory: Path, target: float | None = None) -> l
             ax.legend(fontsize=8)
             fig.tight_layout()
             directory.mkdir(parents=True, exist_ok=True)
-            stem = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in Path(net).stem)
+            stem = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in Path(at["network_name"].iloc[0]).stem)
             path = directory / f"quality-{gi}-{stem}.png"
             fig.savefig(path, dpi=110)
             plt.close(fig)

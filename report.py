@@ -9,6 +9,8 @@ Reads only RunRecords (JSON lines; a line that is not a record is skipped with a
   in the seed's notation (``T-4 P-2``), cells ``19.71 s`` or ``Fail (OOM)``;
 - network tables, for runs under emulation: rows = the network settings (fastest to slowest), columns =
   system and layout (DP degree);
+- time to quality, for runs with eval points (``--eval-every``): per network setting, wall time and tokens
+  to a held-out loss, bytes sent per token, which wins (``quality_report``);
 - every run (tokens/s, MFU, peak memory per rank, sync times, the choices a system made) and the failures.
 Each table is headed once by what is fixed in it. A table holds the runs of exactly one configuration
 apart from its axes, so a cell never mixes runs of different configs; of several records of the same
@@ -17,45 +19,42 @@ run, the newest wins. Plots (``--plots``): step time (log scale) against the one
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
 import quality_report
-from network_emulation.profiles import ProfileError, parse_profile
-from runners.registry import read_options
+from contract.config import VOLATILE_FIELDS, RunConfig
+from contract.records import predictions_path, read_predictions, read_records, record_files
+from contract.registry import read_options
 
-REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
 # The fields a table's cells share, in the order its heading states them (the rest of a run's
 # identity, beyond the axes, is added to the heading when it is not the default).
 HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "steps")
+# RunConfig's fields the tables show as axes, columns or in the heading (the rest of a run's identity,
+# where it is not the default, is stated beside the heading)
+SHOWN = frozenset({"system", "model", "pp", "tp", "dp", "batch_size", "micro_batch_size", "steps", "warmup",
+                   "mixed_precision", "recompute", "network", "network_matrix", "options"})
 
 
 def load_records(paths: list[str]) -> list[dict]:
-    """Every record in the files (directories: their *.jsonl); a line that is not a record is
-    skipped with a warning on stderr."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        files += sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
+    """Every record in the files (directories: their *.jsonl), with the simulator's prediction kept
+    beside its file (``python -m predict records``) where it has none of its own; a line that is not
+    a record is skipped with a warning on stderr."""
     records = []
-    for f in files:
-        for n, line in enumerate(f.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                print(f"report.py: skipping {f}:{n}: not JSON", file=sys.stderr)
-                continue
-            missing = [k for k in REQUIRED if not isinstance(rec, dict) or k not in rec]
-            if missing:
-                print(f"report.py: skipping {f}:{n}: not a run record (no {', '.join(missing)})", file=sys.stderr)
-                continue
-            records.append(rec)
+    warn = lambda why: print(f"report.py: skipping {why}", file=sys.stderr)  # noqa: E731
+    for f in record_files(paths):
+        found = read_records(f, warn=warn)
+        predicted = read_predictions(f, warn=warn)
+        for rec in found:
+            if rec.get("prediction") is None and rec.get("run_id") in predicted:
+                rec["prediction"] = predicted[rec["run_id"]]
+        records += found
     return records
 
 
@@ -64,24 +63,43 @@ def layout_label(layout: dict) -> str:
     return " ".join(parts) or "1 device"
 
 
-def _link(name: str):
-    try:
-        return parse_profile(name).link(0, 1)
-    except ProfileError:
-        return None
+def network_setting(r: dict) -> dict:
+    """A record's network setting in words and numbers, as the run recorded it: its label, one-way
+    delay (ms) and bandwidth (Gbit/s) of its link (None without emulation; a per-link matrix: its
+    slowest link, whether all its links are one, the digest of its contents). Records from before
+    ``network_setting`` was recorded: the profile their emulation described, else the setting's name."""
+    if r.get("network_setting"):
+        return r["network_setting"]
+    prof = ((r.get("environment") or {}).get("network") or {}).get("profile") or {}
+    link = prof.get("link") or {}
+    if prof.get("kind") == "matrix":
+        link = {k: prof[k][0][1] for k in ("delay_ms", "bandwidth_gbps")}
+    return {"label": prof.get("label") or r["network"], "delay_ms": link.get("delay_ms"),
+            "bandwidth_gbps": link.get("bandwidth_gbps")}
 
 
-def network_label(name: str) -> str:
-    try:
-        return parse_profile(name).label
-    except ProfileError:
-        return name
+def hardware_of(environment: dict) -> str:
+    """What a run ran on, as its record says: the device kind, and the device's name where it says
+    more ('cpu'; 'cuda: Tesla V100-SXM2-16GB'). Part of a report row's identity: records of one
+    config on different hardware never share a table."""
+    kind = str(environment.get("device_kind") or "")
+    name = str(environment.get("device_name") or "")
+    return kind if not name or name == kind else f"{kind}: {name}" if kind else name
 
 
-def network_order(name: str) -> tuple[float, float]:
+def network_row(r: dict) -> tuple[str, str, tuple[float, float]]:
+    """A record's network setting as a table's row: (what tells settings apart: the setting, and a
+    matrix's digest; its label; its order)."""
+    setting = network_setting(r)
+    return (r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else ""), setting["label"],
+            network_order(setting))
+
+
+def network_order(setting: dict) -> tuple[float, float]:
     """Rows go from the fastest network to the slowest: by delay, then by falling bandwidth."""
-    link = _link(name)
-    return (-1.0, 0.0) if link is None else (link.delay_ms, -link.bandwidth_gbps)
+    if setting.get("delay_ms") is None:
+        return (-1.0, 0.0)
+    return (setting["delay_ms"], -setting["bandwidth_gbps"])
 
 
 def fmt_time(t: float | None) -> str:
@@ -93,23 +111,30 @@ def fmt_time(t: float | None) -> str:
 def cell(row: pd.Series) -> str:
     if row["status"] == "ok":
         pred = row.get("predicted")
-        return fmt_time(row["median_step_time"]) + (f" (pred {fmt_time(pred).removesuffix(' s')})" if pred == pred and pred else "")
+        t = row["median_step_time"]
+        return (fmt_time(t) if t == t and t is not None else "ok, no step time") + \
+            (f" (pred {fmt_time(pred).removesuffix(' s')})" if pred == pred and pred else "")
     if row["status"] == "unfit":
         return f"Fail ({row['error']})"
     return FAIL.get(row["status"], f"Fail ({row['status']})")
 
 
 def _rest_of_identity(r: dict) -> str:
-    """Identity fields of a run that are neither axes nor in HEADING, as text (e.g. 'seed 3, lr 0.001')."""
+    """The fields of a run's identity that are neither axes nor in HEADING, where they are not
+    RunConfig's defaults, as text (e.g. 'seed 3, sgd lr 0.001')."""
     c = r.get("config") or {}
-    opt = c.get("optimizer") or {}
     parts = []
-    if c.get("seed", 0) != 0:
-        parts.append(f"seed {c['seed']}")
-    if opt and (opt.get("kind"), opt.get("lr")) != ("adam", 1e-4):
-        parts.append(f"{opt.get('kind')} lr {opt.get('lr'):g}")
-    if c.get("data"):
-        parts.append(f"data {c['data']}")
+    for f in dataclasses.fields(RunConfig):
+        if f.name in SHOWN or f.name in VOLATILE_FIELDS or f.name not in c:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = c[f.name]
+        if value == json.loads(json.dumps(dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default)):
+            continue
+        if f.name == "optimizer":
+            parts.append(f"{value.get('kind')} lr {value.get('lr'):g}")
+        else:
+            parts.append(f"{f.name.replace('_', ' ')} {value}")
     return ", ".join(parts)
 
 
@@ -120,15 +145,17 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         c = r.get("config") or {}
         shape = r["model_shape"]
         options = read_options(r["system"], c.get("options") or {})
+        setting = network_setting(r)
+        hardware = hardware_of(env)
         rows.append({
-            "key": r.get("key") or json.dumps(c, sort_keys=True),
+            "key": (r.get("key") or json.dumps(c, sort_keys=True)) + " on " + hardware,
             "timestamp": r.get("timestamp", ""),
             "system": r.get("label") or r["system"],
             "role": r.get("role") or "baseline",
             "options": json.dumps(options, sort_keys=True),
             "model": r["model"],
             "shape": "L{n_layer} h{n_embd} a{n_head} s{seq_len}".format(**shape),
-            "hardware": str(env.get("device_name", env.get("device_kind", "?"))),
+            "hardware": hardware,
             "devices": env.get("device_count"),
             "precision": r.get("precision", "fp32"),
             "recompute": "recompute" if r.get("recompute") else "no recompute",
@@ -138,7 +165,10 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "mb": r["micro_batch_size"],
             "layout": layout_label(r["layout"]),
             "dp": r["layout"].get("dp", 1),
-            "network": r["network"],
+            "network": r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else ""),
+            "setting": setting["label"],
+            "order": network_order(setting),
+            "delay": setting.get("delay_ms") if setting.get("uniform", True) else None,  # a matrix: several
             "emulated": r["network"] != "none",
             "status": r["status"],
             "median_step_time": r.get("median_step_time"),
@@ -225,11 +255,11 @@ def layout_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
 def network_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
     out = []
     for fixed, g in tables:
-        g = g.assign(order=g["network"].map(network_order)).sort_values("order")
-        table = _pivot(g.assign(setting=g["network"].map(network_label)), "setting")
+        g = g.sort_values("order", kind="stable")
+        table = _pivot(g, "setting")
         if table.size < 2:
             continue
-        table = table.reindex(g["network"].map(network_label).unique())
+        table = table.reindex(g["setting"].unique())
         table.index.name = "Network setting"
         out.append(f"### Step time by network setting: {fixed['model']}, micro-batch {fixed['mb']}\n\n"
                    f"{heading(fixed)}\n\n" + table.to_markdown(tablefmt="github"))
@@ -238,7 +268,7 @@ def network_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
 
 def _verdict(row: pd.DataFrame) -> str | None:
     """The fastest run of one row and its margin over the best baseline (or ours' gap to it)."""
-    ok = row[(row["status"] == "ok") & (row["role"] != "reference")]
+    ok = row[(row["status"] == "ok") & (row["role"] != "reference") & row["median_step_time"].notna()]
     if ok.empty:
         return None
     fastest = ok.loc[ok["median_step_time"].idxmin()]
@@ -260,7 +290,7 @@ def _verdict(row: pd.DataFrame) -> str | None:
 def _verdicts(row: pd.DataFrame) -> list[tuple[str, str]]:
     """(qualifier, verdict) of one row: one verdict, or one per device count when the row's runs use
     different numbers of devices (P-2 against P-2 D-2 is not a race)."""
-    ok = row[(row["status"] == "ok") & (row["role"] != "reference")]
+    ok = row[(row["status"] == "ok") & (row["role"] != "reference") & row["median_step_time"].notna()]
     counts = sorted(ok["devices"].dropna().unique())
     if len(counts) <= 1:
         groups = [("", row)]
@@ -277,8 +307,8 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
             lines.append(f"- **Layouts**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]
     for fixed, g in networks:
-        g = g.assign(order=g["network"].map(network_order)).sort_values("order")
-        rows = [(f"{network_label(net)}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
+        g = g.sort_values("order", kind="stable")
+        rows = [(f"{r['setting'].iloc[0]}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
         if rows and len(g) > 1:
             lines.append(f"- **Networks**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]
@@ -303,7 +333,7 @@ def all_runs(df: pd.DataFrame) -> str:
     t["peak_mem_mb"] = t["peak_mem_mb"].map(lambda v: f"{v:,.0f}")
     t["busy"] = t["busy"].map(_busy_range)
     t["dp_sync_time"] = t["dp_sync_time"].map(lambda v: fmt_time(v) if v == v and v else "")
-    t["network"] = t["network"].map(lambda n: "none" if n == "none" else network_label(n))
+    t["network"] = df["network"].where(df["network"] == "none", df["setting"])
     t = t.rename(columns={"median_step_time": "step", "peak_mem_mb": "peak MiB per rank (max)",
                           "busy": "busy per rank", "dp_sync_time": "DP sync"})
     return "## Every run\n\n" + t.to_markdown(index=False, tablefmt="github")
@@ -313,7 +343,7 @@ def failures(df: pd.DataFrame) -> str:
     bad = df[df["status"] != "ok"]
     if bad.empty:
         return ""
-    lines = [f"- {r.system} {r.layout} mb={r.mb} ({network_label(r.network)}): {r.status}: {r.error[:200]}"
+    lines = [f"- {r.system} {r.layout} mb={r.mb} ({r.setting}): {r.status}: {r.error[:200]}"
              for r in bad.itertuples()]
     return "## Failed runs\n\n" + "\n".join(lines)
 
@@ -329,7 +359,7 @@ def render(records: list[dict], target: float | None = None) -> str:
         parts += ["## Layouts (no network emulation)", *lay]
     if net:
         parts += ["## Networks (emulated)", *net]
-    parts.append(quality_report.render(records, target))  # runs with eval points: time to a held-out loss
+    parts.append(quality_report.render(records, target, network_row))  # runs with eval points: time to a loss
     parts += [all_runs(df), failures(df)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
@@ -344,8 +374,9 @@ def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
 
     paths = []
     for i, (fixed, g) in enumerate(_tables(df, emulated=True)):
-        g = g[g["status"] == "ok"].assign(delay=g["network"].map(lambda n: getattr(_link(n), "delay_ms", None)))
-        g = g[g["delay"].notna()]
+        for label in g[(g["status"] == "ok") & g["delay"].isna()]["setting"].unique():
+            print(f"plot: left out {label}: its links differ, it has no one delay", file=sys.stderr)
+        g = g[(g["status"] == "ok") & g["delay"].notna()]
         if g["network"].nunique() < 2:
             continue
         fig, ax = plt.subplots(figsize=(8, 4.8))
@@ -377,6 +408,25 @@ def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
     return paths
 
 
+def check_outputs(inputs: list[str], out: str | None, plots: str | None) -> str | None:
+    """Why the report cannot write where it is asked to (one line), or None: the report never writes
+    over what it reads (a records file, the predictions kept beside one) nor over a file that holds
+    run records; ``--out`` is a file, ``--plots`` a directory."""
+    if plots and Path(plots).exists() and not Path(plots).is_dir():
+        return f"--plots {plots} is not a directory"
+    if not out:
+        return None
+    if Path(out).is_dir():
+        return f"--out {out} is a directory, not a file"
+    read = [f for p in record_files(inputs) for f in (p, predictions_path(p))]
+    same = next((f for f in read if f.exists() and Path(out).exists() and Path(out).samefile(f)), None)
+    if same is not None:
+        return f"--out {out} is {same}, which the report reads: give the report a file of its own"
+    if Path(out).is_file() and read_records(out):
+        return f"--out {out} holds run records: give the report a file of its own"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python report.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="*", default=["results"], help="record files or directories (default: results/)")
@@ -389,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"python report.py: error: no such file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2
+    bad = check_outputs(args.inputs, args.out, args.plots)
+    if bad:
+        print(f"python report.py: error: {bad}", file=sys.stderr)
+        return 2
     records = load_records(args.inputs)
     text = render(records, args.target)
     print(text)
@@ -396,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     if args.plots:
-        for p in plot_networks(to_frame(records), Path(args.plots)) + quality_report.plot(records, Path(args.plots),
-                                                                                           args.target):
+        quality = quality_report.plot(records, Path(args.plots), args.target, network_row)
+        for p in plot_networks(to_frame(records), Path(args.plots)) + quality:
             print(f"plot: {p}", file=sys.stderr)
     return 0
 

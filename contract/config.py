@@ -1,37 +1,45 @@
 """What one run is: ``RunConfig`` (the fields every run has) and ``SystemOptions`` (the fields one
 system declares for itself). Plain data and no torch: the run command builds and judges a request
 with these before anything heavy is imported.
+
+Every field that is set from the command line is declared with ``option``: its default, its one line
+of help, and how it is written and read as a flag. The run command's flags are generated from these
+fields (``runners.request``), RunConfig's under the ``group`` headings, a system's under its own; the
+model's and the optimizer's (``workload.configs``) carry the same metadata keys. Adding a field with
+``option`` is all it takes to get a flag.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, Callable
 
-from workload.configs import ModelConfig, OptimizerConfig
-
-# Fields of RunConfig that do not change what a run measures: two runs that differ only in these
-# are the same measurement (a sweep runs it once; a report keeps the newest).
-VOLATILE_FIELDS = frozenset({"verify", "timeout", "device"})
+from workload.configs import MODEL_CONFIGS, ModelConfig, OptimizerConfig
 
 
 class ConfigError(ValueError):
     """A request that cannot run; the message is one line for the user."""
 
 
-def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+def option(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
            parse: Callable[[str], Any] | None = None, metavar: str | None = None, identity: bool = True,
-           output_path: bool = False) -> Any:
-    """Declare one field of a system's options.
+           output_path: bool = False, group: str | None = None, flags: tuple[str, ...] = (),
+           default_factory: Callable[[], Any] | Any = MISSING) -> Any:
+    """Declare one field of a run that the command line sets: a system's option or RunConfig's.
 
-    ``help`` is its one line under the system's heading in ``--help``; ``choices`` the values it
-    accepts; ``parse`` turns the command line's text into the value (default: the type of
-    ``default``; a bool default makes a switch); ``identity=False`` keeps it out of the run's
-    identity (a trace file does not change what a run measures); ``output_path`` marks a file the
-    run writes, which the run command checks is writable before launching."""
-    return field(default=default, metadata=dict(help=help, choices=choices, parse=parse, metavar=metavar,
-                                                identity=identity, output_path=output_path))
+    ``help`` is its one line in ``--help``; ``choices`` the values it accepts; ``parse`` turns the
+    command line's text into the value (default: the field's type; a bool makes a switch);
+    ``identity=False`` keeps it out of the run's identity (a trace file, a timeout do not change what
+    a run measures); ``output_path`` marks a file the run writes, which the run command checks is
+    writable before launching. RunConfig's fields also name their ``--help`` heading (``group``;
+    None: the top) and, where they differ from ``--<name>``, their ``flags``. No default: a
+    required flag. A field whose type is a dataclass (the model, the optimizer) gets a flag for each
+    of its own fields declared with these metadata keys."""
+    meta = dict(help=help, choices=choices, parse=parse, metavar=metavar, identity=identity,
+                output_path=output_path, group=group, flags=flags)
+    return field(default=default, default_factory=default_factory, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -77,29 +85,53 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-@dataclass(frozen=True)
+LAYOUT, TRAINING, RUN = "layout", "training", "run"  # --help headings of RunConfig's fields
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    system: str
-    model: ModelConfig
-    batch_size: int  # per pipeline (data-parallel replica), as in the seed; global batch = batch_size * dp
-    micro_batch_size: int
-    pp: int = 1  # pipeline stages
-    tp: int = 1  # tensor-parallel degree
-    dp: int = 1  # data-parallel degree (pipelines)
-    steps: int = 10  # measured steps
-    warmup: int = 2  # steps run before the measured ones, excluded from timing
-    mixed_precision: bool = False  # fp16 + loss scaling on CUDA, bf16 autocast on CPU
-    recompute: bool = False  # activation recomputation
-    network: str = "none"  # a network profile of network_emulation; "none": no emulation
-    seed: int = 0
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    data: str | None = None  # a text file (byte-level tokens); synthetic tokens when None
-    device: str = "auto"  # auto | cpu | cuda
-    verify: bool = False  # also train the single-process reference and compare
-    timeout: float = 3600.0  # seconds before the run is stopped and recorded as timeout
-    eval_every: int = 0  # evaluate the held-out loss before the first step and every N steps (0: never)
-    target_loss: float | None = None  # stop once an eval loss is at or below this (needs eval_every)
-    options: SystemOptions = field(default_factory=SystemOptions)  # the system's own options
+    """Every field of a run; each one declared with ``option`` is a flag of the run command, in this
+    order under its heading (keyword-only, so that the fields stand in the order ``--help`` shows)."""
+
+    system: str = option(help="the system to train (its own options: under its heading below)")
+    model: ModelConfig = option(help="the model by name (the GPT-3 family, or tiny and cpu-small for CPUs)",
+                                choices=tuple(sorted(MODEL_CONFIGS)))
+    pp: int = option(1, "pipeline stages (fairscale_fsdp: devices in each process's pipe)", group=LAYOUT)
+    tp: int = option(1, "tensor-parallel degree", group=LAYOUT)
+    dp: int = option(1, "data-parallel degree (pipelines)", group=LAYOUT)
+    batch_size: int = option(help="batch per pipeline; global batch = batch-size x dp", group=LAYOUT)
+    micro_batch_size: int = option(help="sequences per micro-batch (batch-size divides into them)", group=LAYOUT)
+    steps: int = option(10, "measured steps", group=TRAINING)
+    warmup: int = option(2, "warm-up steps, not timed", group=TRAINING)
+    mixed_precision: bool = option(False, "fp16 + loss scaling on CUDA, bf16 autocast on CPU", group=TRAINING)
+    recompute: bool = option(False, "activation recomputation", group=TRAINING)
+    seed: int = option(0, "seed of the initial weights and of the synthetic tokens", group=TRAINING)
+    optimizer: OptimizerConfig = option(help="the optimizer every system runs", group=TRAINING,
+                                        default_factory=OptimizerConfig)
+    data: str | None = option(None, "a text file to train on (byte-level tokens; its last tenth held out for "
+                                    "--eval-every), or 'stdlib' (the Python standard library's sources); synthetic "
+                                    "tokens by default", group=TRAINING)
+    eval_every: int = option(0, "the held-out loss before the first step and every N steps, in the record (0: never)",
+                             group=TRAINING, metavar="N")
+    target_loss: float | None = option(None, "stop once an eval loss is at or below X (needs --eval-every)",
+                                       group=TRAINING, parse=float, metavar="X")
+    network: str = option("none", "network profile: none, a profile name, 'delay 10ms bandwidth 1Gbps', or a per-link "
+                                  "matrix file FILE.json ({\"delay_ms\": [[...]], \"bandwidth_gbps\": [[...]]}, N x N "
+                                  "for N ranks)", group=RUN)
+    # A per-link matrix's contents ({"delay_ms": [[...]], "bandwidth_gbps": [[...]]}) as the request read
+    # them from the file ``network`` names, None for any other profile: the run is emulated, recorded
+    # and identified by these (their digest), never by the path alone (set by the run command).
+    network_matrix: dict[str, Any] | None = None
+    verify: bool = option(False, "also train the single-process reference and compare losses and gradients",
+                          group=RUN, identity=False)
+    device: str = option("auto", "auto | cpu | cuda", group=RUN, identity=False)
+    # What the ranks run on, resolved from ``device`` before launch (runners.request.resolve_devices):
+    # "cpu" or "cuda:<GPU model>"; None until then (a planned run). Not a flag. Part of the identity: CPU
+    # and GPU measurements of one config are different measurements.
+    hardware: str | None = None
+    timeout: float = option(3600.0, "seconds before the run is stopped and recorded as timeout", group=RUN,
+                            identity=False)
+    options: SystemOptions = field(default_factory=SystemOptions)  # the system's own options (their own flags)
 
     @property
     def global_batch_size(self) -> int:
@@ -136,18 +168,44 @@ class RunConfig:
         return cls(**d)
 
     def identity(self) -> dict[str, Any]:
-        """What identifies the measurement: every field but the volatile ones, and of the system's
-        options only those that are part of its identity."""
+        """What identifies the measurement: every field but the volatile ones (``VOLATILE_FIELDS``; the
+        hardware is kept, None until resolved), and of the system's options only those that are part of
+        its identity."""
         d = _plain(asdict(self.replace(options=SystemOptions())))
         for name in VOLATILE_FIELDS:
             del d[name]
         d["options"] = _plain(self.options.identity())
+        if self.network_matrix is None:  # the identity of every run without a matrix is as it always was
+            del d["network_matrix"]
+        else:
+            d["network_matrix"] = self.network_digest()
         return d
+
+    def network_digest(self) -> str | None:
+        """The digest (SHA-256, 16 hex digits) of the per-link matrix the run ran under, or None."""
+        if self.network_matrix is None:
+            return None
+        return hashlib.sha256(json.dumps(self.network_matrix, sort_keys=True).encode()).hexdigest()[:16]
 
     def key(self) -> str:
         """The run's identity as one string (sorted JSON): a sweep skips a key already recorded,
         a report cell shows the newest record of its key."""
         return json.dumps(self.identity(), sort_keys=True)
+
+
+# Fields of RunConfig that do not change what a run measures (declared ``identity=False``): two runs
+# that differ only in these are the same measurement (a sweep runs it once; a report keeps the newest).
+VOLATILE_FIELDS = frozenset(f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("identity", True))
+
+
+def planned_key(key: str) -> tuple[str, str | None]:
+    """A recorded key (``RunConfig.key``) as its planned run's key (the hardware not yet resolved),
+    and the hardware it names (None: not resolved, or a record older than the hardware's place in
+    the identity)."""
+    d = json.loads(key)
+    hardware = d.get("hardware")
+    d["hardware"] = None
+    return json.dumps(d, sort_keys=True), hardware
 
 
 @dataclass(frozen=True)

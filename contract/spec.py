@@ -1,4 +1,4 @@
-"""SystemSpec: how a system declares itself to the runner.
+"""How a system declares itself (``SystemSpec``) and the one function it implements (``Train``).
 
 A system's spec module (what the registry lists) holds its options dataclass and one ``SPEC``; it
 must import nothing heavy (no torch, no framework), because the run command reads every spec to
@@ -9,11 +9,63 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from contract.config import ConfigError, RunConfig, SystemOptions
 
+if TYPE_CHECKING:  # torch: only the ranks import it
+    from contract.rank import Context, Measurements
+
 DIMS = ("pp", "tp", "dp")
+
+
+class Train(Protocol):
+    def __call__(self, config: RunConfig, context: Context) -> Measurements:
+        """Train ``config``'s workload on this rank and measure it: the one function a system implements.
+
+        The run command calls it once in every rank it starts (``SystemSpec.processes(config)`` of them,
+        under torchrun, ``torch.distributed`` initialised: nccl on CUDA, gloo on CPU, one thread per rank
+        on CPU), with the same judged ``config`` everywhere and this rank's ``context``. It must:
+
+        - Build its model from the shared workload, never its own: the whole model with
+          ``context.build_model()``, or pipeline stages with ``context.build_stage(spec)`` (the layers
+          cut by ``workload.partition.stage_specs``). Every system then starts from the same seeded
+          weights, and its parameters keep the shared model's names.
+        - Train on ``context.batch(step, dp_rank)``, the tokens of data-parallel replica ``dp_rank`` at
+          ``step`` (``config.batch_size`` sequences a replica; the global batch is ``batch_size x dp``),
+          with the optimizer and precision every system shares (``workload.training``).
+        - Time its steps with ``contract.rank.run_steps(context, dp_rank, step_fn, weights)``:
+          ``config.warmup`` steps untimed, then ``config.steps`` timed ones, each framed by the timing
+          barrier; fewer once an eval reaches ``config.target_loss`` (a step prepared ahead asks
+          ``context.plan``). ``weights()`` gives, for ``--eval-every``'s held-out eval, the full
+          tensors of the parameters this rank holds by the shared model's names (gathering shards).
+          ``step_fn(step, inputs, targets)`` runs one whole optimizer step and returns a ``StepOutput``:
+          the replica's loss on the ranks that see it (a pipeline's last stage), None on the others,
+          and the seconds of data-parallel synchronisation inside the step. Its point-to-point messages
+          are matched by order, never by tag, on process groups of its own, and no receive holds back a
+          send its peer waits for (NCCL runs a pair's operations in issue order).
+        - Return ``run_steps``'s ``Measurements``, with ``extra`` holding the choices it resolved at
+          run time (a slicing, say: the record keeps them with the options), and, under
+          ``config.verify``, ``grads``: the last step's gradients of the parameters this rank holds,
+          full tensors averaged over data parallelism, by the shared model's parameter names
+          (``--verify`` compares them and the losses with the single-process reference's).
+
+        It prints no tables and writes no files (a trace its options ask for aside); an exception
+        fails the run (one that says out of memory is recorded as ``oom``). Its code imports only
+        ``contract``, ``workload`` and its own package (``tests/test_imports.py``).
+
+        Args:
+            config: the run, judged before anything was launched; ``config.options`` is an instance of
+                the system's own ``SystemSpec.options``.
+            context: this rank: ``rank``, ``local_rank``, ``world_size``, ``device``, ``backend``, the
+                seeded workload (``build_model``, ``build_stage``, ``batch``) and the timing barrier's
+                process group.
+
+        Returns:
+            Measurements: this rank's step, busy and barrier times, its losses where it sees them, its
+            gradients under ``--verify``; the launcher merges every rank's into the run's record.
+        """
+        ...
 
 
 def all_ranks(config: RunConfig) -> int:
@@ -27,7 +79,7 @@ def one_device(config: RunConfig) -> int:
 @dataclass(frozen=True)
 class SystemSpec:
     name: str
-    train: str  # "package.module:function", the function being train(config, context) -> Measurements
+    train: str  # "package.module:function", a Train: train(config, context) -> Measurements
     description: str  # one line, shown in --help
     options: type[SystemOptions] = SystemOptions  # the system's own options
     dims: tuple[str, ...] = ()  # parallel dimensions it supports beyond 1, of "pp", "tp", "dp"
@@ -47,7 +99,7 @@ class SystemSpec:
     # batch); a system that changes the optimization names a simulation of its own algorithm.
     reference: Callable[[RunConfig], RunConfig] | None = None
 
-    def load(self) -> Callable:
+    def load(self) -> Train:
         """The system's train function (imports its training code)."""
         module, _, function = self.train.partition(":")
         return getattr(importlib.import_module(module), function)

@@ -27,16 +27,16 @@ from .ssh_shaping import SshShapingSession, probe_over_ssh
 from .virtual_cluster import VirtualCluster, VirtualHost, cleanup_stale
 
 __all__ = [
-    "PROFILES", "SEED_PROFILES", "LinkMeasurement", "LinkSpec", "MatrixProfile", "NetemSession", "Node", "NotRootError",
+    "PROFILES", "SEED_PROFILES", "LinkMeasurement", "LinkSpec", "MatrixProfile", "NetemSession", "NotRootError",
     "Profile", "ProfileError", "SshShapingSession", "UniformProfile", "VirtualCluster", "VirtualHost", "VirtualNodes",
     "cleanup_stale", "load_matrix", "matrix_profile", "netem_limit", "parse_profile", "probe_over_ssh", "tbf_burst",
 ]
 
 
 def __getattr__(name: str) -> object:
-    """``Node`` and ``VirtualNodes`` load on first use, so that ``python -m network_emulation.nodes``
-    does not find its module imported already by the package."""
-    if name in ("Node", "VirtualNodes"):
+    """``VirtualNodes`` loads on first use, so that ``python -m network_emulation.nodes`` does not find
+    its module imported already by the package."""
+    if name == "VirtualNodes":
         from . import nodes
 
         return getattr(nodes, name)

@@ -72,8 +72,11 @@ def sshd_config(directory: Path, node: NodeAddress, port: int = 22) -> str:
         "MaxSessions 64",
         f"AcceptEnv {' '.join(ACCEPT_ENV)}",
         # A temporary directory of its own, as a machine has: run directories are reaped by their
-        # owner's pid, which only the node's own pid namespace can judge.
-        f"SetEnv TMPDIR={tmp_dir(directory, node.name)}",
+        # owner's pid, which only the node's own pid namespace can judge. And a host of its own to
+        # NCCL, which tells hosts apart by host name and boot id (the nodes share the boot id): ranks
+        # of several nodes may share one GPU of this machine, as the one-GPU rehearsal has them,
+        # where NCCL would refuse two ranks of one host on one GPU ("Duplicate GPU detected").
+        f"SetEnv TMPDIR={tmp_dir(directory, node.name)} NCCL_HOSTID={node.name}",
         "Subsystem sftp internal-sftp",
         "",
     ])

@@ -42,13 +42,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
 from . import netem, node_ssh
-from .signals import Guarded, Terminated, signals_deferred, signals_raise
-from .virtual_cluster import PREFIX, TCP_MEM_MAX, _run, _start_time, cleanup_stale, destroy_namespace, list_namespaces
+from .signals import Guarded, Terminated, signals_deferred, signals_raise, stop_process
+from .virtual_cluster import (PREFIX, TCP_MEM_MAX, VirtualHost, _run, _start_time, cleanup_stale, destroy_namespace,
+                              list_namespaces)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "pipebench-nodes"
@@ -64,21 +65,6 @@ PR_SET_CHILD_SUBREAPER = 36
 
 class NodesError(ValueError):
     """A request that cannot be served (bad argument, nodes already up, not root): one line."""
-
-
-@dataclass(frozen=True)
-class Node:
-    """One virtual node: its host name (the ssh name), namespace, address and interface."""
-
-    index: int
-    name: str
-    namespace: str
-    address: str
-    iface: str = "eth0"
-
-    def command_prefix(self) -> list[str]:
-        """Prefix an argv with this to run it in the node's network namespace (not over ssh)."""
-        return ["ip", "netns", "exec", self.namespace]
 
 
 def _alive(pid: int, start: int) -> bool:
@@ -126,7 +112,7 @@ def check_subnet(subnet: str) -> None:
 class VirtualNodes(Guarded):
     """``n_nodes`` virtual nodes with sshd, owned by the current process; a context manager.
 
-    After ``start()``: ``nodes`` (Node per node), ``hostfile`` and ``ssh_config`` (paths),
+    After ``start()``: ``nodes`` (a VirtualHost per node, with its host name), ``hostfile`` and ``ssh_config`` (paths),
     ``host_address`` (this machine's address on the bridge). ``close()`` stops every process in
     the nodes, deletes the namespaces (bridge and host-side link go with them) and removes the
     generated files; logs stay in the directory.
@@ -150,7 +136,7 @@ class VirtualNodes(Guarded):
         self.switch_namespace = f"{self.tag}-switch"
         self.host_link = f"vn{pid}"
         self.subnet = ""
-        self.nodes: tuple[Node, ...] = ()
+        self.nodes: tuple[VirtualHost, ...] = ()
         self.node_inits: list[subprocess.Popen[bytes]] = []  # per node: unshare, whose child sshd is the node's pid 1
         self._open = False
 
@@ -186,7 +172,8 @@ class VirtualNodes(Guarded):
             raise NodesError(f"subnet {self.requested_subnet}.0/24 is in use on this machine; pick another --subnet")
         self.subnet = self.requested_subnet or free_subnet(used)
         width = max(2, len(str(self.n_nodes)))
-        self.nodes = tuple(Node(k, f"node{k + 1:0{width}d}", f"{self.tag}-node{k + 1:0{width}d}", f"{self.subnet}.{k + 1}")
+        self.nodes = tuple(VirtualHost(k, f"{self.tag}-node{k + 1:0{width}d}", f"{self.subnet}.{k + 1}",
+                                       name=f"node{k + 1:0{width}d}")
                            for k in range(self.n_nodes))
         self._open = True
         node_ssh.write_all(self.directory, [node_ssh.NodeAddress(n.name, n.address, n.iface) for n in self.nodes])
@@ -244,7 +231,7 @@ class VirtualNodes(Guarded):
         _run(["ip", "addr", "add", f"{self.host_address}/24", "dev", self.host_link])
         _run(["ip", "link", "set", self.host_link, "up"])
 
-    def _start_sshd(self, sshd: str, n: Node) -> subprocess.Popen[bytes]:
+    def _start_sshd(self, sshd: str, n: VirtualHost) -> subprocess.Popen[bytes]:
         d = node_ssh.node_dir(self.directory, n.name)
         with open(d / "sshd.log", "ab") as log:
             return subprocess.Popen(
@@ -471,13 +458,7 @@ def _await_keeper(keeper: subprocess.Popen[bytes], directory: Path, timeout_s: f
 
 def _stop_keeper(keeper: subprocess.Popen[bytes]) -> None:
     """SIGTERM (the keeper removes its nodes), SIGKILL if that takes more than 30 s."""
-    if keeper.poll() is None:
-        keeper.terminate()
-        try:
-            keeper.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            keeper.kill()
-            keeper.wait()
+    stop_process(keeper, signal.SIGTERM, 30.0)
 
 
 def down(directory: Path, out: TextIO = sys.stdout, timeout_s: float = 30.0) -> int:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -241,6 +242,40 @@ def bulk_duration(profile, src: int, dst: int) -> float:
     on long round trips so that TCP leaves slow start."""
     rtt_ms = sum(link.delay_ms for link in (profile.link(src, dst), profile.link(dst, src)) if link)
     return min(4.0, max(1.0, 25 * rtt_ms / 1e3))
+
+
+class LinkProbing:
+    """Hosts whose links can be measured (a local virtual cluster, an ssh shaping session): ``probe``
+    is what every measurement shares, ``_measure`` runs the probe's two ends where the hosts are."""
+
+    profile: Any  # the shaping: the bulk transfer runs longer on long round trips
+
+    def probe(self, src: int, dst: int, *, samples: int = 20, duration_s: float | None = None,
+              port: int = DEFAULT_PORT) -> LinkMeasurement:
+        """Measure the link from host ``src`` to host ``dst``: median one-way delay and steady TCP goodput.
+
+        ``duration_s`` of the bulk transfer: by default 1 s, longer (up to 4 s) on long round trips
+        so that TCP leaves slow start; 0 measures the delay only."""
+        if src == dst:
+            raise ValueError("probe needs two different hosts")
+        if duration_s is None:
+            duration_s = bulk_duration(self.profile, src, dst)
+        return self._measure(src, dst, samples=samples, duration_s=duration_s, port=port)
+
+    def probe_links(self) -> dict[str, Any]:
+        """Every kind of link of the profile measured once, on the first host pair that has it
+        (``profiles.link_classes``: one for a uniform profile, one per kind of link of a matrix):
+        ``measured_links``, each measurement with its pair (``src``, ``dst``) and what the link was
+        ``set`` to; ``measured_link``, the slowest one's (what a simulation of the run reads)."""
+        from .profiles import link_classes, slowest
+
+        classes = link_classes(self.profile)
+        links = [{"src": i, "dst": j, "set": link.describe(), **self.probe(i, j).describe()} for i, j, link in classes]
+        src, dst, _ = slowest(classes)
+        return {"measured_link": next(m for m in links if (m["src"], m["dst"]) == (src, dst)), "measured_links": links}
+
+    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
+        raise NotImplementedError
 
 
 def measure_with(server: Wrap, client: Wrap, address: str, *, port: int = DEFAULT_PORT, samples: int = 20,

@@ -24,6 +24,9 @@ MAX_BANDWIDTH_GBPS = 1_000.0  # 1 Tbit/s
 # QUEUE_MAXLEN packets per link, so the bytes in flight (bandwidth x delay) must fit in that many
 # MTU-sized packets (netem's queue limit is sized from the same product).
 MIN_EMULATED_BANDWIDTH_GBPS = 0.01
+MATRIX_KEYS = ("delay_ms", "bandwidth_gbps")  # a per-link matrix file holds these, N x N each, and nothing else
+MATRIX_FORMAT = '{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}, N x N, row i: from rank i'
+
 MAX_IN_FLIGHT_BYTES = QUEUE_MAXLEN * 1500
 
 
@@ -116,14 +119,12 @@ class MatrixProfile:
         if n_hosts != self.n_hosts:
             raise ProfileError(f"matrix profile {self.name!r} is {self.n_hosts}x{self.n_hosts}, cluster has {n_hosts} hosts")
 
+    def contents(self) -> dict[str, list[list[float]]]:
+        """The matrix as its file holds it: what a run that reads the file runs under."""
+        return {"delay_ms": [list(r) for r in self.delay_ms], "bandwidth_gbps": [list(r) for r in self.bandwidth_gbps]}
+
     def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "label": self.label,
-            "kind": "matrix",
-            "delay_ms": [list(r) for r in self.delay_ms],
-            "bandwidth_gbps": [list(r) for r in self.bandwidth_gbps],
-        }
+        return {"name": self.name, "label": self.label, "kind": "matrix", **self.contents()}
 
 
 Profile = Union[UniformProfile, MatrixProfile]
@@ -176,11 +177,62 @@ def _norm(text: str) -> str:
     return " ".join(text.strip().lower().split())
 
 
-def parse_profile(text: str) -> Profile:
+def link_classes(profile: Profile) -> list[tuple[int, int, LinkSpec]]:
+    """The profile's distinct links, each with the first host pair (src, dst) that has it, in host
+    order: one for a uniform profile (0 -> 1), one per kind of link of a matrix (e.g. two for two
+    regions: inside one, between them); none without emulation."""
+    n = profile.n_hosts if isinstance(profile, MatrixProfile) else 2
+    seen: dict[LinkSpec, tuple[int, int]] = {}
+    for i in range(n):
+        for j in range(n):
+            link = profile.link(i, j) if i != j else None
+            if link is not None and link not in seen:
+                seen[link] = (i, j)
+    return [(i, j, link) for link, (i, j) in seen.items()]
+
+
+def slowest(links: list[tuple[int, int, LinkSpec]]) -> tuple[int, int, LinkSpec]:
+    """The slowest of ``link_classes``: the longest delay, then the least bandwidth."""
+    return max(links, key=lambda c: (c[2].delay_ms, -c[2].bandwidth_gbps))
+
+
+def _span(values: list[float], unit: str) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:g} {unit}" if lo == hi else f"{lo:g}-{hi:g} {unit}"
+
+
+def describe_setting(text: str, contents: dict | None = None) -> dict[str, Any]:
+    """A network setting in words and numbers, as a run record keeps it for the report: its label and
+    its link (delay_ms and bandwidth_gbps; None without emulation); for a per-link matrix (its
+    ``contents`` as the run read them), a label that says what the matrix holds, its slowest link
+    and the pair that has it, how many kinds of link it has and whether they are all one. A setting
+    that does not parse is described by its text alone."""
+    try:
+        profile = parse_profile(text, contents)
+    except ProfileError:
+        return {"label": text, "delay_ms": None, "bandwidth_gbps": None}
+    classes = link_classes(profile)
+    if not classes:
+        return {"label": profile.label, "delay_ms": None, "bandwidth_gbps": None}
+    src, dst, link = slowest(classes)
+    out = {"label": profile.label, "delay_ms": link.delay_ms, "bandwidth_gbps": link.bandwidth_gbps}
+    if isinstance(profile, MatrixProfile):
+        delays = [c[2].delay_ms for c in classes]
+        rates = [c[2].bandwidth_gbps for c in classes]
+        out.update(label=f"{profile.label} ({profile.n_hosts} hosts, {_span(delays, 'ms')}, {_span(rates, 'Gbit/s')})",
+                   slowest_link=[src, dst], link_classes=len(classes), uniform=len(classes) == 1)
+    return out
+
+
+def parse_profile(text: str, contents: dict | None = None) -> Profile:
     """Parse a profile: a short name (``d10-1g``), a seed label, ``none``,
     ``"delay 10ms bandwidth 1Gbps"`` (units us/ms/s, bps/Kbps/Mbps/Gbps, any case),
     or the path of a JSON matrix file (``{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}``).
+    ``contents``: the matrix file's contents as read before (a run is judged, run and recorded under
+    the matrix its request read, never the file as it is later); the file is not read again.
     """
+    if contents is not None:
+        return matrix_profile(contents, name=Path(text.strip()).stem, label=text.strip())
     if not isinstance(text, str) or not text.strip():
         raise ProfileError("empty network profile")
     key = _norm(text)
@@ -191,6 +243,9 @@ def parse_profile(text: str) -> Profile:
             return p
     if text.strip().endswith(".json"):
         return load_matrix(text.strip())
+    if Path(text.strip()).is_file():
+        raise ProfileError(f"{text.strip()!r} is a file, and a per-link matrix is read from a JSON file named *.json "
+                           f"({MATRIX_FORMAT})")
     d, r = _DELAY_RE.search(key), _RATE_RE.search(key)
     rest = _RATE_RE.sub("", _DELAY_RE.sub("", key)).strip(" ,;")
     if d is None or r is None or rest:
@@ -221,9 +276,13 @@ def load_matrix(path: str | Path) -> MatrixProfile:
 
 
 def matrix_profile(data: Any, name: str = "matrix", label: str = "matrix") -> MatrixProfile:
-    """Build a MatrixProfile from ``{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}``."""
+    """Build a MatrixProfile from ``{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}`` (no other key)."""
     if not isinstance(data, dict) or "delay_ms" not in data or "bandwidth_gbps" not in data:
         raise ProfileError("matrix profile must be an object with 'delay_ms' and 'bandwidth_gbps'")
+    unknown = sorted(set(data) - set(MATRIX_KEYS))
+    if unknown:
+        raise ProfileError(f"matrix profile: unknown key(s) {', '.join(map(repr, unknown))}; a matrix has "
+                           f"{' and '.join(MATRIX_KEYS)} only")
 
     def rows(key: str) -> tuple[tuple[float, ...], ...]:
         m = data[key]

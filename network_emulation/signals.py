@@ -1,4 +1,5 @@
-"""Turn SIGINT/SIGTERM/SIGHUP into exceptions so ``with`` blocks always clean up.
+"""Turn SIGINT/SIGTERM/SIGHUP into exceptions so ``with`` blocks always clean up; and stop a child
+process (``stop_process``).
 
 The only process-global state of the package: the previous handlers, saved and
 restored around each guarded block.
@@ -7,7 +8,9 @@ restored around each guarded block.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -85,3 +88,26 @@ class Guarded:
             self.close()
         finally:
             self._signals.__exit__(et, ev, tb)
+
+
+def stop_process(proc: subprocess.Popen, first: int | None = signal.SIGTERM, grace_s: float = 5.0, *,
+                 group: bool = False) -> int:
+    """Stop a child and reap it, the one way every part of the suite does: send ``first`` (None: it
+    was asked already, e.g. its stdin closed, or it is to be killed at once), wait up to ``grace_s``
+    for it to end, then SIGKILL. With ``group`` the signals go to its process group (a child started
+    in a session of its own, with its children), and the group gets SIGKILL at the end even when its
+    leader has gone (its children may linger). Returns its exit status."""
+    send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
+    if first is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            send(first)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            send(signal.SIGKILL)
+        proc.wait()
+    if group:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode

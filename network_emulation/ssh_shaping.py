@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from . import netem
-from .probe import DEFAULT_PORT, LinkMeasurement, bulk_duration, measure_with
+from .probe import DEFAULT_PORT, LinkMeasurement, LinkProbing, measure_with
 from .profiles import Profile, ProfileError
-from .signals import Guarded, signals_deferred
+from .signals import Guarded, signals_deferred, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 QUEUE_BASE = 4700  # NFQUEUE numbers of the delayer: QUEUE_BASE (uniform) or QUEUE_BASE + source rank
@@ -144,11 +144,7 @@ class _Agent:
         answer = self.read(deadline) if self.proc.stdout else None
         while answer is not None and "cleared" not in answer:
             answer = self.read(deadline)
-        try:
-            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, None, max(0.1, deadline - time.monotonic()))
         if self.proc.stdout:
             self.proc.stdout.close()
         error = None
@@ -162,7 +158,7 @@ class _Agent:
         return error
 
 
-class SshShapingSession(Guarded):
+class SshShapingSession(Guarded, LinkProbing):
     """Shape ``hosts`` (ssh names; empty = this host) for ``profile`` on ``iface``, each with the best
     backend it has, and always clear afterwards (exception, Ctrl-C, SIGTERM, SIGHUP; SIGKILL of this
     process through the agents' EOF).
@@ -293,16 +289,8 @@ class SshShapingSession(Guarded):
                        "backend": self.backends.get(h or "localhost")} for h in self.hosts],
         }
 
-    def probe(self, src: int, dst: int, *, samples: int = 20, duration_s: float | None = None,
-              port: int = DEFAULT_PORT) -> LinkMeasurement:
-        """Measure the link from host ``src`` to host ``dst`` (indices into ``hosts``) over ssh.
-
-        ``duration_s`` of the bulk transfer: by default 1 s, longer (up to 4 s) on long round trips
-        so that TCP leaves slow start; 0 measures the delay only."""
-        if src == dst:
-            raise ValueError("probe needs two different hosts")
-        if duration_s is None:
-            duration_s = bulk_duration(self.profile, src, dst)
+    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
+        """The probe's two ends on the hosts (indices into ``hosts``), over ssh (``LinkProbing.probe``)."""
         server, client = self.hosts[dst], self.hosts[src]
         address = self.iface_addresses.get(server or "localhost") or server
         if not address:

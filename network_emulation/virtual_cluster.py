@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import netem
-from .probe import DEFAULT_PORT, LinkMeasurement, bulk_duration, measure
+from .probe import LinkMeasurement, LinkProbing, measure
 from .profiles import Profile, parse_profile
-from .signals import Guarded, signals_deferred
+from .signals import Guarded, signals_deferred, stop_process
 
 PREFIX = "nemu-"
 _NS_RE = re.compile(rf"^{PREFIX}(\d+)\.([0-9a-f]+)-")
@@ -120,27 +120,34 @@ def cleanup_stale(log: TextIO | None = sys.stderr) -> list[str]:
 
 @dataclass(frozen=True)
 class VirtualHost:
+    """A host in a network namespace of its own: a virtual cluster's, or a virtual node
+    (``network_emulation.nodes``, which also has a host name: its ssh name)."""
+
     index: int
     namespace: str
     address: str
     iface: str = "eth0"
+    name: str = ""  # a virtual node's host name (node01, ...); empty for a virtual cluster's host
 
     def command_prefix(self) -> list[str]:
         """Prefix an argv with this to run it inside the host."""
         return ["ip", "netns", "exec", self.namespace]
 
     def env(self) -> dict[str, str]:
-        """Environment for torch.distributed ranks on this host (gloo/NCCL over eth0 sockets)."""
+        """Environment for torch.distributed ranks on this host (gloo/NCCL over eth0 sockets): NCCL
+        kept off every path the emulation cannot shape (GPU peer-to-peer, shared memory, InfiniBand
+        and network plugins such as EFA's)."""
         return {
             "GLOO_SOCKET_IFNAME": self.iface,
             "NCCL_SOCKET_IFNAME": self.iface,
             "NCCL_P2P_DISABLE": "1",
             "NCCL_SHM_DISABLE": "1",
             "NCCL_IB_DISABLE": "1",
+            "NCCL_NET": "Socket",
         }
 
 
-class VirtualCluster(Guarded):
+class VirtualCluster(Guarded, LinkProbing):
     """``n_hosts`` network namespaces on one bridge, shaped by ``profile``; a context manager.
 
     backend="auto" picks netem when the kernel has it, else tbf+delayer ("none" for the none profile).
@@ -205,12 +212,8 @@ class VirtualCluster(Guarded):
         with signals_deferred():
             if self.delayer is not None:
                 if self.delayer.stdin:
-                    self.delayer.stdin.close()
-                try:
-                    self.delayer.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    self.delayer.kill()
-                    self.delayer.wait()
+                    self.delayer.stdin.close()  # its cue to stop
+                stop_process(self.delayer, None, 2.0)
                 if self.delayer.stdout:
                     self.delayer.stdout.close()
                 self.delayer = None
@@ -320,8 +323,7 @@ class VirtualCluster(Guarded):
                 self.delayer = p
                 self.delayer_realtime = argv[0] == "chrt"
                 return
-            p.kill()
-            p.wait()
+            stop_process(p, signal.SIGKILL, 5.0)
             for f in (p.stdin, p.stdout):
                 if f:
                     f.close()
@@ -346,16 +348,8 @@ class VirtualCluster(Guarded):
                     "no_metrics_save": 1},
         }
 
-    def probe(self, src: int, dst: int, *, samples: int = 20, duration_s: float | None = None,
-              port: int = DEFAULT_PORT) -> LinkMeasurement:
-        """Measure the src -> dst link: median one-way delay and steady TCP goodput.
-
-        ``duration_s`` of the bulk transfer: by default 1 s, longer (up to 4 s) on long round trips
-        so that TCP leaves slow start; 0 measures the delay only."""
-        if src == dst:
-            raise ValueError("probe needs two different hosts")
-        if duration_s is None:
-            duration_s = bulk_duration(self.profile, src, dst)
+    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
+        """The probe's two ends in the hosts' namespaces (``LinkProbing.probe``)."""
         a, b = self.hosts[src], self.hosts[dst]
         return measure(b.command_prefix(), a.command_prefix(), b.address, port=port, samples=samples,
                        duration_s=duration_s)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
-from ours.schedule import SCHEDULES
+from ours.schedule import SCHEDULES, unit_order
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
-WIRE_DTYPES = ("fp32", "bf16", "fp16")
+WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --wire-dtype: the torch dtype's name
 
 
 def slice_count(text: str) -> int | str:
@@ -50,7 +50,7 @@ def uniform_slices(seq_len: int, k: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class OursOptions(SystemOptions):
     n_slices: int | str = option("auto", "K equal token slices, or 'auto': the slicing the simulator chose for the "
-                                 "layout (python -m runners.predict plan), else the planner's optimal slicing where a "
+                                 "layout (python -m predict plan), else the planner's optimal slicing where a "
                                  "fitted latency model covers the shape, else K equal slices of >= 128 tokens "
                                  "(at most 4 per stage, never 1)", parse=slice_count, metavar="K|auto")
     slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",
@@ -64,7 +64,7 @@ class OursOptions(SystemOptions):
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
     wire_dtype: str = option("fp32", "the type activations, their gradients and the DP push and pull cross the "
                                      "network in; bf16 and fp16 halve the bytes and are lossy (opt-in, as "
-                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=WIRE_DTYPES)
+                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=tuple(WIRE_DTYPES))
     trace: str | None = option(None, "write a Chrome trace of every rank's spans to this file", identity=False,
                                output_path=True, metavar="FILE")
 
@@ -96,6 +96,7 @@ class OursOptions(SystemOptions):
         seq = config.model.seq_len
         if self.prefetch < 0:
             raise ConfigError(f"--prefetch must be >= 0 forwards, got {self.prefetch}")
+        self._check_effect(config)
         if self.slices is not None:
             text = ",".join(map(str, self.slices))
             if self.n_slices != len(self.slices):
@@ -110,6 +111,33 @@ class OursOptions(SystemOptions):
                 raise ConfigError(f"--n-slices must be >= 1, got {self.n_slices}")
             if self.n_slices > seq:
                 raise ConfigError(f"--n-slices {self.n_slices} exceeds the sequence length {seq}")
+
+    def _check_effect(self, config: RunConfig) -> None:
+        """An option that would do nothing in this layout is a bad request: it would still change the
+        run's label and identity (a column of its own for the same measurement)."""
+        if self.dp_mode != "allreduce" and config.dp == 1:
+            raise ConfigError(f"--dp-mode {self.dp_mode} needs --dp > 1: with one pipeline there is no data "
+                              "parallelism to run")
+        if self.wire_dtype != "fp32" and config.pp == 1 and config.dp == 1:
+            raise ConfigError(f"--wire-dtype {self.wire_dtype} needs --pp > 1 or --dp > 1: on one device nothing "
+                              "crosses the wire")
+        if self.prefetch and config.pp == 1:
+            raise ConfigError("--prefetch needs --pp > 1: with one stage no later stage waits for the next step's "
+                              "first forwards")
+        if self.prefetch and not self.auto:
+            k = len(self.token_slices(config.model.seq_len))
+            lead = leading_forwards(self.schedule, config.n_micro_batches, k, config.pp)
+            if self.prefetch > lead:
+                raise ConfigError(f"--prefetch {self.prefetch} exceeds the {lead} forwards the first stage runs before "
+                                  f"its first backward ({config.n_micro_batches} batch slice(s) x {k} token slices, "
+                                  f"--schedule {self.schedule}): give at most {lead}")
+
+
+def leading_forwards(schedule: str, n_rows: int, n_slices: int, n_stages: int) -> int:
+    """The forwards the first stage runs before its first backward: at most what ``--prefetch`` can
+    run ahead (``ours.engine.StageEngine.prefetch``)."""
+    order = unit_order(schedule, n_rows, n_slices, 0, n_stages)
+    return next((k for k, (kind, _, _) in enumerate(order) if kind != "F"), len(order))
 
 
 def describe_slicing(options: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ the D gradients in dp_rank order (the same sum on every rank) and averages:
 Every receive is posted a step ahead (``post_receives``): gloo sends a message only once the
 receiver's notice that its receive is posted has arrived, so a receive posted late costs that message
 a second network delay. A parameter server thus pays two delays (push, pull). gloo's collectives,
-which this replaces, paid several (``python -m runners.network_slope``, tiny model, P-2 D-2, 20 to
+which this replaces, paid several (``python -m bench.network_slope``, tiny model, P-2 D-2, 20 to
 80 ms one-way, before: DP sync 7.1 delays per step with reduce + broadcast for the central PS, 7.6
 with reduce_scatter + all_gather for the sharded PS, 5.1 with all_reduce; 2 rank micro-benchmark at
 40 ms: 2 MB all_reduce 172 ms, reduce + broadcast 211 ms, pre-posted push + pull 85 ms).

@@ -11,16 +11,13 @@ import torch
 import torch.distributed as dist
 
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
-from ours import OursOptions
+from contract.rank import Context, Measurements, StepOutput, run_steps
+from ours import WIRE_DTYPES, OursOptions, leading_forwards
 from ours.dp import make_sync
 from ours.engine import StageEngine
 from ours.plan.auto import auto_slicing
 from ours.trace import Tracer
 from workload.partition import stage_specs
-
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --wire-dtype
-
 
 def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[tuple[int, ...], str]:
     """The token slicing every rank uses and how it was chosen: explicit / K equal slices, or
@@ -85,7 +82,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             if s == pp_rank:
                 group = g
 
-    wire = WIRE_DTYPES[options.wire_dtype]
+    wire = getattr(torch, WIRE_DTYPES[options.wire_dtype])
     engine = StageEngine(
         model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
         device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
@@ -124,5 +121,8 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         m.grads = sync.grads()
     if options.trace:
         tracer.write(options.trace, ctx.world_size)
-    m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.batch_size // cfg.micro_batch_size)
+    m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.n_micro_batches)
+    if options.prefetch:  # what the first stage could run ahead (known before launch only for a slicing given)
+        m.extra["prefetch"] = min(options.prefetch, leading_forwards(options.schedule, cfg.n_micro_batches,
+                                                                     len(slices), pp))
     return m

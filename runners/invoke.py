@@ -2,7 +2,6 @@
 the benchmarks, the planner's evaluation and the tests start runs."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Sequence
 
+from contract.records import read_records
+from network_emulation.signals import stop_process
 from runners.lifetime import die_with_parent
 from runners.output import Pump
 from runners.record import remove_records
@@ -30,10 +31,6 @@ class Invocation:
     def last_line(self) -> str:
         lines = [l for l in self.output.splitlines() if l.strip()]
         return lines[-1] if lines else f"exit status {self.returncode}"
-
-
-def _records(path: Path) -> int:
-    return len([l for l in path.read_text().splitlines() if l.strip()]) if path.exists() else 0
 
 
 def _kill_on_parent_death() -> None:
@@ -55,7 +52,7 @@ def run_command(args: Sequence[str], *, out: str | os.PathLike | None = None, ti
         os.close(fd)
         out = temp
     out = Path(out)
-    before = _records(out)
+    before = len(read_records(out))
     argv = [python, "-m", "runners.run", *args, "--out", str(out)]
     try:
         proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -66,27 +63,16 @@ def run_command(args: Sequence[str], *, out: str | os.PathLike | None = None, ti
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _stop(proc)
+            stop_process(proc, signal.SIGINT, STOP_GRACE_S)
             pump.lines.append(f"stopped after {timeout:g} s\n")
         except BaseException:
-            _stop(proc)
+            stop_process(proc, signal.SIGINT, STOP_GRACE_S)
             raise
         finally:
             pump.join()
-        record = None
-        if _records(out) > before:
-            record = json.loads([l for l in out.read_text().splitlines() if l.strip()][-1])
-        return Invocation(proc.returncode, record, pump.tail)
+        records = read_records(out)
+        return Invocation(proc.returncode, records[-1] if len(records) > before else None, pump.tail)
     finally:
         if temp:
             remove_records(temp)
 
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

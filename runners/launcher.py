@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 
 from contract import RunConfig
+from contract.registry import get_system
 from network_emulation import VirtualCluster, parse_profile
+from network_emulation.signals import stop_process
 from runners import services
-from runners.lifetime import die_with_parent, oom_kills, owner_alive, owner_tag
+from runners.devices import agent_devices, visible_entries
+from runners.lifetime import DirectoryWatchdog, die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.output import Pump
-from runners.registry import get_system
 from runners.request import Placement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +44,16 @@ class LaunchResult:
     ranks: list[dict] | None  # what every rank measured (on node 0)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # under --verify
     run_dir: Path | None = None
-    network: dict | None = None  # the emulated network: backend, profile, links, the measured link
+    network: dict | None = None  # the emulated network: backend, profile, links, the measured links
+    watchdog: DirectoryWatchdog | None = None  # removes run_dir if the run command ends before it does
+
+    def remove_run_dir(self) -> None:
+        """Remove the run directory (what the ranks wrote: their results, gradients, logs) and end its
+        watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.remove()
+        elif self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -88,23 +99,6 @@ def local_services(placement: Placement) -> services.Placing:
                             start=placement.node_rank == 0)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            continue
-    # The leader may be gone while workers of its group linger: make sure of them too.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result: bool = True) -> LaunchResult:
     procs: list[subprocess.Popen] = []
     pumps: list[Pump] = []
@@ -133,8 +127,8 @@ def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result
             pump.mute()
         raise
     finally:
-        for p in procs:
-            _kill_group(p)
+        for p in procs:  # torchrun and its workers: a session each
+            stop_process(p, signal.SIGTERM, 5.0, group=True)
         for pump in pumps:
             pump.join(timeout=2)
     oom_after = oom_kills()
@@ -193,26 +187,42 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
 def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
     """Every rank on a virtual host of its own (a network namespace), links shaped by the profile:
     one torchrun agent per virtual node, rendezvous at virtual host 0."""
-    profile = parse_profile(cfg.network)
+    profile = parse_profile(cfg.network, cfg.network_matrix)
     with VirtualCluster(world, profile, name="run") as vc:
-        measured = vc.probe(0, 1).describe() if world > 1 and profile.emulated else None
-        if measured:
-            print(f"network: {profile.name}: measured one-way delay {measured.get('one_way_delay_ms', float('nan')):.2f} ms, "
-                  f"bandwidth {measured.get('bandwidth_gbps', float('nan')):.2f} Gbit/s ({vc.backend})", file=sys.stderr)
+        measured = vc.probe_links() if world > 1 and profile.emulated else {"measured_link": None}
+        for m in measured.get("measured_links") or []:
+            print(f"network: {profile.name}: host {m['src']} -> {m['dst']} (set {m['set']['delay_ms']:g} ms, "
+                  f"{m['set']['bandwidth_gbps']:g} Gbit/s): measured one-way delay {m['one_way_delay_ms']:.2f} ms, "
+                  f"bandwidth {m['bandwidth_gbps']:.2f} Gbit/s ({vc.backend})", file=sys.stderr)
         master = f"{vc.hosts[0].address}:29500"
+        gpus = emulated_gpus(cfg, world)
         host0 = vc.hosts[0]
         where = services.Placing(bind=host0.address, advertise=host0.address, port=services.LIGHTHOUSE_PORT,
                                  prefix=tuple(host0.command_prefix()))
         with services.started(get_system(cfg.system).services, cfg, run_dir, where) as env:
-            agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), {**h.env(), **env})
-                      for h in vc.hosts]
+            agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir),
+                            {**h.env(), **gpu, **env}) for h, gpu in zip(vc.hosts, gpus)]
             result = run_agents(agents, cfg.timeout, run_dir)
-        result.network = {**vc.describe(), "measured_link": measured}
+        result.network = {**vc.describe(), **measured}
+        if any(gpus):  # NCCL kept off the paths the emulation cannot shape, as the hosts' environment says
+            result.network["nccl_env"] = {k: v for k, v in vc.hosts[0].env().items() if k.startswith("NCCL_")}
     return result
 
 
+def emulated_gpus(cfg: RunConfig, world: int) -> list[dict[str, str]]:
+    """The environment that gives each virtual host's agent GPUs of its own on CUDA (its
+    CUDA_VISIBLE_DEVICES): every agent runs one rank with LOCAL_RANK 0, which would otherwise put
+    all of them on cuda:0 (NCCL: "Duplicate GPU detected")."""
+    if not (cfg.hardware or "").startswith("cuda"):
+        return [{} for _ in range(world)]
+    per = get_system(cfg.system).devices_per_process(cfg)
+    visible = visible_entries(torch.cuda.device_count())
+    return [{"CUDA_VISIBLE_DEVICES": v} for v in agent_devices(visible, world, per)]
+
+
 def reap_stale_run_dirs() -> None:
-    """Remove the run directories of run commands that died without removing them (SIGKILL)."""
+    """Remove the run directories of run commands that died without removing them, where their
+    watchdog (``lifetime.DirectoryWatchdog``) could not either (it was killed too)."""
     for d in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
         tag = d.name.removeprefix(RUN_DIR_PREFIX).rpartition("-")[0]
         if d.is_dir() and not owner_alive(tag):
@@ -227,16 +237,21 @@ def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
     its run directory is removed before the interruption goes on."""
     reap_stale_run_dirs()
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{owner_tag()}-"))
+    watchdog = DirectoryWatchdog(run_dir)  # removes it whatever way this process ends
     try:
         (run_dir / "config.json").write_text(cfg.to_json())
         try:
             if cfg.network != "none" and placement.nnodes == 1:
-                return launch_emulated(cfg, world, run_dir)
-            with services.started(get_system(cfg.system).services, cfg, run_dir, local_services(placement)) as env:
-                return run_agents(local_agents(world, placement, run_dir, env), cfg.timeout, run_dir,
-                                  expect_result=placement.node_rank == 0)
+                result = launch_emulated(cfg, world, run_dir)
+            else:
+                with services.started(get_system(cfg.system).services, cfg, run_dir,
+                                      local_services(placement)) as env:
+                    result = run_agents(local_agents(world, placement, run_dir, env), cfg.timeout, run_dir,
+                                        expect_result=placement.node_rank == 0)
         except services.ServiceError as exc:
-            return LaunchResult("error", str(exc), None, run_dir=run_dir)
+            result = LaunchResult("error", str(exc), None, run_dir=run_dir)
     except BaseException:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        watchdog.remove()
         raise
+    result.watchdog = watchdog
+    return result

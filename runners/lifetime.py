@@ -3,15 +3,20 @@
 On Linux a process can ask the kernel for a signal when its parent dies (``prctl(PR_SET_PDEATHSIG)``):
 the torchrun agents ask for SIGKILL when the run command dies, and every rank asks for SIGKILL when
 its agent dies, so that nothing outlives a run command killed with SIGKILL (or a rank stopped with
-SIGSTOP, which SIGKILL still ends). Elsewhere these are no-ops.
+SIGSTOP, which SIGKILL still ends). Elsewhere these are no-ops. What a run command leaves on disk (its
+run directory) goes with it too: a watchdog (``DirectoryWatchdog``; this file is its program) removes
+it when the run command ends, however it ends.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -86,3 +91,52 @@ def owner_alive(tag: str) -> bool:
     except ValueError:
         return False
 
+
+
+class DirectoryWatchdog:
+    """A watchdog process that removes the directory ``path`` when this process ends, however it ends
+    (SIGKILL too): it holds the reading end of a pipe whose writing end only this process has (not
+    inherited by its children) and removes ``path`` at the pipe's end of file. ``remove`` removes it
+    now and ends the watchdog. In a session of its own: a Ctrl-C to the owner's terminal does not
+    reach it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        read, self._write = os.pipe()  # both close-on-exec: the ranks never hold the writing end
+        try:
+            self._process = subprocess.Popen([sys.executable, "-I", str(Path(__file__).resolve()), str(path)],
+                                             stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                             start_new_session=True)
+        except BaseException:
+            os.close(self._write)
+            raise
+        finally:
+            os.close(read)
+
+    def remove(self) -> None:
+        """Remove the directory now, and end the watchdog (it finds nothing left to remove)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._write is not None:
+            os.close(self._write)
+            self._write = None
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+
+def _watch(path: Path) -> None:
+    """The watchdog's program: wait for the end of its standard input (the owner ended, or released
+    it); then remove ``path``, again while dying ranks may still be writing into it."""
+    while os.read(0, 4096):
+        pass
+    for _ in range(20):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.25)
+
+
+if __name__ == "__main__":
+    _watch(Path(sys.argv[1]))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import RunConfig, SystemSpec
+from network_emulation.profiles import describe_setting
 
 STATUSES = ("ok", "oom", "error", "timeout", "unfit")  # unfit: not run, it does not fit the cluster (error says why)
 
@@ -35,6 +36,8 @@ class RunRecord:
     precision: str
     recompute: bool
     network: str
+    # the network setting in words and numbers, as the report shows it: label, delay_ms, bandwidth_gbps
+    network_setting: dict[str, Any]
     status: str
     error: str | None = None
     options: dict[str, Any] = field(default_factory=dict)  # the system's options, and the choices resolved at run time
@@ -44,12 +47,20 @@ class RunRecord:
     median_step_time: float | None = None
     min_step_time: float | None = None
     max_step_time: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # of the whole run (every pipeline)
+    tokens_per_s_per_device: float | None = None  # over environment.device_count: each GPU a device, on CPU each rank
     tflops_per_device: float | None = None
     mfu: float | None = None
     peak_tflops: float | None = None
     peak_source: str | None = None
+    # Memory, measured three ways that do not compare with each other. peak_memory_bytes: per device
+    # (every GPU of every rank, in rank order; on CPU every rank), a GPU's peak allocated by tensors,
+    # or on CPU the rank's peak resident set. peak_reserved_bytes: per GPU, the peak held by torch's
+    # caching allocator (what the GPU had to have; empty on CPU). cpu_rss_bytes: per rank, its
+    # process's peak resident set in host memory, on GPU runs too.
     peak_memory_bytes: list[int] = field(default_factory=list)
+    peak_reserved_bytes: list[int] = field(default_factory=list)
+    cpu_rss_bytes: list[int] = field(default_factory=list)
     # per rank, its process's CPU time over its measured step time (CPU devices only): the share it
     # was computing; the rest is waiting (bubbles, messages, the closing barrier). Above 1 where a
     # process computes in several threads at once.
@@ -57,11 +68,13 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync
     barrier_time: float | None = None  # median over steps of the step's closing barrier on the last rank to arrive
+    # ... and on the first rank to arrive: its wait for the last one, and the barrier's delays on the way
+    # (at least one one-way delay under an emulated network, if the barrier blocks the host)
+    barrier_time_first: float | None = None
     # under --eval-every: the eval points, the first before any step (contract.evaluation: step,
     # tokens, wall_time without the timing barriers and the evals, held-out loss, bytes_sent per rank)
     evals: list[dict[str, Any]] = field(default_factory=list)
     verify: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None  # runners.predict's step time and parts, where this machine is calibrated
     config: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # the run's identity (RunConfig.key): a sweep skips it when recorded, a report cell keeps the newest
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -106,45 +119,68 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
                      "vocab_size": m.vocab_size, "params": count_params(m, include_embeddings=True)},
         layout={"pp": cfg.pp, "tp": cfg.tp, "dp": cfg.dp}, batch_size=cfg.batch_size,
         global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size, seq_len=m.seq_len,
-        precision=cfg.precision, recompute=cfg.recompute, network=cfg.network, status=status, error=error,
+        precision=cfg.precision, recompute=cfg.recompute, network=cfg.network,
+        network_setting=network_setting(cfg), status=status, error=error,
         options=options, details=spec.run_details(options), environment=dict(environment), verify=verify,
         config=cfg.to_dict(), key=cfg.key())
     if not ranks:
         return rec
+    devices = device_count(ranks)
     rec.environment.update(
-        device_kind=ranks[0]["device"].split(":")[0], device_name=ranks[0]["device_name"], device_count=len(ranks),
+        device_kind=ranks[0]["device"].split(":")[0], device_name=ranks[0]["device_name"], device_count=devices,
         backend=ranks[0]["backend"], hostnames=sorted({r["hostname"] for r in ranks}))
     # A step takes as long as its slowest rank.
     per_step = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
     rec.step_times = per_step
     rec.losses = merged_losses(ranks)
     rec.evals = next((r["evals"] for r in ranks if r.get("evals")), [])
-    rec.peak_memory_bytes = [r["peak_memory_bytes"] for r in ranks]
+    rec.cpu_rss_bytes = [r["cpu_rss_bytes"] for r in ranks]
+    gpus = [g for r in ranks for g in r["gpu_memory"]]
+    rec.peak_memory_bytes = [g["allocated_bytes"] for g in gpus] if gpus else rec.cpu_rss_bytes
+    rec.peak_reserved_bytes = [g["reserved_bytes"] for g in gpus]
     if all(r.get("busy_times") and sum(r["step_times"]) > 0 for r in ranks):
         rec.busy_fraction = [sum(r["busy_times"]) / sum(r["step_times"]) for r in ranks]
     if all(r["dp_sync_times"] for r in ranks):
         rec.dp_sync_time = statistics.median(max(s) for s in zip(*(r["dp_sync_times"] for r in ranks)))
     if all(r.get("barrier_times") for r in ranks):  # the last rank to arrive waits only for the barrier itself
         rec.barrier_time = statistics.median(min(b) for b in zip(*(r["barrier_times"] for r in ranks)))
+        rec.barrier_time_first = statistics.median(max(b) for b in zip(*(r["barrier_times"] for r in ranks)))
     rec.peak_tflops = statistics.mean(r["peak_tflops"] for r in ranks)
     rec.peak_source = ranks[0]["peak_source"]
     if per_step:
         med = statistics.median(per_step)
         rec.median_step_time, rec.min_step_time, rec.max_step_time = med, min(per_step), max(per_step)
         rec.tokens_per_s = cfg.global_batch_size * m.seq_len / med
-        rec.tflops_per_device = rec.tokens_per_s / len(ranks) * flops_per_token(m) / 1e12
+        rec.tokens_per_s_per_device = rec.tokens_per_s / devices
+        rec.tflops_per_device = rec.tokens_per_s_per_device * flops_per_token(m) / 1e12
         rec.mfu = rec.tflops_per_device / rec.peak_tflops if rec.peak_tflops else None
     return rec
 
 
-def host_environment(device: str = "auto") -> dict[str, Any]:
-    """The launching host's view, kept for failed runs; the ranks' own report replaces the device fields."""
+def network_setting(cfg: RunConfig) -> dict[str, Any]:
+    """The run's network setting as the report shows it (``describe_setting``); under a per-link
+    matrix, of the contents the run read, with their digest (part of the run's identity) in the label."""
+    setting = describe_setting(cfg.network, cfg.network_matrix)
+    digest = cfg.network_digest()
+    if digest:
+        setting.update(digest=digest, label=f"{setting['label']} [{digest[:8]}]")
+    return setting
+
+
+def device_count(ranks: list[dict]) -> int:
+    """The devices a run computed on: each rank's distinct devices (fairscale: its pipe's GPUs; on CPU
+    one per rank), summed. Tokens/s, TFLOP/s and MFU per device divide by it."""
+    return sum(len(set(r.get("devices") or [r["device"]])) for r in ranks)
+
+
+def host_environment(hardware: str | None = None) -> dict[str, Any]:
+    """The launching host's view, kept for failed runs; the ranks' own report replaces the device fields.
+    ``hardware``: the run's (RunConfig.hardware), "cpu" or "cuda:<GPU model>"."""
     import torch
 
-    cuda = device != "cpu" and torch.cuda.is_available()
+    kind, _, name = (hardware or "cpu").partition(":")
     return {"torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "launcher_host": platform.node(), "device_kind": "cuda" if cuda else "cpu",
-            "device_name": torch.cuda.get_device_name(0) if cuda else "cpu"}
+            "launcher_host": platform.node(), "device_kind": kind, "device_name": name or kind}
 
 
 def append_record(path: str | Path, record: RunRecord) -> None:
@@ -156,11 +192,49 @@ def _lock_path(path: Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
+def _writer_lock_path(path: Path) -> Path:
+    """The lock a run command or a sweep holds while it writes to a records file (``hold_records``)."""
+    path = Path(os.path.realpath(path))
+    return path.with_name(path.name + ".writer.lock")
+
+
 def remove_records(path: str | Path) -> None:
-    """Delete a records file and the lock file appending made beside it (e.g. a temporary one)."""
+    """Delete a records file and the lock files appending and writing made beside it (e.g. a temporary one)."""
     path = Path(path)
-    for p in (path, _lock_path(path)):
+    for p in (path, _lock_path(path), _writer_lock_path(path)):
         p.unlink(missing_ok=True)
+
+
+HELD_LOCK_ENV = "PIPEBENCH_RECORDS_LOCK_FD"  # a sweep's run command: the descriptor of the lock it inherits
+
+
+def hold_records(path: str | Path) -> int:
+    """Hold a records file for one writer while it runs: an exclusive lock beside it that a second run
+    command or sweep writing to the same file cannot take (two runs at once would each time the
+    other's load). A run command started by a sweep that holds it inherits the sweep's descriptor
+    (named by ``HELD_LOCK_ENV``) and holds the lock with it. Returns the descriptor (released when
+    the process ends, however it ends); BlockingIOError if another writer holds it."""
+    lock = _writer_lock_path(path)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = _inherited(lock)
+    if fd is None:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _inherited(lock: Path) -> int | None:
+    """The descriptor of ``lock`` this process inherited from the sweep that started it, or None."""
+    try:
+        fd = int(os.environ.get(HELD_LOCK_ENV, ""))
+        held, target = os.fstat(fd), lock.stat()
+    except (ValueError, OSError):
+        return None
+    return fd if (held.st_dev, held.st_ino) == (target.st_dev, target.st_ino) else None
 
 
 def append_line(path: str | Path, line: str) -> None:
@@ -191,12 +265,3 @@ def append_line(path: str | Path, line: str) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-
-
-def read_records(path: str | Path) -> list[dict]:
-    out = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line:
-            out.append(json.loads(line))
-    return out

@@ -58,8 +58,11 @@ def source_digest(root: Path = REPO, sources: tuple[str, ...] = SOURCES) -> str:
 
 
 def device_identity(cfg: RunConfig) -> str:
-    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return f"cuda:{torch.cuda.get_device_name(0)}" if kind == "cuda" else kind
+    """What the reference runs on: the run's resolved hardware (RunConfig.hardware), else this
+    machine's default device kind."""
+    if cfg.hardware:
+        return cfg.hardware
+    return "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def key(ref: RunConfig, root: Path = REPO) -> str:

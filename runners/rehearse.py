@@ -35,7 +35,7 @@ from runners.sweep.plan import SweepError, load_sweep
 from runners.sweep.scale import scale_down
 from runners.sweep.setup_nodes import SetupError, setup_nodes, venv_ready
 
-DEFAULT_SWEEP = "runners/sweeps/gpt3-xl-cluster.toml"
+DEFAULT_SWEEP = "sweeps/gpt3-xl-cluster.toml"
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "pipebench-rehearsal"
 IFACE = "eth0"  # the virtual nodes' interface
 

@@ -1,24 +1,30 @@
-"""A run request from the command line: the run command's parser (built from the registry: every
-system's options under its own heading), the RunConfig it makes, and the one place a request is
-judged before anything is launched (ConfigError, one line, names the real flag).
+"""A run request from the command line: the run command's parser, generated from the fields of
+``RunConfig`` (with the model's and the optimizer's) and of ``Placement``, and every system's options
+under its own heading; the RunConfig it makes; and ``judge``, the one place a request is judged before
+anything is launched (ConfigError, one line, names the real flag).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import tempfile
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract import ConfigError, RunConfig, SystemSpec
-from network_emulation.profiles import ProfileError, check_emulable, parse_profile
+from contract import ConfigError, RunConfig, SystemSpec, option
+from contract.registry import get_system, systems
+from network_emulation.profiles import MatrixProfile, ProfileError, check_emulable, parse_profile
 from runners import services
-from runners.registry import get_system, systems
-from workload.configs import MODEL_CONFIGS, OptimizerConfig, get_model_config
-from workload.corpus import BUILTIN, read_corpus
+from workload.configs import count_params, get_model_config
+from workload.corpus import BUILTIN, split_sizes
 
 OPTION_PREFIX = "option:"  # argparse dest of a system option
+MULTI_NODE = "multi-node (passed through to torchrun)"
+GROUP_TITLES = {"model": "model overrides (any field of the model config)"}  # a dataclass field's own flags
 
 
 class Parser(argparse.ArgumentParser):
@@ -30,9 +36,9 @@ class Parser(argparse.ArgumentParser):
 class Placement:
     """Where this invocation's ranks run: one node, or one node of a multi-node rendezvous."""
 
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None  # HOST:PORT of node 0
+    nnodes: int = option(1, "nodes of the run", group=MULTI_NODE)
+    node_rank: int = option(0, "this node's index (node 0 writes the record)", group=MULTI_NODE)
+    rdzv_endpoint: str | None = option(None, "HOST:PORT of node 0", group=MULTI_NODE)
 
 
 def _parse_with(parse, flag: str):
@@ -44,6 +50,68 @@ def _parse_with(parse, flag: str):
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
     convert.__name__ = flag
     return convert
+
+
+def _flag_type(hint):
+    """The type a flag's text becomes: the field's own (the X of ``X | None``), else text."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    hint = args[0] if len(args) == 1 else hint
+    return hint if hint in (int, float, str) else str
+
+
+def _dest(f: dataclasses.Field) -> str:
+    return f.metadata.get("dest") or f.name
+
+
+def _flags(f: dataclasses.Field) -> tuple[str, ...]:
+    return tuple(f.metadata.get("flags") or ()) or ("--" + f.name.replace("_", "-"),)
+
+
+def _add_flag(group, f: dataclasses.Field, hint, *, dest: str, help: str | None, default=argparse.SUPPRESS,
+              choices=None, required: bool = False) -> None:
+    """One field as a flag: a switch for a bool, else a value parsed as the field declares."""
+    flags = _flags(f)
+    kwargs = dict(dest=dest, default=default, help=help or None)
+    if hint is bool:
+        kwargs.update(action="store_true")
+    elif choices is not None:
+        kwargs.update(choices=choices)
+    else:
+        kwargs.update(type=_parse_with(f.metadata.get("parse") or _flag_type(hint), flags[0]),
+                      metavar=f.metadata.get("metavar") or _dest(f).upper())
+    group.add_argument(*flags, required=required, **kwargs)
+
+
+def _flag_fields(cls) -> list[tuple[dataclasses.Field, typing.Any]]:
+    """The fields of a dataclass that are flags (declared with help), with their types."""
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("help")]
+
+
+def _add_fields(p: argparse.ArgumentParser, cls, choices: dict[str, list[str]] | None = None) -> None:
+    """The flags of ``cls``'s fields (RunConfig, Placement), each under its group's heading in field
+    order; a dataclass field's own fields are flags under a heading of their own (the model's
+    overrides) or its group's (the optimizer's), their defaults the dataclass's."""
+    groups: dict[str | None, argparse._ArgumentGroup] = {}
+
+    def group(title):
+        if title is None:
+            return p
+        return groups.setdefault(title, p.add_argument_group(title))
+
+    for f, hint in _flag_fields(cls):
+        nested = dataclasses.is_dataclass(hint)
+        if not nested or f.metadata.get("choices"):  # a nested dataclass chosen by name (the model)
+            explicit = (choices or {}).get(f.name) or f.metadata.get("choices")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            _add_flag(group(f.metadata.get("group")), f, str if nested else hint, dest=f.name,
+                      help=f.metadata["help"], default=default, choices=list(explicit) if explicit else None,
+                      required=f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        if nested:  # chosen by name: its fields override the named one's; else they set its fields
+            g = group(GROUP_TITLES.get(f.name, f.metadata.get("group")))
+            for sub, sub_hint in _flag_fields(hint):
+                default = None if f.metadata.get("choices") or sub.default is dataclasses.MISSING else sub.default
+                _add_flag(g, sub, sub_hint, dest=_dest(sub), help=sub.metadata["help"], default=default)
 
 
 def option_owners(specs: dict[str, SystemSpec]) -> dict[str, list[str]]:
@@ -71,13 +139,13 @@ def _add_system_options(p: argparse.ArgumentParser, specs: dict[str, SystemSpec]
     owners = option_owners(specs)
     added: set[str] = set()
     for spec in specs.values():
+        hints = typing.get_type_hints(spec.options)
         fields = [f for f in spec.options.declared() if f.name not in added]
         if not fields:
             continue
         g = p.add_argument_group(f"{spec.name} options", spec.description)
         for f in fields:
             added.add(f.name)
-            flag = "--" + f.name.replace("_", "-")
             shared = owners[f.name]
             help_text = f.metadata.get("help", "")
             if len(shared) == 1:
@@ -86,68 +154,36 @@ def _add_system_options(p: argparse.ArgumentParser, specs: dict[str, SystemSpec]
                 help_text += f" (also of {', '.join(shared[1:])})"
                 notes = [_describe(next(x for x in specs[o].options.declared() if x.name == f.name), o) for o in shared]
             help_text = "; ".join([help_text] + [n for n in notes if n])
-            if isinstance(f.default, bool):
-                kwargs = dict(action="store_true")
-            else:
-                parse = f.metadata.get("parse") or (type(f.default) if f.default is not None else str)
-                kwargs = dict(type=_parse_with(parse, flag), metavar=f.metadata.get("metavar") or f.name.upper())
-            g.add_argument(flag, dest=OPTION_PREFIX + f.name, default=argparse.SUPPRESS, help=help_text, **kwargs)
+            _add_flag(g, f, hints[f.name], dest=OPTION_PREFIX + f.name, help=help_text)
 
 
 def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.ArgumentParser:
+    """The run command's parser: RunConfig's flags, --out, the placement's, every system's options."""
     specs = systems() if specs is None else specs
     p = Parser(prog="python -m runners.run", description="Train one system on the shared GPT workload and record one run.")
-    p.add_argument("--system", required=True, choices=list(specs))
-    p.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
-    g = p.add_argument_group("model overrides (any field of the model config)")
-    g.add_argument("--num-layers", "--n-layer", dest="n_layer", type=int)
-    g.add_argument("--hidden-size", "--embedding-dim", dest="n_embd", type=int)
-    g.add_argument("--num-heads", "--n-head", dest="n_head", type=int)
-    g.add_argument("--seq-length", dest="seq_len", type=int)
-    g.add_argument("--vocab-size", dest="vocab_size", type=int)
-    g = p.add_argument_group("layout")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (fairscale_fsdp: devices in each process's pipe)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel degree (pipelines)")
-    g.add_argument("--batch-size", type=int, required=True, help="batch per pipeline; global batch = batch-size x dp")
-    g.add_argument("--micro-batch-size", type=int, required=True)
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=10, help="measured steps")
-    g.add_argument("--warmup", type=int, default=2, help="warm-up steps, not timed")
-    g.add_argument("--mixed-precision", action="store_true", help="fp16 + loss scaling on CUDA, bf16 autocast on CPU")
-    g.add_argument("--recompute", action="store_true", help="activation recomputation")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--optimizer", default="adam", help="adam | sgd")
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--data", default=None, help="a text file to train on (byte-level tokens; its last tenth held out "
-                   "for --eval-every), or 'stdlib' (the Python standard library's sources); synthetic tokens by default")
-    g.add_argument("--eval-every", type=int, default=0, metavar="N",
-                   help="the held-out loss before the first step and every N steps, in the record (0: never)")
-    g.add_argument("--target-loss", type=float, default=None, metavar="X",
-                   help="stop once an eval loss is at or below X (needs --eval-every)")
-    g = p.add_argument_group("run")
-    g.add_argument("--network", default="none", help="network profile: none, a profile name, or 'delay 10ms bandwidth 1Gbps'")
-    g.add_argument("--verify", action="store_true", help="also train the single-process reference and compare losses and gradients")
-    g.add_argument("--out", default="results/runs.jsonl", help="the JSON-lines file the run record is appended to")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is stopped and recorded as timeout")
-    g = p.add_argument_group("multi-node (passed through to torchrun)")
-    g.add_argument("--nnodes", type=int, default=1)
-    g.add_argument("--node-rank", type=int, default=0)
-    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0")
+    _add_fields(p, RunConfig, choices={"system": list(specs)})
+    run = next(g for g in p._action_groups if g.title == "run")
+    run.add_argument("--out", default="results/runs.jsonl", help="the JSON-lines file the run record is appended to")
+    _add_fields(p, Placement)
     _add_system_options(p, specs)
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig of parsed arguments; an option of another system is a ConfigError."""
-    spec = get_system(args.system)
+def _from_args(cls, args: argparse.Namespace, **given):
+    """An instance of a flag dataclass (the optimizer, the placement) from the parsed flags given;
+    its own defaults for the rest."""
+    values = {f.name: getattr(args, _dest(f)) for f, _ in _flag_fields(cls) if getattr(args, _dest(f), None) is not None}
+    return cls(**{**values, **given})
+
+
+def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
+    """The RunConfig of parsed arguments for ``spec`` (the system's spec, looked up once by the
+    caller); an option of another system is a ConfigError."""
     try:
         model = get_model_config(args.model)
     except KeyError as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
-    model = model.with_overrides(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, seq_len=args.seq_len,
-                                 vocab_size=args.vocab_size)
+    model = model.with_overrides(**{_dest(f): getattr(args, _dest(f)) for f, _ in _flag_fields(type(model))})
     given = {k.removeprefix(OPTION_PREFIX): v for k, v in vars(args).items() if k.startswith(OPTION_PREFIX)}
     mine = {f.name for f in spec.options.declared()}
     foreign = [name for name in given if name not in mine]
@@ -155,38 +191,68 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         owners = option_owners(systems())[foreign[0]]
         raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {' and '.join(owners)}, "
                           f"not of {spec.name}")
-    return RunConfig(
-        system=spec.name, model=model, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-        pp=args.pp, tp=args.tp, dp=args.dp, steps=args.steps, warmup=args.warmup,
-        mixed_precision=args.mixed_precision, recompute=args.recompute, network=args.network, seed=args.seed,
-        optimizer=OptimizerConfig(kind=args.optimizer, lr=args.lr), data=args.data, device=args.device,
-        verify=args.verify, timeout=args.timeout, eval_every=args.eval_every, target_loss=args.target_loss,
-        options=spec.options(**given))
+    common = {f.name: getattr(args, f.name) for f, hint in _flag_fields(RunConfig) if not dataclasses.is_dataclass(hint)}
+    nested = {f.name: _from_args(hint, args) for f, hint in _flag_fields(RunConfig)
+              if dataclasses.is_dataclass(hint) and f.name != "model"}
+    return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given),
+                        "network_matrix": matrix_contents(common["network"])})
+
+
+def matrix_contents(network: str) -> dict | None:
+    """The contents of the per-link matrix file ``network`` names, as they are now, or None (another
+    profile, or one that does not parse: ``judge`` says why)."""
+    if network == "none":
+        return None
+    try:
+        profile = parse_profile(network)
+    except ProfileError:
+        return None
+    return profile.contents() if isinstance(profile, MatrixProfile) else None
 
 
 def placement_from_args(args: argparse.Namespace) -> Placement:
-    if args.nnodes < 1:
-        raise ConfigError(f"--nnodes must be >= 1, got {args.nnodes}")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
-    if args.nnodes > 1 and not args.rdzv_endpoint:
-        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0)")
-    return Placement(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    return _from_args(Placement, args)
 
 
-def judge(cfg: RunConfig) -> None:
+def parse_request(argv: Sequence[str]) -> tuple[RunConfig, SystemSpec]:
+    """The RunConfig of run-command flags and its system's spec (not judged; a flag argparse refuses
+    exits as the run command does)."""
+    args = build_parser().parse_args(list(argv))
+    spec = get_system(args.system)
+    return config_from_args(args, spec), spec
+
+
+def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, out: str | None = None) -> None:
     """Raise ConfigError if ``cfg`` cannot run: the system's judgement (common fields, its own
-    options), then the network profile."""
-    spec = get_system(cfg.system)
+    options), then the network profile. For a run about to be launched here (``placement`` given),
+    also what this machine must offer it: a valid placement, root for a local virtual cluster,
+    writable output files (``out``: the record's, on node 0), a readable data file, the device."""
     spec.validate(cfg)
-    services.check(spec.services)
     if cfg.network != "none":
         try:
-            profile = parse_profile(cfg.network)
-            profile.check_hosts(spec.processes(cfg))
+            profile = parse_profile(cfg.network, cfg.network_matrix)
             check_emulable(profile)
+            if spec.processes(cfg) > 1:
+                profile.check_hosts(spec.processes(cfg))
         except ProfileError as exc:
             raise ConfigError(f"--network: {exc}") from None
+        if spec.processes(cfg) == 1:
+            raise ConfigError(f"--network {cfg.network}: {spec.name} runs one process here, which has no link to "
+                              "emulate (use --network none)")
+    if placement is None:
+        return
+    if placement.nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1, got {placement.nnodes}")
+    if not 0 <= placement.node_rank < placement.nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{placement.nnodes - 1}, got {placement.node_rank}")
+    if placement.nnodes > 1 and not placement.rdzv_endpoint:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0)")
+    check_fits_here(cfg, spec, placement.nnodes)
+    _check_environment(cfg, out)
+    services.check(spec.services)
+    if cfg.network != "none" and placement.nnodes == 1 and os.geteuid() != 0:
+        raise ConfigError(f"--network {cfg.network!r} runs the ranks in a local virtual cluster of network "
+                          "namespaces, which needs root (run as root, or use --network none)")
 
 
 def check_writable(path: str, flag: str) -> None:
@@ -211,8 +277,91 @@ def check_writable(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path}: not writable")
 
 
-def check_environment(cfg: RunConfig, out: str | None) -> None:
-    """What this machine must offer the run: writable output files, a readable data file, the device."""
+# A rank's process holds this much before any model is built (torch, gloo; the peak RSS of a rank of
+# the tiny model measured here: 0.32 GiB), and every replica of the model at least its fp32 weights
+# and their gradients (the optimizer's state, activations and buffers come on top): a layout whose
+# ranks need more than the machine has cannot run on it.
+RANK_PROCESS_BYTES = int(0.3 * 2**30)
+WEIGHT_AND_GRAD_BYTES = 8  # per parameter
+MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
+
+
+def machine_memory() -> int | None:
+    """This machine's memory as the run's processes see it: MemTotal of /proc/meminfo, or the memory
+    cgroup's limit where that is lower (None where neither is readable)."""
+    sizes = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                sizes.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in MEMORY_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # "max" or a huge number: no limit
+            sizes.append(int(text))
+    return min(sizes) if sizes else None
+
+
+def check_fits_here(cfg: RunConfig, spec: SystemSpec, nnodes: int = 1) -> None:
+    """The ranks a run starts on this machine (its share of ``nnodes``) fit it: their processes
+    (``RANK_PROCESS_BYTES`` each) and, where they compute on the CPU (the resolved hardware, or
+    ``--device cpu`` before it is resolved), their share of every replica's weights and gradients,
+    within this machine's memory (``machine_memory``). A lower bound of what the run needs: a layout
+    refused here cannot run here."""
+    share = 1 / max(1, nnodes)
+    local = math.ceil(spec.processes(cfg) * share)
+    on_cpu = (cfg.hardware or cfg.device) == "cpu"
+    model = count_params(cfg.model, include_embeddings=True) * cfg.dp * share if on_cpu else 0
+    need = local * RANK_PROCESS_BYTES + model * WEIGHT_AND_GRAD_BYTES
+    have = machine_memory()
+    if have is not None and need > have:
+        raise ConfigError(f"--pp {cfg.pp} --tp {cfg.tp} --dp {cfg.dp} starts {local} ranks on this machine, which "
+                          f"need at least {need / 2**30:.0f} GiB ({RANK_PROCESS_BYTES / 2**30:.1f} GiB a process"
+                          + (f", {model * WEIGHT_AND_GRAD_BYTES / 2**30:.0f} GiB of fp32 weights and gradients"
+                             if model else "") + f"); it has {have / 2**30:.0f} GiB: run it across nodes with --nnodes N")
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same path once links are resolved, or (both existing) the
+    same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def file_roles(cfg: RunConfig, out: str | None) -> list[tuple[str, str]]:
+    """(flag, path) of every file the run reads or writes: the record's, its outputs', the data's, a
+    per-link matrix's."""
+    roles = [("--out", out)] if out else []
+    roles += [("--" + name.replace("_", "-"), path) for name, path in cfg.options.output_paths()]
+    if cfg.data is not None and cfg.data not in BUILTIN:
+        roles.append(("--data", cfg.data))
+    if cfg.network != "none" and Path(cfg.network.strip()).is_file():
+        roles.append(("--network", cfg.network.strip()))
+    return roles
+
+
+def check_roles(roles: list[tuple[str, str]]) -> None:
+    """One file given for two roles is a bad request (a record appended to the training text, a
+    trace that becomes line 1 of the records file)."""
+    for i, (flag, path) in enumerate(roles):
+        for other, other_path in roles[i + 1:]:
+            if same_file(path, other_path):
+                raise ConfigError(f"{flag} {path} and {other} {other_path} are the same file: "
+                                  "give each role a file of its own")
+
+
+def _check_environment(cfg: RunConfig, out: str | None) -> None:
+    """What this machine must offer the run: one file per role, writable output files, a readable data
+    file that fits its memory (the devices: ``resolve_devices``)."""
+    check_roles(file_roles(cfg, out))
     if out:
         check_writable(out, "--out")
     for name, path in cfg.options.output_paths():
@@ -220,15 +369,28 @@ def check_environment(cfg: RunConfig, out: str | None) -> None:
     if cfg.data is not None:
         if cfg.data not in BUILTIN and (not Path(cfg.data).is_file() or not os.access(cfg.data, os.R_OK)):
             raise ConfigError(f"--data {cfg.data}: not a readable file")
-        split = read_corpus(cfg.data)
-        for name, text in (("training", split.train), ("held-out", split.heldout)):
-            if len(text) < cfg.model.seq_len + 2:
-                raise ConfigError(f"--data {cfg.data}: its {name} split has {len(text)} bytes, need more than "
-                                  f"{cfg.model.seq_len + 1} (one sequence; the last tenth is held out)")
-    if cfg.device == "cuda":
-        import torch  # only when CUDA is asked for: importing torch takes seconds
+        train, heldout = split_sizes(cfg.data)
+        splits = [("training split (the first nine tenths)", train), ("held-out split", heldout)]
+        for name, size in splits[: 2 if cfg.eval_every else 1]:  # the held-out split only for the eval
+            if size < cfg.model.seq_len + 2:
+                raise ConfigError(f"--data {cfg.data}: its {name} has {size} bytes, need more than "
+                                  f"{cfg.model.seq_len + 1} (one sequence)")
+        size = train + heldout
+        have = machine_memory()
+        if have is not None and size > have:  # one byte a token, the file mapped once for every rank
+            raise ConfigError(f"--data {cfg.data}: its {size / 2**30:.1f} GiB of byte tokens do not fit this "
+                              f"machine's memory ({have / 2**30:.1f} GiB)")
 
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: CUDA is not available on this machine (use --device auto or cpu)")
-    if not math.isfinite(cfg.timeout):
-        raise ConfigError(f"--timeout must be finite, got {cfg.timeout}")
+
+def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> RunConfig:
+    """``cfg`` with the hardware its ranks on this machine run on (``runners.devices.judge_gpus``:
+    one GPU of their own per rank, a torch build that runs on them; else a ConfigError). The last
+    judgement before launch, after ``judge``: it imports torch (and on a GPU machine reads its GPUs in a
+    subprocess), which the run command does only once the request is otherwise judged runnable."""
+    from runners.devices import Gpus, judge_gpus, local_gpus
+
+    gpus = local_gpus() if cfg.device != "cpu" else Gpus()
+    here = spec.processes(cfg) // placement.nnodes
+    resolved = cfg.replace(hardware=judge_gpus(cfg.device, gpus, here, spec.devices_per_process(cfg)))
+    check_fits_here(resolved, spec, placement.nnodes)  # now knowing whether the weights live in this memory
+    return resolved

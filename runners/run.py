@@ -2,22 +2,23 @@
 
 Parse and judge the request (a bad one: one line on stderr, exit status 2, nothing written), launch
 the ranks through torchrun, optionally verify against the single-process reference, and append one
-RunRecord to --out. Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad request,
-130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a
+RunRecord to --out (held for this run alone while it runs: a second run command or a sweep writing to
+it at the same time is refused). Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad
+request (or --out held by another writer), 130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a
 resumed sweep runs it again).
 """
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from contract import ConfigError, RunConfig, SystemOptions
-from runners.registry import get_system
-from runners.request import Placement, build_parser, check_environment, config_from_args, judge, placement_from_args
+from contract import ConfigError, RunConfig, SystemOptions, SystemSpec
+from contract.registry import get_system
+from runners.record import hold_records
+from runners.request import (Placement, build_parser, config_from_args, judge, placement_from_args,
+                             resolve_devices)
 from runners.tolerance import Tolerance, relative, verify_tolerance
 
 if TYPE_CHECKING:  # torch is imported only once a request has been judged runnable
@@ -66,7 +67,7 @@ def reference_config(cfg: RunConfig) -> RunConfig:
     if spec.reference is not None:
         return spec.reference(cfg)
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
-                       options=SystemOptions())
+                       network_matrix=None, options=SystemOptions())
 
 
 def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:
@@ -119,14 +120,15 @@ def compare(run: LaunchResult, ref: LaunchResult, tolerance: Tolerance) -> Verif
     return Verification(loss_diff, grad_diff, rel_diff, len(run.grads), passed, reason, tol)
 
 
-def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunRecord, Verification | None]:
-    """Launch the run (and the reference under --verify); append its record to ``out`` on node 0."""
+def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
+            out: str | None) -> tuple[RunRecord, Verification | None]:
+    """Launch the run of ``spec`` (and the reference under --verify); append its record to ``out`` on node 0."""
     from runners.launcher import launch
     from runners.record import append_record, build_record, host_environment
 
-    spec = get_system(cfg.system)
     world = spec.processes(cfg)
-    env = dict(host_environment(cfg.device), device_count=world)
+    gpus_each = spec.devices_per_process(cfg) if (cfg.hardware or "").startswith("cuda") else 1
+    env = dict(host_environment(cfg.hardware), device_count=world * gpus_each)
     if cfg.data is not None:
         from workload.corpus import describe
 
@@ -141,18 +143,13 @@ def execute(cfg: RunConfig, placement: Placement, out: str | None) -> tuple[RunR
                 verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights, cuda)),
                                                    reference=how)
             finally:
-                if ref.run_dir is not None:
-                    shutil.rmtree(ref.run_dir, ignore_errors=True)
+                ref.remove_run_dir()
         if result.network is not None:
             env["network"] = result.network
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
-        if record.status == "ok" and placement.node_rank == 0:
-            from runners.predict.local import record_prediction
-
-            record.prediction = record_prediction(cfg, (result.network or {}).get("measured_link"))
     finally:
-        shutil.rmtree(result.run_dir, ignore_errors=True)
+        result.remove_run_dir()
     if out and placement.node_rank == 0:
         append_record(out, record)
     return record, verification
@@ -173,16 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = config_from_args(args)
-        judge(cfg)
+        spec = get_system(args.system)
+        cfg = config_from_args(args, spec)
         placement = placement_from_args(args)
-        check_environment(cfg, args.out if placement.node_rank == 0 else None)
-        if cfg.network != "none" and placement.nnodes == 1 and os.geteuid() != 0:
-            raise ConfigError(f"--network {cfg.network!r} runs the ranks in a local virtual cluster of network "
-                              "namespaces, which needs root (run as root, or use --network none)")
+        judge(cfg, spec, placement, args.out if placement.node_rank == 0 else None)
     except ConfigError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    if args.out and placement.node_rank == 0:
+        try:
+            hold_records(args.out)  # until this process ends
+        except BlockingIOError:
+            print(f"{parser.prog}: error: --out {args.out}: another run command or sweep is writing to it now, and "
+                  "each would time the other's load (wait for it to end, or give another --out)", file=sys.stderr)
+            return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:
@@ -193,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             import runners.launcher  # noqa: F401
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-        record, verification = execute(cfg, placement, args.out)
+        try:
+            cfg = resolve_devices(cfg, spec, placement)  # the GPUs: the last judgement, once torch is imported
+        except ConfigError as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            return 2
+        record, verification = execute(cfg, spec, placement, args.out)
     except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) \
             else (exc.code - 128 if isinstance(exc.code, int) and exc.code > 128 else signal.SIGTERM)

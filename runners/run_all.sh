@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The whole comparison.
 #
-#   runners/run_all.sh                      # local default: set up .venv, run runners/sweeps/local.toml
-#                                           # on this machine, report into results/local.md (+ results/plots)
+#   runners/run_all.sh                      # local default: set up .venv, run sweeps/local.toml
+#                                           # on this machine, predict its runs where the simulator is calibrated
+#                                           # (python -m predict records), report into results/local.md (+ results/plots)
 #   runners/run_all.sh --hostfile HOSTS [--ssh-config FILE] [--iface eth0] [--sweep FILE] [--nproc-per-node N]
 #                      [--ssh-user USER] [--remote-dir DIR] [--setup-nodes [--share-venv VENV]]
 #                                           # the cluster: every run across the hosts over ssh, the network
-#                                           # shaped on each node (default sweep: runners/sweeps/gpt3-xl-cluster.toml);
+#                                           # shaped on each node (default sweep: sweeps/gpt3-xl-cluster.toml);
 #                                           # HOSTS lines are 'host slots=GPUS'; --setup-nodes first copies the
 #                                           # suite to every node's DIR and builds its environment there
 #                                           # (--share-venv: nodes sharing this file system link this venv)
-#   runners/run_all.sh --quality            # the quality race on this machine (root): runners/sweeps/quality.toml,
-#                                           # time and bytes to a held-out loss, report into results/quality.md
+#   runners/run_all.sh --quality            # the quality race on this machine (root): sweeps/quality.toml, time
+#                                           # and bytes to a held-out loss, report into results/quality.md
 #   runners/run_all.sh --rehearse N [--sweep FILE] [--nproc-per-node N]
 #                                           # rehearse the cluster on this machine (root): N virtual nodes with
 #                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down
@@ -24,20 +25,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-hostfile="" sweep="" rehearse="" setup_nodes="" dry_run="" cluster_args=() setup_args=() slots=() extra=()
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+hostfile="" sweep="" rehearse="" setup_nodes="" dry_run="" no_report="" out="" cluster_args=() setup_args=() slots=() extra=()
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 need() { [ $# -ge 2 ] || { echo "run_all.sh: $1 needs a value" >&2; exit 2; }; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
     --hostfile) need "$@"; hostfile=$2; shift 2 ;;
     --sweep) need "$@"; sweep=$2; shift 2 ;;
-    --quality) sweep=runners/sweeps/quality.toml; shift ;;
+    --quality) sweep=sweeps/quality.toml; shift ;;
     --rehearse) need "$@"; rehearse=$2; shift 2 ;;
     --setup-nodes) setup_nodes=1; shift ;;
     --ssh-config|--ssh-user|--remote-dir) need "$@"; cluster_args+=("$1" "$2"); setup_args+=("$1" "$2"); shift 2 ;;
     --share-venv) need "$@"; setup_args+=("$1" "$2"); shift 2 ;;
     --dry-run) dry_run=1; extra+=("$1"); shift ;;
+    --no-report) no_report=1; extra+=("$1"); shift ;;
+    --out) need "$@"; out=$2; extra+=("$1" "$2"); shift 2 ;;
     --iface) need "$@"; cluster_args+=("$1" "$2"); shift 2 ;;
     --nproc-per-node) need "$@"; slots=("$1" "$2"); shift 2 ;;
     *) extra+=("$1"); shift ;;
@@ -71,14 +74,22 @@ if [ -n "$rehearse" ]; then
   "$PY" -m runners.rehearse "$rehearse" ${sweep:+--sweep "$sweep"} ${slots[@]+"${slots[@]}"} \
     ${extra[@]+"${extra[@]}"} || status=$?
 elif [ -z "$hostfile" ]; then
-  sweep=${sweep:-runners/sweeps/local.toml}
+  sweep=${sweep:-sweeps/local.toml}
   if [ "$(id -u)" != 0 ]; then
     echo "run_all.sh: not root: the runs under emulated networks (network namespaces, tc) will be skipped;" \
          "run as root for the network experiment" >&2
   fi
-  "$PY" -m runners.sweep "$sweep" --plots results/plots ${extra[@]+"${extra[@]}"} || status=$?
+  # the report after the simulator's predictions (a run never predicts itself): records in --out, else
+  # results/<the sweep file's name>.jsonl
+  [ -n "$out" ] || { out=results/$(basename "$sweep" .toml).jsonl; extra+=(--out "$out"); }
+  "$PY" -m runners.sweep "$sweep" --no-report ${extra[@]+"${extra[@]}"} || status=$?
+  if [ -z "$dry_run$no_report" ] && [ "$status" != 2 ] && [ -f "$out" ]; then
+    "$PY" -m predict records "$out" || true
+    "$PY" report.py "$out" --out "${out%.jsonl}.md" --plots results/plots
+    echo "report: ${out%.jsonl}.md"
+  fi
 else
-  sweep=${sweep:-runners/sweeps/gpt3-xl-cluster.toml}
+  sweep=${sweep:-sweeps/gpt3-xl-cluster.toml}
   if [ -n "$setup_nodes" ] && [ -n "$dry_run" ]; then
     echo "# would set up the nodes first: $PY -m runners.sweep.setup_nodes --hostfile $hostfile ${setup_args[*]:-}"
   elif [ -n "$setup_nodes" ]; then

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import ConfigError, RunConfig
+from network_emulation.signals import stop_process
 
 LIGHTHOUSE = "torchft-lighthouse"
 SERVICES = (LIGHTHOUSE,)
@@ -65,19 +66,6 @@ def _lighthouse(cfg: RunConfig, where: Placing) -> tuple[list[str], dict[str, st
     return argv, env, "Lighthouse listening on"
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 @contextlib.contextmanager
 def started(names: Sequence[str], cfg: RunConfig, run_dir: Path, where: Placing) -> Iterator[dict[str, str]]:
     """Start the named services (where ``where.start``); yields the environment the ranks need to
@@ -101,7 +89,7 @@ def started(names: Sequence[str], cfg: RunConfig, run_dir: Path, where: Placing)
         yield env
     finally:
         for proc in procs:
-            _stop(proc)
+            stop_process(proc, signal.SIGTERM, 5.0, group=True)
 
 
 def _wait_ready(proc: subprocess.Popen, log_path: Path, ready: str, name: str) -> None:

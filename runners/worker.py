@@ -1,8 +1,9 @@
 """The rank entry point, started by torchrun: python -m runners.worker RUN_DIR.
 
 Initialises torch.distributed (nccl on CUDA, gloo on CPU), runs the system's train(config, context)
-and hands its measurements to rank 0, which writes RUN_DIR/result.json for the launcher. A rank that
-fails writes RUN_DIR/error-rank<R>.json (status oom or error) and exits non-zero.
+and hands its measurements (and under --verify its gradients) to rank 0, which writes
+RUN_DIR/result.json (and RUN_DIR/grads-rank<R>.pt) for the launcher, on node 0 of a multi-node run.
+A rank that fails writes RUN_DIR/error-rank<R>.json (status oom or error) and exits non-zero.
 """
 from __future__ import annotations
 
@@ -26,41 +27,64 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from contract import RunConfig  # noqa: E402
-from contract.training import Context  # noqa: E402
+from contract.rank import Context  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
-from runners.registry import get_system  # noqa: E402
+from contract.registry import get_system  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
 
 
-def pick_device(requested: str, local_rank: int, devices_per_process: int = 1) -> tuple[torch.device, str]:
-    """This rank's (first) device and the backend: nccl on CUDA, gloo on CPU."""
+def pick_devices(requested: str, local_rank: int, devices_per_process: int = 1) -> tuple[tuple[torch.device, ...], str]:
+    """This process's devices and the backend: on CUDA (nccl) GPUs local_rank·k .. local_rank·k + k − 1
+    of those it sees (k = devices_per_process; the run command judged that there are enough, and gave
+    each agent of a single-host emulated run its own through CUDA_VISIBLE_DEVICES); else the CPU (gloo)."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for, but CUDA is not available")
-        index = local_rank * devices_per_process
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index), "nccl"
-    return torch.device("cpu"), "gloo"
+        first = local_rank * devices_per_process
+        if first + devices_per_process > torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} needs GPUs {first}..{first + devices_per_process - 1}, "
+                               f"but this process sees {torch.cuda.device_count()}")
+        torch.cuda.set_device(first)
+        return tuple(torch.device("cuda", first + i) for i in range(devices_per_process)), "nccl"
+    return (torch.device("cpu"),), "gloo"
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # peak RSS of this rank
+def peak_memory(devices: tuple[torch.device, ...]) -> dict:
+    """The process's peak memory: per GPU, what tensors held at most (allocated) and what torch's
+    caching allocator held at most (reserved, what the GPU had to have); and the process's peak
+    resident set on the host (CPU RSS), a different quantity, kept apart."""
+    gpus = [{"device": str(d), "allocated_bytes": int(torch.cuda.max_memory_allocated(d)),
+             "reserved_bytes": int(torch.cuda.max_memory_reserved(d))} for d in devices if d.type == "cuda"]
+    rss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return {"gpu_memory": gpus, "cpu_rss_bytes": rss}
 
 
-def hardware_peak(device: torch.device, cfg: RunConfig) -> tuple[float, str, str]:
-    """(peak TFLOP/s, where it came from, device name)."""
-    precision = ("fp16" if device.type == "cuda" else "bf16") if cfg.mixed_precision else "fp32"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_tflops(name, precision)
-        if peak is not None:
-            return peak, f"table:{precision}", name
-    else:
-        name = "cpu"
-    dtype = torch.float32 if precision == "fp32" else (torch.float16 if device.type == "cuda" else torch.bfloat16)
-    return measure_matmul_tflops(device, dtype), f"measured-matmul:{precision}", name
+def peak_precision(cfg: RunConfig, device: torch.device) -> str:
+    """The precision the run's matmuls compute in: its policy (fp32, bf16, fp16); --mixed-precision is
+    fp16 on CUDA and bf16 on CPU."""
+    if cfg.precision in ("fp32", "bf16", "fp16"):
+        return cfg.precision
+    return "fp16" if device.type == "cuda" else "bf16"
+
+
+def hardware_peak(devices: tuple[torch.device, ...], cfg: RunConfig) -> tuple[float, str, str]:
+    """(peak TFLOP/s of one device, where it came from, device name): a GPU's from the table of
+    datasheet peaks (workload.flops) where it lists the model, else measured by a matmul on each of
+    the process's GPUs (the mean); on CPU measured. A measurement's memory is given back and the peak
+    memory statistics start afresh."""
+    device = devices[0]
+    precision = peak_precision(cfg, device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if device.type != "cuda":
+        return measure_matmul_tflops(device, dtype), f"measured-matmul:{precision}", "cpu"
+    name = torch.cuda.get_device_name(device)
+    peak = gpu_peak_tflops(name, precision)
+    if peak is not None:
+        return peak, f"table:{precision}", name
+    measured = [measure_matmul_tflops(d, dtype) for d in devices]
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+    return sum(measured) / len(measured), f"measured-matmul:{precision}", name
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -77,22 +101,28 @@ def main(run_dir: Path) -> int:
     try:
         spec = get_system(config["system"])
         cfg = RunConfig.from_dict(config, spec.options)
-        device, backend = pick_device(cfg.device, local_rank, spec.devices_per_process(cfg))
+        devices, backend = pick_devices(cfg.device, local_rank, spec.devices_per_process(cfg))
+        device = devices[0]
         if device.type == "cpu":
             torch.set_num_threads(1)  # one thread per rank: ranks share few cores
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(60.0, cfg.timeout)))
         torch.manual_seed(cfg.seed)
-        peak, peak_source, device_name = hardware_peak(device, cfg)
+        peak, peak_source, device_name = hardware_peak(devices, cfg)
         barrier_group = dist.new_group(list(range(world))) if world > 1 else None  # the timing barrier's own
         ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg,
-                      barrier_group=barrier_group)
+                      barrier_group=barrier_group, devices=devices)
         m = spec.load()(cfg, ctx)
-        m.peak_memory_bytes = peak_memory_bytes(device)
-        if m.grads is not None:
-            torch.save({k: v.detach().float().cpu() for k, v in m.grads.items()}, run_dir / f"grads-rank{rank}.pt")
+        if cfg.verify:  # every rank's gradients to rank 0, whose run directory the launcher reads (on node 0)
+            mine = {k: v.detach().float().cpu() for k, v in m.grads.items()} if m.grads is not None else None
+            every: list | None = [None] * world if rank == 0 else None
+            dist.gather_object(mine, every, dst=0)
+            for r, grads in enumerate(every or []):
+                if grads is not None:
+                    torch.save(grads, run_dir / f"grads-rank{r}.pt")
         summary = {k: v for k, v in asdict(m).items() if k != "grads"}
-        summary.update(rank=rank, hostname=socket.gethostname(), device=str(device), device_name=device_name,
-                       backend=backend, peak_tflops=peak, peak_source=peak_source)
+        summary.update(rank=rank, hostname=socket.gethostname(), device=str(device), devices=[str(d) for d in devices],
+                       device_name=device_name, backend=backend, peak_tflops=peak, peak_source=peak_source,
+                       **peak_memory(devices))
         gathered: list | None = [None] * world if rank == 0 else None
         dist.gather_object(summary, gathered, dst=0)
         if rank == 0:

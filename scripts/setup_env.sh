@@ -1,21 +1,78 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install the suite with pinned dependencies. Idempotent.
-# torch is installed first and pinned: on machines with a local CPU wheel it comes from there;
-# a range or plain "torch" would pull a multi-GB CUDA build.
+#   bash scripts/setup_env.sh                      torch==2.13.0: the CPU build where there is no NVIDIA GPU
+#                                                  (CI); on a host with NVIDIA GPUs the CUDA build of 2.13.0
+#                                                  that its driver and GPUs run (python -m scripts.torch_build)
+#   bash scripts/setup_env.sh --cuda cu126         that CUDA build of torch 2.13.0, chosen by hand
+#   bash scripts/setup_env.sh --use-system-torch   the torch of $PYTHON (python3) as it is, 2.9 to 2.13: the venv
+#                                                  sees its packages; a pinned dependency missing there is
+#                                                  installed, one present is used at its version
+#   --wheels DIR                                   install from the wheels in DIR only (a machine without an index)
+# torch is pinned: on machines with a local CPU wheel it comes from there; a range or plain "torch"
+# would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+system_torch=0 cuda="" wheels=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --use-system-torch) system_torch=1 ;;
+    --cuda) cuda=${2:?--cuda needs a build, e.g. cu126}; shift ;;
+    --wheels) wheels=$(realpath "${2:?--wheels needs a directory}"); shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "setup: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ "$system_torch" = 1 ]; then
+  mode=system
+elif [ -n "$cuda" ]; then
+  mode=$cuda
+elif command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  mode=$("$PY" -m scripts.torch_build choose)  # one line on stderr and exit 1 where none fits
+else
+  mode=cpu
+fi
+pip_from=()
+[ -n "$wheels" ] && pip_from=(--no-index --find-links "$wheels")
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv" >&2
   "$PY" -m venv .venv
 fi
+# The stamp names pyproject.toml (runners.sweep.setup_nodes checks it); it holds the torch mode
+# (an empty stamp is the CPU build's, as stamps were before the mode was written).
 stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
-if [ ! -f "$stamp" ]; then
-  echo "setup: installing dependencies into .venv (torch==2.13.0, fairscale, megatron-core, pandas ...)" >&2
-  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
+installed=none
+[ -f "$stamp" ] && installed=$(cat "$stamp") && installed=${installed:-cpu}
+if [ "$installed" != "$mode" ]; then
+  pip=(.venv/bin/pip install -q --disable-pip-version-check "${pip_from[@]}")
+  purelib=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  rm -f "$purelib/_system_torch.pth"
+  if [ "$mode" != cpu ]; then  # another build (a torch 2.13.0 of another mode would count as installed)
+    .venv/bin/pip uninstall -y -q torch >/dev/null 2>&1 || true
+  fi
+  case "$mode" in
+    cpu)
+      echo "setup: installing dependencies into .venv (torch==2.13.0, fairscale, megatron-core, pandas ...)" >&2
+      "${pip[@]}" torch==2.13.0
+      "${pip[@]}" -e ".[test]" ;;
+    system)
+      site=$("$PY" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))') \
+        || { echo "setup: --use-system-torch: $PY has no torch" >&2; exit 1; }
+      echo "$site" > "$purelib/_system_torch.pth"
+      .venv/bin/python -m scripts.torch_build check
+      mapfile -t need < <(.venv/bin/python -m scripts.torch_build missing)
+      if [ "${#need[@]}" -gt 0 ]; then
+        echo "setup: installing what $site lacks: ${need[*]}" >&2
+        "${pip[@]}" "${need[@]}"
+      fi ;;
+    *)
+      echo "setup: installing torch==2.13.0 ($mode: the CUDA build this machine's driver and GPUs run) and the rest" >&2
+      if [ -n "$wheels" ]; then "${pip[@]}" torch==2.13.0; else "${pip[@]}" torch==2.13.0 --index-url "https://download.pytorch.org/whl/$mode"; fi
+      "${pip[@]}" -e ".[test]" ;;
+  esac
   rm -f .venv/.installed-*
-  touch "$stamp"
+  echo "$mode" > "$stamp"
 fi
 # Network emulation tools (namespaces, tbf, iptables NFQUEUE): only root can use them; install if missing.
 if [ "$(id -u)" = 0 ] && { ! command -v ip >/dev/null || ! command -v iptables >/dev/null || ! command -v tc >/dev/null; }; then

@@ -1,7 +1,6 @@
 """Shared helpers: tests drive the real run command, with real torchrun/gloo ranks."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -26,10 +25,6 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subpro
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "runners.run", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
 
 
 TINY = ["--model", "tiny", "--num-layers", "4", "--hidden-size", "64", "--num-heads", "4", "--seq-length", "32",

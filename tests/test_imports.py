@@ -1,5 +1,8 @@
-"""The suite's import graph: no cycle anywhere; the contract imports only itself and workload/;
-each system's training code imports only the contract, workload/ and its own package."""
+"""The suite's import graph, every module of every package (module level and inside functions): no
+cycle anywhere, and the layers (``LAYERS``): the workload imports nothing of the suite, the contract
+only the workload, a system only the contract, the workload and its own package, the report only the
+contract and the workload, the harness (``runners``) never the simulator, the benchmarks or the report;
+and every name imported from the suite exists."""
 from __future__ import annotations
 
 import ast
@@ -9,10 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runners.registry import systems
+from contract.registry import systems
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation")
+PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict", "bench")
+# part -> (what its modules may import, or None: anything but what the second set names)
+LAYERS: dict[str, tuple[set[str] | None, set[str]]] = {
+    "workload": ({"workload"}, set()),
+    "contract": ({"contract", "workload"}, set()),
+    "network_emulation": ({"network_emulation"}, set()),
+    "report": ({"report", "quality_report", "contract", "workload"}, set()),
+    "quality_report": ({"quality_report", "contract", "workload"}, set()),  # the report's time-to-quality part
+    "runners": (None, {"predict", "bench", "report", "quality_report"}),  # the harness: a run never calls the simulator
+}
 
 
 def suite_modules() -> dict[str, Path]:
@@ -115,6 +127,36 @@ def closure(g: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def system_packages() -> list[str]:
+    """The package of every registered system (its spec module's): baselines.torch_pipe, ours, ..."""
+    return sorted({spec.train.partition(":")[0].rpartition(".")[0] or spec.train for spec in systems().values()})
+
+
+def _part(module: str, parts: list[str]) -> str | None:
+    return next((p for p in sorted(parts, key=len, reverse=True) if module == p or module.startswith(p + ".")), None)
+
+
+def layering_violations(g: dict[str, set[str]], system_pkgs: list[str]) -> list[str]:
+    """'<module> imports <module>' for every import (direct or through others) that crosses a layer."""
+    bad = []
+    for name in sorted(g):
+        reached = closure(g, name) - {name}
+        system = _part(name, system_pkgs)
+        if system is not None:
+            # its own package, and that of any system it is declared inside (diloco, in ours/diloco/,
+            # runs ours' pipeline engine)
+            allowed = [system, *(p for p in system_pkgs if system.startswith(p + ".")), "contract", "workload"]
+            bad += [f"{name} imports {m}" for m in sorted(reached) if _part(m, allowed) is None]
+            continue
+        rule = LAYERS.get(name.split(".")[0])
+        if rule is None:
+            continue
+        allowed, forbidden = rule
+        bad += [f"{name} imports {m}" for m in sorted(reached)
+                if (allowed is not None and m.split(".")[0] not in allowed) or m.split(".")[0] in forbidden]
+    return bad
+
+
 def test_no_import_cycle_in_the_suite():
     assert cycles(graph()) == []
 
@@ -123,24 +165,27 @@ def test_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_the_contract_imports_only_itself_and_the_workload():
+def test_every_module_keeps_to_its_layer():
     g = graph()
-    for name in (m for m in g if m.split(".")[0] == "contract"):
-        assert {m.split(".")[0] for m in closure(g, name)} <= {"contract", "workload"}, name
+    assert system_packages() == ["baselines.fairscale_fsdp", "baselines.megatron", "baselines.reference",
+                                 "baselines.torch_pipe", "ours", "ours.diloco"]
+    assert {m.split(".")[0] for m in g} >= set(PACKAGES) | {"report", "quality_report"}
+    assert layering_violations(g, system_packages()) == []
 
 
-def test_systems_import_only_the_contract_the_workload_and_themselves():
-    # a system's own package: its training module's package, and the package of any system it is
-    # declared inside (diloco, in ours/diloco/, runs ours' pipeline engine)
-    g = graph()
-    packages = {spec.train.partition(":")[0].rpartition(".")[0] or spec.train.partition(":")[0]
-                for spec in systems().values()}
-    for spec in systems().values():
-        module = spec.train.partition(":")[0]
-        own = module.rpartition(".")[0] or module
-        allowed = ("contract", "workload", own, *(p for p in packages if own.startswith(p + ".")))
-        bad = sorted(m for m in closure(g, module) if not any(m == a or m.startswith(a + ".") for a in allowed))
-        assert not bad, f"{spec.name}'s training code imports {bad}"
+def test_the_layering_fails_on_the_wrong_way_imports_the_house_removed():
+    g, systems_ = graph(), system_packages()
+    # a system that launched run commands (ours/plan/evaluate.py imported runners.invoke)
+    evaluate = {**g, "ours.plan.evaluate": {"runners.invoke"}}
+    assert "ours.plan.evaluate imports runners.invoke" in layering_violations(evaluate, systems_)
+    # the simulator inside the harness importing the report, which imported the harness's registry
+    predict = {**g, "runners.predict.__main__": {"report"}, "runners.registry": {"contract"},
+               "report": g["report"] | {"runners.registry"}}
+    found = layering_violations(predict, systems_)
+    assert "runners.predict.__main__ imports report" in found and "report imports runners.registry" in found
+    # and the run command calling the simulator
+    run = {**g, "runners.run": g["runners.run"] | {"predict.this_machine"}}
+    assert "runners.run imports predict.this_machine" in layering_violations(run, systems_)
 
 
 def test_every_name_imported_from_the_suite_exists():

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from contract import RunConfig
 from quality_report import plot, render
+from report import network_row
 from runners.record import build_record
-from runners.registry import get_system
+from contract.registry import get_system
 from workload.configs import get_model_config
 
 
@@ -18,7 +19,7 @@ def _rec(system: str, network: str, seed: int, losses: list[float], seconds_per_
     evals = [{"step": 4 * i, "tokens": 4 * i * cfg.global_batch_size * 128, "wall_time": seconds_per_eval * i,
               "loss": loss, "bytes_sent": [bytes_per_eval * i] * n} for i, loss in enumerate(losses)]
     ranks = [{"rank": r, "step_times": [0.1] * 8, "losses": [4.0] * 8, "dp_sync_times": [0.0] * 8,
-              "peak_memory_bytes": 1, "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
+              "cpu_rss_bytes": 1, "gpu_memory": [], "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
               "backend": "gloo", "peak_tflops": 1.0, "peak_source": "measured", "evals": evals if r == 0 else []}
              for r in range(n)]
     return build_record(cfg, spec, "ok", None, ranks, {"device_count": n}).__dict__
@@ -30,7 +31,7 @@ def test_time_to_quality_table_winner_and_bytes(tmp_path):
         recs.append(_rec("ours", "d50-1g", seed, [5.6, 4.0, 3.4, 3.2], 2.0 + jitter, 1000, dp_mode="sharded_ps"))
         recs.append(_rec("diloco", "d50-1g", seed, [5.6, 4.2, 3.6, 3.4], 0.5 + jitter, 100, inner_steps=4))
         recs.append(_rec("torch_pipe", "d50-1g", seed, [5.6, 4.0, 3.6, 3.6], 3.0, 2000))
-    text = render(recs)
+    text = render(recs, network=network_row)
     row, per_token = [line for line in text.splitlines() if line.startswith("| delay 50ms")]  # time, bytes
     header = next(line for line in text.splitlines() if line.startswith("| Network setting"))
     cols = [c.strip() for c in header.split("|")[2:-1]]
@@ -43,11 +44,11 @@ def test_time_to_quality_table_winner_and_bytes(tmp_path):
     assert "`diloco H=4 P-2 D-2` 1.80 s (n=2), **2.33x** faster than `ours sharded_ps P-2 D-2`" in win
     assert "ratio over the extremes 1.90-2.93x" in win and "`torch_pipe gpipe P-2 D-2`" in win
     assert [c.strip() for c in per_token.split("|")[2:-1]] == ["1.95", "0.20", "3.91"]  # 4 ranks' bytes / tokens
-    assert [p.name for p in plot(recs, tmp_path)] == ["quality-0-d50-1g.png"]
+    assert [p.name for p in plot(recs, tmp_path, network=network_row)] == ["quality-0-d50-1g.png"]
 
 
 def test_runs_without_evals_or_target_are_left_out():
     rec = _rec("ours", "none", 0, [5.6, 3.0], 1.0, 10)
     rec["config"]["target_loss"] = None
-    assert render([rec]) == ""
-    assert "| none (no emulation)" in render([rec], target=4.0)
+    assert render([rec], network=network_row) == ""
+    assert "| none (no emulation)" in render([rec], target=4.0, network=network_row)

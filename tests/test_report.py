@@ -5,7 +5,8 @@ import sys
 from report import render
 from contract import RunConfig
 from runners.record import append_record, build_record
-from runners.registry import get_system
+from contract.registry import get_system
+from contract.records import read_records
 from tests.conftest import REPO
 from workload.configs import get_model_config
 
@@ -18,11 +19,13 @@ def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network=
     ranks = None
     if status == "ok":
         ranks = [{"rank": r, "step_times": [t] * 3, "losses": [1.0] * 3 if r == n - 1 else None, "dp_sync_times": [0.0] * 3,
-                  "peak_memory_bytes": 1 << 30, "extra": {}, "hostname": "h", "device": "cuda:0",
+                  "gpu_memory": [{"device": "cuda:0", "allocated_bytes": 1 << 30, "reserved_bytes": 1 << 30}],
+                  "cpu_rss_bytes": 1 << 28, "extra": {}, "hostname": "h", "device": "cuda:0",
                   "device_name": "Tesla V100-SXM2-16GB", "backend": "nccl", "peak_tflops": 15.7, "peak_source": "table:fp32"}
                  for r in range(n)]
     return build_record(cfg, spec, status, None if status == "ok" else "CUDA out of memory", ranks,
-                        {"torch_version": "2.13", "device_name": "Tesla V100-SXM2-16GB", "device_count": n})
+                        {"torch_version": "2.13", "device_kind": "cuda", "device_name": "Tesla V100-SXM2-16GB",
+                         "device_count": n})
 
 
 def test_layout_table_like_the_seed():
@@ -148,3 +151,150 @@ def test_every_run_shows_the_ranks_busy_share():
     pipe_row = next(l for l in table.splitlines() if l.startswith("| torch_pipe"))
     col = [c.strip() for c in header.split("|")].index("busy per rank")
     assert ours_row.split("|")[col].strip() == "86%-95%" and pipe_row.split("|")[col].strip() == ""  # GPU: no share
+
+
+def test_older_records_without_the_network_setting_read_it_from_their_emulation():
+    recs = []
+    for net, t in (("d10-1g", 2.0), ("d1-5g", 1.2)):
+        for system, pp in (("ours", 12), ("torch_pipe", 12)):
+            d = _rec(system=system, pp=pp, network=net, t=t).__dict__
+            setting = d.pop("network_setting")  # as the run command wrote records before it kept the setting
+            d["environment"]["network"] = {"profile": {"name": net, "label": setting["label"], "kind": "uniform",
+                                                       "link": {k: setting[k] for k in ("delay_ms", "bandwidth_gbps")}}}
+            recs.append(d)
+    assert render(recs) == render([_rec(system=s, pp=12, network=n, t=t).__dict__
+                                   for n, t in (("d10-1g", 2.0), ("d1-5g", 1.2)) for s in ("ours", "torch_pipe")])
+    bare = {k: v for k, v in recs[0].items() if k not in ("environment",)}
+    assert "d10-1g" in render([bare, {**bare, "system": "torch_pipe", "label": "torch_pipe", "key": "other"}])
+
+
+def test_the_rest_of_a_runs_identity_is_stated_where_it_is_not_runconfigs_default():
+    from workload.configs import OptimizerConfig
+
+    plain = [_rec(pp=8, t=19.71).__dict__, _rec(tp=8, t=25.0).__dict__]
+    assert "seed" not in render(plain) and " lr " not in render(plain)
+    changed = []
+    for r in plain:
+        cfg = RunConfig.from_dict(r["config"], get_system("megatron").options)
+        cfg = cfg.replace(seed=3, optimizer=OptimizerConfig(kind="sgd", lr=1e-3))
+        changed.append({**r, "config": cfg.to_dict(), "key": cfg.key()})
+    assert "seed 3, sgd lr 0.001" in render(changed)
+
+
+def test_the_report_never_writes_over_what_it_reads(tmp_path, capsys):
+    """Issue #31, item 1: report.py F.jsonl --out F.jsonl overwrote its 3 records with markdown."""
+    from report import main
+
+    records = tmp_path / "F.jsonl"
+    for t in (19.71, 20.0, 21.0):
+        append_record(records, _rec(pp=8, t=t))
+    before = records.read_text()
+    other = tmp_path / "other.jsonl"
+    append_record(other, _rec(tp=8, t=25.0))
+    (tmp_path / "link.md").symlink_to(records)
+    for out, message in ((records, "which the report reads"), (tmp_path / "link.md", "which the report reads"),
+                         (tmp_path / "F.predictions.json", None), (other, "holds run records"),
+                         (tmp_path, "is a directory, not a file")):
+        if message is None:  # the predictions kept beside an input are read too
+            out.write_text("{}")
+            message = "which the report reads"
+        assert main([str(records), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert main([str(tmp_path), "--out", str(tmp_path / "sub" / "x.jsonl")]) == 0  # not yet a file of records
+    assert main([str(tmp_path / "sub"), "--out", str(tmp_path / "sub" / "x.jsonl")]) == 2  # now an input
+    assert records.read_text() == before and len(read_records(other)) == 1
+
+
+def test_malformed_fields_are_left_out_with_a_warning_naming_file_and_line(tmp_path, capsys):
+    """Issue #31, item 8: a median step time that is NaN or text crashed the report; a record without
+    one showed as an ok cell holding only its prediction."""
+    from report import main
+
+    path = tmp_path / "r.jsonl"
+    append_record(path, _rec(tp=8, t=25.0))
+    for value in (float("nan"), "fast", None):
+        d = _rec(pp=8, t=19.71).__dict__
+        if value is None:
+            del d["median_step_time"]
+        else:
+            d["median_step_time"] = value
+        with open(path, "a") as f:
+            f.write(json.dumps(d) + "\n")
+    (tmp_path / "r.predictions.json").write_text(json.dumps({d["run_id"]: {"step_time": 0.046},
+                                                             "other": {"step_time": "soon"}}))
+    assert main([str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{path}:2: field median_step_time left out (nan is not a finite number)" in err
+    assert f'{path}:3: field median_step_time left out ("fast" is not a finite number)' in err
+    assert f"{path}:4: an ok record without a median_step_time" in err
+    assert "the prediction of run other left out (no finite step_time)" in err and "Traceback" not in err
+    assert "ok, no step time (pred 0.046)" in out and "fastest `megatron T-8` 25.00 s" in out
+
+
+def test_records_of_one_config_on_different_hardware_never_share_a_cell(tmp_path):
+    """Issue #31, item 5: a newer record with device_kind cuda replaced the CPU measurement in its cell,
+    and with only device_kind edited it sat in the "hardware: cpu" table and was called fastest."""
+    def run(system, pp, t, kind="cpu", timestamp="2025-01-01T00:00:00+00:00"):
+        d = _rec(system=system, pp=pp, t=t).__dict__
+        d["environment"] = {**d["environment"], "device_kind": kind, "device_name": "cpu"}
+        return {**d, "timestamp": timestamp}
+
+    cpu, baseline = run("ours", 2, 0.3), run("torch_pipe", 2, 0.4)
+    gpu = {**run("ours", 2, 0.01, kind="cuda", timestamp="2025-01-02T00:00:00+00:00"), "key": cpu["key"]}
+    text = render([cpu, baseline, gpu])
+    cpu_table = next(t for t in text.split("## Every run")[0].split("### ")[1:] if "hardware: cpu;" in t)
+    assert "0.300 s" in cpu_table and "0.010 s" not in cpu_table
+    assert "fastest `ours P-2` 0.300 s" in text and "0.010 s" in text.split("## Every run")[1]
+
+
+def test_runs_under_one_matrix_file_with_other_contents_are_rows_of_their_own(tmp_path, capsys):
+    """Issue #31, items 3 and 4: the 5 ms and the 40 ms runs of one edited net.json shared a row, and
+    a heterogeneous matrix was plotted at its link 0 -> 1 (0.1 ms)."""
+    from report import plot_networks, to_frame
+
+    def under(matrix: dict, t: float, system: str = "ours"):
+        d = _rec(system=system, pp=2, network="net.json", t=t).__dict__
+        cfg = RunConfig.from_dict(d["config"], get_system(system).options).replace(network_matrix=matrix)
+        return {**d, **{k: v for k, v in build_record(cfg, get_system(system), "ok", None, None, {}).__dict__.items()
+                        if k in ("config", "key", "network_setting")}}
+
+    def uniform(delay, gbps):
+        return {"delay_ms": [[0, delay], [delay, 0]], "bandwidth_gbps": [[0, gbps], [gbps, 0]]}
+
+    hetero = {"delay_ms": [[0, 0.1], [67, 0]], "bandwidth_gbps": [[0, 10], [0.79, 0]]}
+    recs = [under(uniform(5, 1), 0.2), under(uniform(5, 1), 0.3, "torch_pipe"), under(uniform(40, 0.1), 0.9),
+            under(uniform(40, 0.1), 1.2, "torch_pipe"), under(hetero, 0.5), under(hetero, 0.7, "torch_pipe")]
+    text = render(recs)
+    table = text.split("### Step time by network setting")[1].split("## Every run")[0]
+    rows = [l for l in table.splitlines() if l.startswith("| net.json")]
+    assert len(rows) == 3, table
+    assert "net.json (2 hosts, 5 ms, 1 Gbit/s) [" in rows[0] and "0.200 s" in rows[0] and "0.900 s" not in rows[0]
+    assert "net.json (2 hosts, 40 ms, 0.1 Gbit/s) [" in rows[1] and "0.900 s" in rows[1]
+    assert "net.json (2 hosts, 0.1-67 ms, 0.79-10 Gbit/s) [" in rows[2]  # ordered by its slowest link
+    paths = plot_networks(to_frame(recs), tmp_path / "plots")
+    assert len(paths) == 1 and "plot: left out net.json (2 hosts, 0.1-67 ms" in capsys.readouterr().err
+
+
+def test_cpu_and_gpu_records_of_one_config_are_different_runs():
+    """Issue #31, item 5, with the hardware in the run's identity (RunConfig.hardware): the record of
+    a run on a GPU is not the newest record of its CPU run, and never sits in a CPU table."""
+    def run(system: str, t: float, hardware: str):
+        spec = get_system(system)
+        cfg = RunConfig(system=system, model=get_model_config("tiny"), batch_size=2, micro_batch_size=1, pp=2,
+                        options=spec.options(), hardware=hardware)
+        kind, _, name = hardware.partition(":")
+        ranks = [{"rank": r, "step_times": [t] * 3, "losses": [1.0] * 3 if r == 1 else None, "dp_sync_times": [0.0] * 3,
+                  "gpu_memory": [], "cpu_rss_bytes": 1 << 28, "extra": {}, "hostname": "h",
+                  "device": "cpu" if kind == "cpu" else f"cuda:{r}", "device_name": name or "cpu",
+                  "backend": "gloo" if kind == "cpu" else "nccl", "peak_tflops": 1.0, "peak_source": "x"}
+                 for r in range(2)]
+        return build_record(cfg, spec, "ok", None, ranks, {}).__dict__
+
+    cpu, gpu = run("ours", 0.3, "cpu"), run("ours", 0.01, "cuda:NVIDIA H100 80GB HBM3")
+    assert cpu["key"] != gpu["key"]
+    text = render([cpu, run("torch_pipe", 0.4, "cpu"), gpu, run("torch_pipe", 0.02, "cuda:NVIDIA H100 80GB HBM3")])
+    tables = text.split("## Every run")[0].split("### ")[1:]
+    on_cpu = next(t for t in tables if "hardware: cpu;" in t)
+    on_gpu = next(t for t in tables if "hardware: cuda: NVIDIA H100 80GB HBM3;" in t)
+    assert "0.300 s" in on_cpu and "0.010 s" not in on_cpu and "0.010 s" in on_gpu and "0.300 s" not in on_gpu

@@ -1,17 +1,26 @@
-"""Model shapes every system trains: the GPT-3 family by TeraPipe's names, plus small CPU models."""
+"""Model shapes every system trains: the GPT-3 family by TeraPipe's names, plus small CPU models.
+
+A field with ``help`` in its metadata is a flag of the run command (``contract.option`` declares the
+same keys; ``flags`` where they are not ``--<name>``): the model's fields override the named model's,
+the optimizer's set it.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+
+def _flag(help: str, *flags: str, dest: str | None = None, **kwargs):
+    return field(metadata=dict(help=help, flags=flags, dest=dest), **kwargs)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    seq_len: int
-    vocab_size: int = 50304
+    n_layer: int = _flag("transformer layers", "--num-layers", "--n-layer")
+    n_embd: int = _flag("hidden size", "--hidden-size", "--embedding-dim")
+    n_head: int = _flag("attention heads", "--num-heads", "--n-head")
+    seq_len: int = _flag("sequence length (tokens)", "--seq-length")
+    vocab_size: int = _flag("vocabulary size", "--vocab-size", default=50304)
 
     @property
     def head_dim(self) -> int:
@@ -21,12 +30,21 @@ class ModelConfig:
         return replace(self, **{k: v for k, v in fields.items() if v is not None})
 
 
+def count_params(cfg: ModelConfig, include_embeddings: bool = False) -> int:
+    h, L = cfg.n_embd, cfg.n_layer
+    per_block = 12 * h * h + 13 * h  # qkv + proj + fc + proj weights, their biases, two LayerNorms
+    n = L * per_block + 2 * h + cfg.vocab_size * h  # final LayerNorm and LM head
+    if include_embeddings:
+        n += cfg.vocab_size * h + cfg.seq_len * h
+    return n
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The same optimizer for every system (Megatron's distributed optimizer takes only Adam)."""
 
-    kind: str = "adam"  # adam | sgd
-    lr: float = 1e-4
+    kind: str = _flag("adam | sgd", "--optimizer", dest="optimizer", default="adam")
+    lr: float = _flag("learning rate", "--lr", default=1e-4)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8

@@ -8,8 +8,8 @@ only; ``heldout_batch`` is the eval's fixed batch from the held-out split.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
+import numpy as np
 import torch
 
 from workload.corpus import read_corpus
@@ -25,15 +25,11 @@ def synthetic_tokens(seed: int, step: int, rows: int, seq_len: int, vocab_size: 
     return base.gather(1, idx)
 
 
-def encode_bytes(text: bytes) -> torch.Tensor:
-    """The byte-level tokenizer: token id = byte value (needs vocab_size >= 256)."""
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-
-
 @dataclass(frozen=True)
 class TokenSource:
     """Where the batches come from: synthetic (``text_path`` None), a user's text file, or a built-in
-    corpus by name (``workload.corpus.BUILTIN``)."""
+    corpus by name (``workload.corpus.BUILTIN``); text is byte-level: token id = byte value (needs
+    vocab_size >= 256), held as uint8 (a file memory-mapped), int64 only a batch's rows."""
 
     seq_len: int
     vocab_size: int
@@ -45,8 +41,8 @@ class TokenSource:
             return synthetic_tokens(self.seed, step, rows, self.seq_len, self.vocab_size)
         tokens = self._tokens("train")
         g = torch.Generator().manual_seed(self.seed * 7919 + step + 1)
-        starts = torch.randint(0, tokens.numel() - self.seq_len - 1, (rows,), generator=g)
-        return torch.stack([tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
+        starts = torch.randint(0, len(tokens) - self.seq_len - 1, (rows,), generator=g)
+        return self._windows(tokens, starts.tolist())
 
     def heldout_batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The eval's inputs and targets, each (rows, seq_len), the same for every step, seed and
@@ -56,17 +52,20 @@ class TokenSource:
             full = synthetic_tokens(0, HELDOUT_STEP, rows, self.seq_len, self.vocab_size)
         else:
             tokens = self._tokens("heldout")
-            last = tokens.numel() - self.seq_len - 1
-            starts = [i * last // max(rows - 1, 1) for i in range(rows)]
-            full = torch.stack([tokens[s : s + self.seq_len + 1] for s in starts])
+            last = len(tokens) - self.seq_len - 1
+            full = self._windows(tokens, [i * last // max(rows - 1, 1) for i in range(rows)])
         return full[:, :-1].contiguous(), full[:, 1:].contiguous()
 
-    def _tokens(self, split: str) -> torch.Tensor:
-        tokens = _load_text(self.text_path, split)
-        if tokens.numel() < self.seq_len + 2:
-            raise ValueError(f"{self.text_path}: {split} split of {tokens.numel()} bytes, need more than "
+    def _tokens(self, split: str) -> np.ndarray:
+        tokens = getattr(read_corpus(self.text_path), split)
+        if len(tokens) < self.seq_len + 2:
+            raise ValueError(f"{self.text_path}: {split} split of {len(tokens)} bytes, need more than "
                              f"{self.seq_len + 1}")
         return tokens
+
+    def _windows(self, tokens: np.ndarray, starts: list[int]) -> torch.Tensor:
+        """(len(starts), seq_len + 1) int64 rows of ``tokens`` from ``starts``."""
+        return torch.from_numpy(np.stack([tokens[s : s + self.seq_len + 1] for s in starts])).long()
 
     def replica_batch(self, step: int, batch_size: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (batch_size, seq_len), for data-parallel replica dp_rank."""
@@ -75,8 +74,3 @@ class TokenSource:
 
 
 HELDOUT_STEP = 1 << 40  # the synthetic eval batch's step: beyond any run's steps
-
-
-@lru_cache(maxsize=4)
-def _load_text(source: str, split: str) -> torch.Tensor:
-    return encode_bytes(getattr(read_corpus(source), split))

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from workload.configs import ModelConfig
+from workload.configs import ModelConfig, count_params  # noqa: F401 (count_params: without torch, in configs)
 
 
 Attention = Callable[[torch.Tensor], torch.Tensor]  # fused qkv (B, T, 3C) -> attention output (B, T, C)
@@ -162,12 +162,3 @@ def build_gpt(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -
     model.to_empty(device=device)
     init_weights(model, cfg, seed)
     return model
-
-
-def count_params(cfg: ModelConfig, include_embeddings: bool = False) -> int:
-    h, L = cfg.n_embd, cfg.n_layer
-    per_block = 12 * h * h + 13 * h  # qkv + proj + fc + proj weights, their biases, two LayerNorms
-    n = L * per_block + 2 * h + cfg.vocab_size * h  # final LayerNorm and LM head
-    if include_embeddings:
-        n += cfg.vocab_size * h + cfg.seq_len * h
-    return n

@@ -3,7 +3,7 @@
 As in the seed's dist_fairscale_pipe_fsdp.py: every process (one per data-parallel replica,
 world size = dp) holds a whole pipeline, ``fairscale.nn.Pipe`` over an ``nn.Sequential`` of
 ``config.pp`` stage pieces on that process's devices (on CPU every device is ``cpu``; on CUDA the
-process uses GPUs ``local_rank·pp … local_rank·pp + pp − 1``), with ``chunks`` =
+process's ``Context.devices``, GPUs ``local_rank·pp … local_rank·pp + pp − 1``), with ``chunks`` =
 batch_size / micro_batch_size micro-batches (GPipe: all forwards, then all backwards). Each stage
 piece is wrapped in fairscale's FullyShardedDataParallel over all processes: its parameters are
 flattened and sharded across the dp replicas, all-gathered for the step, and its gradients are
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
+from contract.rank import Context, Measurements, StepOutput, run_steps
 from workload.model import lm_loss
 from workload.partition import stage_specs
 from workload.training import autocast, checkpoint_blocks, make_optimizer
@@ -74,8 +74,12 @@ class Stage(nn.Module):
 
 
 def pipe_devices(cfg: RunConfig, ctx: Context) -> list[torch.device]:
-    if ctx.device.type == "cuda" and torch.cuda.device_count() >= (ctx.local_rank + 1) * cfg.pp:
-        return [torch.device("cuda", ctx.local_rank * cfg.pp + i) for i in range(cfg.pp)]
+    """The pipe's devices, one per stage: the process's GPUs (the run command gave it ``cfg.pp`` of its
+    own, or refused the run), or on CPU the CPU for every stage."""
+    if ctx.device.type == "cuda":
+        if len(ctx.devices) != cfg.pp:
+            raise RuntimeError(f"fairscale's pipe of {cfg.pp} stages was given {len(ctx.devices)} GPU(s)")
+        return list(ctx.devices)
     return [ctx.device] * cfg.pp
 
 

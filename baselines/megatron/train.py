@@ -63,7 +63,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from baselines.megatron import convert as conv  # noqa: E402
 from contract import RunConfig  # noqa: E402
-from contract.training import Context, Measurements, StepOutput, run_steps  # noqa: E402
+from contract.rank import Context, Measurements, StepOutput, run_steps  # noqa: E402
 from workload.configs import ModelConfig  # noqa: E402
 from workload.model import GPT, init_weights  # noqa: E402
 

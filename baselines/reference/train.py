@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
+from contract.rank import Context, Measurements, StepOutput, run_steps
 from workload.model import lm_loss
 from workload.training import autocast, checkpoint_blocks, grad_scaler, make_optimizer
 
@@ -16,14 +16,13 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         checkpoint_blocks(model)
     opt = make_optimizer(model.parameters(), cfg.optimizer)
     scaler = grad_scaler(ctx.device, cfg.mixed_precision)
-    n_chunks = cfg.batch_size // cfg.micro_batch_size
 
     def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=ctx.device)
         for x, y in zip(inputs.split(cfg.micro_batch_size), targets.split(cfg.micro_batch_size)):
             with autocast(ctx.device, cfg.mixed_precision):
-                loss = lm_loss(model(x), y) / n_chunks
+                loss = lm_loss(model(x), y) / cfg.n_micro_batches
             scaler.scale(loss).backward()
             total += loss.detach()
         scaler.step(opt)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from baselines.torch_pipe import stage_indices
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
+from contract.rank import Context, Measurements, StepOutput, run_steps
 from workload.model import GPT, lm_loss
 from workload.partition import stage_specs
 from workload.training import autocast, checkpoint_blocks, grad_scaler, make_optimizer

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
+from contract.rank import Context, Measurements, StepOutput, run_steps
 from ours.diloco import DiLoCoAlgorithm
 from ours.diloco.fragments import fragment_names
 from workload.model import lm_loss

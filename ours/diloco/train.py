@@ -33,7 +33,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
 from contract import RunConfig
-from contract.training import Context, Measurements, StepOutput, run_steps
+from contract.rank import Context, Measurements, StepOutput, run_steps
 from ours.diloco import DiLoCoOptions
 from ours.diloco.fragments import stage_fragments
 from ours.engine import StageEngine

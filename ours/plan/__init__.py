@@ -3,7 +3,7 @@
 - ``ours.plan.solve``: the exact slicing DP over a latency table (``solve_table``, ``brute_force``);
 - ``ours.plan.latency``: the latency model t(b, l, c) + communication, its fit (``LatencyModel``, ``fit``);
 - ``ours.plan.planner``: model -> optimal (batch slice, token slicing) (``plan``);
-- ``ours.plan.profile``: the measurements; ``ours.plan.evaluate``: predicted vs measured;
+- ``ours.plan.profile``: the measurements; ``bench.plan_evaluation``: predicted vs measured;
 - ``ours.plan.auto``: ``auto_slicing(config, device)`` for ``--n-slices auto`` (ours' default).
 """
 from ours.plan.latency import LatencyModel, fit

@@ -1,9 +1,10 @@
-"""python -m ours.plan {profile,fit,solve,evaluate}: TeraPipe's latency model and optimal slicing.
+"""python -m ours.plan {profile,fit,solve}: TeraPipe's latency model and optimal slicing.
 
     python -m ours.plan profile --model cpu-small [--quick] [--out FILE]
     python -m ours.plan fit --profile FILE [--out FILE]          # default out: the cache auto uses
     python -m ours.plan solve --model cpu-small --pp 2 --batch-size 2 [--micro-batch-size 1] [--granularity 8]
-    python -m ours.plan evaluate --model cpu-small --pp 2 --batch-size 1 --micro-batch-size 1
+
+Predicted against measured step times: ``python -m bench plan-evaluation`` (runs the run command).
 """
 from __future__ import annotations
 
@@ -106,32 +107,6 @@ def cmd_solve(args) -> int:
     return 0
 
 
-def cmd_evaluate(args) -> int:
-    from ours.plan.auto import plan_dir
-    from ours.plan.evaluate import evaluate
-
-    cfg = _model(args)
-    lm, path = _load_latency_model(args, cfg)
-    ks = list(args.ks) if args.ks else [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= cfg.seq_len // 8]
-    out_dir = Path(args.out_dir or plan_dir() / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}-b{args.micro_batch_size}")
-    extra = []
-    if args.n_layer:
-        extra += ["--num-layers", str(args.n_layer)]
-    if args.seq_len:
-        extra += ["--seq-length", str(args.seq_len)]
-    if args.network:
-        extra += ["--network", args.network]
-    res = evaluate(lm, model=args.model, n_layer=cfg.n_layer, seq_len=cfg.seq_len, pp=args.pp,
-                   batch_size=args.batch_size, micro=args.micro_batch_size, ks=ks, steps=args.steps,
-                   warmup=args.warmup, out_dir=out_dir, granularity=args.granularity, rounds=args.rounds,
-                   extra=extra, log=lambda s: print(s, flush=True))
-    from ours.plan.evaluate import markdown
-
-    print(markdown(res))
-    print(f"-> {out_dir}/evaluation.md, evaluation.json")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ours.plan", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -177,16 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
     q.set_defaults(fn=cmd_solve)
 
-    q = sub.add_parser("evaluate", help="run --system ours with uniform and optimal slicings, predicted vs measured")
-    plan_args(q)
-    q.add_argument("--micro-batch-size", type=int, default=1)
-    q.add_argument("--ks", type=_ints, default=None, help="uniform slice counts (default 1,2,4,...,64)")
-    q.add_argument("--steps", type=int, default=5)
-    q.add_argument("--warmup", type=int, default=1)
-    q.add_argument("--rounds", type=int, default=1)
-    q.add_argument("--network", default=None)
-    q.add_argument("--out-dir", default=None)
-    q.set_defaults(fn=cmd_evaluate)
     return p
 
 

@@ -2,7 +2,7 @@
 
 - A slicing chosen by simulation for the run's layout (pipeline stages, layers, batch, micro-batch),
   where one was written for the layer shape: ``<device>-h..-s..-v..-simulated.json`` in the plan
-  directory, by ``python -m runners.predict plan``. The simulator (runners.predict) runs ours' program
+  directory, by ``python -m predict plan``. The simulator (predict) runs ours' program
   over a calibration of this machine and predicts the planner's own evaluation better than TeraPipe's
   formula (results/predict/NOTE.md); it simulates the formula's optimum at several granularities and
   the uniform slicings and keeps the fastest. ours reads its choice as data; it imports nothing of it.

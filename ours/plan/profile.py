@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ours.plan.ping_pong import ping_pong
 from workload.configs import ModelConfig
 from workload.model import Block, block_forward, merge_heads, split_heads
 
@@ -197,20 +198,8 @@ def _p2p_worker(rank: int, port: int, sizes: list[int], reps: int, out: str) -> 
     res = []
     try:
         for nbytes in sizes:
-            buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-            times = []
-            for i in range(reps + 2):
-                dist.barrier()
-                t = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, 1)
-                    dist.recv(buf, 1)
-                else:
-                    dist.recv(buf, 0)
-                    dist.send(buf, 0)
-                if i >= 2:
-                    times.append((time.perf_counter() - t) / 2)
-            res.append(dict(bytes=buf.numel() * 4, t=statistics.median(times), t_min=min(times)))
+            times = [t / 2 for t in ping_pong(rank, nbytes, reps, barrier=True)]  # one way
+            res.append(dict(bytes=max(1, nbytes // 4) * 4, t=statistics.median(times), t_min=min(times)))
         if rank == 0:
             Path(out).write_text(json.dumps(res))
     finally:

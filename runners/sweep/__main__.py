@@ -27,7 +27,7 @@ from runners.sweep.scale import scale_down
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m runners.sweep", description=__doc__.split("\n\n")[1])
-    ap.add_argument("sweep", nargs="?", help="a sweep file (TOML), e.g. runners/sweeps/local.toml")
+    ap.add_argument("sweep", nargs="?", help="a sweep file (TOML), e.g. sweeps/local.toml")
     ap.add_argument("--out", default=None, help="the record file (default results/<sweep name>.jsonl)")
     ap.add_argument("--dry-run", action="store_true", help="print the run commands, run nothing")
     ap.add_argument("--only", action="append", default=[], metavar="SYSTEM", help="only this system (repeatable)")
@@ -88,13 +88,13 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
             raise SweepError("--networks takes the run arguments after --, and no sweep file")
         if args.scale_down:
             raise SweepError("--scale-down scales a sweep file, not --networks")
-        sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES))
+        sweep = adhoc_sweep(run_args, args.networks or list(SEED_PROFILES), here=not args.hostfile)
     else:
         if not args.sweep:
             raise SweepError("give a sweep file (or --networks PROFILE... -- RUN_ARGS)")
         if run_args:
             raise SweepError("run arguments after -- go with --networks only")
-        sweep = load_sweep(args.sweep, scale_down if args.scale_down else None)
+        sweep = load_sweep(args.sweep, scale_down if args.scale_down else None, here=not args.hostfile)
     unknown = [s for s in args.only if s not in {r.system for r in sweep.runs}]
     if unknown:
         raise SweepError(f"--only {', '.join(unknown)}: not in this sweep (it has "

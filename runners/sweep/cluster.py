@@ -5,7 +5,8 @@ per node as fit; a run that does not fit is recorded with status ``unfit`` and s
 run's network on every node it uses (``SshShapingSession``: netem where the node has it, else tbf
 plus the delayer), probe the link between its first two nodes once per network setting, start the
 run command on every node with ``--nnodes N --node-rank i --rdzv-endpoint node0:PORT`` and the
-interface in ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, copy node 0's record back into the
+interface in ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` (under shaping NCCL also kept off
+InfiniBand and network plugins: ``SHAPED_NCCL_ENV``), copy node 0's record back into the
 sweep's out file (with the shaping and the measured link in its environment), and clear the shaping:
 always, also on errors and Ctrl-C.
 
@@ -34,14 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from contract.records import newest, parse_records, read_records
 from network_emulation import SshShapingSession, parse_profile
 from network_emulation.netem import ssh_argv, ssh_base
-from network_emulation.signals import signals_deferred
+from network_emulation.signals import signals_deferred, stop_process
 from network_emulation.ssh_shaping import for_host
 from runners.output import Pump, is_peer_failure
 from runners.record import append_line, append_record, build_record
-from runners.registry import get_system
-from runners.request import build_parser, config_from_args
+from runners.request import parse_request
 from runners.sweep.execute import SAFETY_MARGIN_S
 from runners.sweep.hostfile import DoesNotFit, Host, NodePlacement, parse_hostfile, place
 from runners.sweep.plan import REPO, PlannedRun, Sweep
@@ -54,7 +55,10 @@ STOP_S = 20.0  # after the interruption, how long a node's run command gets befo
 PID_WAIT_S = 15.0  # how long a node being stopped gets to say its run command's pid (ssh's connection time)
 SSH_LOST = 255  # ssh's exit status when the connection fails or ends
 BAD_REQUEST = 2  # the run command's exit status for a request it refused (it started nothing)
-IFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# Under a shaped network, NCCL forced onto the shaped interface's sockets: on InfiniBand or EFA it
+# would bypass the kernel (and tc) through its own transport or a network plugin, and the record
+# would claim a link the run never used. Recorded in the run's environment (cluster.nccl_env).
+SHAPED_NCCL_ENV = {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
 
 
 @dataclass
@@ -72,7 +76,7 @@ class ClusterExecutor:
     port: int = 29500
     dry_run: bool = False
     log: IO | None = None
-    measured: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)  # (network, src, dst) -> link
+    measured: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = field(default_factory=dict)  # (network, nodes) -> links
     backends: dict[str, str] = field(default_factory=dict)  # host -> shaping backend found (skips re-probing netem)
     cluster = True
 
@@ -100,10 +104,16 @@ class ClusterExecutor:
         return place(run.world, self.hosts, devices_per_process=run.devices_per_process,
                      ranks_per_node=run.nproc_per_node, emulated=run.emulated)
 
+    def nccl_env(self, run: PlannedRun) -> dict[str, str]:
+        """NCCL's environment on the nodes: its interface, and under a shaped network its sockets only."""
+        return {"NCCL_SOCKET_IFNAME": self.iface, **(SHAPED_NCCL_ENV if run.emulated else {})}
+
     def run_argv(self, run: PlannedRun, nodes: NodePlacement, node_rank: int, remote_out: str) -> list[str]:
-        """The run command on one node (an argument list), with the interface for gloo and NCCL."""
+        """The run command on one node (an argument list), with the interface for gloo and NCCL (and
+        NCCL kept on it under a shaped network)."""
         host = nodes.hosts[node_rank]
-        return ["env", *(f"{v}={self.iface}" for v in IFACE_VARIABLES), self.python_on(host), "-m", "runners.run",
+        env = {"GLOO_SOCKET_IFNAME": self.iface, **self.nccl_env(run)}
+        return ["env", *(f"{k}={v}" for k, v in env.items()), self.python_on(host), "-m", "runners.run",
                 *run.args, "--nnodes", str(nodes.nnodes), "--node-rank", str(node_rank),
                 "--rdzv-endpoint", f"{nodes.hosts[0]}:{self.port}", "--out", remote_out]
 
@@ -179,7 +189,8 @@ class ClusterExecutor:
                 self._note(f"cluster: the run took {time.monotonic() - t1:.1f} s on {nodes.nnodes} node(s)")
         except Exception as e:  # shaping, probe or ssh trouble: the run did not happen
             tail.append(f"cluster: {e}")
-        cluster_env = {"hosts": list(nodes.hosts), "ranks_per_node": nodes.ranks_per_node, "iface": self.iface}
+        cluster_env = {"hosts": list(nodes.hosts), "ranks_per_node": nodes.ranks_per_node, "iface": self.iface,
+                       "nccl_env": self.nccl_env(run)}
         status = self._collect(nodes.hosts[0], remote_out, out, network, cluster_env, blame)
         if status is None:
             status = "timeout" if timed_out else "error"
@@ -190,19 +201,25 @@ class ClusterExecutor:
         return (0 if status == "ok" else 1), "\n".join(tail)
 
     def _measure(self, run: PlannedRun, hosts: tuple[str, ...], session: SshShapingSession) -> dict[str, Any]:
-        """The link between the run's first two nodes, measured once per network setting (and pair);
+        """The links between the run's nodes, measured once per network setting (and nodes): every
+        kind of link of the profile on the first pair of nodes that has it (``LinkProbing.probe_links``;
+        one for a uniform profile), the slowest one's as ``measured_link`` between the nodes it names;
         nothing for a run on one node (it has no link between nodes)."""
         if len(hosts) < 2:
             return {"measured_link": None}
-        key = (run.network, hosts[0], hosts[1])
+        key = (run.network, hosts)
         if key not in self.measured:
             try:
-                m = session.probe(0, 1)
+                measured = session.probe_links()
             except Exception as e:
-                raise RuntimeError(f"probing {hosts[0]} -> {hosts[1]} under {run.network} failed: {e}") from None
-            self.measured[key] = m.describe()
-            self._note(f"cluster: {run.network}: {hosts[0]} -> {hosts[1]}: {m}")
-        return {"measured_link": self.measured[key], "measured_between": list(key[1:])}
+                raise RuntimeError(f"probing the links between {', '.join(hosts)} under {run.network} failed: {e}") from None
+            self.measured[key] = measured
+            for m in measured["measured_links"]:
+                self._note(f"cluster: {run.network}: {hosts[m['src']]} -> {hosts[m['dst']]}: "
+                           f"{m['one_way_delay_ms']:.3f} ms, {m['bandwidth_gbps']:.3f} Gbit/s")
+        measured = self.measured[key]
+        slow = measured["measured_link"]
+        return {**measured, "measured_between": [hosts[slow["src"]], hosts[slow["dst"]]]}
 
     def _note(self, line: str) -> None:
         if self.log:
@@ -314,13 +331,8 @@ class ClusterExecutor:
         while any(p.poll() is None for p in procs) and time.monotonic() < end:
             time.sleep(0.2)
         signal_all("KILL")
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        for p in procs:  # the ssh clients end with their remote commands
+            stop_process(p, None, 5.0)
 
     def _collect(self, host0: str, remote_out: str, out: Path, network: dict[str, Any] | None,
                  cluster_env: dict[str, Any], blame: str | None) -> str | None:
@@ -334,15 +346,8 @@ class ClusterExecutor:
                            timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        lines = [l for l in p.stdout.splitlines() if l.strip()] if p.returncode == 0 else []
         status = None
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict):
-                continue
+        for rec in parse_records(p.stdout if p.returncode == 0 else "", f"{host0}:{remote_out}"):
             status = rec.get("status")
             env = rec.setdefault("environment", {})
             env["cluster"] = cluster_env
@@ -356,20 +361,14 @@ class ClusterExecutor:
     def _record(self, run: PlannedRun, out: Path, status: str, error: str, environment: dict[str, Any]) -> None:
         """A record for a run that produced none (it did not fit, or ssh / shaping failed), so that
         the report shows it."""
-        cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
+        cfg, spec = parse_request(run.args)
         env = {"launcher_host": os.uname().nodename, "device_count": run.devices, **environment}
-        append_record(out, build_record(cfg, get_system(cfg.system), status, error[:2000], None, env))
+        append_record(out, build_record(cfg, spec, status, error[:2000], None, env))
 
     def _record_unfit(self, run: PlannedRun, out: Path, error: str) -> None:
         """Record an unfit run, unless the newest record of the run already says the same."""
-        newest = None
-        if out.exists():
-            for line in out.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    rec = json.loads(line)
-                    if isinstance(rec, dict) and rec.get("key") == run.key:
-                        newest = rec
-        if newest and newest.get("status") == "unfit" and newest.get("error") == error:
+        last = newest(read_records(out), run.key) if run.key else None
+        if last and last.get("status") == "unfit" and last.get("error") == error:
             return
         slots = [f"{h.name} slots={h.slots}" for h in self.hosts]
         self._record(run, out, "unfit", error, {"cluster": {"hostfile": slots}})

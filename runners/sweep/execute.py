@@ -8,8 +8,6 @@ status, last output lines)``; ``LocalExecutor`` on this machine, ``ClusterExecut
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import shlex
 import subprocess
@@ -22,7 +20,11 @@ from typing import IO, Protocol
 
 from tqdm import tqdm
 
+from contract import ConfigError
+from contract.config import planned_key
+from contract.records import read_records
 from runners.invoke import run_command
+from runners.record import HELD_LOCK_ENV, hold_records
 from runners.sweep.hostfile import DoesNotFit
 from runners.sweep.plan import REPO, PlannedRun, Sweep, SweepError
 
@@ -35,37 +37,47 @@ class Executor(Protocol):
     def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]: ...
 
 
-def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str]:
-    """The identities already recorded in ``out`` (only the ok ones with retry_failed; never unfit ones)."""
-    p = Path(out)
-    keys: set[str] = set()
-    if not p.exists():
-        return keys
-    for line in p.read_text().splitlines():
+def recorded(out: str | os.PathLike, retry_failed: bool = False) -> dict[str, set[str | None]]:
+    """The runs already recorded in ``out`` (only the ok ones with retry_failed; never unfit ones): each
+    as its planned run's key (``contract.config.planned_key``) with the hardware it was recorded on
+    (None: not known)."""
+    done: dict[str, set[str | None]] = {}
+    for rec in read_records(out):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict) or not isinstance(rec.get("key"), str):
+            key, hardware = planned_key(rec["key"])
+        except (ValueError, TypeError, KeyError, AttributeError):
             continue
         if rec.get("status") == "unfit" or (retry_failed and rec.get("status") != "ok"):
             continue  # whether a run fits depends on the hostfile: judged again each time
-        keys.add(rec["key"])
-    return keys
+        done.setdefault(key, set()).add(hardware)
+    return done
+
+
+def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str]:
+    """The planned runs' keys already recorded in ``out`` (on any hardware)."""
+    return set(recorded(out, retry_failed))
+
+
+def hardware_here(run: PlannedRun, gpus) -> str | None:
+    """The hardware ``run`` gets on this machine (``runners.devices.judge_gpus``), None where it cannot run here."""
+    from runners.devices import judge_gpus
+
+    try:
+        return judge_gpus(run.device, gpus, run.world, run.devices_per_process)
+    except ConfigError:
+        return None
 
 
 @contextlib.contextmanager
 def records_lock(out: Path) -> Iterator[int]:
-    """Held while a sweep writes to ``out``, and by the run command it is running (which inherits the
-    descriptor), so that a second sweep on the same file, or a resumed one while a run of the old one
-    is still stopping, is refused. Yields the locked descriptor."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out.with_name(out.name + ".sweep.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    """Held while a sweep writes to ``out`` (``runners.record.hold_records``), and by the run command
+    it is running (which inherits the descriptor), so that a second sweep or a run command on the same
+    file, or a resumed sweep while a run of the old one is still stopping, is refused. Yields the
+    locked descriptor."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = hold_records(out)
     except BlockingIOError:
-        os.close(fd)
-        raise SweepError(f"another sweep (or a run it started) is writing to {out}; wait for it to end or stop it") from None
+        raise SweepError(f"another sweep or run command is writing to {out}; wait for it to end or stop it") from None
     try:
         yield fd
     finally:
@@ -99,12 +111,13 @@ class LocalExecutor:
 
     python: str = sys.executable
     log: IO | None = None
-    pass_fds: tuple[int, ...] = ()  # the records lock, held by the child too
+    pass_fds: tuple[int, ...] = ()  # the records lock (hold_records), held by the child too
     cluster = False
 
     def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]:
         inv = run_command(run.args, out=out, timeout=run.timeout + SAFETY_MARGIN_S, python=self.python,
-                          sinks=[self.log] if self.log else [], pass_fds=self.pass_fds)
+                          sinks=[self.log] if self.log else [], pass_fds=self.pass_fds,
+                          env={HELD_LOCK_ENV: str(self.pass_fds[0])} if self.pass_fds else None)
         return inv.returncode, inv.output
 
 
@@ -146,11 +159,21 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
             say(f"skip (bad combination): {r.label()}\n    {r.error}")
             outcome.invalid += 1
     planned = [r for r in planned if r.valid]
-    done = recorded_keys(out, retry_failed) if out else set()
+    done = recorded(out, retry_failed) if out else {}
+    # A run is recorded when its key is, on the hardware it would run on: this machine's in a local
+    # sweep (CPU and GPU records of one config are different runs); any in cluster mode (the nodes'
+    # hardware is seen only by the run command on them).
+    gpus = None
+    if done and not getattr(executor, "cluster", False):
+        from runners.devices import local_gpus
+
+        with contextlib.suppress(ConfigError):  # GPUs that cannot be read: the run command says why
+            gpus = local_gpus()
     todo: list[PlannedRun] = []
     seen: set[str] = set()
     for r in planned:
-        if r.key in done or r.key in seen:
+        hardware = {hardware_here(r, gpus), None} if gpus is not None and r.key in done else None
+        if (r.key in done and (hardware is None or done[r.key] & hardware)) or r.key in seen:
             outcome.skipped += 1
             continue
         seen.add(r.key)

@@ -1,6 +1,6 @@
 """Planning a sweep: a sweep file (TOML) expanded into run commands, each judged before anything runs.
 
-A sweep file (see runners/sweeps/*.toml)::
+A sweep file (see sweeps/*.toml)::
 
     name = "local"
     [fixed]                        # settings of every run: any flag of the run command, snake_case
@@ -16,11 +16,13 @@ A sweep file (see runners/sweeps/*.toml)::
     name = "ours"                             # + the system's own options; a list is one more axis
     n_slices = 4
     dp_mode = "central_ps"
-    layouts = ["P-2"]                         # optional per-system layouts / micro_batch_sizes
+    layouts = ["P-2 D-2"]                     # optional per-system layouts / micro_batch_sizes
 
 Every run is an argument list (never a shell string) for ``python -m runners.run``, judged with the
-run command's own parser and validation: a bad combination is reported and skipped, and an option
-given to a system that does not declare it is a bad combination too.
+run command's own parser and validation (and, for a sweep run on this machine, whether its ranks fit
+it): a bad combination (an unknown system, an option given to a system that does not declare it, an
+option that would do nothing in a layout, a matrix of another size than the run's ranks, a layout
+this machine cannot hold) makes the whole sweep file bad, as an unknown key does.
 """
 from __future__ import annotations
 
@@ -39,11 +41,11 @@ from pathlib import Path
 
 from contract import ConfigError
 from network_emulation.profiles import ProfileError, parse_profile
-from runners.registry import get_system
-from runners.request import OPTION_PREFIX, build_parser, config_from_args, judge
+from contract.registry import get_system
+from runners.request import OPTION_PREFIX, build_parser, check_fits_here, config_from_args, judge
 
 REPO = Path(__file__).resolve().parents[2]
-SWEEPS_DIR = REPO / "runners" / "sweeps"
+SWEEPS_DIR = REPO / "sweeps"
 # Flags a sweep controls itself: through its axes, or per run (out file, multi-node placement).
 AXIS_FLAGS = {"system": "systems", "pp": "layouts", "tp": "layouts", "dp": "layouts",
               "micro_batch_size": "micro_batch_sizes", "network": "networks"}
@@ -67,6 +69,7 @@ class PlannedRun:
     key: str | None = None  # the run's identity (None for an invalid combination)
     error: str | None = None  # why the combination is invalid
     world: int = 1  # processes the run needs
+    device: str = "auto"  # the run's --device (what hardware it gets is judged where it runs)
     devices_per_process: int = 1  # devices each process uses (fairscale: its pipe's devices)
     timeout: float = 3600.0  # the run's own --timeout
     nproc_per_node: int | None = None  # placement hint from the sweep file (cluster mode)
@@ -95,8 +98,10 @@ def _parser_flags() -> dict[str, argparse.Action]:
     return {a.dest.removeprefix(OPTION_PREFIX): a for a in build_parser()._actions if a.option_strings}
 
 
-def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node: int | None = None) -> PlannedRun:
-    """One run's flags, judged by the run command's own parser and validation."""
+def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node: int | None = None,
+             here: bool = False) -> PlannedRun:
+    """One run's flags, judged by the run command's own parser and validation; ``here``: also whether
+    its ranks fit this machine (``check_fits_here``), for a sweep run on it."""
     system = args[args.index("--system") + 1] if "--system" in args[:-1] else "?"
     base = dict(experiment=experiment, system=system, args=tuple(args), network=network,
                 nproc_per_node=nproc_per_node)
@@ -108,14 +113,16 @@ def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node:
     except SystemExit:
         msg = err.getvalue().strip().splitlines()
         return PlannedRun(**base, error=(msg[-1] if msg else "bad arguments").removeprefix(f"{parser.prog}: error: "))
+    spec = get_system(ns.system)
     try:
-        cfg = config_from_args(ns)
-        judge(cfg)
+        cfg = config_from_args(ns, spec)
+        judge(cfg, spec)
+        if here:
+            check_fits_here(cfg, spec)
     except ConfigError as e:
         return PlannedRun(**base, error=str(e))
-    spec = get_system(cfg.system)
     return PlannedRun(**base, key=cfg.key(), world=spec.processes(cfg), devices_per_process=spec.devices_per_process(cfg),
-                      timeout=cfg.timeout)
+                      timeout=cfg.timeout, device=cfg.device)
 
 
 _LAYOUT_TOKEN = re.compile(r"^([TPD])-?(\d+)$", re.IGNORECASE)
@@ -193,7 +200,7 @@ class Sweep:
         return [r for r in self.runs if not r.valid]
 
 
-def expand_experiment(exp: dict, fixed: dict, flags: dict, where: str) -> list[PlannedRun]:
+def expand_experiment(exp: dict, fixed: dict, flags: dict, where: str, here: bool = False) -> list[PlannedRun]:
     name = str(exp.get("name", where))
     settings = {**fixed, **{k: v for k, v in exp.items() if k not in EXPERIMENT_KEYS}}
     if "micro_batch_size" in settings:  # a scalar default for the axis
@@ -211,14 +218,14 @@ def expand_experiment(exp: dict, fixed: dict, flags: dict, where: str) -> list[P
         _list(settings[k], k, where)
     runs: list[PlannedRun] = []
     for combo in itertools.product(*(settings[k] for k in axes)):
-        runs += _expand_systems(exp, {**settings, **dict(zip(axes, combo))}, flags, where, name)
+        runs += _expand_systems(exp, {**settings, **dict(zip(axes, combo))}, flags, where, name, here)
     return runs
 
 
 MODEL_KEYS = ("model", "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
 
 
-def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: str) -> list[PlannedRun]:
+def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: str, here: bool) -> list[PlannedRun]:
     """One experiment's systems x options x layouts x micro-batch sizes x networks, at fixed settings."""
     ordered = sorted(settings, key=lambda k: (MODEL_KEYS.index(k) if k in MODEL_KEYS else len(MODEL_KEYS), ))
     base_model = [a for k in ordered if k in MODEL_KEYS for a in setting_args(k, settings[k], flags, where)]
@@ -254,6 +261,9 @@ def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: st
             if mbs is None:
                 raise SweepError(f"{where}: no 'micro_batch_sizes' (nor a fixed 'micro_batch_size')")
             options = {k: v for k, v in s.items() if k not in SYSTEM_KEYS}
+            for k, v in options.items():
+                if isinstance(v, list):
+                    _list(v, k, swhere)
             opt_names = sorted(options)
             opt_values = [v if isinstance(v, list) else [v] for v in (options[k] for k in opt_names)]
             for combo in itertools.product(*opt_values):
@@ -263,7 +273,7 @@ def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: st
                         args = ["--system", s["name"], *base_model, "--pp", str(lay["pp"]), "--tp", str(lay["tp"]),
                                 "--dp", str(lay["dp"]), *_batch_first(base_rest),
                                 "--micro-batch-size", str(mb), *opt_args, "--network", net]
-                        runs.append(plan_run(args, name, net, nproc))
+                        runs.append(plan_run(args, name, net, nproc, here))
     return runs
 
 
@@ -275,9 +285,10 @@ def _batch_first(rest: list[str]) -> list[str]:
     return rest
 
 
-def load_sweep(path: str | os.PathLike, transform: Callable[[dict], dict] | None = None) -> Sweep:
-    """Read and expand a sweep file; a malformed one raises SweepError with a clear message.
-    ``transform`` rewrites the file's contents before they are planned (e.g. ``scale.scale_down``)."""
+def load_sweep(path: str | os.PathLike, transform: Callable[[dict], dict] | None = None, here: bool = False) -> Sweep:
+    """Read and expand a sweep file; a malformed one, or one with a bad combination, raises SweepError
+    with a clear message. ``transform`` rewrites the file's contents before they are planned (e.g.
+    ``scale.scale_down``); ``here``: the sweep runs on this machine (its runs must fit it)."""
     p = Path(path)
     if not p.exists() and not p.is_absolute() and (SWEEPS_DIR / p).exists():
         p = SWEEPS_DIR / p
@@ -290,10 +301,10 @@ def load_sweep(path: str | os.PathLike, transform: Callable[[dict], dict] | None
         raise SweepError(f"cannot read sweep file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise SweepError(f"{p}: invalid TOML: {e}") from None
-    return sweep_from_dict(transform(data) if transform else data, where=p.name)
+    return sweep_from_dict(transform(data) if transform else data, where=p.name, here=here)
 
 
-def sweep_from_dict(data: dict, where: str = "sweep") -> Sweep:
+def sweep_from_dict(data: dict, where: str = "sweep", here: bool = False) -> Sweep:
     name = data.get("name", Path(where).stem)
     fixed = data.get("fixed", {})
     if not isinstance(fixed, dict):
@@ -311,16 +322,26 @@ def sweep_from_dict(data: dict, where: str = "sweep") -> Sweep:
         experiments = [{k: v for k, v in data.items() if k not in ("fixed", "description")} | {"name": name}]
     runs = []
     for i, exp in enumerate(experiments):
-        runs += expand_experiment(exp, fixed, flags, f"{where} experiment {exp.get('name', i + 1)!r}")
-    return Sweep(str(name), runs, str(data.get("description", "")))
+        runs += expand_experiment(exp, fixed, flags, f"{where} experiment {exp.get('name', i + 1)!r}", here)
+    return refuse_bad_combinations(Sweep(str(name), runs, str(data.get("description", ""))), where)
 
 
-def adhoc_sweep(run_args: Sequence[str], networks: Sequence[str], name: str = "netem_sweep") -> Sweep:
-    """One job's flags across network profiles (netem_sweep.sh)."""
+def refuse_bad_combinations(sweep: Sweep, where: str) -> Sweep:
+    """The sweep, if every run in it can run; else SweepError naming the first bad one and why."""
+    bad = sweep.invalid_runs
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise SweepError(f"{where}: bad combination{more}: {bad[0].label()}: {bad[0].error}")
+    return sweep
+
+
+def adhoc_sweep(run_args: Sequence[str], networks: Sequence[str], name: str = "netem_sweep", here: bool = False) -> Sweep:
+    """One job's flags across network profiles (netem_sweep.sh); ``here`` as ``load_sweep``'s."""
     for a in run_args:
         flag = a.split("=", 1)[0]
         if flag in ("--network", "--out", "--nnodes", "--node-rank", "--rdzv-endpoint"):
             raise SweepError(f"{flag} is set by the sweep; leave it out of the run arguments")
     if not networks:
         raise SweepError("no network profiles given")
-    return Sweep(name, [plan_run([*run_args, "--network", net], "netem", net) for net in networks])
+    return refuse_bad_combinations(Sweep(name, [plan_run([*run_args, "--network", net], "netem", net, here=here)
+                                                for net in networks]), "--networks")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import TINY, assert_verified, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
@@ -14,7 +15,7 @@ def test_fairscale_fsdp_dp2_pipe2_matches_reference(out_file):
                    "--micro-batch-size", "2", "--steps", "3", "--warmup", "0", "--eval-every", "3", "--verify",
                    "--out", str(out_file))
     assert_verified(proc)  # with the held-out losses of the gathered weights
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "ok" and [e["step"] for e in rec["evals"]] == [0, 3]
     assert rec["layout"]["dp"] == 2 and rec["layout"]["pp"] == 2
     assert len(rec["step_times"]) == 3 and len(rec["losses"]) == 3

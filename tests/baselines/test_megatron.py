@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import TINY, assert_verified, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
@@ -19,7 +20,7 @@ def test_megatron_matches_reference(layout, out_file):
     proc = run_cli("--system", "megatron", *TINY, *LAYOUTS[layout], "--batch-size", "4", "--micro-batch-size", "2",
                    "--steps", "3", "--warmup", "0", "--verify", "--out", str(out_file))
     assert_verified(proc)
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "ok" and len(rec["losses"]) == 3
 
 
@@ -31,7 +32,7 @@ def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):
                    "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "--warmup", "0", "--eval-every", "3",
                    "--verify", "--out", str(out_file))
     assert_verified(proc)  # with the held-out losses of the weights gathered over TP and converted
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert [e["step"] for e in rec["evals"]] == [0, 3]
     assert rec["layout"]["tp"] == 2 and rec["layout"]["pp"] == 2 and rec["options"]["schedule"] == "interleaved" and rec["label"] == "megatron interleaved"
 
@@ -44,7 +45,7 @@ def test_megatron_distributed_optimizer_and_sequence_parallel_match_reference(ar
     proc = run_cli("--system", "megatron", *TINY, *args, "--batch-size", "4", "--micro-batch-size", "2",
                    "--steps", "3", "--warmup", "0", "--eval-every", "3", "--verify", "--out", str(out_file))
     assert_verified(proc)
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     distributed = "--distributed-optimizer" in args
     assert rec["options"]["distributed_optimizer"] is distributed and rec["options"]["sequence_parallel"] is not distributed
     assert rec["label"] == ("megatron +distopt" if distributed else "megatron +sp")

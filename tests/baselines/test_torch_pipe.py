@@ -7,7 +7,8 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from baselines.torch_pipe import SCHEDULES, V_SHAPED, TorchPipeOptions, micro_batch_rule, stage_indices
 from contract import ConfigError, RunConfig
-from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import TINY, assert_verified, run_cli
 from workload.configs import get_model_config
 
 
@@ -63,7 +64,7 @@ def test_zero_bubble_and_dualpipev_match_reference(schedule, out_file):
     proc = run_cli("--system", "torch_pipe", *TINY, "--pp", "2", "--schedule", schedule, "--batch-size", "4",
                    "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--verify", "--out", str(out_file))
     assert_verified(proc)
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["label"] == f"torch_pipe {schedule}" and rec["options"]["virtual_pp"] == 2
     placement = [[0, 2], [1, 3]] if schedule == "zb" else [[0, 3], [1, 2]]  # looped, or the V
     assert rec["options"]["stage_placement"] == placement
@@ -78,4 +79,4 @@ def test_zbv_with_fsdp2_data_parallelism_matches_reference(out_file):
                    "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--eval-every", "1", "--verify",
                    "--out", str(out_file))
     assert_verified(proc)
-    assert [e["step"] for e in read_jsonl(out_file)[-1]["evals"]] == [0, 1, 2]
+    assert [e["step"] for e in read_records(out_file)[-1]["evals"]] == [0, 1, 2]

@@ -117,7 +117,7 @@ def test_host_env_and_prefix() -> None:
     assert h.address == "10.77.0.2" and h.iface == "eth0"
     assert h.command_prefix() == ["ip", "netns", "exec", h.namespace]
     assert h.env() == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_P2P_DISABLE": "1",
-                       "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
+                       "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
 
 
 def test_not_root_message(monkeypatch) -> None:

@@ -44,7 +44,7 @@ def test_sshd_config_is_the_nodes_own() -> None:
     assert conf["AuthorizedKeysFile"] == "/tmp/rehearsal/authorized_keys"
     assert conf["UsePAM"] == "no" and conf["PasswordAuthentication"] == "no"
     assert {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} <= set(conf["AcceptEnv"].split())
-    assert conf["SetEnv"] == "TMPDIR=/tmp/rehearsal/node02/tmp"          # its own, as a machine's /tmp
+    assert conf["SetEnv"] == "TMPDIR=/tmp/rehearsal/node02/tmp NCCL_HOSTID=node02"  # its own /tmp and NCCL host
     assert "/etc/ssh" not in text
 
 

@@ -64,9 +64,9 @@ def test_up_ssh_between_nodes_status_down(tmp_path: Path) -> None:
             assert r.returncode == 0 and r.stdout.strip() == name, r.stderr
         # node01 reaches node02 with the same config; the interface variable arrives; names resolve
         r = ssh(d / "ssh_config", "node01", "ssh", "-F", str(d / "ssh_config"), "node02",
-                shlex.quote("echo $(hostname) $GLOO_SOCKET_IFNAME $(getent hosts node03) $TMPDIR"))
+                shlex.quote("echo $(hostname) $GLOO_SOCKET_IFNAME $(getent hosts node03) $TMPDIR $NCCL_HOSTID"))
         assert r.returncode == 0 and r.stdout.split() == ["node02", "eth0", state["nodes"][2]["address"], "node03",
-                                                          str(d / "node02" / "tmp")], r
+                                                          str(d / "node02" / "tmp"), "node02"], r
         s = nodes_cli("status", "--dir", str(d))
         assert s.returncode == 0 and s.stdout.count("sshd answers") == 3, s.stdout
         again = nodes_cli("up", "--nodes", "2", "--dir", str(d))

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from network_emulation import (PROFILES, SEED_PROFILES, MatrixProfile, ProfileError, load_matrix, parse_profile)
+from network_emulation.profiles import describe_setting, link_classes, slowest
 
 
 def test_seed_profiles_and_labels() -> None:
@@ -93,3 +94,21 @@ def test_matrix_bad(tmp_path, content: str) -> None:
 def test_matrix_missing_file(tmp_path) -> None:
     with pytest.raises(ProfileError, match="cannot read"):
         parse_profile(str(tmp_path / "nope.json"))
+
+
+TWO_REGIONS = {  # DT-FM's Oregon-Virginia link between two regions of two hosts each
+    "delay_ms": [[0 if i == j else 0.1 if i // 2 == j // 2 else 67 for j in range(4)] for i in range(4)],
+    "bandwidth_gbps": [[0 if i == j else 10 if i // 2 == j // 2 else 0.79 for j in range(4)] for i in range(4)]}
+
+
+def test_the_kinds_of_link_of_a_matrix_and_its_setting() -> None:
+    """Issue #31, item 4: a heterogeneous matrix was described (and probed) by its link 0 -> 1 alone."""
+    m = parse_profile("two-region.json", TWO_REGIONS)  # contents as a request read them: the file is not read
+    classes = link_classes(m)
+    assert [(i, j, link.delay_ms, link.bandwidth_gbps) for i, j, link in classes] == [(0, 1, 0.1, 10), (0, 2, 67, 0.79)]
+    assert slowest(classes)[:2] == (0, 2)
+    setting = describe_setting("two-region.json", TWO_REGIONS)
+    assert setting == {"label": "two-region.json (4 hosts, 0.1-67 ms, 0.79-10 Gbit/s)", "delay_ms": 67,
+                       "bandwidth_gbps": 0.79, "slowest_link": [0, 2], "link_classes": 2, "uniform": False}
+    assert [c[:2] for c in link_classes(parse_profile("d10-1g"))] == [(0, 1)] and not link_classes(parse_profile("none"))
+    assert describe_setting("d10-1g") == {"label": "delay 10ms  bandwidth 1Gbps", "delay_ms": 10.0, "bandwidth_gbps": 1.0}

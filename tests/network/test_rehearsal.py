@@ -48,8 +48,9 @@ def test_four_node_rehearsal_then_nothing_left(tmp_path: Path) -> None:
     for r in records:
         env = r["environment"]
         assert sorted(env["hostnames"]) == ["node01", "node02", "node03", "node04"], env
+        shaped = {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"} if r["network"] != "none" else {}
         assert env["cluster"] == {"hosts": ["node01", "node02", "node03", "node04"], "ranks_per_node": 1,
-                                  "iface": "eth0"}
+                                  "iface": "eth0", "nccl_env": {"NCCL_SOCKET_IFNAME": "eth0", **shaped}}
         link = env["network"]["measured_link"]
         assert env["network"]["measured_between"] == ["node01", "node02"]
         assert env["network"]["backend"] in ("netem", "tbf+delayer") and link["samples"] > 0

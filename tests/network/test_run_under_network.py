@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import TINY, run_cli
 from tests.network.conftest import needs_root
 
 ARGS = ["--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1", "--steps", "3",
@@ -20,7 +21,7 @@ def test_run_records_backend_and_measured_link_and_slows_down(out_file):
     assert fast.returncode == 0, fast.stderr[-3000:]
     assert slow.returncode == 0, slow.stderr[-3000:]
     assert slow.stdout.strip().splitlines()[-1].endswith("PASS")
-    unshaped, shaped = read_jsonl(out_file)
+    unshaped, shaped = read_records(out_file)
     net = shaped["environment"]["network"]
     assert net["backend"] in ("netem", "tbf+delayer")
     assert abs(net["measured_link"]["one_way_delay_ms"] - 10.0) < 1.0

@@ -61,6 +61,12 @@ def test_matrix_profile_per_link() -> None:
                          duration_s=0.5)
         assert abs(a.one_way_delay_ms - 2) < 0.5 and abs(b.one_way_delay_ms - 8) < 0.5, (a, b)
         assert abs(a.bandwidth_gbps / 0.2 - 1) < 0.15 and abs(b.bandwidth_gbps / 0.5 - 1) < 0.15, (a, b)
+        # what a run under it records (issue #31, item 4): every kind of link, each on its first pair
+        links = vc.probe_links()
+        assert [(m["src"], m["dst"], m["set"]["delay_ms"]) for m in links["measured_links"]] == [
+            (0, 1, 2), (0, 2, 8), (1, 0, 2), (2, 0, 8)]
+        slow = links["measured_link"]
+        assert (slow["src"], slow["dst"]) == (0, 2) and slow["one_way_delay_ms"] > 4, slow
 
 
 def test_none_profile_and_four_hosts_reach_each_other() -> None:
@@ -77,18 +83,19 @@ def test_none_profile_and_four_hosts_reach_each_other() -> None:
 
 
 def _p2p_ms(profile: str, nbytes: int) -> float:
+    """The median round trip (ms) of nbytes sent from virtual host 0 to 1 and a 4-byte reply."""
     with VirtualCluster(2, profile, name="gloo") as vc:
         master = vc.hosts[0].address
         procs = []
         for h in vc.hosts:
             env = dict(os.environ, **h.env(), MASTER_ADDR=master, MASTER_PORT="29533", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([*h.command_prefix(), sys.executable, str(Path(__file__).with_name("_gloo_p2p.py")),
-                                           str(h.index), str(nbytes), "5"],
+            procs.append(subprocess.Popen([*h.command_prefix(), sys.executable, "-m", "ours.plan.ping_pong",
+                                           str(h.index), str(nbytes), "5", "4"], cwd=REPO,
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=120) for p in procs]
         for p, (out, err) in zip(procs, outs):
             assert p.returncode == 0, err[-2000:]
-        return json.loads(outs[0][0])["median_ms"]
+        return json.loads(outs[0][0])["round_trip"] * 1e3
 
 
 def test_gloo_point_to_point_follows_the_profile() -> None:

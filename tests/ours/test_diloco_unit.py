@@ -7,7 +7,7 @@ import torch
 
 from baselines.reference.train import train as reference_train
 from contract import ConfigError, RunConfig, SystemOptions
-from contract.training import Context
+from contract.rank import Context
 from ours.diloco import SPEC, DiLoCoAlgorithm, DiLoCoOptions
 from ours.diloco.fragments import fragment_names, split, stage_units
 from ours.diloco.simulate import train as simulate

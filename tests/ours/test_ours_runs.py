@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from baselines.reference.train import train as reference_train
-from contract.training import Context
+from contract.rank import Context
 from runners.request import build_parser, config_from_args
 from runners.run import reference_config
 from tests.conftest import TINY, assert_verified, run_cli

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from runners.predict.calibrate import fit_efficiency, fit_overheads
-from runners.predict.compute import CpuCompute, GpuCompute, Overheads, Table3, load_device
-from runners.predict.glue import spec_from_config
-from runners.predict.local import local_link
-from runners.predict.predict import predict
-from runners.predict.spec import Link, RunSpec
+from predict.fitting import fit_efficiency, fit_overheads
+from predict.compute import CpuCompute, GpuCompute, Overheads, Table3, load_device
+from predict.from_config import spec_from_config
+from predict.this_machine import local_link
+from predict.step_time import predict
+from predict.run_spec import Link, RunSpec
 from workload.configs import ModelConfig
 
 TOY = ModelConfig("toy", n_layer=4, n_embd=64, n_head=4, seq_len=64, vocab_size=128)
@@ -82,12 +82,12 @@ def test_efficiency_round_trip():
 
 
 def test_spec_from_a_run_config():
-    from runners.request import build_parser, config_from_args
+    from runners.request import parse_request
 
-    args = build_parser().parse_args(["--system", "ours", "--model", "tiny", "--pp", "2", "--dp", "2", "--batch-size",
-                                      "2", "--micro-batch-size", "1", "--n-slices", "4", "--dp-mode", "central_ps"])
+    cfg, _ = parse_request(["--system", "ours", "--model", "tiny", "--pp", "2", "--dp", "2", "--batch-size", "2",
+                            "--micro-batch-size", "1", "--n-slices", "4", "--dp-mode", "central_ps"])
     link = local_link("d10-1g", (1e-4, 2e9), {"one_way_delay_ms": 10.2, "bandwidth_gbps": 0.9}, 24576)
-    spec = spec_from_config(config_from_args(args), link)
+    spec = spec_from_config(cfg, link)
     assert spec.slices == (32, 32, 32, 32) and spec.dp == 2 and spec.dp_mode == "central_ps"
     assert spec.link.latency == pytest.approx(10.3e-3) and spec.link.bandwidth == pytest.approx(0.9e9 / 8)
     assert spec.link.stall_bytes == 24576
@@ -100,7 +100,7 @@ def test_the_message_latency_over_an_emulated_link_replaces_the_loopback_one():
 
 
 def test_message_probe_fits_a_stall_and_no_stall():
-    from runners.predict.message_probe import fit_message_latency, fit_stall
+    from predict.gloo_stall import fit_message_latency, fit_stall
 
     delay, bw = 0.02, 1.25e8
     sizes = (2048, 8192, 32768, 65536, 262144)
@@ -113,7 +113,7 @@ def test_message_probe_fits_a_stall_and_no_stall():
 
 def test_calibration_records_are_matched_by_their_system_options():
     """A record keeps a system's own options under config["options"]; matching must read them there."""
-    from runners.predict.local import LocalRun, matches
+    from predict.this_machine import LocalRun, matches
 
     def record(system, **options):
         return dict(config=dict(system=system, model=dict(name="tiny", seq_len=128), pp=2, dp=1, batch_size=2,
@@ -130,7 +130,7 @@ def test_calibration_records_are_matched_by_their_system_options():
 
 def test_seed_gpipe_column_from_the_default_row():
     """The V100 device file is fitted on the default row only; the other four rows within 15 %."""
-    from runners.predict.seed import DEVICE_FILE, GPIPE, WORKLOAD, gpipe_spec
+    from predict.seed_tables import DEVICE_FILE, GPIPE, WORKLOAD, gpipe_spec
 
     dev = load_device(DEVICE_FILE, WORKLOAD, "fp32")
     assert json.loads(DEVICE_FILE.read_text())["calibrated_on"]["fp32"]
@@ -141,13 +141,12 @@ def test_seed_gpipe_column_from_the_default_row():
 
 
 def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_path, monkeypatch):
-    from runners.predict.glue import NotModelled
-    from runners.predict.local import record_prediction
-    from runners.request import build_parser, config_from_args
+    from predict.from_config import NotModelled
+    from predict.this_machine import record_prediction
+    from runners.request import parse_request
 
     monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))  # no fitted model: the rule of thumb
-    cfg = lambda *a: config_from_args(build_parser().parse_args(["--model", "tiny", "--batch-size", "2",
-                                                                 "--micro-batch-size", "1", *a]))
+    cfg = lambda *a: parse_request(["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", *a])[0]
     link = Link.from_ms_gbps(0.1, 10)
     assert spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices == (64, 64)
     with pytest.raises(NotModelled):
@@ -156,3 +155,26 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
         spec_from_config(cfg("--system", "ours", "--pp", "2", "--prefetch", "1"), link)
     assert record_prediction(cfg("--system", "reference")) is None  # a record without a prediction
 
+
+
+def test_a_matrix_whose_links_differ_is_not_modelled(tmp_path, capsys):
+    """Issue #31, item 4: a run under a two-region matrix was predicted (0.090 s, no DP sync, against
+    0.329 s measured) as if every link were its link 0 -> 1; a matrix of one kind of link is that link."""
+    from contract.registry import get_system
+    from predict.from_config import NotModelled, single_link
+    from predict.this_machine import predict_records
+    from runners.record import append_record, build_record
+    from runners.request import parse_request
+
+    hetero = {"delay_ms": [[0, 0.1], [67, 0]], "bandwidth_gbps": [[0, 10], [0.79, 0]]}
+    with pytest.raises(NotModelled, match="a per-link matrix with 2 kinds of link is not modelled"):
+        single_link("two-region.json", hetero)
+    same = single_link("net.json", {"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[0, 1], [1, 0]]})
+    assert (same.delay_ms, same.bandwidth_gbps) == (5, 1) and single_link("none") is None
+    cfg, spec = parse_request(["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2",
+                               "--micro-batch-size", "1", "--n-slices", "2"])
+    cfg = cfg.replace(network="two-region.json", network_matrix=hetero)
+    rec = build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu"})
+    append_record(tmp_path / "r.jsonl", rec)
+    assert predict_records(tmp_path / "r.jsonl") == {}
+    assert f"run {rec.run_id} (ours): not predicted: --network two-region.json: a per-link matrix" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""python -m runners.predict plan: ours' slicing per layout chosen by simulation, where --n-slices auto finds it."""
+"""python -m predict plan: ours' slicing per layout chosen by simulation, where --n-slices auto finds it."""
 from __future__ import annotations
 
 import shutil
@@ -9,7 +9,7 @@ import torch
 from contract import RunConfig
 from ours import OursOptions
 from ours.plan.auto import auto_slicing, read_simulated_choices, simulated_choices_path
-from runners.predict.__main__ import main
+from predict.__main__ import main
 from workload.configs import get_model_config
 
 REPO = Path(__file__).resolve().parents[2]

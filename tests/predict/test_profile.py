@@ -1,8 +1,8 @@
-"""The simulator's CPU profile (``runners.predict.profile``) runs: the layer over the grid of slices
+"""The simulator's CPU profile (``predict.machine_profile``) runs: the layer over the grid of slices
 (with cached context), the head and the per-step rates; it had rotted unseen behind a stale import."""
 from __future__ import annotations
 
-from runners.predict.profile import grid, profile
+from predict.machine_profile import grid, profile
 from workload.configs import get_model_config
 
 

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from runners.predict.compute import ComputeModel, Overheads
-from runners.predict.engine import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Simulator, Wait
-from runners.predict.predict import predict
-from runners.predict.spec import Link, RunSpec
+from predict.compute import ComputeModel, Overheads
+from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Simulator, Wait
+from predict.step_time import predict
+from predict.run_spec import Link, RunSpec
 from workload.configs import ModelConfig
 
 MODEL = ModelConfig("toy", n_layer=6, n_embd=64, n_head=4, seq_len=128, vocab_size=128)
@@ -159,7 +159,7 @@ def test_fill_wait_runs_deferred_chunks_while_waiting():
 def test_barrier_costs_one_delay_per_round(n, transport):
     """The timing barrier: ceil(log2 n) rounds of one message each; over gloo its receives are posted
     one use ahead, so no round waits for a receive-posted notice."""
-    from runners.predict.programs import _barrier, _barrier_receives
+    from predict.programs import _barrier, _barrier_receives
 
     d = 0.01
     net = Network(Link(d, 1e15), transport)
@@ -176,7 +176,7 @@ def test_barrier_costs_one_delay_per_round(n, transport):
 
 def _ours_dp(dp: int, mode: str, link: Link, transport: str, wgrad: float = 0.0, model=MODEL):
     """(spec, the longest DP sync of any rank in the timed step) of ours at P = 1."""
-    from runners.predict.programs import build
+    from predict.programs import build
 
     s = RunSpec("ours", model.with_overrides(n_layer=1), batch_size=1, micro_batch_size=1, link=link, pp=1,
                 transport=transport, dp=dp, dp_mode=mode)
@@ -187,7 +187,7 @@ def _ours_dp(dp: int, mode: str, link: Link, transport: str, wgrad: float = 0.0,
 
 def _buckets_of(s: RunSpec) -> list[tuple[int, int]]:
     """(bytes, the deferred linear that completes it) of each bucket of the stage."""
-    from runners.predict.programs import _buckets, _grad_order, _Step, network_of
+    from predict.programs import _buckets, _grad_order, _Step, network_of
 
     st = _Step(s, Fixed(0.01, 0.02), network_of(s), 0)
     return [(n * 4, at) for n, at in _buckets(_grad_order(st, True, True))]
@@ -251,7 +251,7 @@ def test_breakdown_adds_up():
 
 
 def test_background_load_shares_the_cores():
-    from runners.predict.load import cores_with_background
+    from predict.host_load import cores_with_background
 
     assert cores_with_background(2.0, 0.0)[:3] == (1.0, 2.0, 2.0)
     cores = cores_with_background(2.0, 2.0)

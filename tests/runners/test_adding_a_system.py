@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import TINY, assert_verified, run_cli
 
 TOY = {"PIPEBENCH_SYSTEMS": "tests.runners.toy_system"}
 ARGS = [*TINY, "--batch-size", "2", "--micro-batch-size", "2", "--steps", "2", "--warmup", "0"]
@@ -37,7 +38,7 @@ def test_options_belong_to_their_system(out_file):
 def test_toy_system_runs_end_to_end(out_file):
     proc = run_cli("--system", "toy", *ARGS, "--verify", "--out", str(out_file), env=TOY)
     assert_verified(proc)
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "ok" and rec["label"] == "toy x1" and rec["details"] == "trained"
     assert rec["options"] == {"toy_lr_scale": 1.0, "toy_note": "trained"}
     assert '"toy_lr_scale": 1.0' in rec["key"]
@@ -46,15 +47,14 @@ def test_toy_system_runs_end_to_end(out_file):
 def test_the_sweep_plans_toy_runs_with_their_option(monkeypatch, tmp_path):
     monkeypatch.setenv("PIPEBENCH_SYSTEMS", "tests.runners.toy_system")
     from runners.sweep.execute import run_sweep
-    from runners.sweep.plan import sweep_from_dict
+    from runners.sweep.plan import SweepError, sweep_from_dict
 
-    sweep = sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 2},
-                             "systems": [{"name": "toy", "toy_lr_scale": [1.0, 2.0]}, "reference",
-                                         {"name": "reference", "toy_lr_scale": 2.0}]})
+    fixed = {"model": "tiny", "batch_size": 2, "micro_batch_size": 2}
+    with pytest.raises(SweepError, match="is an option of toy"):
+        sweep_from_dict({"fixed": fixed, "systems": ["reference", {"name": "reference", "toy_lr_scale": 2.0}]})
+    sweep = sweep_from_dict({"fixed": fixed, "systems": [{"name": "toy", "toy_lr_scale": [1.0, 2.0]}, "reference"]})
     toy = [r for r in sweep.runs if r.system == "toy"]
     assert len(toy) == 2 and all(r.valid for r in toy) and len({r.key for r in toy}) == 2
-    ref = [r for r in sweep.runs if r.system == "reference"]
-    assert ref[0].valid and not ref[1].valid and "is an option of toy" in ref[1].error
     calls = []
     run_sweep(sweep, tmp_path / "o.jsonl", executor=lambda r, o: calls.append(r.system) or (0, ""), probe=False,
               report=False, need_root_for_network=False, stream=io.StringIO())

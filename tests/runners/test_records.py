@@ -9,7 +9,8 @@ from baselines.torch_pipe import SPEC as TORCH_PIPE, TorchPipeOptions
 from contract import RunConfig
 from runners import record as record_mod
 from runners.launcher import LaunchResult
-from runners.record import append_record, build_record, read_records
+from contract.records import read_records
+from runners.record import append_record, build_record
 from runners.run import compare
 from runners.tolerance import FP32_TOLERANCE
 from workload.configs import get_model_config
@@ -25,7 +26,7 @@ def _cfg(**kw) -> RunConfig:
 def _rank(rank, times, losses=None, busy=None):
     return {"rank": rank, "step_times": times, "losses": losses, "dp_sync_times": [0.0] * len(times),
             "busy_times": busy or [],
-            "peak_memory_bytes": 100 + rank, "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
+            "gpu_memory": [], "cpu_rss_bytes": 100 + rank, "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
             "backend": "gloo", "peak_tflops": 0.1, "peak_source": "measured-matmul:fp32"}
 
 
@@ -39,6 +40,13 @@ def test_record_aggregates_ranks():
     assert rec.peak_memory_bytes == [100, 101]
     assert rec.mfu == pytest.approx(rec.tflops_per_device / 0.1)
     assert rec.busy_fraction == []  # no CPU times (a GPU run): no busy share
+
+
+def test_record_barrier_on_the_last_and_the_first_rank_to_arrive():
+    ranks = [_rank(0, [1.0, 1.0]), _rank(1, [1.0, 1.0])]
+    ranks[0]["barrier_times"], ranks[1]["barrier_times"] = [0.001, 0.002], [0.030, 0.025]
+    rec = build_record(_cfg(), TORCH_PIPE, "ok", None, ranks, {})
+    assert rec.barrier_time == pytest.approx(0.0015) and rec.barrier_time_first == pytest.approx(0.0275)
 
 
 def test_record_busy_share_per_rank():
@@ -113,3 +121,34 @@ def test_a_record_is_strict_json_with_label_key_and_options_from_the_spec():
     assert d["label"] == "torch_pipe gpipe" and d["role"] == "baseline"
     assert d["options"] == {"schedule": "gpipe", "virtual_pp": 1} and d["key"] == _cfg().key()
     assert _cfg(timeout=5.0, verify=True).key() == _cfg().key() != _cfg(steps=3).key()
+
+
+@pytest.mark.faults
+def test_one_writer_of_a_records_file_at_a_time(tmp_path):
+    """Issue #31, item 13: two run commands writing the same --out at once both succeeded, each timing
+    the other's load. The second is refused before it launches anything; the run command a sweep
+    starts holds the sweep's lock with it."""
+    import subprocess
+    import sys
+
+    from runners.record import HELD_LOCK_ENV, hold_records
+    from tests.conftest import REPO, TINY, run_cli
+
+    out = tmp_path / "r.jsonl"
+    fd = hold_records(out)  # a run command or a sweep writing to it
+    try:
+        proc = run_cli("--system", "reference", *TINY, "--batch-size", "1", "--micro-batch-size", "1",
+                       "--out", str(out), timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert f"--out {out}: another run command or sweep is writing to it now" in lines[0]
+        hold = "import sys; from runners.record import hold_records; hold_records(sys.argv[1]); print('held')"
+        inherited = subprocess.run([sys.executable, "-c", hold, str(out)], cwd=REPO, capture_output=True, text=True,
+                                   pass_fds=(fd,), env={**os.environ, HELD_LOCK_ENV: str(fd)})
+        assert inherited.stdout.strip() == "held", inherited.stderr
+        alone = subprocess.run([sys.executable, "-c", hold, str(out)], cwd=REPO, capture_output=True, text=True)
+        assert alone.returncode == 1 and "BlockingIOError" in alone.stderr
+    finally:
+        os.close(fd)
+    os.close(hold_records(out))  # released with its holder
+    assert not out.exists()

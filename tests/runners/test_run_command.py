@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, assert_verified, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import REPO, TINY, assert_verified, run_cli
 
 BASE = [*TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "--warmup", "0"]
 
@@ -23,7 +24,7 @@ BASE = [*TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "
 def test_torch_pipe_matches_reference(layout, out_file):
     proc = run_cli("--system", "torch_pipe", *BASE, *layout, "--verify", "--out", str(out_file))
     assert_verified(proc)
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "ok" and rec["verify"]["passed"]
     assert len(rec["step_times"]) == 3 and len(rec["losses"]) == 3
     assert rec["median_step_time"] > 0 and rec["tokens_per_s"] > 0 and rec["mfu"] > 0
@@ -103,7 +104,7 @@ def test_timeout_records_timeout_and_leaves_no_process(out_file):
     family = _descendants(proc.pid)
     proc.communicate(timeout=120)
     assert proc.returncode == 1
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "timeout" and "timed out" in rec["error"]
     assert _alive(family) == []
 
@@ -121,7 +122,7 @@ def test_inner_command_of_a_multi_node_launch(out_file, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["status"] == "ok" and rec["environment"]["device_count"] == 2 and len(rec["losses"]) == 2
     assert not other_out.exists()
 

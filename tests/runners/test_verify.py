@@ -10,7 +10,8 @@ from contract import RunConfig
 from runners.launcher import LaunchResult
 from runners.run import compare
 from runners.tolerance import FP32_TOLERANCE, verify_tolerance
-from tests.conftest import TINY, assert_verified, read_jsonl, run_cli
+from contract.records import read_records
+from tests.conftest import TINY, assert_verified, run_cli
 from workload.configs import get_model_config
 from workload.data import TokenSource
 from workload.model import build_gpt, lm_loss
@@ -119,5 +120,5 @@ def test_mixed_precision_verifies_under_its_policy(system, out_file):
     policy = "bf16 weights + fp32 main params" if system.startswith("megatron") else "bf16 autocast"
     (line,) = [l for l in proc.stdout.splitlines() if l.startswith("verify (")]
     assert line.startswith(f"verify ({policy}, tol "), line
-    (rec,) = read_jsonl(out_file)
+    (rec,) = read_records(out_file)
     assert rec["precision"] == "mixed" and rec["verify"]["tolerance"].startswith(policy)

@@ -1,4 +1,4 @@
-"""A fifth system, as a user would add one (README, "Adding a system"): one module declaring its
+"""A fifth system, as a user would add one (docs/adding-a-system.md): one module declaring its
 options and SPEC, with its training code; registered for the test through $PIPEBENCH_SYSTEMS.
 
 Single-process training of the whole model whose only option scales the learning rate, so that
@@ -25,7 +25,7 @@ def train(config: RunConfig, ctx):
     # run command does for --help) stays light.
     import torch
 
-    from contract.training import StepOutput, run_steps
+    from contract.rank import StepOutput, run_steps
     from workload.model import lm_loss
     from workload.training import make_optimizer
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from runners.request import build_parser, config_from_args
+from contract.records import read_records
+from runners.record import build_record
+from runners.request import parse_request
 from runners.sweep.__main__ import main
 from runners.sweep.cluster import ClusterExecutor
 from runners.sweep.hostfile import Host, NodePlacement, parse_hostfile
@@ -40,14 +42,14 @@ layouts = ["P-2", "P-2 D-2"]
   [[experiment.systems]]
   name = "ours"
   n_slices = 4
-  dp_mode = "central_ps"
+  schedule = "gpipe"
   [[experiment.systems]]
   name = "torch_pipe"
   schedule = ["gpipe", "1f1b"]
 
 [[experiment]]
 name = "layout"
-micro_batch_sizes = [1, 2, 3]
+micro_batch_sizes = [1, 2]
 systems = ["megatron"]
 layouts = ["T-2", {pp = 2, tp = 2}]
 """
@@ -78,7 +80,7 @@ def test_cross_product_and_system_options(tmp_path):
     assert len(net) == 2 * 3 * 2
     assert all(r.valid for r in net), [r.error for r in net if not r.valid]
     ours = [flags(r) for r in net if r.system == "ours"]
-    assert all(f["--n-slices"] == "4" and f["--dp-mode"] == "central_ps" for f in ours)
+    assert all(f["--n-slices"] == "4" and f["--schedule"] == "gpipe" for f in ours)
     assert {(f["--pp"], f["--dp"], f["--network"]) for f in ours} == {("2", "1", "none"), ("2", "2", "none"),
                                                                        ("2", "1", "d10-1g"), ("2", "2", "d10-1g")}
     tp = [flags(r) for r in net if r.system == "torch_pipe"]
@@ -93,29 +95,54 @@ def test_cross_product_and_system_options(tmp_path):
     assert len({r.key for r in net}) == len(net)
 
 
-def test_invalid_combinations_are_reported_not_run(tmp_path):
-    sweep = load_sweep(write(tmp_path, SMALL))
-    layout = [r for r in sweep.runs if r.experiment == "layout"]
-    assert len(layout) == 2 * 3
-    bad = [r for r in layout if not r.valid]
-    # micro-batch 3 does not divide the batch of 4
-    assert {flags(r)["--micro-batch-size"] for r in bad} == {"3"}
-    assert all("not divisible" in r.error for r in bad)
-    assert {r.world for r in layout if r.valid} == {2, 4}
-    calls = []
-    out = io.StringIO()
-    res = run_sweep(sweep, tmp_path / "o.jsonl", executor=lambda r, o: calls.append(r) or (0, "done"),
-                    probe=False, report=False, need_root_for_network=False, stream=out)
-    assert res.invalid == len(bad) and res.ok == len(sweep.runs) - len(bad)
-    assert all(r.valid for r in calls)
-    assert "skip (bad combination)" in out.getvalue() and "not divisible" in out.getvalue()
+def test_a_bad_combination_makes_the_sweep_file_bad(tmp_path):
+    """A combination the run command would refuse is a mistake in the sweep file, refused before
+    anything runs (as an unknown key is), naming the run and why."""
+    text = SMALL.replace("micro_batch_sizes = [1, 2]", "micro_batch_sizes = [1, 2, 3]")
+    with pytest.raises(SweepError, match=r"s.toml: bad combination \(and 1 more\): \[layout\] --system megatron .*"
+                                         r"--micro-batch-size 3 .*not divisible"):
+        load_sweep(write(tmp_path, text))
+    with pytest.raises(SweepError, match="does not support --tp"):
+        sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1},
+                         "systems": ["reference", "torch_pipe"], "layouts": ["T-2"]})
 
 
-def test_unsupported_dimension_is_invalid():
-    sweep = sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1},
-                             "systems": ["reference", "torch_pipe"], "layouts": ["T-2"]})
-    assert [r.valid for r in sweep.runs] == [False, False]
-    assert "does not support --tp" in sweep.runs[0].error
+def _sweep_with(tmp_path, fixed: str = "", exp: str = "", system: str = "ours", opts: str = "") -> Path:
+    return write(tmp_path, f'name = "s"\n[fixed]\nmodel = "tiny"\nbatch_size = 2\n{fixed}\n[[experiment]]\n'
+                           f'name = "x"\nmicro_batch_sizes = [1]\n{exp}\n  [[experiment.systems]]\n  name = "{system}"\n'
+                           f'  layouts = ["P-2"]\n{opts}\n  [[experiment.systems]]\n  name = "torch_pipe"\n'
+                           f'  layouts = ["P-2"]\n')
+
+
+@pytest.mark.faults
+def test_mistakes_in_a_sweep_file_exit_2_with_one_line(tmp_path, capsys):
+    """Issue #31, item 7: each of these used to be skipped (or planned 0 runs) with exit status 0."""
+    matrix = tmp_path / "m4.json"
+    matrix.write_text(json.dumps({"delay_ms": [[0 if i == j else 5 for j in range(4)] for i in range(4)],
+                                  "bandwidth_gbps": [[0 if i == j else 1 for j in range(4)] for i in range(4)]}))
+    cases = [
+        (dict(system="ourz"), "--system: invalid choice: 'ourz'"),
+        (dict(system="torch_pipe", opts="  n_slices = 4"), "--n-slices is an option of ours and diloco, not of torch_pipe"),
+        (dict(fixed="prefetch = 1"), "--prefetch is an option of ours, not of torch_pipe"),
+        (dict(exp=f'networks = ["{matrix}"]'), "is 4x4, cluster has 2 hosts"),
+        (dict(opts="  dp_mode = []"), "'dp_mode' must be a non-empty list"),
+    ]
+    for case, message in cases:
+        assert main([str(_sweep_with(tmp_path, **case)), "--dry-run", "--out", str(tmp_path / "o.jsonl")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (case, err)
+
+
+def test_a_layout_this_machine_cannot_hold_is_refused_for_a_local_sweep(tmp_path, capsys):
+    """Issue #31, item 11: P-4 D-64 (256 ranks) and P-2 D-512 (1,024) were planned as runnable on 2 cores.
+    A cluster sweep (--hostfile) places its runs on the hosts instead."""
+    f = write(tmp_path, 'name = "big"\n[fixed]\nmodel = "tiny"\nbatch_size = 4\n[[experiment]]\nname = "x"\n'
+                        'micro_batch_sizes = [1]\nlayouts = ["P-4 D-64", "P-2 D-512"]\n'
+                        '  [[experiment.systems]]\n  name = "ours"\n')
+    assert main([str(f), "--dry-run", "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--pp 4 --tp 1 --dp 64 starts 256 ranks on this machine" in err[0], err
+    assert len(load_sweep(f).runs) == 2  # planned for a cluster: nothing refused
 
 
 @pytest.mark.parametrize("text, message", [
@@ -165,11 +192,12 @@ def test_layout_notation():
 
 
 def _fake_record(run: PlannedRun, status: str = "ok", **config_changes) -> str:
-    cfg = config_from_args(build_parser().parse_args([*run.args, "--out", os.devnull]))
+    cfg, spec = parse_request(run.args)
     # what the run command would write, with volatile fields changed: still the same run
     cfg = cfg.replace(timeout=12.0, verify=True, **config_changes)
-    return json.dumps({"system": run.system, "status": status, "median_step_time": 1.0, "config": cfg.to_dict(),
-                       "key": cfg.key()})
+    rec = build_record(cfg, spec, status, None, None, {})
+    rec.median_step_time = 1.0
+    return rec.to_json()
 
 
 def test_recorded_runs_are_skipped(tmp_path):
@@ -192,6 +220,33 @@ def test_recorded_runs_are_skipped(tmp_path):
     run_sweep(sweep, out, executor=lambda r, o: calls.append(r.key) or (0, ""), retry_failed=True, probe=False,
               report=False, need_root_for_network=False, stream=io.StringIO())
     assert valid[1].key in calls and valid[0].key not in calls
+
+
+def test_a_run_recorded_on_other_hardware_is_not_recorded_here(tmp_path):
+    """CPU and GPU records of one config are different runs: a local sweep (on this CPU machine) skips
+    the one recorded on cpu only; a cluster sweep, which cannot see its nodes' hardware, skips both."""
+    sweep = load_sweep(write(tmp_path, SMALL))
+    valid = sweep.valid_runs
+    out = tmp_path / "o.jsonl"
+    out.write_text(_fake_record(valid[0], hardware="cpu") + "\n"
+                   + _fake_record(valid[1], hardware="cuda:NVIDIA H100 80GB HBM3") + "\n")
+    assert recorded_keys(out) >= {valid[0].key, valid[1].key}  # as planned runs' keys, on any hardware
+    calls = []
+    run_sweep(sweep, out, executor=lambda r, o: calls.append(r.key) or (0, ""), probe=False, report=False,
+              need_root_for_network=False, stream=io.StringIO())
+    assert valid[0].key not in calls and valid[1].key in calls
+
+    class Cluster:
+        cluster = True
+
+        def __call__(self, r, o):
+            calls.append(r.key)
+            return 0, ""
+
+    calls.clear()
+    run_sweep(sweep, out, executor=Cluster(), probe=False, report=False, need_root_for_network=False,
+              stream=io.StringIO())
+    assert valid[0].key not in calls and valid[1].key not in calls
 
 
 def test_exit_2_at_run_time_counts_as_invalid(tmp_path):
@@ -276,7 +331,7 @@ def test_netem_sweep_sh_dry_run(tmp_path):
     cmds = [shlex.split(l) for l in p.stdout.splitlines() if "runners.run" in l]
     assert [c[c.index("--network") + 1] for c in cmds] == ["d10-1g", "delay 3ms bandwidth 500Mbps"]
     p = subprocess.run(["bash", "runners/netem_sweep.sh", "--dry-run", "--", "--system", "ours", "--model", "tiny",
-                        "--batch-size", "4", "--micro-batch-size", "1"], cwd=REPO, capture_output=True, text=True,
+                        "--pp", "2", "--batch-size", "4", "--micro-batch-size", "1"], cwd=REPO, capture_output=True, text=True,
                        timeout=60, env=dict(os.environ, PYTHON=sys.executable))
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("runners.run") == 5 and "results/netem_sweep.jsonl" in p.stdout
@@ -316,6 +371,10 @@ def test_ssh_commands_keep_hostile_values_quoted(tmp_path):
     assert words[0] == "exec"
     assert words[1:] == ex.run_argv(run, nodes, 1, "/srv/my suite's dir/results/.x.jsonl")
     assert words[1:4] == ["env", "GLOO_SOCKET_IFNAME=eth0; reboot", "NCCL_SOCKET_IFNAME=eth0; reboot"]
+    assert words[4:6] == ["NCCL_IB_DISABLE=1", "NCCL_NET=Socket"]  # shaped: NCCL kept on the shaped interface
+    unshaped = sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 4, "micro_batch_size": 1},
+                                "systems": ["ours"], "layouts": ["P-2"], "networks": ["none"]}).runs[0]
+    assert "NCCL_NET=Socket" not in ex.run_argv(unshaped, nodes, 1, "/x.jsonl")
     assert words[words.index("--rdzv-endpoint") + 1] == "a;rm -rf /:29500"
     assert words[words.index("--data") + 1] == "my data; rm -rf ~/$(whoami) `x`.txt"
     assert words[words.index("--node-rank") + 1] == "1" and words[words.index("--nnodes") + 1] == "2"
@@ -371,6 +430,7 @@ def test_cluster_failure_without_record_is_recorded(tmp_path, monkeypatch):
     rec = json.loads(out.read_text())
     assert rec["status"] == "error" and rec["error"].startswith("n0 failed first: it did not answer ssh")
     assert "Could not resolve" in rec["error"] and rec["environment"]["cluster"]["hosts"] == ["n0", "n1"]
+    assert rec["environment"]["cluster"]["nccl_env"] == {"NCCL_SOCKET_IFNAME": "eth0"}  # unshaped: no forcing
     assert rec["key"] == sweep.runs[0].key  # so a re-run of the sweep skips it
     assert all(a[0] == "ssh" for a in seen)
 
@@ -395,20 +455,21 @@ def test_run_all_sh_dry_run(tmp_path):
 
 def test_the_same_run_twice_in_a_sweep_runs_once(tmp_path):
     """torch_pipe written with and without its default schedule is one run; an option of another
-    system (ours' n_slices, trace) makes the combination invalid instead of a second identity."""
+    system (ours' n_slices, trace) makes the sweep file bad instead of a second identity."""
     sweep = sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1},
                              "layouts": ["P-2"],
-                             "systems": ["torch_pipe", {"name": "torch_pipe", "schedule": "gpipe"},
-                                         {"name": "torch_pipe", "n_slices": 4, "dp_mode": "sharded_ps"},
-                                         {"name": "torch_pipe", "trace": "t.json"}]})
-    valid, invalid = sweep.valid_runs, sweep.invalid_runs
-    assert len(valid) == 2 and valid[0].key == valid[1].key
-    assert [r.error for r in invalid] == ["--dp-mode is an option of ours, not of torch_pipe",
-                                          "--trace is an option of ours, not of torch_pipe"]
+                             "systems": ["torch_pipe", {"name": "torch_pipe", "schedule": "gpipe"}]})
+    assert len(sweep.runs) == 2 and sweep.runs[0].key == sweep.runs[1].key
     calls = []
     res = run_sweep(sweep, tmp_path / "o.jsonl", executor=lambda r, o: calls.append(r.key) or (0, ""), probe=False,
                     report=False, need_root_for_network=False, stream=io.StringIO())
-    assert len(calls) == 1 and res.skipped == 1 and res.invalid == 2
+    assert len(calls) == 1 and res.skipped == 1
+    for system, message in (({"name": "torch_pipe", "n_slices": 4, "dp_mode": "sharded_ps"},
+                             "--dp-mode is an option of ours, not of torch_pipe"),
+                            ({"name": "torch_pipe", "trace": "t.json"}, "--trace is an option of ours, not of torch_pipe")):
+        with pytest.raises(SweepError, match=message):
+            sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1}, "layouts": ["P-2"],
+                             "systems": ["torch_pipe", system]})
 
 
 @pytest.mark.faults
@@ -419,7 +480,7 @@ def test_a_second_sweep_on_the_same_records_is_refused(tmp_path, capsys):
     sweep_file = write(tmp_path, SMALL)
     with records_lock(out):  # a sweep running (or a run command of a killed one, which inherits the lock)
         assert main([str(sweep_file), "--out", str(out), "--no-probe", "--no-report", "--only", "megatron"]) == 2
-    assert "another sweep (or a run it started) is writing to" in capsys.readouterr().err
+    assert "another sweep or run command is writing to" in capsys.readouterr().err
 
 
 @pytest.mark.faults
@@ -436,3 +497,36 @@ def test_hostfile_errors_exit_2_with_one_line(tmp_path, hostfile, message):
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+
+
+def _matrix(path: Path, delay_ms: float, gbps: float) -> None:
+    path.write_text(json.dumps({"delay_ms": [[0, delay_ms], [delay_ms, 0]], "bandwidth_gbps": [[0, gbps], [gbps, 0]]}))
+
+
+def test_a_run_under_a_matrix_is_identified_by_the_matrix_it_ran(tmp_path):
+    """Issue #31, item 3: a sweep under net.json, edited from 5 ms / 1 Gbit/s to 40 ms / 0.1 Gbit/s,
+    skipped its run as already recorded, and the record's setting was read from the file afterwards."""
+    net = tmp_path / "net.json"
+    _matrix(net, 5, 1)
+    sweep_file = write(tmp_path, f'name = "m"\nnetworks = ["{net}"]\nlayouts = ["P-2"]\nsystems = ["torch_pipe"]\n'
+                                 f'[fixed]\nmodel = "tiny"\nbatch_size = 2\nmicro_batch_size = 1\n')
+    (run,) = load_sweep(sweep_file).runs
+    cfg, spec = parse_request(run.args)
+    out = tmp_path / "o.jsonl"
+    _matrix(net, 40, 0.1)  # edited while (or after) the run ran: the record says what it ran under
+    out.write_text(build_record(cfg, spec, "ok", None, None, {}).to_json() + "\n")
+    (rec,) = read_records(out)
+    assert rec["key"] == run.key and rec["config"]["network_matrix"]["delay_ms"] == [[0, 5], [5, 0]]
+    digest = cfg.network_digest()
+    assert rec["network_setting"] == {"label": f"{net} (2 hosts, 5 ms, 1 Gbit/s) [{digest[:8]}]", "delay_ms": 5,
+                                      "bandwidth_gbps": 1, "slowest_link": [0, 1], "link_classes": 1, "uniform": True,
+                                      "digest": digest}
+    (resumed,) = load_sweep(sweep_file).runs
+    assert resumed.key != run.key and json.loads(resumed.key)["network_matrix"] != digest
+    calls = []
+    res = run_sweep(load_sweep(sweep_file), out, executor=lambda r, o: calls.append(r.key) or (0, ""), probe=False,
+                    report=False, need_root_for_network=False, stream=io.StringIO())
+    assert calls == [resumed.key] and res.skipped == 0
+    plain, _ = parse_request(["--system", "torch_pipe", "--model", "tiny", "--pp", "2", "--batch-size", "2",
+                              "--micro-batch-size", "1", "--network", "d10-1g"])
+    assert "network_matrix" not in plain.key()  # every other run keeps the identity it had

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from workload.configs import get_model_config
-from workload.corpus import describe, read_corpus, stdlib_files
+from workload.corpus import describe, read_corpus, split_sizes, stdlib_files
 from workload.data import TokenSource
 from workload.heldout import heldout_loss
 from workload.model import build_gpt
@@ -15,18 +15,20 @@ def test_stdlib_corpus_holds_out_every_tenth_file_and_is_deterministic():
     assert len(files) >= 100 and [f.name for f in files] == sorted(f.name for f in files)
     split = read_corpus("stdlib")
     held = [f for i, f in enumerate(files) if i % 10 == 9]
-    assert split.heldout == b"".join(f.read_bytes().rstrip(b"\n") + b"\n" for f in held)
+    assert split.heldout.tobytes() == b"".join(f.read_bytes().rstrip(b"\n") + b"\n" for f in held)
     assert len(split.train) + len(split.heldout) == sum(len(f.read_bytes().rstrip(b"\n")) + 1 for f in files)
-    assert held[0].read_bytes()[:200] not in split.train  # a held-out file's text is not trained on
+    assert held[0].read_bytes()[:200] not in split.train.tobytes()  # a held-out file's text is not trained on
     d = describe("stdlib")
     assert d["files"] == len(files) and d["train_bytes"] == len(split.train) and len(d["sha256"]) == 64
+    assert split_sizes("stdlib") == (len(split.train), len(split.heldout))
 
 
 def test_a_file_keeps_its_last_tenth_for_the_eval(tmp_path):
     f = tmp_path / "t.txt"
     f.write_bytes(bytes(i % 100 for i in range(900)) + bytes(range(150, 250)))  # 1000 bytes
     split = read_corpus(str(f))
-    assert len(split.heldout) == 100 and split.train + split.heldout == f.read_bytes()
+    assert len(split.heldout) == 100 and split.train.tobytes() + split.heldout.tobytes() == f.read_bytes()
+    assert split_sizes(str(f)) == (900, 100)
     src = TokenSource(seq_len=16, vocab_size=256, text_path=str(f))
     for step in range(5):  # windows of the training split only
         x, y = src.replica_batch(step, 8, 0, 1)

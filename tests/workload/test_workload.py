@@ -1,7 +1,9 @@
+import os
+
 import torch
 
 from workload.configs import MODEL_CONFIGS, get_model_config
-from workload.data import TokenSource, encode_bytes, synthetic_tokens
+from workload.data import TokenSource, synthetic_tokens
 from workload.flops import flops_per_token
 from workload.model import GPT, build_gpt, count_params, init_weights, lm_loss
 from workload.partition import build_stage, stage_specs
@@ -68,5 +70,22 @@ def test_text_data(tmp_path):
     src = TokenSource(seq_len=8, vocab_size=256, seed=0, text_path=str(f))
     x, y = src.replica_batch(0, 3, 0, 1)
     assert x.shape == (3, 8) and torch.equal(x[:, 1:], y[:, :-1])
-    assert int(x.max()) < 256
-    assert encode_bytes(b"ab").tolist() == [97, 98]
+    assert int(x.max()) < 256 and x.dtype == torch.int64
+    text = f.read_bytes()
+    assert all(bytes(row.tolist()) in text for row in x)  # token id = byte value
+
+
+def _resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_text_tokens_stay_compact(tmp_path):
+    """A --data file is memory-mapped as byte tokens: a batch of a 256 MiB file costs the pages its
+    rows touch, not the file (as int64 it would have held 2 GiB in every rank)."""
+    f = tmp_path / "big.txt"
+    with open(f, "wb") as fh:
+        fh.truncate(256 << 20)  # sparse: no disk, no page cache until read
+    before = _resident_bytes()
+    x, y = TokenSource(seq_len=64, vocab_size=256, text_path=str(f)).replica_batch(0, 4, 0, 1)
+    assert x.shape == (4, 64) and x.dtype == torch.int64
+    assert _resident_bytes() - before < 32 << 20

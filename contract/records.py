@@ -1,0 +1,143 @@
+"""The records file: one run record per line of JSON (``runners.record.RunRecord``, appended by the run
+command), and the one way to read it, which the report, the sweep, the cluster mode, the benchmarks,
+the simulator and the tests share. Plain JSON, no torch.
+
+A line that is not JSON, or JSON that is not a record (an object without ``REQUIRED``'s fields, or
+with one of another type), is skipped; a field of a record that is malformed (a step time that is
+NaN or text, a list of numbers holding something else, a table that is not one) is left out of it;
+``warn`` (if given) is told where and why, in one line naming the file and the line. Beside a records file
+``X.jsonl``, ``python -m predict records X.jsonl`` writes the simulator's predictions of its runs
+(``predictions_path``: ``X.predictions.json``, by run id), which the report shows.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+# What makes a JSON object a run record (what the report needs of every one), and the type of each.
+REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
+_REQUIRED_TYPES = dict(system=str, status=str, model=str, model_shape=dict, layout=dict, batch_size=int,
+                       micro_batch_size=int, network=str)
+# Fields a record may lack (or hold null), by what they must be when present: a finite number, a list
+# of finite numbers, a table, text.
+NUMBERS = ("median_step_time", "min_step_time", "max_step_time", "tokens_per_s", "tflops_per_device", "mfu",
+           "peak_tflops", "dp_sync_time", "barrier_time")
+NUMBER_LISTS = ("step_times", "peak_memory_bytes", "busy_fraction")
+TABLES = ("environment", "config", "options", "network_setting", "verify", "prediction")
+TEXTS = ("label", "role", "error", "details", "key", "run_id", "timestamp")
+PREDICTIONS_SUFFIX = ".predictions.json"
+
+
+def finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _not_a_record(rec: Any) -> str | None:
+    """Why ``rec`` is not a run record, or None."""
+    if not isinstance(rec, dict):
+        return "not a run record (not an object)"
+    missing = [k for k in REQUIRED if k not in rec]
+    if missing:
+        return f"not a run record (no {', '.join(missing)})"
+    wrong = [k for k, kind in _REQUIRED_TYPES.items()
+             if not isinstance(rec[k], kind) or (kind is int and isinstance(rec[k], bool))]
+    wrong += [f"layout {k}" for k in ("pp", "tp", "dp") if k in rec["layout"] and not isinstance(rec["layout"][k], int)]
+    if wrong:
+        return f"not a run record ({', '.join(wrong)}: of the wrong type)"
+    return None
+
+
+def _malformed_fields(rec: dict) -> list[tuple[str, Any]]:
+    """(name, value) of the record's fields that are present but malformed."""
+    bad = [(k, rec[k]) for k in NUMBERS if rec.get(k) is not None and not finite_number(rec[k])]
+    bad += [(k, rec[k]) for k in NUMBER_LISTS
+            if rec.get(k) is not None and not (isinstance(rec[k], list) and all(map(finite_number, rec[k])))]
+    bad += [(k, rec[k]) for k in TABLES if rec.get(k) is not None and not isinstance(rec[k], dict)]
+    bad += [(k, rec[k]) for k in TEXTS if rec.get(k) is not None and not isinstance(rec[k], str)]
+    return bad
+
+
+def parse_records(text: str, source: str = "records", warn: Callable[[str], None] | None = None) -> list[dict]:
+    """The records in ``text`` (JSON lines), in order; a line that is not a record is skipped and
+    told to ``warn`` as '<source>:<line>: why'."""
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if warn:
+                warn(f"{source}:{n}: not JSON")
+            continue
+        why = _not_a_record(rec)
+        if why:
+            if warn:
+                warn(f"{source}:{n}: {why}")
+            continue
+        for name, value in _malformed_fields(rec):
+            if warn:
+                warn(f"{source}:{n}: field {name} left out ({_shown(value)} is not "
+                     f"{'a finite number' if name in NUMBERS else 'a list of finite numbers' if name in NUMBER_LISTS else 'a table' if name in TABLES else 'text'})")
+            del rec[name]
+        if rec["status"] == "ok" and rec.get("median_step_time") is None and warn:
+            warn(f"{source}:{n}: an ok record without a median_step_time (shown as such)")
+        records.append(rec)
+    return records
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def read_records(path: str | Path, warn: Callable[[str], None] | None = None) -> list[dict]:
+    """The records of one file, in order (none if it does not exist)."""
+    p = Path(path)
+    return parse_records(p.read_text(), str(p), warn) if p.exists() else []
+
+
+def record_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The records files among ``paths``: a directory stands for every ``*.jsonl`` below it."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
+    return files
+
+
+def newest(records: list[dict], key: str) -> dict | None:
+    """The last record of the run ``key`` (a run's identity, ``RunConfig.key``), or None."""
+    return next((r for r in reversed(records) if r.get("key") == key), None)
+
+
+def predictions_path(records_file: str | Path) -> Path:
+    """Where the simulator's predictions of a records file's runs are kept: ``X.jsonl`` ->
+    ``X.predictions.json``, a JSON object {run id: {"step_time": seconds, its parts..., "source": ...}}."""
+    p = Path(records_file)
+    return p.with_name(p.name.removesuffix(".jsonl") + PREDICTIONS_SUFFIX)
+
+
+def read_predictions(records_file: str | Path, warn: Callable[[str], None] | None = None) -> dict[str, dict]:
+    """The predictions kept beside ``records_file`` by run id (none if there are none); a file that is
+    not a JSON object, or an entry without a finite ``step_time``, is skipped and told to ``warn``."""
+    p = predictions_path(records_file)
+    if not p.exists():
+        return {}
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        if warn:
+            warn(f"{p}:{e.lineno}: not JSON")
+        return {}
+    if not isinstance(d, dict):
+        if warn:
+            warn(f"{p}:1: not an object of predictions by run id")
+        return {}
+    good = {k: v for k, v in d.items() if isinstance(v, dict) and finite_number(v.get("step_time"))}
+    if warn:
+        for k in d.keys() - good.keys():
+            warn(f"{p}: the prediction of run {k} left out (no finite step_time)")
+    return good

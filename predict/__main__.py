@@ -1,0 +1,256 @@
+"""python -m predict: a run's step time without running it, and the simulator's calibration and checks.
+
+    python -m predict --system ours --model cpu-small --pp 2 ... [--network d10-1g]
+                              [--device-file predict/devices/v100.json]   # one run: the run command's flags
+    python -m predict sweep SWEEP_FILE [--device-file FILE]   # the predicted report tables of a sweep
+    python -m predict records RECORDS.jsonl ...   # this machine's prediction of every recorded CPU run, kept
+                                            # beside its records (X.predictions.json) for the report's cells
+    python -m predict calibrate     # this machine: profiles, stall probe, runs without delay, overheads
+    python -m predict validate      # emulated runs: predicted against measured (root)
+    python -m predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
+    python -m predict plan-check [EVALUATION.json]   # the planner's evaluation: formula vs simulator
+    python -m predict plan --model cpu-small --pp 2 --batch-size 1 2 4   # ours' slicings chosen by
+                                            # simulation, written where ``--n-slices auto`` finds them
+
+Without --device-file a run is predicted for this machine (its calibration in results/predict and a
+profile of the model's shape); with one, for that GPU (NCCL; links from the network profile, one
+message in flight per link and direction, as the seed's GPipe; ``--network none``: NVLink).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from contract.records import predictions_path
+
+from predict.this_machine import RESULTS
+
+
+def _calibrate(args) -> int:
+    from predict.this_machine import calibrate_here
+
+    calibrate_here(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    return 0
+
+
+def _validate(args) -> int:
+    from predict.this_machine import validate
+
+    validate(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    return 0
+
+
+def _seed(args) -> int:
+    from predict.seed_tables import calibrate_seed, fp16_check, markdown, predict_seed
+
+    dev = calibrate_seed("fp32", write=not args.no_write)
+    res = predict_seed(dev)
+    fp16 = fp16_check()
+    text = markdown(res, fp16)
+    print(text)
+    if not args.no_write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "seed-predictions.json").write_text(json.dumps(dict(fp32=res, fp16=fp16), indent=1))
+        (RESULTS / "seed-predictions.md").write_text(text)
+    return 0
+
+
+def _plan_check(args) -> int:
+    from predict.slicing import check_evaluation, markdown
+
+    res = check_evaluation(args.evaluation)
+    text = markdown(res)
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "plan-check.md").write_text(text)
+    (RESULTS / "plan-check.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def _target(device_file: str | None, cfg, in_flight: int | None):
+    """(compute model, link, cores, transport) of a prediction: this machine, or a GPU's device file."""
+    from predict.compute import CpuCompute, load_device
+    from predict.this_machine import find_profile, load_calibration
+
+    if device_file is None:
+        cal = load_calibration()
+        return (CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.link(cfg.network, None, cfg.network_matrix),
+                cal.cores, "gloo")
+    from predict.from_config import single_link
+    from predict.seed_tables import NVLINK
+    from predict.run_spec import Link
+
+    link = single_link(cfg.network, cfg.network_matrix)
+    link = NVLINK if link is None else Link.from_ms_gbps(link.delay_ms, link.bandwidth_gbps, in_flight)
+    return load_device(device_file, cfg.model, cfg.precision), link, None, "nccl"
+
+
+def _predict(cfg, device_file: str | None, in_flight: int | None):
+    from predict.from_config import spec_from_config
+    from predict.step_time import predict
+
+    compute, link, cores, transport = _target(device_file, cfg, in_flight)
+    return predict(spec_from_config(cfg, link, transport), compute, cores)
+
+
+def _target_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--device-file", default=None)
+    p.add_argument("--in-flight", type=int, default=1, help="messages in flight per link and direction (GPU links)")
+    return p.parse_known_args(argv)
+
+
+def predict_run(argv: list[str]) -> int:
+    """One run from the run command's own flags: its predicted step time and breakdown."""
+    from contract import ConfigError
+    from predict.from_config import NotModelled
+    from contract.registry import get_system
+    from runners.request import build_parser, config_from_args, judge
+
+    target, rest = _target_args(argv)
+    parser = build_parser()
+    parser.prog = "python -m predict"
+    args = parser.parse_args(rest)
+    try:
+        spec = get_system(args.system)
+        cfg = config_from_args(args, spec)
+        judge(cfg, spec)
+        p = _predict(cfg, target.device_file, target.in_flight)
+    except (ConfigError, NotModelled, FileNotFoundError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    where = target.device_file or "this machine"
+    print(f"{cfg.system} {cfg.model.name} pp={cfg.pp} tp={cfg.tp} dp={cfg.dp} mb={cfg.micro_batch_size} "
+          f"batch={cfg.batch_size} network {cfg.network} on {where}:")
+    print(p.line())
+    print("per rank: " + ", ".join(f"{t:.4f}" for t in p.per_rank) + " s")
+    return 0
+
+
+def predict_sweep(argv: list[str]) -> int:
+    """The sweep file's runs predicted, shown as report.py shows measured ones."""
+    from contract import ConfigError
+    from report import render
+    from predict.from_config import NotModelled
+    from runners.record import build_record
+    from runners.request import parse_request
+    from runners.sweep.plan import SweepError, load_sweep
+
+    target, rest = _target_args(argv)
+    if len(rest) != 1:
+        print("usage: python -m predict sweep SWEEP_FILE [--device-file FILE]", file=sys.stderr)
+        return 2
+    try:
+        sweep = load_sweep(rest[0])
+    except SweepError as exc:
+        print(f"python -m predict: error: {exc}", file=sys.stderr)
+        return 2
+    records, skipped = [], []
+    for run in sweep.valid_runs:
+        cfg, spec = parse_request(run.args)
+        try:
+            p = _predict(cfg, target.device_file, target.in_flight)
+        except (ConfigError, NotModelled, FileNotFoundError) as exc:
+            skipped.append(f"{run.label()}: {exc}")
+            continue
+        rec = build_record(cfg, spec, "ok", None, None,
+                           {"device_name": target.device_file or "this machine (predicted)"})
+        rec.median_step_time = p.step_time
+        records.append(rec.__dict__)
+    print(render(records).replace("# Results", f"# Predicted: sweep {sweep.name}", 1))
+    for line in skipped:
+        print(f"not predicted: {line}", file=sys.stderr)
+    return 0
+
+
+def _records(args) -> int:
+    from predict.this_machine import predict_records
+
+    for path in args.records:
+        if not Path(path).is_file():
+            print(f"python -m predict records: error: no such file: {path}", file=sys.stderr)
+            return 2
+    for path in args.records:
+        predicted = predict_records(Path(path))
+        where = predictions_path(path) if predicted else "nothing written"
+        print(f"{path}: {len(predicted)} run(s) predicted ({where})")
+    return 0
+
+
+def _plan(args) -> int:
+    from ours.plan.auto import (SimulatedChoice, fitted_model_path, plan_dir, simulated_choices_path,
+                                write_simulated_choices)
+    from ours.plan.latency import LatencyModel
+    from predict.slicing import choose_slicing
+    from workload.configs import get_model_config
+
+    model = get_model_config(args.model)
+    lm_path = fitted_model_path(model, "cpu")
+    if lm_path is None:
+        print(f"python -m predict: error: no fitted latency model for {model.name} in {plan_dir()} "
+              "(python -m ours.plan profile, then fit)", file=sys.stderr)
+        return 2
+    lm = LatencyModel.load(lm_path)
+    choices = []
+    for batch in args.batch_size:
+        slices, seconds, timed, formula = choose_slicing(lm, model, args.pp, batch, args.micro_batch_size)
+        formula_s = dict((c, t) for t, c in timed)[formula]
+        choices.append(SimulatedChoice(n_layer=model.n_layer, pp=args.pp, batch_size=batch,
+                                       micro_batch_size=args.micro_batch_size, slices=tuple(slices),
+                                       simulated_seconds=seconds, formula_slices=tuple(formula),
+                                       formula_simulated_seconds=formula_s, candidates=len(timed)))
+        print(f"{model.name} P-{args.pp} batch {batch} micro-batch {args.micro_batch_size}: simulated best "
+              f"{len(slices)} slices {list(slices)} {seconds * 1e3:.0f} ms; the formula's optimum ({len(formula)} "
+              f"slices) simulated {formula_s * 1e3:.0f} ms; {len(timed)} candidates")
+    path = simulated_choices_path(model, "cpu")
+    write_simulated_choices(path, choices)
+    print(f"written: {path}")
+    return 0
+
+
+COMMANDS = ("calibrate", "validate", "seed", "plan-check", "plan", "sweep", "records")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sweep":
+        return predict_sweep(argv[1:])
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        return predict_run(argv)
+    p = argparse.ArgumentParser(prog="python -m predict", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, fn in (("calibrate", _calibrate), ("validate", _validate)):
+        q = sub.add_parser(name)
+        q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
+        q.add_argument("--warmup", type=int, default=1)
+        if name == "calibrate":
+            q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (every ok record "
+                           "in calibration-runs.jsonl is fitted)")
+        else:
+            q.add_argument("--repeats", type=int, default=3, help="runs of each validation config (the measurement: "
+                           "the median of their median step times)")
+        q.set_defaults(fn=fn)
+    q = sub.add_parser("seed")
+    q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")
+    q.set_defaults(fn=_seed)
+    q = sub.add_parser("plan-check")
+    q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json")
+    q.set_defaults(fn=_plan_check)
+    q = sub.add_parser("records", help="this machine's prediction of every recorded CPU run, kept beside its "
+                       "records file for the report")
+    q.add_argument("records", nargs="+", help="records files (JSON lines)")
+    q.set_defaults(fn=_records)
+    q = sub.add_parser("plan", help="ours' slicing per batch chosen by simulation (used by --n-slices auto)")
+    q.add_argument("--model", default="cpu-small")
+    q.add_argument("--pp", type=int, default=2)
+    q.add_argument("--batch-size", type=int, nargs="+", default=[1, 2, 4])
+    q.add_argument("--micro-batch-size", type=int, default=1)
+    q.set_defaults(fn=_plan)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The one place that knows the run command's RunConfig: a RunSpec from a config (or a record's config)."""
+from __future__ import annotations
+
+from contract import RunConfig
+from network_emulation.profiles import LinkSpec, link_classes, parse_profile
+from predict.run_spec import SYSTEMS, Link, RunSpec
+from contract.registry import get_system
+
+
+class NotModelled(ValueError):
+    """A run the simulator has no program for (a system or an option it does not model)."""
+
+
+def single_link(network: str, matrix: dict | None = None) -> LinkSpec | None:
+    """The one link the simulator puts between every pair of a run's ranks: its profile's (None without
+    emulation; ``matrix``: a per-link matrix's contents as the run read them). NotModelled for a
+    matrix with more than one kind of link: the simulator models no per-link matrices."""
+    classes = link_classes(parse_profile(network, matrix))
+    if len(classes) > 1:
+        raise NotModelled(f"--network {network}: a per-link matrix with {len(classes)} kinds of link is not modelled "
+                          "(the simulator puts one link between every pair of ranks)")
+    return classes[0][2] if classes else None
+
+
+def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo") -> RunSpec:
+    """RunSpec of a RunConfig over ``link``; ours' 'auto' slicing is resolved as the run would resolve it."""
+    if cfg.system not in SYSTEMS:
+        raise NotModelled(f"the simulator has no program for {cfg.system} (it models {', '.join(SYSTEMS)})")
+    o = cfg.options
+    schedule, virtual_pp, slices, dp_mode = "gpipe", 1, None, "allreduce"
+    if cfg.system == "ours":
+        if o.auto:
+            from ours.plan.auto import auto_slicing
+
+            slices = auto_slicing(cfg, "cuda" if transport == "nccl" else "cpu").slices
+        else:
+            slices = tuple(o.token_slices(cfg.model.seq_len))
+        dp_mode, schedule = o.dp_mode, o.schedule
+        if o.prefetch:
+            raise NotModelled("the simulator models one step on its own, not ours' --prefetch (the next step's "
+                              "first forwards run during this one)")
+    else:
+        schedule, virtual_pp = o.schedule, o.virtual_pp
+    try:
+        return RunSpec(system=cfg.system, model=cfg.model, batch_size=cfg.batch_size,
+                       micro_batch_size=cfg.micro_batch_size, link=link, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
+                       schedule=schedule, virtual_pp=virtual_pp, slices=slices, dp_mode=dp_mode,
+                       precision="mixed" if cfg.mixed_precision else "fp32", recompute=cfg.recompute,
+                       transport=transport)
+    except ValueError as exc:
+        raise NotModelled(str(exc)) from None
+
+
+def config_of_record(record: dict) -> RunConfig:
+    return RunConfig.from_dict(record["config"], get_system(record["config"]["system"]).options)
+
+
+def spec_from_record(record: dict, link: Link, transport: str = "gloo") -> RunSpec:
+    return spec_from_config(config_of_record(record), link, transport)

@@ -1,0 +1,167 @@
+"""Profile this machine for the simulator: one thread, one process, the operations a step is made of.
+
+Next to ``ours.plan.profile`` (which measures a layer's forward + backward for the slicing planner),
+this profile splits what the simulator needs apart:
+- one transformer layer on b sequences x l tokens after c tokens of context (cached keys and values
+  as leaves, as in ours' token slices): forward, backward with weight gradients, backward without
+  (the input gradients only; weight gradients = the difference);
+- the head (ln_f + lm_head + cross-entropy) per token: forward, backward with and without the
+  lm_head's weight gradient; the embeddings per token; one Adam step per parameter (as the runs:
+  foreach=False), from ``ours.plan.profile.overhead_rates``;
+- a gloo message between two local processes (``ours.plan.profile.measure_p2p``), fitted to
+  latency + bytes / bandwidth.
+
+Every point is the minimum of a few repetitions (contention on a shared machine only slows a
+measurement down). The result is a JSON dict (``kind: predict.machine_profile``).
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+import socket
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ours.plan.profile import context_attention, measure_p2p, overhead_rates
+from workload.configs import ModelConfig
+from workload.model import Block, block_forward
+
+
+def grid(seq_len: int, batch_slices: tuple[int, ...] = (1,)) -> list[tuple[int, int, int]]:
+    """(b, l, c): l over the sequence at c = 0 (fine at the small end, where slicing lives), and a
+    coarse set of slices after 1/4, 1/2 and 3/4 of the sequence."""
+    step = max(8, seq_len // 16)
+    ls = sorted({l for l in (8, 16, 32) if l < step} | set(range(step, seq_len + 1, step)) | {seq_len})
+    pts = [(b, l, 0) for b in batch_slices for l in ls]
+    for b in batch_slices:
+        for c in (seq_len // 4, seq_len // 2, 3 * seq_len // 4):
+            for l in sorted({step, 2 * step, seq_len // 4}):
+                if c > 0 and c + l <= seq_len:
+                    pts.append((b, l, c))
+    return pts
+
+
+class LayerTimer:
+    """One Block with the shared model's layer math (see ``ours.plan.profile.LayerBench``), timed
+    phase by phase."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.block = Block(cfg)
+
+    def once(self, b: int, l: int, c: int, weight_grads: bool) -> tuple[float, float]:
+        """(forward seconds, backward seconds) of one pass."""
+        cfg, blk = self.cfg, self.block
+        for p in blk.parameters():
+            p.requires_grad_(weight_grads)
+        H, D = cfg.n_head, cfg.head_dim
+        x = torch.randn(b, l, cfg.n_embd, requires_grad=True)
+        kc = torch.randn(b, H, c, D, requires_grad=True) if c else None
+        vc = torch.randn(b, H, c, D, requires_grad=True) if c else None
+        grad = torch.ones(b, l, cfg.n_embd)
+        # c > 0: the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
+        attention = context_attention(kc, vc, H) if c else None
+        t0 = time.perf_counter()
+        out = block_forward(blk, x, attention)
+        t1 = time.perf_counter()
+        out.backward(grad)
+        t2 = time.perf_counter()
+        for p in blk.parameters():
+            p.grad = None
+        return t1 - t0, t2 - t1
+
+    def point(self, b: int, l: int, c: int, reps: int) -> dict:
+        self.once(b, l, c, True)
+        fwd, full, bin_ = [], [], []
+        for _ in range(reps):
+            f, bw = self.once(b, l, c, True)
+            fwd.append(f)
+            full.append(bw)
+            f2, bw2 = self.once(b, l, c, False)
+            fwd.append(f2)
+            bin_.append(bw2)
+        fwd_t, full_t, bin_t = min(fwd), min(full), min(bin_)
+        return dict(b=b, l=l, c=c, fwd=fwd_t, bwd_full=full_t, bwd_in=min(bin_t, full_t),
+                    wgrad=max(0.0, full_t - bin_t))
+
+
+def head_rates(cfg: ModelConfig, reps: int = 3, tokens: int | None = None) -> dict:
+    """Per token: head forward, backward with and without the lm_head weight gradient."""
+    torch.manual_seed(0)
+    h, V = cfg.n_embd, cfg.vocab_size
+    n = tokens or cfg.seq_len
+    ln_f = torch.nn.LayerNorm(h)
+    head = torch.nn.Linear(h, V, bias=False)
+
+    def once(weight_grads: bool) -> tuple[float, float]:
+        for p in (*ln_f.parameters(), *head.parameters()):
+            p.requires_grad_(weight_grads)
+        x = torch.randn(1, n, h, requires_grad=True)
+        y = torch.randint(0, V, (1, n))
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(head(ln_f(x)).reshape(-1, V).float(), y.reshape(-1), reduction="sum")
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        ln_f.weight.grad = ln_f.bias.grad = head.weight.grad = None
+        return t1 - t0, t2 - t1
+
+    once(True)
+    full = [once(True) for _ in range(reps)]
+    nowg = [once(False) for _ in range(reps)]
+    fwd = min(min(f for f, _ in full), min(f for f, _ in nowg))
+    b_full, b_in = min(b for _, b in full), min(b for _, b in nowg)
+    return dict(fwd_per_token=fwd / n, bwd_in_per_token=min(b_in, b_full) / n,
+                wgrad_per_token=max(0.0, b_full - b_in) / n)
+
+
+def fit_p2p(points: list[dict]) -> dict:
+    """latency + bytes / bandwidth by least squares over the ping-pong's one-way times."""
+    from ours.plan.latency import fit_comm
+
+    if not points:
+        return {}
+    a, bw = fit_comm([p["bytes"] for p in points], [p["t"] for p in points])
+    return dict(latency=a, bandwidth=bw if bw != float("inf") else 1e12)
+
+
+def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 3, p2p: bool = True,
+            progress: bool = True) -> dict:
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        timer = LayerTimer(cfg)
+        pts = grid(cfg.seq_len, batch_slices)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(pts) + 2, desc=f"profile {cfg.name}", unit="pt")
+        layer = []
+        for b, l, c in pts:
+            layer.append(timer.point(b, l, c, reps))
+            if bar:
+                bar.update()
+        head = head_rates(cfg, reps)
+        rates = overhead_rates(cfg, torch.device("cpu"), reps)
+        if bar:
+            bar.update()
+        p2p_points = measure_p2p([2 ** k for k in range(10, 23, 3)], 8) if p2p else []
+        if bar:
+            bar.update()
+            bar.close()
+    finally:
+        torch.set_num_threads(prev_threads)
+    return dict(
+        kind="predict.machine_profile",
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        hostname=socket.gethostname(), cpu=platform.processor() or platform.machine(), torch=torch.__version__,
+        threads=1, model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                               seq_len=cfg.seq_len, vocab_size=cfg.vocab_size),
+        layer=layer, head=head, embed_per_token=rates["embed_per_token"],
+        optimizer_per_param=rates["optimizer_per_param"], p2p=p2p_points, p2p_fit=fit_p2p(p2p_points),
+        seconds=time.perf_counter() - started)

@@ -1,0 +1,758 @@
+"""The program every rank runs in one training step, for each system as it really runs.
+
+- torch_pipe (torch.distributed.pipelining): GPipe (all forwards, each receive posted right before
+  its micro-batch and waited; sends waited at the end of the phase; then all backwards in micro-batch
+  order), 1F1B (torch's: stage s warms up with P - s forwards; a forward's send goes out with the next
+  backward's receive, a backward's send with the next forward's receive, each pair waited together),
+  interleaved (Megatron's interleaved order, several chunks per rank). D > 1: FSDP2 on each stage's
+  data-parallel group: every forward all-gathers each block, the first backward all-gathers them again
+  (kept until the last), the last backward reduce-scatters the gradients (the stage's root parameters
+  are gathered once and reduce-scattered once).
+- megatron (megatron-core): 1F1B (P - s - 1 warm-up forwards, blocking sends and receives in pairs)
+  or interleaved; tensor parallelism: per layer two all-reduces in the forward (after attention and
+  after the MLP), two in the backward, two more in the recomputed forward; a tensor-parallel group is
+  simulated as one rank (its members run in lock-step) that stands for tp processes; data parallel:
+  the gradient all-reduce in finalize_model_grads.
+- ours (``ours.engine``): every receive of a step posted a step ahead (the engine's at the end of the
+  previous step's backward, the DP sync's after the previous sync; the first step's before the first
+  barrier); every unit's (batch slice x token slice) forward and backward in the order of
+  ``ours.schedule`` (1F1B over batch slices, or GPipe); each receive waited like the engine waits
+  over gloo, running queued weight gradients until it arrives; the last stage computes the head and loss when a unit's backward starts; weight gradients deferred
+  (queued per linear), run while waiting for a gradient and at the end, linear after linear; sends
+  waited at the end. Data parallel (``ours.dp.PointToPointSync``), one round of point-to-point
+  messages in 4 MiB buckets of the stage's gradients in the order they become final: a bucket is
+  pushed as soon as its last gradient is (overlapping the remaining weight gradients), each range to
+  the dp_rank that reduces it; that rank waits for the D - 1 pushes and, as a server, steps its
+  range's optimizer and sends the result to every replica that does not reduce the whole bucket.
+  central PS: dp_rank 0 reduces every bucket; sharded PS: each rank 1/D of every bucket;
+  all-reduce: D = 2 a direct exchange of the buckets (each rank sums), D > 2 the sharded pattern
+  sending back averaged gradients (a reduce-scatter and an all-gather point to point), then every
+  rank's optimizer. ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours:
+  per 25 MB bucket, once final, a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
+
+Every step is framed like the run command times it (``contract.rank.StepBarrier``): a
+dissemination barrier (ceil(log2 n) rounds of a 1-element message to rank + 2^k, one one-way delay
+per round; over gloo each use's receives posted one use ahead), the step, the closing barrier. The
+simulator runs two steps and times the second (ranks enter it as the first one left them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from predict import collectives as coll
+from predict.compute import ComputeModel, Overheads, Scaled, stage_params
+from predict.simulator import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
+from predict.run_spec import RunSpec
+from ours.dp import BUCKET_BYTES
+from ours.schedule import unit_order
+
+
+
+@dataclass(frozen=True)
+class Built:
+    programs: list
+    procs: list[int]
+    network: Network
+
+
+class _Step:
+    """Builds one rank's operations for one step of ``spec``; ``tag`` makes message keys unique."""
+
+    def __init__(self, spec: RunSpec, cm: ComputeModel, network: Network, step: int):
+        self.spec, self.net, self.step = spec, network, step
+        self.o: Overheads = cm.overheads(spec.system)
+        self.cm = cm if self.o.compute == 1.0 else Scaled(cm, self.o.compute)  # the system's own kernels
+        m = spec.model
+        self.h, self.seq = m.n_embd, m.seq_len
+        self.V = spec.virtual_pp
+        self.n_chunks = spec.pp * spec.virtual_pp
+        self.layers = m.n_layer // self.n_chunks  # per model chunk
+        self.tp = spec.tp if spec.system == "megatron" else 1
+        self.width = spec.head_classes  # None: the vocabulary
+
+    def params(self, layers: int, first: bool, last: bool, tp: int = 1) -> int:
+        return stage_params(self.spec.model, layers, first, last, tp, self.width)
+
+    # ---- the math of one stage chunk on one micro-batch -------------------------------------
+    def forward(self, chunk: int, b: int, l: int, c: int) -> list:
+        """Ops of a chunk's forward on b x l tokens after c (first chunk: embeddings; the last chunk of
+        the baselines also runs the head and the loss here)."""
+        cm, tp, L = self.cm, self.tp, self.layers
+        ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
+        if chunk == 0:
+            ops.append(Compute(cm.embed(b * l) / 3, "embed"))
+        ops += self._layers("forward", L, b, l, c)
+        if chunk == self.n_chunks - 1 and self.spec.system != "ours":
+            ops.append(Compute(cm.head_forward(b * l, tp, self.width), "head"))
+            ops += self._tp_comm(b * l, "head")
+        return ops
+
+    def backward(self, chunk: int, b: int, l: int, c: int) -> list:
+        cm, tp, L = self.cm, self.tp, self.layers
+        ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
+        if chunk == self.n_chunks - 1:
+            if self.spec.system == "ours":
+                ops.append(Compute(cm.head_forward(b * l, 1, self.width), "head"))
+            ops.append(Compute(cm.head_backward_input(b * l, tp, self.width) + cm.head_wgrad(b * l, tp, self.width),
+                               "head"))
+            ops += self._tp_comm(b * l, "head")
+        if self.spec.recompute:
+            ops += self._layers("recompute", L, b, l, c)
+        ops += self._layers("backward", L, b, l, c)
+        if chunk == 0:
+            ops.append(Compute(cm.embed(b * l) * 2 / 3, "embed"))
+        return ops
+
+    def _layers(self, kind: str, L: int, b: int, l: int, c: int) -> list:
+        cm, tp = self.cm, self.tp
+        if kind == "backward":
+            t = cm.layer_backward_input(b, l, c, tp) + cm.layer_wgrad(b, l, tp)
+        else:
+            t = cm.layer_forward(b, l, c, tp)
+        if tp == 1:
+            return [Compute(L * t, kind)]
+        ops = []
+        for _ in range(L):  # two all-reduces per layer, each after half of the layer's math
+            for _half in range(2):
+                ops.append(Compute(t / 2, kind))
+                ops += self._tp_comm(b * l, kind)
+        return ops
+
+    def _tp_comm(self, tokens: int, what: str) -> list:
+        """One tensor-parallel all-reduce of b*l*h activations, in closed form (the group is one
+        simulated rank)."""
+        if self.tp == 1 or what == "head":
+            return []
+        nbytes = tokens * self.h * self.spec.activation_bytes
+        link = self.net.intra_link or self.net.link
+        if self.net.transport == "gloo":  # gloo's ring: a receive-posted handshake per step
+            a = 2 * link.latency
+            t = 2 * (self.tp - 1) * (a + nbytes / (self.tp * link.bandwidth))
+        else:
+            t = coll.closed_form("allreduce", self.tp, nbytes, link)
+        return [Compute(t, "tp_comm")]
+
+    def optimizer(self, params: int) -> list:
+        return [Compute(self.cm.optimizer(params), "optimizer")]
+
+    def act_bytes(self, b: int, l: int) -> int:
+        return b * l * self.h * self.spec.activation_bytes
+
+
+def _key(step: int, *parts) -> tuple:
+    return (step, *parts)
+
+
+# ---- torch_pipe ------------------------------------------------------------------------------------
+def _fsdp_sizes(spec: RunSpec, s: int) -> tuple[int, int]:
+    """(bytes of one block's parameters, bytes of the stage's root parameters)."""
+    h, m = spec.model.n_embd, spec.model
+    block = (12 * h * h + 13 * h) * 4
+    root = 0
+    if s == 0:
+        root += (m.vocab_size * h + m.seq_len * h) * 4
+    if s == spec.pp - 1:
+        root += (2 * h + (spec.head_classes or m.vocab_size) * h) * 4
+    return block, root
+
+
+class _Stage:
+    """One torch_pipe rank's view of its step: its stage, neighbours, message keys, and the ops of a
+    micro-batch's forward and backward (with FSDP2's collectives when D > 1)."""
+
+    def __init__(self, st: _Step, rank: int):
+        spec = st.spec
+        self.st, self.rank = st, rank
+        self.P, self.m = spec.pp, spec.n_micro_batches
+        self.d, self.s = divmod(rank, self.P)
+        self.nb = st.act_bytes(spec.micro_batch_size, st.seq)
+        self.prev, self.nxt = rank - 1, rank + 1
+        self.first, self.last = self.s == 0, self.s == self.P - 1
+        self.group = tuple(k * self.P + self.s for k in range(spec.dp))
+        self.block_bytes, self.root_bytes = _fsdp_sizes(spec, self.s)
+        self.fsdp = spec.dp > 1
+
+    def fk(self, i: int, src: int) -> tuple:  # activation of micro-batch i leaving stage src
+        return _key(self.st.step, "f", self.d, src, i)
+
+    def bk(self, i: int, src: int) -> tuple:  # gradient of micro-batch i leaving stage src
+        return _key(self.st.step, "b", self.d, src, i)
+
+    def _coll(self, op: str, tag: tuple, nbytes: int) -> list:
+        st = self.st
+        return coll.collective(st.net.transport, op, self.group, self.rank, _key(st.step, "fsdp", self.s, *tag),
+                               nbytes, st.net.link, "fsdp")
+
+    def fwd(self, i: int) -> list:
+        st, out = self.st, []
+        if self.fsdp:
+            if i == 0 and self.root_bytes:
+                out += self._coll("allgather", ("root",), self.root_bytes)
+            for j in range(st.layers):
+                out += self._coll("allgather", ("f", i, j), self.block_bytes)
+        return out + st.forward(self.s, st.spec.micro_batch_size, st.seq, 0)
+
+    def bwd(self, i: int) -> list:
+        st, out = self.st, []
+        if self.fsdp and i == 0:
+            for j in range(st.layers):
+                out += self._coll("allgather", ("b", j), self.block_bytes)
+        out += st.backward(self.s, st.spec.micro_batch_size, st.seq, 0)
+        if self.fsdp and i == self.m - 1:
+            for j in range(st.layers):
+                out += self._coll("reduce_scatter", ("rs", j), self.block_bytes)
+            if self.root_bytes:
+                out += self._coll("reduce_scatter", ("rs", "root"), self.root_bytes)
+        return out
+
+
+def torch_pipe(st: _Step, rank: int) -> list:
+    spec = st.spec
+    if spec.schedule == "interleaved":
+        return _interleaved(st, rank, *divmod(rank, spec.pp))
+    p = _Stage(st, rank)
+    ops = [Compute(st.o.step, "overhead")]
+    ops += _gpipe(p) if spec.schedule == "gpipe" else _torch_1f1b(p)
+    params = st.params(st.layers, p.first, p.last)
+    return ops + st.optimizer(params // spec.dp if p.fsdp else params)
+
+
+def _gpipe(p: _Stage) -> list:
+    """torch's ScheduleGPipe: each receive posted and waited right before its micro-batch; a phase's
+    sends waited at its end."""
+    ops, sends = [], []
+    for i in range(p.m):
+        if not p.first:
+            ops += [Recv(p.fk(i, p.s - 1), p.prev, p.nb), Wait((p.fk(i, p.s - 1),))]
+        ops += p.fwd(i)
+        if not p.last:
+            ops.append(Send(p.fk(i, p.s), p.nxt, p.nb))
+            sends.append(p.fk(i, p.s))
+    if sends:
+        ops.append(Wait(tuple(sends)))
+    sends = []
+    for i in range(p.m):
+        if not p.last:
+            ops += [Recv(p.bk(i, p.s + 1), p.nxt, p.nb), Wait((p.bk(i, p.s + 1),))]
+        ops += p.bwd(i)
+        if not p.first:
+            ops.append(Send(p.bk(i, p.s), p.prev, p.nb))
+            sends.append(p.bk(i, p.s))
+    if sends:
+        ops.append(Wait(tuple(sends)))
+    return ops
+
+
+def _torch_1f1b(p: _Stage) -> list:
+    """torch's Schedule1F1B: P - s warm-up forwards (the last one's send held back); then a forward's
+    send goes out with the next backward's receive and a backward's send with the next forward's
+    receive, each pair waited together; cool-down backwards, each send waited after the next backward."""
+    ops: list = []
+    warm = min(p.m, p.P - p.s)
+    fi = bi = 0
+    send_work: list = []
+    fwd_sends: list = []
+    for _ in range(warm):
+        if not p.first:
+            ops += [Recv(p.fk(fi, p.s - 1), p.prev, p.nb), Wait((p.fk(fi, p.s - 1),))]
+        ops += p.fwd(fi)
+        if send_work:
+            ops.append(Wait(tuple(send_work)))
+            send_work = []
+        fwd_sends = [p.fk(fi, p.s)] if not p.last else []
+        if fi != warm - 1:
+            ops += [Send(k, p.nxt, p.nb) for k in fwd_sends]
+            send_work, fwd_sends = fwd_sends, []
+        fi += 1
+    while True:
+        recvs = [p.bk(bi, p.s + 1)] if not p.last else []
+        ops += [Send(k, p.nxt, p.nb) for k in fwd_sends] + [Recv(k, p.nxt, p.nb) for k in recvs]
+        if fwd_sends or recvs:
+            ops.append(Wait(tuple(fwd_sends + recvs)))
+        ops += p.bwd(bi)
+        bwd_sends = [p.bk(bi, p.s)] if not p.first else []
+        bi += 1
+        if fi == p.m:
+            break
+        recvs = [p.fk(fi, p.s - 1)] if not p.first else []
+        ops += [Send(k, p.prev, p.nb) for k in bwd_sends] + [Recv(k, p.prev, p.nb) for k in recvs]
+        if bwd_sends or recvs:
+            ops.append(Wait(tuple(bwd_sends + recvs)))
+        ops += p.fwd(fi)
+        fwd_sends = [p.fk(fi, p.s)] if not p.last else []
+        fi += 1
+    ops += [Send(k, p.prev, p.nb) for k in bwd_sends]
+    send_work = bwd_sends
+    while bi < p.m:
+        recvs = [p.bk(bi, p.s + 1)] if not p.last else []
+        ops += [Recv(k, p.nxt, p.nb) for k in recvs]
+        if recvs:
+            ops.append(Wait(tuple(recvs)))
+        ops += p.bwd(bi)
+        if send_work:
+            ops.append(Wait(tuple(send_work)))
+        send_work = [p.bk(bi, p.s)] if not p.first else []
+        ops += [Send(k, p.prev, p.nb) for k in send_work]
+        bi += 1
+    if send_work:
+        ops.append(Wait(tuple(send_work)))
+    return ops
+
+
+# ---- interleaved (Megatron's order; also used for torch's Interleaved1F1B) -------------------------
+def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
+    """Megatron's interleaved 1F1B on rank s with V chunks, in rounds of R micro-batches (R = P where P
+    divides m, as Megatron requires; torch's Interleaved1F1B: R = m // max(1, m // P), so m < P runs
+    one round of m): the k-th forward runs chunk (k // R) % V, the j-th backward chunk
+    V - 1 - (j // R) % V, each on its chunk's next micro-batch; warm-up (P - s - 1) 2 + (V - 1) R
+    forwards. Receives are posted
+    right before their use and waited; sends are waited at the end of the step (Megatron pairs each
+    send with the next receive instead; the difference is a send's completion, which a receiver that
+    posted early makes immediate)."""
+    spec = st.spec
+    P, V, m = spec.pp, spec.virtual_pp, spec.n_micro_batches
+    mb, seq = spec.micro_batch_size, st.seq
+    nb = st.act_bytes(mb, seq)
+    total = m * V
+    R = m // max(1, m // P)  # micro-batches per round
+    warm = min(total, (P - s - 1) * 2 + (V - 1) * R)
+    base = d * P  # simulated rank of stage 0 in this pipeline
+    ops: list = [Compute(st.o.step, "overhead")]
+    pending: list = []
+    done = {(v, f): 0 for v in range(V) for f in (True, False)}  # micro-batches each chunk has run
+
+    def ident(k: int, forward: bool) -> tuple[int, int]:
+        v = (k // R) % V
+        if not forward:
+            v = V - 1 - v
+        i = done[v, forward]
+        done[v, forward] += 1
+        return v, i
+
+    def owner(vs: int) -> int:  # simulated rank holding virtual stage vs
+        return base + vs % P
+
+    def do(k: int, forward: bool):
+        nonlocal ops
+        v, i = ident(k, forward)
+        vs = v * P + s
+        if forward:
+            if vs > 0:
+                key = _key(st.step, "f", d, vs - 1, i)
+                ops += [Recv(key, owner(vs - 1), nb), Wait((key,))]
+            ops += st.forward(vs, mb, seq, 0)
+            if vs < st.n_chunks - 1:
+                key = _key(st.step, "f", d, vs, i)
+                ops.append(Send(key, owner(vs + 1), nb))
+                pending.append(key)
+        else:
+            if vs < st.n_chunks - 1:
+                key = _key(st.step, "b", d, vs + 1, i)
+                ops += [Recv(key, owner(vs + 1), nb), Wait((key,))]
+            ops += st.backward(vs, mb, seq, 0)
+            if vs > 0:
+                key = _key(st.step, "b", d, vs, i)
+                ops.append(Send(key, owner(vs - 1), nb))
+                pending.append(key)
+
+    for k in range(warm):
+        do(k, True)
+    for j in range(total - warm):
+        do(warm + j, True)
+        do(j, False)
+    for j in range(total - warm, total):
+        do(j, False)
+    if pending:
+        ops.append(Wait(tuple(pending)))
+    layers = st.layers * V
+    return ops + st.optimizer(st.params(layers, s == 0, s == P - 1))
+
+
+# ---- megatron ------------------------------------------------------------------------------------
+def megatron(st: _Step, rank: int) -> list:
+    spec = st.spec
+    P, D, m = spec.pp, spec.dp, spec.n_micro_batches
+    d, s = divmod(rank, P)
+    if spec.schedule == "interleaved":
+        ops = _interleaved(st, rank, d, s)
+        opt = ops.pop()
+    else:
+        mb, seq = spec.micro_batch_size, st.seq
+        nb = st.act_bytes(mb, seq)
+        prev, nxt = rank - 1, rank + 1
+        fk = lambda i, src: _key(st.step, "f", d, src, i)
+        bk = lambda i, src: _key(st.step, "b", d, src, i)
+        ops = [Compute(st.o.step, "overhead")]
+
+        def pair(sends, recvs):  # megatron's _communicate: post all, wait all
+            out = [Send(k, dst, nb) for k, dst in sends] + [Recv(k, src, nb) for k, src in recvs]
+            keys = tuple(k for k, _ in sends) + tuple(k for k, _ in recvs)
+            return out + ([Wait(keys)] if keys else [])
+
+        warm = min(P - s - 1, m)
+        rest = m - warm
+        for i in range(warm):
+            ops += pair([], [(fk(i, s - 1), prev)] if s > 0 else [])
+            ops += st.forward(s, mb, seq, 0)
+            ops += pair([(fk(i, s), nxt)] if s < P - 1 else [], [])
+        if rest > 0:
+            ops += pair([], [(fk(warm, s - 1), prev)] if s > 0 else [])
+        for j in range(rest):
+            i = warm + j
+            ops += st.forward(s, mb, seq, 0)
+            ops += pair([(fk(i, s), nxt)] if s < P - 1 else [], [(bk(j, s + 1), nxt)] if s < P - 1 else [])
+            ops += st.backward(s, mb, seq, 0)
+            if j == rest - 1:
+                ops += pair([(bk(j, s), prev)] if s > 0 else [], [])
+            else:
+                ops += pair([(bk(j, s), prev)] if s > 0 else [], [(fk(i + 1, s - 1), prev)] if s > 0 else [])
+        for j in range(rest, m):
+            ops += pair([], [(bk(j, s + 1), nxt)] if s < P - 1 else [])
+            ops += st.backward(s, mb, seq, 0)
+            ops += pair([(bk(j, s), prev)] if s > 0 else [], [])
+        opt = st.optimizer(st.params(st.layers, s == 0, s == P - 1, st.tp))[0]
+    if D > 1:
+        dp_group = tuple(k * P + s for k in range(D))
+        grads = st.params(st.layers * st.V, s == 0, s == P - 1, st.tp) * 4  # fp32 grad buffers
+        ops += coll.collective(st.net.transport, "allreduce", dp_group, rank, _key(st.step, "dp", s), grads,
+                               st.net.link, "dp")
+    return ops + [opt]
+
+
+# ---- ours ----------------------------------------------------------------------------------------
+def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
+    """The stage's parameters as ``StageEngine.grad_order`` reports them final: (elements, the index of
+    the deferred linear whose gradient finishes it; -1: final when the backward ends). First those
+    autograd accumulates (embeddings, layer norms), then per layer the four linears' weight and bias,
+    then the output layer."""
+    h, m = st.h, st.spec.model
+    out = []
+    if first:
+        out += [(m.vocab_size * h, -1), (m.seq_len * h, -1)]
+    out += [(h, -1)] * (4 * st.layers)  # ln_1, ln_2: weight and bias
+    if last:
+        out += [(h, -1), (h, -1)]  # ln_f
+    for i, (rows, cols) in enumerate([(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)] * st.layers):
+        out += [(rows * cols, i), (rows, i)]
+    if last:
+        out.append(((st.width or m.vocab_size) * h, 4 * st.layers))
+    return out
+
+
+def _buckets(order: list[tuple[int, int]], bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
+    """ours.dp.buckets over the gradient order, fp32: (elements, the linear that completes the bucket)."""
+    out, n, ready, size = [], 0, -1, 0
+    for numel, at in order:
+        if n and size + numel * 4 > bucket_bytes:
+            out.append((n, ready))
+            n, ready, size = 0, -1, 0
+        n, ready, size = n + numel, max(ready, at), size + numel * 4
+    return out + ([(n, ready)] if n else [])
+
+
+def _ranges(n: int, dp: int, layout: str) -> list[tuple[int, int]]:
+    """ours.dp._ranges: the [lo, hi) of an n-element bucket each dp_rank reduces."""
+    if layout == "central":
+        return [(0, n)] + [(n, n)] * (dp - 1)
+    if layout == "sharded":
+        c = -(-n // dp)
+        return [(min(j * c, n), min((j + 1) * c, n)) for j in range(dp)]
+    return [(0, n)] * dp
+
+
+_LAYOUT = {"central_ps": "central", "sharded_ps": "sharded"}  # allreduce: replicated at D = 2, else sharded
+
+
+@dataclass(frozen=True)
+class _Sync:
+    """ours.dp.PointToPointSync of one rank of stage s: its bucket ranges and message keys."""
+
+    st: _Step
+    d: int
+    s: int
+    buckets: tuple  # ((elements, completing linear, ranges by dp_rank), ...)
+    serve: bool
+
+    @staticmethod
+    def of(st: _Step, rank: int) -> "_Sync":
+        spec = st.spec
+        d, s = divmod(rank, spec.pp)
+        D = spec.dp
+        layout = _LAYOUT.get(spec.dp_mode, "replicated" if D == 2 else "sharded")
+        order = _grad_order(st, s == 0, s == spec.pp - 1)
+        buckets = tuple((n, at, tuple(_ranges(n, D, layout))) for n, at in _buckets(order))
+        return _Sync(st, d, s, buckets, spec.dp_mode != "allreduce")
+
+    def rank(self, j: int) -> int:
+        return j * self.st.spec.pp + self.s
+
+    def peers(self) -> list[int]:
+        return [j for j in range(self.st.spec.dp) if j != self.d]
+
+    def key(self, what: str, i: int, src: int, dst: int) -> tuple:
+        return _key(self.st.step, "dp", self.s, what, i, src, dst)
+
+    def returned(self, i: int, j: int) -> bool:
+        """Does peer j send this rank its reduced range of bucket i?"""
+        n, _, ranges = self.buckets[i]
+        lo, hi = ranges[j]
+        return hi > lo and ranges[self.d] != (0, n)
+
+    def receives(self) -> list:
+        """Every receive of the step's sync (posted a step ahead): the peers' pushes of the ranges this
+        rank reduces, and what the peers send back of theirs."""
+        ops = []
+        for i, (_, _, ranges) in enumerate(self.buckets):
+            lo, hi = ranges[self.d]
+            for j in self.peers():
+                if hi > lo:
+                    ops.append(Recv(self.key("push", i, j, self.d), self.rank(j), (hi - lo) * 4))
+                if self.returned(i, j):
+                    jlo, jhi = ranges[j]
+                    ops.append(Recv(self.key("back", i, j, self.d), self.rank(j), (jhi - jlo) * 4))
+        return ops
+
+    def push(self, i: int) -> tuple[list, list]:
+        """Bucket i's gradient: each peer's range to that peer; (ops, send keys)."""
+        ops, keys = [], []
+        for j in self.peers():
+            lo, hi = self.buckets[i][2][j]
+            if hi > lo:
+                keys.append(self.key("push", i, self.d, j))
+                ops.append(Send(keys[-1], self.rank(j), (hi - lo) * 4))
+        return ops, keys
+
+    def step(self) -> tuple[list, list]:
+        """sync.step(): reduce every range this rank serves (wait for the D - 1 pushes, as a server step
+        its optimizer, send the result to the peers that do not reduce the whole bucket), then wait for
+        what comes back, bucket by bucket; (ops, send keys). Without a server: every rank's optimizer."""
+        st, ops, keys = self.st, [], []
+        for i, (n, _, ranges) in enumerate(self.buckets):
+            lo, hi = ranges[self.d]
+            if hi <= lo:
+                continue
+            ops.append(Wait(tuple(self.key("push", i, j, self.d) for j in self.peers()), "dp"))
+            if self.serve:
+                ops += st.optimizer(hi - lo)
+            for j in self.peers():
+                if ranges[j] != (0, n):
+                    keys.append(self.key("back", i, self.d, j))
+                    ops.append(Send(keys[-1], self.rank(j), (hi - lo) * 4))
+        for i in range(len(self.buckets)):
+            back = tuple(self.key("back", i, j, self.d) for j in self.peers() if self.returned(i, j))
+            if back:
+                ops.append(Wait(back, "dp"))
+        return ops, keys
+
+
+def _ours_unit_receives(st: _Step, rank: int) -> list:
+    """The engine's receives of a step (posted a step ahead): every unit's activation from the previous
+    stage and its gradient from the next, in the order the stage consumes them (``ours.schedule``)."""
+    spec = st.spec
+    P, mb, slices = spec.pp, spec.micro_batch_size, spec.token_slices
+    d, s = divmod(rank, P)
+    ops = []
+    for kind, b, i in unit_order(spec.schedule, spec.n_micro_batches, len(slices), s, P):
+        u = b * len(slices) + i
+        if kind == "F" and s > 0:
+            ops.append(Recv(_key(st.step, "f", d, s - 1, u), rank - 1, st.act_bytes(mb, slices[i])))
+        elif kind == "B" and s < P - 1:
+            ops.append(Recv(_key(st.step, "b", d, s + 1, u), rank + 1, st.act_bytes(mb, slices[i])))
+    return ops
+
+
+def ours_receives(st: _Step, rank: int) -> list:
+    """Everything rank posts a step ahead for step ``st.step``: the engine's and the DP sync's receives."""
+    ops = _ours_unit_receives(st, rank)
+    if st.spec.dp > 1 and st.spec.dp_mode != "chain_ps":
+        ops += _Sync.of(st, rank).receives()
+    return ops
+
+
+def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
+    """One step of rank ``rank``; its receives were posted before (``ours_receives``), and it posts those
+    of the ``following`` step (the engine's after its backward, the sync's after the sync)."""
+    spec, cm = st.spec, st.cm
+    P, D = spec.pp, spec.dp
+    d, s = divmod(rank, P)
+    mb = spec.micro_batch_size
+    nbs = spec.n_micro_batches
+    slices = spec.token_slices
+    ctx = [sum(slices[:i]) for i in range(len(slices))]
+    L = st.layers
+    first, last = s == 0, s == P - 1
+    prev, nxt = rank - 1, rank + 1
+    ops: list = [Compute(st.o.step, "overhead")]
+    sends = []
+    wgrad = [0.0] * (4 * L + 1)  # per deferred linear (the output layer last), over the step
+    # 1f1b: the engine computes the weight gradients its stash holds beyond P - s batch slices' units
+    # (``StageEngine._bound_stash``), right after each backward; modelled by the amount of work it keeps
+    limit = min(nbs, P - s) * len(slices) if spec.schedule == "1f1b" else None
+    queued: list[float] = []  # each unit's deferred work, in backward order
+    for kind, b, i in unit_order(spec.schedule, nbs, len(slices), s, P):
+        u = b * len(slices) + i
+        l, c = slices[i], ctx[i]
+        if kind == "F":
+            if not first:  # the engine waits for an activation like for a gradient (over gloo)
+                ops.append(FillWait(_key(st.step, "f", d, s - 1, u), "wgrad"))
+            ops += st.forward(s, mb, l, c)
+            if not last:
+                key = _key(st.step, "f", d, s, u)
+                ops.append(Send(key, nxt, st.act_bytes(mb, l)))
+                sends.append(key)
+            continue
+        if not last:
+            ops.append(FillWait(_key(st.step, "b", d, s + 1, u), "wgrad"))
+        ops.append(Compute(st.o.per_unit(L) / 2, "overhead"))
+        if last:
+            ops.append(Compute(cm.head_forward(mb * l, 1, st.width) + cm.head_backward_input(mb * l, 1, st.width),
+                               "head"))
+        if spec.recompute:
+            ops.append(Compute(L * cm.layer_forward(mb, l, c), "recompute"))
+        ops.append(Compute(L * cm.layer_backward_input(mb, l, c), "backward"))
+        if first:
+            ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
+        chunks = [cm.layer_wgrad(mb, l) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
+        if last:
+            chunks.append(cm.head_wgrad(mb * l, 1, st.width))
+        for k, t in enumerate(chunks):
+            wgrad[k] += t
+        ops.append(Defer(tuple(chunks)))
+        if not first:
+            key = _key(st.step, "b", d, s, u)
+            ops.append(Send(key, prev, st.act_bytes(mb, l)))
+            sends.append(key)
+        if limit is not None:
+            queued.append(sum(chunks))
+            if len(queued) > limit:
+                ops.append(Flush("wgrad", keep=sum(queued[-limit:])))
+    if following is not None:
+        ops += _ours_unit_receives(following, rank)
+    params = st.params(L, first, last)
+    if D == 1:
+        ops.append(Flush("wgrad"))
+        if sends:
+            ops.append(Wait(tuple(sends)))
+        return ops + st.optimizer(params)
+    after = [sum(wgrad[k + 1:]) for k in range(len(wgrad))]  # work of the linears after linear k
+    if spec.dp_mode == "chain_ps":
+        return ops + _chain_ps(st, rank, sends, after, sum(wgrad))
+    # the weight gradients, linear after linear (the fill drained the first linears first: what is left
+    # belongs to the last ones); each bucket pushed as its last gradient is final
+    sync = _Sync.of(st, rank)
+    pushed = []
+    for i, (_, at, _) in enumerate(sync.buckets):
+        ops.append(Flush("wgrad", keep=after[at] if at >= 0 else sum(wgrad)))
+        push, keys = sync.push(i)
+        ops += push
+        pushed += keys
+    ops.append(Flush("wgrad"))
+    if sends:
+        ops.append(Wait(tuple(sends)))
+    ops.append(Compute(st.o.dp, "overhead"))
+    step, keys = sync.step()
+    ops += step
+    ops.append(Wait(tuple(pushed + keys), "dp"))
+    if not sync.serve:
+        ops += st.optimizer(params)
+    if following is not None:
+        ops += _Sync.of(following, rank).receives()
+    return ops
+
+
+CHAIN_BUCKET_BYTES = 25 * 10**6
+
+
+def _chain_ps(st: _Step, rank: int, sends: list, after: list[float], wgrad: float) -> list:
+    """The seed's central PS over NCCL (``dp_mode="chain_ps"``): per 25 MB bucket, once its last gradient
+    is final, a chain reduce to dp_rank 0, that rank's Adam step on the bucket, a chain broadcast of the
+    result (one NCCL stream: bucket after bucket); then the pipeline's sends are waited for."""
+    spec = st.spec
+    d, s = divmod(rank, spec.pp)
+    group = tuple(j * spec.pp + s for j in range(spec.dp))
+    link = st.net.link
+    ops: list = []
+    for i, (n, at) in enumerate(_buckets(_grad_order(st, s == 0, s == spec.pp - 1), CHAIN_BUCKET_BYTES)):
+        ops.append(Flush("wgrad", keep=after[at] if at >= 0 else wgrad))
+        ops.append(Group(_key(st.step, "chain", s, i, "reduce"), group,
+                         coll.closed_form("reduce", spec.dp, n * 4, link), "dp"))
+        if d == 0:
+            ops += st.optimizer(n)
+        ops.append(Group(_key(st.step, "chain", s, i, "broadcast"), group,
+                         coll.closed_form("broadcast", spec.dp, n * 4, link), "dp"))
+    ops.append(Flush("wgrad"))
+    if sends:
+        ops.append(Wait(tuple(sends)))
+    return ops
+
+
+BUILDERS = {"torch_pipe": torch_pipe, "megatron": megatron, "ours": ours}
+
+
+def network_of(spec: RunSpec) -> Network:
+    per_host = spec.ranks_per_host
+    if spec.system == "megatron":  # a tensor-parallel group is one simulated rank
+        per_host = max(1, per_host // spec.tp)
+    return Network(spec.link, spec.transport, spec.intra_link, per_host)
+
+
+def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
+    """Programs of every simulated rank: ``steps`` steps, each framed by the timing barriers; Marks
+    ``start{k}`` / ``end{k}`` around step k (after the opening barrier, after the closing one). What a
+    rank posts ahead of its first step (ours' receives, the first barrier's over gloo) comes first."""
+    if spec.tp > 1 and spec.system != "megatron":
+        raise ValueError(f"{spec.system} has no tensor parallelism")
+    net = network_of(spec)
+    n = spec.pp * spec.dp
+    world = tuple(range(n))
+    uses = [("open", k) if i % 2 == 0 else ("close", k) for k in range(steps) for i in range(2)]
+    programs = []
+    for r in range(n):
+        st = [_Step(spec, cm, net, k) for k in range(steps)]
+        ops: list = _barrier_receives(net, world, r, uses[0])
+        if spec.system == "ours":
+            ops += ours_receives(st[0], r)
+        for k in range(steps):
+            ops += _barrier(net, world, r, uses[2 * k], uses[2 * k + 1])
+            ops.append(Mark(f"start{k}"))
+            if spec.system == "ours":
+                ops += ours(st[k], r, st[k + 1] if k + 1 < steps else None)
+            else:
+                ops += BUILDERS[spec.system](st[k], r)
+            ops += _barrier(net, world, r, uses[2 * k + 1], uses[2 * k + 2] if 2 * k + 2 < len(uses) else None)
+            ops.append(Mark(f"end{k}"))
+        programs.append(ops)
+    procs = [spec.tp if spec.system == "megatron" else 1] * n
+    return Built(programs, procs, net)
+
+
+# ---- the timing barrier (contract.rank.StepBarrier) ---------------------------------------------
+def _barrier_rounds(world: tuple, r: int, use) -> list[tuple[tuple, int, tuple, int]]:
+    """Per round k of the dissemination barrier: (key of the message from r - 2^k, that rank, key of
+    the message to r + 2^k, that rank)."""
+    n, out, k = len(world), [], 1
+    while k < n:
+        frm, to = world[(r - k) % n], world[(r + k) % n]
+        out.append((("barrier", use, k, frm, r), frm, ("barrier", use, k, r, to), to))
+        k *= 2
+    return out
+
+
+def _barrier_receives(net: Network, world: tuple, r: int, use) -> list:
+    """Over gloo the barrier's receives of a use are posted one use ahead."""
+    if net.transport != "gloo" or use is None:
+        return []
+    return [Recv(rk, frm, 4) for rk, frm, _, _ in _barrier_rounds(world, r, use)]
+
+
+def _barrier(net: Network, world: tuple, r: int, use, next_use) -> list:
+    """One use of the timing barrier: ceil(log2 n) rounds, in each a 1-element message to r + 2^k and
+    one awaited from r - 2^k: one one-way delay per round. Over gloo the receive was posted one use
+    ahead and this use posts the next one's (``next_use``; None: the last); over nccl each round posts
+    its receive with its send."""
+    ops: list = []
+    for rk, frm, sk, to in _barrier_rounds(world, r, use):
+        if net.transport != "gloo":
+            ops.append(Recv(rk, frm, 4))
+        ops += [Send(sk, to, 4), Wait((rk, sk), "barrier")]
+    return ops + _barrier_receives(net, world, r, next_use)

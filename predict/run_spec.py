@@ -1,0 +1,189 @@
+"""What the simulator is asked (a run description) and what it answers (a prediction).
+
+The run description is the simulator's own: it names the fields of a run that decide its step time
+and nothing else (no steps, seeds, files or devices). ``predict.from_config`` builds one from the run
+command's RunConfig; tests and the seed tables build them directly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from ours.schedule import SCHEDULES as OURS_SCHEDULES
+from workload.configs import ModelConfig
+
+SYSTEMS = ("torch_pipe", "megatron", "ours")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DP_MODES = ("allreduce", "central_ps", "sharded_ps", "chain_ps")
+TRANSPORTS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a link between two hosts.
+
+    latency: one-way delay in seconds (wire and software: the time from a message's last byte leaving
+        the sender to its arrival); bandwidth: bytes per second of the sender's egress (shared by every
+        message the host sends); in_flight: how many messages may be on the way on this link and
+        direction at once (a message starts only when fewer than that are still travelling), None for
+        no limit; stall_bytes: where an emulated link holds messages back, the last byte of an n-byte
+        message cannot arrive before min(1, n / stall_bytes) one-way delays plus the latency after it
+        started, however fast the wire (``predict.gloo_stall`` measures it with gloo; the
+        virtual cluster had one of about 25 KiB before it set TCP CUBIC and no slow start after idle,
+        and has none since); None: no stall."""
+
+    latency: float
+    bandwidth: float
+    in_flight: int | None = None
+    stall_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"link latency must be a finite number >= 0 s, got {self.latency!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if self.in_flight is not None and self.in_flight < 1:
+            raise ValueError(f"link in_flight must be >= 1 or None, got {self.in_flight!r}")
+
+    @classmethod
+    def from_ms_gbps(cls, delay_ms: float, gbps: float, in_flight: int | None = None) -> "Link":
+        return cls(delay_ms / 1e3, gbps * 1e9 / 8, in_flight)
+
+    def stall(self, nbytes: float) -> float:
+        if not self.stall_bytes:
+            return 0.0
+        return self.latency * min(1.0, nbytes / self.stall_bytes)
+
+    def transfer(self, nbytes: float) -> float:
+        """Seconds from the first byte leaving to the last byte arriving, on an idle link."""
+        return max(nbytes / self.bandwidth, self.stall(nbytes)) + self.latency
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A run as the simulator sees it.
+
+    system / schedule: which program each rank runs (torch_pipe: gpipe | 1f1b | interleaved;
+        megatron: 1f1b | interleaved; ours: its token-level pipeline, its units in the order of
+        ``ours.schedule``: 1f1b | gpipe). None: ours' default (1f1b), else gpipe.
+    model: the GPT shape. pp / tp / dp: pipeline stages, tensor-parallel degree, pipelines.
+    batch_size: sequences per pipeline and step; micro_batch_size: sequences per micro-batch
+        (ours: per batch slice). virtual_pp: model chunks per rank (interleaved).
+    slices: ours' token slice lengths (sum = seq_len). dp_mode: ours' data parallelism (allreduce,
+        central_ps, sharded_ps), or ``chain_ps``, the seed's (DT-FM's) central PS over NCCL, not an
+        option of ours: per 25 MB bucket a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
+    precision: "fp32" or "mixed" (activations and messages in 2 bytes). recompute: activation
+        recomputation (a layer's forward runs again before its backward).
+    link: every inter-host link (hosts = ranks); intra_link: links between ranks of one host
+        (Megatron's 8 GPUs of one machine), None when every rank is its own host.
+    transport: "gloo" (a message's data leaves only after the receiver's notice that it posted the
+        receive reached the sender; collectives as gloo's algorithms, message by message) or "nccl"
+        (data leaves once both sides posted; collectives by closed-form ring / chain costs).
+    ranks_per_host: ranks sharing one host (intra_link between them).
+    head_classes: the output layer's width when it is not the vocabulary (a classification head, as the
+    seed's QQP workload had), None for a language model.
+    message_bytes: bytes per element of the activations and gradients sent between stages; None: what
+    the system sends (ours: fp32 always; the baselines: 2 bytes under mixed precision, else 4).
+    """
+
+    system: str
+    model: ModelConfig
+    batch_size: int
+    micro_batch_size: int
+    link: Link
+    pp: int = 1
+    tp: int = 1
+    dp: int = 1
+    schedule: str | None = None
+    virtual_pp: int = 1
+    slices: tuple[int, ...] | None = None
+    dp_mode: str = "allreduce"
+    precision: str = "fp32"
+    recompute: bool = False
+    transport: str = "gloo"
+    intra_link: Link | None = None
+    ranks_per_host: int = 1
+    head_classes: int | None = None
+    message_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"unknown system {self.system!r}; the simulator knows {', '.join(SYSTEMS)}")
+        if self.schedule is None:
+            object.__setattr__(self, "schedule", "1f1b" if self.system == "ours" else "gpipe")
+        if self.schedule not in (OURS_SCHEDULES if self.system == "ours" else SCHEDULES):
+            raise ValueError(f"unknown schedule {self.schedule!r} for {self.system}")
+        if self.dp_mode not in DP_MODES:
+            raise ValueError(f"unknown dp_mode {self.dp_mode!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}")
+        if self.precision not in ("fp32", "mixed"):
+            raise ValueError(f"precision must be fp32 or mixed, got {self.precision!r}")
+        for name in ("pp", "tp", "dp", "batch_size", "micro_batch_size", "virtual_pp", "ranks_per_host"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch {self.batch_size} does not divide into micro-batches of {self.micro_batch_size}")
+        if self.model.n_layer % (self.pp * self.virtual_pp):
+            raise ValueError(f"{self.model.n_layer} layers do not divide into {self.pp * self.virtual_pp} stages")
+        if self.slices is not None and sum(self.slices) != self.model.seq_len:
+            raise ValueError(f"slices {self.slices} do not sum to the sequence length {self.model.seq_len}")
+
+    @property
+    def n_micro_batches(self) -> int:
+        return self.batch_size // self.micro_batch_size
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def token_slices(self) -> tuple[int, ...]:
+        return self.slices if self.slices is not None else (self.model.seq_len,)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per element of the activations and gradients sent between stages."""
+        if self.message_bytes is not None:
+            return self.message_bytes
+        return 2 if self.precision == "mixed" and self.system != "ours" else 4
+
+    def replace(self, **changes) -> "RunSpec":
+        return replace(self, **changes)
+
+    def describe(self) -> dict:
+        d = asdict(self)
+        d["model"] = asdict(self.model)
+        return d
+
+
+BREAKDOWN_PARTS = ("compute", "overhead", "exposed_comm", "bubble", "dp_sync", "barrier")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The predicted step time (seconds) and where the critical rank spent it.
+
+    compute: forward, backward, weight gradients, head, optimizer (nominal work, stretched where ranks
+    share cores); overhead: the calibrated framework time per step / micro-batch; exposed_comm: waits
+    for messages whose data was ready (the network's share of a wait); bubble: waits for a peer that
+    had not produced the data yet; dp_sync: data-parallel synchronisation; barrier: the step's closing
+    barrier. The parts sum to ``step_time``."""
+
+    step_time: float
+    compute: float
+    overhead: float
+    exposed_comm: float
+    bubble: float
+    dp_sync: float
+    barrier: float
+    critical_rank: int
+    per_rank: tuple[float, ...] = field(default_factory=tuple)
+    detail: dict = field(default_factory=dict)  # compute by kind on the critical rank
+
+    def parts(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in BREAKDOWN_PARTS}
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in self.parts().items())
+        return f"predicted step {self.step_time:.4f} s ({parts}; critical rank {self.critical_rank})"

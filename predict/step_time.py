@@ -1,0 +1,40 @@
+"""predict(spec, compute) -> Prediction: build the programs, simulate, read the timed step."""
+from __future__ import annotations
+
+from predict.compute import ComputeModel
+from predict.simulator import Simulator
+from predict.programs import build
+from predict.run_spec import Prediction, RunSpec
+
+# accounting kinds -> the parts of a Prediction
+PART_OF = {
+    "forward": "compute", "backward": "compute", "recompute": "compute", "wgrad": "compute", "head": "compute",
+    "embed": "compute", "optimizer": "compute",
+    "overhead": "overhead",
+    "bubble": "bubble",
+    "comm": "exposed_comm", "tp_comm": "exposed_comm", "fsdp": "exposed_comm",
+    "dp": "dp_sync",
+    "barrier": "barrier",
+}
+
+
+def predict(spec: RunSpec, compute: ComputeModel, cores: float | tuple | None = None) -> Prediction:
+    """The step time of ``spec`` with operation times from ``compute``; ``cores``: CPU cores the ranks
+    share, or the capacity for 1, 2, ... computing processes (see ``engine.Simulator``); None: one device
+    per rank. Over gloo the second of two simulated steps is the one reported
+    (its ranks start as the first one's closing barrier left them; the first step's gloo messages pay the
+    receive-posted notices of receives posted at time 0); over nccl every rank enters the first opening
+    barrier at 0 and leaves it at once, so one step is enough."""
+    steps = 1 if spec.transport == "nccl" else 2
+    built = build(spec, compute, steps=steps)
+    res = Simulator(built.programs, built.network, cores, built.procs).run()
+    last = steps - 1
+    windows = [res.window(r, f"start{last}", f"end{last}") for r in range(len(built.programs))]
+    elapsed = [w[0] for w in windows]
+    crit = max(range(len(elapsed)), key=lambda r: (elapsed[r], -r))
+    acc = windows[crit][1]
+    parts = dict.fromkeys(("compute", "overhead", "exposed_comm", "bubble", "dp_sync", "barrier"), 0.0)
+    for kind, seconds in acc.items():
+        parts[PART_OF.get(kind, "compute")] += seconds
+    return Prediction(step_time=elapsed[crit], critical_rank=crit, per_rank=tuple(elapsed),
+                      detail={k: v for k, v in sorted(acc.items()) if v > 0}, **parts)

@@ -1,0 +1,58 @@
+"""The side-by-side benchmark script and its machine check (run for real, on the tiny model)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.machine import Capacity, parallel_capacity
+from tests.conftest import REPO
+
+
+@pytest.mark.multiprocess
+def test_parallel_capacity_measures_processes_at_once():
+    cap = parallel_capacity(2, seconds=0.3)
+    assert cap.n == 2 and cap.alone_gflops > 0 and cap.together_gflops > 0
+    assert 0 < cap.effective_cores <= 2 * 1.5  # noise can make "together" a little faster than "alone"
+    assert "effective cores" in cap.describe()
+    assert Capacity(2, 100.0, 50.0).effective_cores == 1.0
+
+
+@pytest.mark.multiprocess
+def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "ours-vs-gpipe", "--model", "tiny", "--batch", "1", "--reps", "1",
+         "--slices", "2", "--steps", "2", "--warmup", "1", "--no-reference", "--no-capacity-check"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "failed" not in proc.stdout, proc.stdout + proc.stderr
+    rows = [l for l in proc.stdout.splitlines() if l.strip().startswith("1 |")]
+    assert any("torch_pipe GPipe" in r for r in rows) and any("ours K=2" in r for r in rows), proc.stdout
+    assert "best: ours K=2, torch_pipe GPipe / ours = " in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_side(tmp_path):
+    # batch 1 on P = 2: 1f1b and dualpipev cannot run it (judged before launching, not run)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "ours-vs-best", "--model", "tiny", "--batch", "1", "--reps", "1",
+         "--slices", "2", "--schedules", "gpipe", "1f1b", "zbv", "dualpipev", "--steps", "2", "--warmup", "1",
+         "--no-capacity-check"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(temp)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "failed" not in proc.stdout, proc.stdout + proc.stderr
+    left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own compile cache
+    assert not left, left  # the runs' temporary records, their locks and run directories removed
+    assert "torch_pipe 1f1b skipped: " in proc.stderr and "torch_pipe dualpipev skipped: " in proc.stderr
+    rows = [l.split("|") for l in proc.stdout.splitlines() if l.strip().startswith("1 |")]
+    configs = [r[1].strip() for r in rows if len(r) == 8]
+    assert configs == ["torch_pipe gpipe", "torch_pipe zbv", "ours K=2"], proc.stdout
+    for r in rows[:3]:
+        assert all(int(mb) > 0 for mb in r[5].strip().split("/")) and len(r[5].strip().split("/")) == 2  # MB per rank
+        busy = [int(b) for b in r[6].strip().split("/")]  # busy % per rank: computing, not waiting
+        assert len(busy) == 2 and all(0 < b <= 105 for b in busy), r
+    (best,) = [r for r in rows if len(r) == 10]  # the per-batch summary
+    assert best[1].strip() in ("GPipe", "ZBV zero bubble") and best[3].strip() == "K=2"
+    assert float(best[5].strip().rstrip("x")) > 0 and best[7].strip().startswith("1.3x ")
