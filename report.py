@@ -9,6 +9,8 @@ Reads only RunRecords (JSON lines; a line that is not a record is skipped with a
   in the seed's notation (``T-4 P-2``), cells ``19.71 s`` or ``Fail (OOM)``;
 - network tables, for runs under emulation: rows = the network settings (fastest to slowest), columns =
   system and layout (DP degree);
+- time to quality, for runs with eval points (``--eval-every``): per network setting, wall time and tokens
+  to a held-out loss, bytes sent per token, which wins (``quality_report``);
 - every run (tokens/s, MFU, peak memory per rank, sync times, the choices a system made) and the failures.
 Each table is headed once by what is fixed in it. A table holds the runs of exactly one configuration
 apart from its axes, so a cell never mixes runs of different configs; of several records of the same
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
+import quality_report
 from contract.config import VOLATILE_FIELDS, RunConfig
 from contract.records import predictions_path, read_predictions, read_records, record_files
 from contract.registry import read_options
@@ -82,6 +85,14 @@ def hardware_of(environment: dict) -> str:
     kind = str(environment.get("device_kind") or "")
     name = str(environment.get("device_name") or "")
     return kind if not name or name == kind else f"{kind}: {name}" if kind else name
+
+
+def network_row(r: dict) -> tuple[str, str, tuple[float, float]]:
+    """A record's network setting as a table's row: (what tells settings apart: the setting, and a
+    matrix's digest; its label; its order)."""
+    setting = network_setting(r)
+    return (r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else ""), setting["label"],
+            network_order(setting))
 
 
 def network_order(setting: dict) -> tuple[float, float]:
@@ -337,7 +348,7 @@ def failures(df: pd.DataFrame) -> str:
     return "## Failed runs\n\n" + "\n".join(lines)
 
 
-def render(records: list[dict]) -> str:
+def render(records: list[dict], target: float | None = None) -> str:
     df = to_frame(records)
     if df.empty:
         return "No run records found.\n"
@@ -348,6 +359,7 @@ def render(records: list[dict]) -> str:
         parts += ["## Layouts (no network emulation)", *lay]
     if net:
         parts += ["## Networks (emulated)", *net]
+    parts.append(quality_report.render(records, target, network_row))  # runs with eval points: time to a loss
     parts += [all_runs(df), failures(df)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
@@ -420,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="*", default=["results"], help="record files or directories (default: results/)")
     ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     ap.add_argument("--plots", default=None, help="write network plots (PNG) into this directory")
+    ap.add_argument("--target", type=float, default=None,
+                    help="the held-out loss of the time-to-quality tables, for runs recorded without --target-loss")
     args = ap.parse_args(argv)
     missing = [p for p in args.inputs if not Path(p).exists()]
     if missing:
@@ -430,13 +444,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python report.py: error: {bad}", file=sys.stderr)
         return 2
     records = load_records(args.inputs)
-    text = render(records)
+    text = render(records, args.target)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     if args.plots:
-        for p in plot_networks(to_frame(records), Path(args.plots)):
+        quality = quality_report.plot(records, Path(args.plots), args.target, network_row)
+        for p in plot_networks(to_frame(records), Path(args.plots)) + quality:
             print(f"plot: {p}", file=sys.stderr)
     return 0
 

@@ -12,6 +12,8 @@ how it is timed, and how it declares itself. It imports nothing of the suite but
   lists and ``$PIPEBENCH_SYSTEMS``.
 - ``contract.rank``: ``Context`` (what a rank is given), ``Measurements`` (what it returns),
   ``StepOutput`` and ``run_steps`` (the timing discipline: barrier, step, synchronise, barrier).
+- ``contract.evaluation``: the held-out eval between steps (``--eval-every``), the same for every
+  system, from the weights each system hands over; ``contract.traffic``: the bytes a rank has sent.
 - ``contract.records``: the records file (a run record per JSON line) and the one way to read it.
 
 A system imports this package and ``workload``, never the harness (``runners``), the simulator

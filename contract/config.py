@@ -115,8 +115,13 @@ class RunConfig:
     seed: int = option(0, "seed of the initial weights and of the synthetic tokens", group=TRAINING)
     optimizer: OptimizerConfig = option(help="the optimizer every system runs", group=TRAINING,
                                         default_factory=OptimizerConfig)
-    data: str | None = option(None, "a text file to train on (byte-level tokens); synthetic tokens by default",
-                              group=TRAINING)
+    data: str | None = option(None, "a text file to train on (byte-level tokens; its last tenth held out for "
+                                    "--eval-every), or 'stdlib' (the Python standard library's sources); synthetic "
+                                    "tokens by default", group=TRAINING)
+    eval_every: int = option(0, "the held-out loss before the first step and every N steps, in the record (0: never)",
+                             group=TRAINING, metavar="N")
+    target_loss: float | None = option(None, "stop once an eval loss is at or below X (needs --eval-every)",
+                                       group=TRAINING, parse=float, metavar="X")
     network: str = option("none", "network profile: none, a profile name, 'delay 10ms bandwidth 1Gbps', or a per-link "
                                   "matrix file FILE.json ({\"delay_ms\": [[...]], \"bandwidth_gbps\": [[...]]}, N x N "
                                   "for N ranks)", group=RUN)

@@ -26,10 +26,13 @@ def link_groups(links: Iterable[Link], device: torch.device) -> dict[Link, dist.
     """A two-rank process group of its own for each link (source, destination), opened by one message
     on ``device`` (see the module docstring); returns those this rank is an end of. Collective over the
     world: every rank passes the same links (the whole world's), and every rank creates every group,
-    in one order (a group's other ranks only count it)."""
+    in one order (a group's other ranks only count it). No links (one process): no process group needed."""
+    links = sorted(set(links))
+    if not links:
+        return {}
     me = dist.get_rank()
     groups = {}
-    for src, dst in sorted(set(links)):
+    for src, dst in links:
         if src == dst:
             raise ValueError(f"a link needs two ranks, got {src} -> {dst}")
         group = dist.new_group([src, dst])

@@ -1,6 +1,7 @@
 """What a system's ranks are given (``Context``), what they give back (``Measurements``), and the
 timing discipline every system runs under (``run_steps``): barrier, step, device synchronise,
-barrier; warm-up steps run and their losses kept, their times excluded.
+barrier; warm-up steps run and their losses kept, their times excluded; under ``--eval-every`` the
+held-out eval between steps (``contract.evaluation``), and ``--target-loss`` ending the run early.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from contract.config import RunConfig
+from contract.evaluation import Evaluator, Weights
 from contract.links import link_groups
 from workload.data import TokenSource
 from workload.model import GPT, build_gpt
@@ -36,6 +38,21 @@ class Measurements:
     # Under --verify: the last step's gradients (full tensors, averaged over data parallelism) of the
     # parameters this rank holds, by the shared model's parameter names. Never written to a record.
     grads: dict[str, torch.Tensor] | None = None
+    # Under --eval-every, on rank 0: the eval points (step, tokens, wall_time, loss, bytes_sent per
+    # rank; see contract.evaluation), the first before any step.
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """How many steps the run takes: the config's warm-up and measured steps, fewer once an eval
+    reaches --target-loss. A system that prepares a step ahead (posts its receives) asks
+    ``more_after`` whether another step follows, never the config."""
+
+    total: int
+
+    def more_after(self, step: int) -> bool:
+        return step + 1 < self.total
 
 
 @dataclass(frozen=True)
@@ -48,10 +65,13 @@ class Context:
     device: torch.device  # the rank's (first) device
     backend: str  # nccl on CUDA, gloo on CPU
     config: RunConfig
+    plan: StepPlan = None  # type: ignore[assignment]  # the steps this run takes (made from the config)
     # Every device the process computes on, ``device`` first (fairscale: its pipe's GPUs); () = (device,)
     devices: tuple[torch.device, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.plan is None:
+            object.__setattr__(self, "plan", StepPlan(self.config.total_steps))
         if not self.devices:
             object.__setattr__(self, "devices", (self.device,))
 
@@ -137,22 +157,33 @@ class StepOutput:
 StepFn = Callable[[int, torch.Tensor, torch.Tensor], StepOutput]
 
 
-def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn) -> Measurements:
+def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn, weights: Weights | None = None) -> Measurements:
     """Run the warm-up and measured steps of ``step_fn(step, inputs, targets)`` and time each one:
     barrier, step, device synchronise, barrier. A step's time includes its closing barrier (every
-    rank has finished the step); ``barrier_times`` holds that barrier's share on this rank."""
+    rank has finished the step); ``barrier_times`` holds that barrier's share on this rank.
+
+    Under ``--eval-every N``, ``weights()`` (called on every rank at each eval) gives the parameters
+    the rank holds, full tensors by the shared model's names (``contract.evaluation``); the eval runs
+    before the first step, after every N steps and after the last. When an eval's loss is at or below
+    ``--target-loss``, one more step runs and the run ends (the system may have prepared that step
+    already: ``ctx.plan``); it counts in no eval point."""
     cfg = ctx.config
     m = Measurements(step_times=[])
     losses: list[float] = []
-    barrier = StepBarrier(ctx, uses=2 * cfg.total_steps)
+    barrier = StepBarrier(ctx, uses=2 * ctx.plan.total)
     on_cpu = ctx.device.type == "cpu"
-    for step in range(cfg.total_steps):
+    evaluator = Evaluator(ctx, weights) if cfg.eval_every else None
+    # an eval's loss was at the target: the step running now is the last, and not evaluated
+    reached = evaluator is not None and _evaluated(ctx, evaluator, -1, barrier)
+    step = -1
+    while ctx.plan.more_after(step):
+        step += 1
         inputs, targets = ctx.batch(step, dp_rank)
         barrier.wait()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, clock_start = time.perf_counter(), time.process_time(), time.time()
         out = step_fn(step, inputs, targets)
         ctx.synchronize()
-        done, busy = time.perf_counter(), time.process_time() - cpu_start
+        done, busy, clock_done = time.perf_counter(), time.process_time() - cpu_start, time.time()
         barrier.wait()
         end = time.perf_counter()
         warm = step < cfg.warmup
@@ -169,5 +200,27 @@ def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn) -> Measurements:
             tag = " (warm-up)" if warm else ""
             print(f"[{cfg.system}] step {step + 1}/{cfg.total_steps} {end - start:.3f} s{loss}{tag}",
                   file=sys.stderr, flush=True)
+        if evaluator is not None and not reached:
+            evaluator.step_done(clock_start, clock_done)
+            if (step + 1) % cfg.eval_every == 0 or not ctx.plan.more_after(step):
+                reached = _evaluated(ctx, evaluator, step, barrier)
     m.losses = losses or None
+    if evaluator is not None:
+        m.evals = evaluator.points
     return m
+
+
+def _evaluated(ctx: Context, evaluator: Evaluator, step: int, barrier: StepBarrier) -> bool:
+    """The eval after ``step`` (-1: before the first); True if it reached the target loss (the next
+    step, if the run had one, becomes its last)."""
+    loss = evaluator.evaluate(step + 1)
+    target = ctx.config.target_loss
+    reached = target is not None and loss <= target
+    if ctx.rank == 0:
+        note = f" <= target {target:g}: the run ends" if reached else ""
+        print(f"[{ctx.config.system}] eval after {step + 1} steps: held-out loss {loss:.4f}{note}", file=sys.stderr,
+              flush=True)
+    if reached and ctx.plan.more_after(step):
+        ctx.plan.total = step + 2
+        barrier.uses = 2  # the last step's two barriers: the last one leaves no receive posted
+    return reached

@@ -20,6 +20,8 @@ SYSTEM_MODULES = (
     "ours",
     "baselines.fairscale_fsdp",
     "baselines.megatron",
+    "ours.diloco",
+    "ours.diloco.reference",
 )
 PLUGINS_ENV = "PIPEBENCH_SYSTEMS"
 

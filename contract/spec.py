@@ -34,8 +34,11 @@ class Train(Protocol):
         - Train on ``context.batch(step, dp_rank)``, the tokens of data-parallel replica ``dp_rank`` at
           ``step`` (``config.batch_size`` sequences a replica; the global batch is ``batch_size x dp``),
           with the optimizer and precision every system shares (``workload.training``).
-        - Time its steps with ``contract.rank.run_steps(context, dp_rank, step_fn)``: ``config.warmup``
-          steps untimed, then ``config.steps`` timed ones, each framed by the timing barrier.
+        - Time its steps with ``contract.rank.run_steps(context, dp_rank, step_fn, weights)``:
+          ``config.warmup`` steps untimed, then ``config.steps`` timed ones, each framed by the timing
+          barrier; fewer once an eval reaches ``config.target_loss`` (a step prepared ahead asks
+          ``context.plan``). ``weights()`` gives, for ``--eval-every``'s held-out eval, the full
+          tensors of the parameters this rank holds by the shared model's names (gathering shards).
           ``step_fn(step, inputs, targets)`` runs one whole optimizer step and returns a ``StepOutput``:
           the replica's loss on the ranks that see it (a pipeline's last stage), None on the others,
           and the seconds of data-parallel synchronisation inside the step. Its point-to-point messages
@@ -89,6 +92,12 @@ class SystemSpec:
     # (fp32 main copies in the optimizer, as megatron) rather than autocasting fp32 weights: --verify
     # then compares it with the reference run the same way (runners.tolerance).
     half_weights: bool = False
+    # What the run command starts beside the ranks and stops with them (runners.services), e.g.
+    # "torchft-lighthouse" for torchft's quorums.
+    services: tuple[str, ...] = ()
+    # The single-process run --verify compares against (None: the reference system on the global
+    # batch); a system that changes the optimization names a simulation of its own algorithm.
+    reference: Callable[[RunConfig], RunConfig] | None = None
 
     def load(self) -> Train:
         """The system's train function (imports its training code)."""
@@ -134,6 +143,13 @@ def check_common(config: RunConfig) -> None:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if config.warmup < 0:
         raise ConfigError(f"--warmup must be >= 0, got {config.warmup}")
+    if config.eval_every < 0:
+        raise ConfigError(f"--eval-every must be >= 0 steps (0: no eval), got {config.eval_every}")
+    if config.target_loss is not None:
+        if not config.eval_every:
+            raise ConfigError("--target-loss needs --eval-every N (the run stops at an eval)")
+        if not 0 < config.target_loss < float("inf"):
+            raise ConfigError(f"--target-loss must be a finite loss > 0, got {config.target_loss}")
     if not config.timeout > 0 or config.timeout == float("inf"):
         raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {config.timeout}")
     if m.n_embd % m.n_head:

@@ -103,7 +103,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         engine.grads_ready = sync.grads_ready
 
     def step(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
-        more = i + 1 < cfg.total_steps  # post the next step's receives a step ahead
+        more = ctx.plan.more_after(i)  # post the next step's receives a step ahead
         for p in params:
             p.grad = None
         engine.loss_scale = scaler.scale
@@ -121,7 +121,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
 
     engine.post_receives()  # the first step's receives, before the first step
     sync.post_receives()
-    m = run_steps(ctx, dp_rank, step)
+    m = run_steps(ctx, dp_rank, step, weights=lambda: dict(named) if dp_rank == 0 else {})
     if cfg.verify:
         m.grads = sync.grads()
     if options.trace:

@@ -7,9 +7,7 @@ results/measured-here/gpu-check-<gpu>.md), the runs' records beside it (FILE.jso
 
 - environment: the GPU, its compute capability against the torch build's code, torch, CUDA, NCCL,
   fairscale and megatron-core as found, the peak the run's MFU will use;
-- one-rank: every system at one rank with --verify, in fp32, bf16 and fp16 (``--precision``; where the
-  run command has no such flag yet, fp32 runs plainly, fp16 as --mixed-precision on CUDA, and bf16 is
-  not run);
+- one-rank: every system at one rank with --verify, in fp32, bf16 and fp16 (``--precision``);
 - shared: several ranks sharing the one GPU over NCCL, each on a virtual node of its own (its own host
   name, and NCCL_HOSTID, so NCCL sees separate hosts), through the cluster mode over ssh: --verify of
   ours P-2, ours P-2 D-2 sharded_ps, torch_pipe 1f1b P-2, torch_pipe zbv P-2, megatron T-2, megatron P-2;
@@ -42,12 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import ConfigError
-from runners.request import build_parser as run_parser
+from contract.config import PRECISIONS
 from runners.request import check_writable
 
 REPO = Path(__file__).resolve().parent.parent
 CHECKS = ("environment", "one-rank", "shared", "shaped", "figures")
-PRECISIONS = ("fp32", "bf16", "fp16")
 ONE_RANK = {  # system -> its arguments at one rank
     "torch_pipe": ["--system", "torch_pipe"],
     "fairscale_fsdp": ["--system", "fairscale_fsdp"],
@@ -93,17 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
 def slug(name: str) -> str:
     """A GPU's name as a file name part: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def precision_args(precision: str, has_flag: bool, device: str) -> list[str] | None:
-    """The run command's arguments for a precision policy, None where this checkout cannot ask for it:
-    ``--precision P``; without that flag fp32 is the default and --mixed-precision is fp16 on CUDA,
-    bf16 on CPU."""
-    if has_flag:
-        return ["--precision", precision]
-    if precision == "fp32":
-        return []
-    return ["--mixed-precision"] if precision == ("fp16" if device == "cuda" else "bf16") else None
 
 
 def common_args(device: str, steps: int) -> list[str]:
@@ -160,16 +146,11 @@ def environment_line(device: str) -> Line:
 def one_rank_lines(device: str, steps: int, records: Path, say: Callable[[str], None]) -> list[Line]:
     from runners.invoke import run_command
 
-    has_flag = any(a.dest == "precision" for a in run_parser()._actions)
     lines = []
     for precision in PRECISIONS:
-        extra = precision_args(precision, has_flag, device)
+        extra = ["--precision", precision]
         for system, args in ONE_RANK.items():
             check = f"one rank: {system} {precision}"
-            if extra is None:
-                lines.append(Line(check, None, f"this checkout's run command has no --precision: {precision} "
-                                               "cannot be asked for on this device"))
-                continue
             started = time.monotonic()
             inv = run_command([*args, *common_args(device, steps), *extra, "--verify"], out=records, timeout=900)
             lines.append(verify_line(check, inv.record, inv.output))

@@ -25,6 +25,7 @@ from contract import RunConfig
 from contract.registry import get_system
 from network_emulation import VirtualCluster, parse_profile
 from network_emulation.signals import stop_process
+from runners import services
 from runners.devices import agent_devices, visible_entries
 from runners.lifetime import DirectoryWatchdog, die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.nccl_rules import pending_summary
@@ -81,12 +82,22 @@ def torchrun_argv(nproc: int, nnodes: int, node_rank: int, master: str | None, r
     return argv + ["-m", "runners.worker", str(run_dir)]
 
 
-def local_agents(world: int, placement: Placement, run_dir: Path) -> list[Agent]:
+def local_agents(world: int, placement: Placement, run_dir: Path, env: dict[str, str] | None = None) -> list[Agent]:
     if world % placement.nnodes:
         raise ValueError(f"world size {world} does not divide over {placement.nnodes} nodes")
     argv = torchrun_argv(world // placement.nnodes, placement.nnodes, placement.node_rank, placement.rdzv_endpoint,
                          run_dir)
-    return [Agent(argv, {})]
+    return [Agent(argv, dict(env or {}))]
+
+
+def local_services(placement: Placement) -> services.Placing:
+    """Where a run's services go outside emulation: this machine on a free port, or node 0 of a
+    cluster (the rendezvous host) on the lighthouse's port."""
+    if placement.nnodes == 1:
+        return services.Placing(bind="127.0.0.1", advertise="127.0.0.1", port=free_port())
+    host = (placement.rdzv_endpoint or "").rpartition(":")[0]
+    return services.Placing(bind="0.0.0.0", advertise=host, port=services.LIGHTHOUSE_PORT,
+                            start=placement.node_rank == 0)
 
 
 def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result: bool = True) -> LaunchResult:
@@ -188,9 +199,13 @@ def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
                   f"bandwidth {m['bandwidth_gbps']:.2f} Gbit/s ({vc.backend})", file=sys.stderr)
         master = f"{vc.hosts[0].address}:29500"
         gpus = emulated_gpus(cfg, world)
-        agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir), {**h.env(), **gpu})
-                  for h, gpu in zip(vc.hosts, gpus)]
-        result = run_agents(agents, cfg.timeout, run_dir)
+        host0 = vc.hosts[0]
+        where = services.Placing(bind=host0.address, advertise=host0.address, port=services.LIGHTHOUSE_PORT,
+                                 prefix=tuple(host0.command_prefix()))
+        with services.started(get_system(cfg.system).services, cfg, run_dir, where) as env:
+            agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir),
+                            {**h.env(), **gpu, **env}) for h, gpu in zip(vc.hosts, gpus)]
+            result = run_agents(agents, cfg.timeout, run_dir)
         result.network = {**vc.describe(), **measured}
         if any(gpus):  # NCCL kept off the paths the emulation cannot shape, as the hosts' environment says
             result.network["nccl_env"] = {k: v for k, v in vc.hosts[0].env().items() if k.startswith("NCCL_")}
@@ -228,11 +243,16 @@ def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
     watchdog = DirectoryWatchdog(run_dir)  # removes it whatever way this process ends
     try:
         (run_dir / "config.json").write_text(cfg.to_json())
-        if cfg.network != "none" and placement.nnodes == 1:
-            result = launch_emulated(cfg, world, run_dir)
-        else:
-            result = run_agents(local_agents(world, placement, run_dir), cfg.timeout, run_dir,
-                                expect_result=placement.node_rank == 0)
+        try:
+            if cfg.network != "none" and placement.nnodes == 1:
+                result = launch_emulated(cfg, world, run_dir)
+            else:
+                with services.started(get_system(cfg.system).services, cfg, run_dir,
+                                      local_services(placement)) as env:
+                    result = run_agents(local_agents(world, placement, run_dir, env), cfg.timeout, run_dir,
+                                        expect_result=placement.node_rank == 0)
+        except services.ServiceError as exc:
+            result = LaunchResult("error", str(exc), None, run_dir=run_dir)
     except BaseException:
         watchdog.remove()
         raise

@@ -71,6 +71,9 @@ class RunRecord:
     # ... and on the first rank to arrive: its wait for the last one, and the barrier's delays on the way
     # (at least one one-way delay under an emulated network, if the barrier blocks the host)
     barrier_time_first: float | None = None
+    # under --eval-every: the eval points, the first before any step (contract.evaluation: step,
+    # tokens, wall_time without the timing barriers and the evals, held-out loss, bytes_sent per rank)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     verify: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # the run's identity (RunConfig.key): a sweep skips it when recorded, a report cell keeps the newest
@@ -130,6 +133,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     per_step = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
     rec.step_times = per_step
     rec.losses = merged_losses(ranks)
+    rec.evals = next((r["evals"] for r in ranks if r.get("evals")), [])
     rec.cpu_rss_bytes = [r["cpu_rss_bytes"] for r in ranks]
     gpus = [g for r in ranks for g in r["gpu_memory"]]
     rec.peak_memory_bytes = [g["allocated_bytes"] for g in gpus] if gpus else rec.cpu_rss_bytes

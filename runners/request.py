@@ -18,7 +18,9 @@ from pathlib import Path
 from contract import ConfigError, RunConfig, SystemSpec, option
 from contract.registry import get_system, systems
 from network_emulation.profiles import MatrixProfile, ProfileError, check_emulable, parse_profile
+from runners import services
 from workload.configs import count_params, get_model_config
+from workload.corpus import BUILTIN, split_sizes
 
 OPTION_PREFIX = "option:"  # argparse dest of a system option
 MULTI_NODE = "multi-node (passed through to torchrun)"
@@ -259,6 +261,7 @@ def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, 
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0)")
     check_fits_here(cfg, spec, placement.nnodes)
     _check_environment(cfg, out)
+    services.check(spec.services)
     if cfg.network != "none" and placement.nnodes == 1 and os.geteuid() != 0:
         raise ConfigError(f"--network {cfg.network!r} runs the ranks in a local virtual cluster of network "
                           "namespaces, which needs root (run as root, or use --network none)")
@@ -350,7 +353,7 @@ def file_roles(cfg: RunConfig, out: str | None) -> list[tuple[str, str]]:
     per-link matrix's."""
     roles = [("--out", out)] if out else []
     roles += [("--" + name.replace("_", "-"), path) for name, path in cfg.options.output_paths()]
-    if cfg.data is not None:
+    if cfg.data is not None and cfg.data not in BUILTIN:
         roles.append(("--data", cfg.data))
     if cfg.network != "none" and Path(cfg.network.strip()).is_file():
         roles.append(("--network", cfg.network.strip()))
@@ -376,11 +379,15 @@ def _check_environment(cfg: RunConfig, out: str | None) -> None:
     for name, path in cfg.options.output_paths():
         check_writable(path, "--" + name.replace("_", "-"))
     if cfg.data is not None:
-        if not Path(cfg.data).is_file() or not os.access(cfg.data, os.R_OK):
+        if cfg.data not in BUILTIN and (not Path(cfg.data).is_file() or not os.access(cfg.data, os.R_OK)):
             raise ConfigError(f"--data {cfg.data}: not a readable file")
-        size = Path(cfg.data).stat().st_size
-        if size < cfg.model.seq_len + 2:
-            raise ConfigError(f"--data {cfg.data}: {size} bytes, need more than {cfg.model.seq_len + 1} (one sequence)")
+        train, heldout = split_sizes(cfg.data)
+        splits = [("training split (the first nine tenths)", train), ("held-out split", heldout)]
+        for name, size in splits[: 2 if cfg.eval_every else 1]:  # the held-out split only for the eval
+            if size < cfg.model.seq_len + 2:
+                raise ConfigError(f"--data {cfg.data}: its {name} has {size} bytes, need more than "
+                                  f"{cfg.model.seq_len + 1} (one sequence)")
+        size = train + heldout
         have = machine_memory()
         if have is not None and size > have:  # one byte a token, the file mapped once for every rank
             raise ConfigError(f"--data {cfg.data}: its {size / 2**30:.1f} GiB of byte tokens do not fit this "

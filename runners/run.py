@@ -61,7 +61,11 @@ class Verification:
 
 
 def reference_config(cfg: RunConfig) -> RunConfig:
-    """The same workload on one process: same seed, data and global batch."""
+    """The same workload on one process: same seed, data and global batch (or, for a system that
+    names one, the single-process simulation of its own algorithm)."""
+    spec = get_system(cfg.system)
+    if spec.reference is not None:
+        return spec.reference(cfg)
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
                        network_matrix=None, p2p_semantics="gloo", options=SystemOptions())
 
@@ -94,7 +98,13 @@ def compare(run: LaunchResult, ref: LaunchResult, tolerance: Tolerance) -> Verif
     losses, ref_losses = merged_losses(run.ranks), merged_losses(ref.ranks)
     if len(losses) != len(ref_losses) or not losses:
         return Verification(nan, nan, nan, 0, False, f"{len(losses)} losses against {len(ref_losses)}", tol)
-    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    # under --eval-every the held-out losses too (from each system's weights, contract.evaluation)
+    evals, ref_evals = (next((r["evals"] for r in x.ranks if r.get("evals")), []) for x in (run, ref))
+    if [e["step"] for e in evals] != [e["step"] for e in ref_evals]:
+        return Verification(nan, nan, nan, 0, False, f"evals after steps {[e['step'] for e in evals]} against "
+                                                     f"{[e['step'] for e in ref_evals]}", tol)
+    loss_diff = max(abs(a - b) for a, b in [*zip(losses, ref_losses),
+                                            *((e["loss"], f["loss"]) for e, f in zip(evals, ref_evals))])
     missing = sorted(set(ref.grads) - set(run.grads))
     extra = sorted(set(run.grads) - set(ref.grads))
     diffs = {n: float((run.grads[n] - ref.grads[n]).abs().max()) for n in ref.grads if n in run.grads}
@@ -119,6 +129,10 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
     world = spec.processes(cfg)
     gpus_each = spec.devices_per_process(cfg) if (cfg.hardware or "").startswith("cuda") else 1
     env = dict(host_environment(cfg.hardware), device_count=world * gpus_each)
+    if cfg.data is not None:
+        from workload.corpus import describe
+
+        env["corpus"] = describe(cfg.data)  # the text trained on and held out, with its SHA-256
     result = launch(cfg, world, placement)
     verification = None
     try:

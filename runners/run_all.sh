@@ -17,6 +17,8 @@
 #   runners/run_all.sh [--sweep FILE] [options] --slurm-submit [SBATCH_OPTION...] [-- OPTION...]
 #                                           # write results/NAME.sbatch (runs --slurm with these options) and
 #                                           # sbatch it; --wait waits for the job (docs/clusters-slurm.md)
+#   runners/run_all.sh --quality            # the quality race on this machine (root): sweeps/quality.toml, time
+#                                           # and bytes to a held-out loss, report into results/quality.md
 #   runners/run_all.sh --rehearse N [--slurm] [--sweep FILE] [--nproc-per-node N]
 #                                           # rehearse the cluster on this machine (root): N virtual nodes with
 #                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down;
@@ -39,6 +41,7 @@ while [ $# -gt 0 ]; do
     -h|--help) usage; exit 0 ;;
     --hostfile) need "$@"; hostfile=$2; shift 2 ;;
     --sweep) need "$@"; sweep=$2; shift 2 ;;
+    --quality) sweep=sweeps/quality.toml; shift ;;
     --rehearse) need "$@"; rehearse=$2; shift 2 ;;
     --setup-nodes) setup_nodes=1; shift ;;
     --ssh-config|--ssh-user|--remote-dir) need "$@"; cluster_args+=("$1" "$2"); setup_args+=("$1" "$2"); shift 2 ;;

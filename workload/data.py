@@ -2,14 +2,17 @@
 
 Step ``k`` of a run always sees the same global batch (a function of the seed and k only); data
 parallel replica ``d`` of ``D`` takes rows ``[d·B, (d+1)·B)`` of it, where B is the batch per replica.
+Text (a file, or a built-in corpus of ``workload.corpus``) is trained on from its training split
+only; ``heldout_batch`` is the eval's fixed batch from the held-out split.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
+
+from workload.corpus import read_corpus
 
 
 def synthetic_tokens(seed: int, step: int, rows: int, seq_len: int, vocab_size: int) -> torch.Tensor:
@@ -24,8 +27,9 @@ def synthetic_tokens(seed: int, step: int, rows: int, seq_len: int, vocab_size: 
 
 @dataclass(frozen=True)
 class TokenSource:
-    """Where the batches come from: synthetic (``text_path`` None) or a user's text file, byte-level:
-    token id = byte value (needs vocab_size >= 256)."""
+    """Where the batches come from: synthetic (``text_path`` None), a user's text file, or a built-in
+    corpus by name (``workload.corpus.BUILTIN``); text is byte-level: token id = byte value (needs
+    vocab_size >= 256), held as uint8 (a file memory-mapped), int64 only a batch's rows."""
 
     seq_len: int
     vocab_size: int
@@ -35,12 +39,33 @@ class TokenSource:
     def global_batch(self, step: int, rows: int) -> torch.Tensor:
         if self.text_path is None:
             return synthetic_tokens(self.seed, step, rows, self.seq_len, self.vocab_size)
-        tokens = _map_text(self.text_path)
-        if len(tokens) < self.seq_len + 2:
-            raise ValueError(f"{self.text_path}: {len(tokens)} bytes, need more than {self.seq_len + 1}")
+        tokens = self._tokens("train")
         g = torch.Generator().manual_seed(self.seed * 7919 + step + 1)
         starts = torch.randint(0, len(tokens) - self.seq_len - 1, (rows,), generator=g)
-        return torch.from_numpy(np.stack([tokens[s : s + self.seq_len + 1] for s in starts.tolist()])).long()
+        return self._windows(tokens, starts.tolist())
+
+    def heldout_batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eval's inputs and targets, each (rows, seq_len), the same for every step, seed and
+        system of a data source: for text, ``rows`` windows of the held-out split at evenly spaced
+        starts; for synthetic tokens, rows of a step no run trains on (2**40)."""
+        if self.text_path is None:
+            full = synthetic_tokens(0, HELDOUT_STEP, rows, self.seq_len, self.vocab_size)
+        else:
+            tokens = self._tokens("heldout")
+            last = len(tokens) - self.seq_len - 1
+            full = self._windows(tokens, [i * last // max(rows - 1, 1) for i in range(rows)])
+        return full[:, :-1].contiguous(), full[:, 1:].contiguous()
+
+    def _tokens(self, split: str) -> np.ndarray:
+        tokens = getattr(read_corpus(self.text_path), split)
+        if len(tokens) < self.seq_len + 2:
+            raise ValueError(f"{self.text_path}: {split} split of {len(tokens)} bytes, need more than "
+                             f"{self.seq_len + 1}")
+        return tokens
+
+    def _windows(self, tokens: np.ndarray, starts: list[int]) -> torch.Tensor:
+        """(len(starts), seq_len + 1) int64 rows of ``tokens`` from ``starts``."""
+        return torch.from_numpy(np.stack([tokens[s : s + self.seq_len + 1] for s in starts])).long()
 
     def replica_batch(self, step: int, batch_size: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (batch_size, seq_len), for data-parallel replica dp_rank."""
@@ -48,9 +73,4 @@ class TokenSource:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-@lru_cache(maxsize=2)
-def _map_text(path: str) -> np.ndarray:
-    """The file's byte tokens, memory-mapped (uint8, read-only): a rank holds only the pages its batches
-    touch, and every rank on a host shares them through the page cache; only a batch's rows become
-    int64."""
-    return np.memmap(path, dtype=np.uint8, mode="r")
+HELDOUT_STEP = 1 << 40  # the synthetic eval batch's step: beyond any run's steps

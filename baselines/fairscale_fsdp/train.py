@@ -85,12 +85,13 @@ def pipe_devices(cfg: RunConfig, ctx: Context) -> list[torch.device]:
     return [ctx.device] * cfg.pp
 
 
-def gather_flat_grads(fsdp: FSDP) -> dict[str, torch.Tensor]:
-    """The full gradients of one FSDP module by parameter name (shards all-gathered over dp)."""
+def gather_flat_grads(fsdp: FSDP, of: str = "grad") -> dict[str, torch.Tensor]:
+    """The full gradients (``of="data"``: weights) of one FSDP module by parameter name (shards
+    all-gathered over dp)."""
     grads: dict[str, torch.Tensor] = {}
     world = fsdp.world_size
     for p in fsdp.params:
-        shard = p.grad if p.grad is not None else torch.zeros_like(p.data)
+        shard = p.data if of == "data" else p.grad if p.grad is not None else torch.zeros_like(p.data)
         shard = shard.detach().contiguous()
         if world > 1:
             parts = [torch.empty_like(shard) for _ in range(world)]
@@ -138,7 +139,11 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         scaler.update()
         return StepOutput(loss=float(loss.detach()), dp_sync_time=timer.total)
 
-    m = run_steps(ctx, ctx.rank, step)
+    def weights() -> dict[str, torch.Tensor]:  # for --eval-every; every rank gathers, rank 0 gives
+        held = {n: t for fsdp in fsdps for n, t in gather_flat_grads(fsdp, of="data").items()}
+        return held if ctx.rank == 0 else {}
+
+    m = run_steps(ctx, ctx.rank, step, weights)
     m.extra["pipe_devices"] = [str(d) for d in devices]
     if cfg.verify:
         grads: dict[str, torch.Tensor] = {}

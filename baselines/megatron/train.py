@@ -192,15 +192,16 @@ def gather_grad_shards(chunks: list[DistributedDataParallel]) -> None:
 
 
 @torch.no_grad()
-def gather_grads(cfg: RunConfig, chunks: list[GPTModel]) -> dict[str, torch.Tensor]:
-    """Full gradients by shared names (TP shards gathered; DDP already averaged over DP)."""
+def gather_grads(cfg: RunConfig, chunks: list[GPTModel], of: str = "grad") -> dict[str, torch.Tensor]:
+    """Full gradients (``of="data"``: weights) by shared names (TP shards gathered; DDP already
+    averaged over DP)."""
     tp_group = ps.get_tensor_model_parallel_group()
     tp = ps.get_tensor_model_parallel_world_size()
     out: dict[str, torch.Tensor] = {}
     for c in chunks:
         offset = chunk_first_layer(c)
         for name, p in c.named_parameters():
-            g = getattr(p, "main_grad", None)
+            g = p.data if of == "data" else getattr(p, "main_grad", None)
             if g is None:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
             g = g.detach().float().contiguous()
@@ -302,7 +303,11 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
             loss = float(torch.stack([d["loss"] for d in losses]).mean())
         return StepOutput(loss=loss, dp_sync_time=sync["t"])
 
-    result = run_steps(ctx, dp_rank, step)
+    def weights() -> dict[str, torch.Tensor]:  # for --eval-every; TP ranks gather, one pipeline gives
+        held = gather_grads(cfg, models, of="data")
+        return held if dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0 else {}
+
+    result = run_steps(ctx, dp_rank, step, weights)
     inner = getattr(opt, "chained_optimizers", [opt])
     result.extra["megatron_optimizer"] = "+".join(sorted({type(o).__name__ for o in inner}))
     result.extra["megatron_layout"] = dict(tp_rank=ps.get_tensor_model_parallel_rank(),

@@ -29,7 +29,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         scaler.update()
         return StepOutput(loss=float(total))
 
-    m = run_steps(ctx, 0, step)
+    m = run_steps(ctx, 0, step, weights=lambda: dict(model.named_parameters()))
     if cfg.verify:
         m.grads = {n: p.grad for n, p in model.named_parameters()}
     return m

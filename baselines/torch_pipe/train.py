@@ -58,9 +58,13 @@ def build_schedule(cfg: RunConfig, stages: list[PipelineStage], loss_fn):
     return MULTI_STAGE[name](stages, n_mb, loss_fn=loss_fn, scale_grads=False)
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or its gradient as a full tensor (FSDP2's DTensors all-gathered over dp: collective)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
-    g = p.grad
-    return g.full_tensor() if isinstance(g, DTensor) else g
+    return full(p.grad)
 
 
 def train(cfg: RunConfig, ctx: Context) -> Measurements:
@@ -106,7 +110,11 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         loss = float(torch.stack(losses).detach().float().sum()) / scale if losses else None
         return StepOutput(loss=loss)
 
-    m = run_steps(ctx, dp_rank, step)
+    def weights() -> dict[str, torch.Tensor]:  # for --eval-every; one pipeline's, every dp rank gathering
+        held = {n: full(p.detach()) for module in modules for n, p in module.named_parameters()}
+        return held if dp_rank == 0 else {}
+
+    m = run_steps(ctx, dp_rank, step, weights)
     if cfg.verify:
         m.grads = {n: full_grad(p) for module in modules for n, p in module.named_parameters()}
     m.extra = {"stages_per_rank": V, "stage_placement": [list(stage_indices(cfg.options.schedule, P, r, V))

@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from baselines.reference.train import train as reference_train
+from contract.rank import Context
+from runners.request import build_parser, config_from_args
+from runners.run import reference_config
 from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
 COMMON = ["--system", "ours", *TINY, "--batch-size", "4", "--micro-batch-size", "2", "--steps", "3", "--warmup", "0"]
@@ -46,6 +51,13 @@ def test_p2_gpipe_order_verified(tmp_path):
     assert rec["options"]["schedule"] == "gpipe" and rec["label"] == "ours gpipe"
 
 
+def reference_evals(args: list[str]) -> list[float]:
+    """The held-out losses of the run's single-process reference, trained in this process."""
+    cfg = reference_config(config_from_args(build_parser().parse_args(args)))
+    ctx = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", config=cfg)
+    return [e["loss"] for e in reference_train(cfg, ctx).evals]
+
+
 @pytest.mark.parametrize("layout,first_stages", [
     (["--pp", "3", "--num-layers", "3"], {0}),
     (["--pp", "2", "--dp", "2", "--dp-mode", "sharded_ps"], {0, 2}),  # rank = dp_rank * pp + stage
@@ -53,12 +65,18 @@ def test_p2_gpipe_order_verified(tmp_path):
 @pytest.mark.multiprocess
 def test_prefetch_runs_the_next_steps_first_forwards_ahead_and_verifies(tmp_path, layout, first_stages):
     """--prefetch 2: the first stage runs the next step's first two forwards once its optimizer (and,
-    with DP, the parameter server's update) has stepped; losses and gradients stay the reference's."""
+    with DP, the parameter server's update) has stepped; losses and gradients stay the reference's.
+    Planned for 4 steps, the run ends after 3: the eval after 2 reaches --target-loss, and the step
+    ours has prepared ahead (its receives posted) runs without a prefetch of its own."""
+    args = [*COMMON, *layout, "--steps", "4", "--eval-every", "1"]
+    evals = reference_evals(args)
+    target = (evals[1] + evals[2]) / 2
     trace = tmp_path / "trace.json"
-    proc = run_cli(*COMMON, *NCCL_RULES, *layout, "--n-slices", "4", "--prefetch", "2", "--verify",
-                   "--trace", str(trace),
-                   "--out", str(tmp_path / "runs.jsonl"))
+    proc = run_cli(*args, *NCCL_RULES, "--target-loss", f"{target!r}", "--n-slices", "4", "--prefetch", "2", "--verify", "--trace",
+                   str(trace), "--out", str(tmp_path / "runs.jsonl"))
     assert_verified(proc)
+    rec = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
+    assert [e["step"] for e in rec["evals"]] == [0, 1, 2] and len(rec["losses"]) == 3
     spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     assert {e["pid"] for e in spans if e["tid"] == "prefetch"} == first_stages
     for rank in first_stages:

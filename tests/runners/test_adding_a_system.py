@@ -26,8 +26,8 @@ def test_options_belong_to_their_system(out_file):
     assert foreign.returncode == 2 and not out_file.exists()
     assert foreign.stderr.strip().splitlines() == [
         "python -m runners.run: error: --toy-lr-scale is an option of toy, not of torch_pipe"]
-    other = run_cli("--system", "toy", *ARGS, "--n-slices", "4", "--out", str(out_file), env=TOY)
-    assert other.returncode == 2 and "--n-slices is an option of ours, not of toy" in other.stderr
+    other = run_cli("--system", "toy", *ARGS, "--dp-mode", "central_ps", "--out", str(out_file), env=TOY)
+    assert other.returncode == 2 and "--dp-mode is an option of ours, not of toy" in other.stderr
     bad = run_cli("--system", "toy", *ARGS, "--toy-lr-scale", "0", "--out", str(out_file), env=TOY)
     assert bad.returncode == 2 and "--toy-lr-scale must be > 0" in bad.stderr
     unknown = run_cli("--system", "toy", *ARGS, "--out", str(out_file))  # not registered without the variable

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from runners.gpu_check import Line, barrier_line, memory_line, precision_args, slug, verify_line
+from runners.gpu_check import Line, barrier_line, memory_line, slug, verify_line
 from tests.conftest import REPO
 
 
@@ -32,12 +32,7 @@ def test_its_arguments_are_judged_first(tmp_path):
         assert p.returncode == 2 and message in p.stderr.strip().splitlines()[-1], (args, p.stderr)
 
 
-def test_precision_flags_and_names():
-    assert precision_args("bf16", True, "cuda") == ["--precision", "bf16"]
-    assert precision_args("fp32", False, "cuda") == []
-    assert precision_args("fp16", False, "cuda") == ["--mixed-precision"]  # --mixed-precision is fp16 on CUDA
-    assert precision_args("bf16", False, "cuda") is None
-    assert precision_args("bf16", False, "cpu") == ["--mixed-precision"]
+def test_names():
     assert slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert Line("a", None, "x | y").row() == "| a | not run | x / y |"
 

@@ -63,7 +63,7 @@ def test_the_config_of_the_flags_and_defaults_from_runconfig():
     defaults = RunConfig(system="reference", model=cfg.model, batch_size=2, micro_batch_size=1)
     assert cfg == defaults.replace(optimizer=OptimizerConfig(lr=0.001))
     assert cfg.model.n_layer == 2 and cfg.model.n_embd == 128  # tiny's, overridden where given
-    with pytest.raises(ConfigError, match="--n-slices is an option of ours, not of reference"):
+    with pytest.raises(ConfigError, match="--n-slices is an option of ours and diloco, not of reference"):
         parse_request([*BASE, "--n-slices", "4"])
 
 

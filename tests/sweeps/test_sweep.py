@@ -122,7 +122,7 @@ def test_mistakes_in_a_sweep_file_exit_2_with_one_line(tmp_path, capsys):
                                   "bandwidth_gbps": [[0 if i == j else 1 for j in range(4)] for i in range(4)]}))
     cases = [
         (dict(system="ourz"), "--system: invalid choice: 'ourz'"),
-        (dict(system="torch_pipe", opts="  n_slices = 4"), "--n-slices is an option of ours, not of torch_pipe"),
+        (dict(system="torch_pipe", opts="  n_slices = 4"), "--n-slices is an option of ours and diloco, not of torch_pipe"),
         (dict(fixed="prefetch = 1"), "--prefetch is an option of ours, not of torch_pipe"),
         (dict(exp=f'networks = ["{matrix}"]'), "is 4x4, cluster has 2 hosts"),
         (dict(opts="  dp_mode = []"), "'dp_mode' must be a non-empty list"),
