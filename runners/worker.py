@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 from contract import RunConfig  # noqa: E402
 from contract.rank import Context  # noqa: E402
+from runners.cores import rank_cores  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
@@ -92,7 +93,7 @@ def main(run_dir: Path) -> int:
             torch.save({k: v.detach().float().cpu() for k, v in m.grads.items()}, run_dir / f"grads-rank{rank}.pt")
         summary = {k: v for k, v in asdict(m).items() if k != "grads"}
         summary.update(rank=rank, hostname=socket.gethostname(), device=str(device), device_name=device_name,
-                       backend=backend, peak_tflops=peak, peak_source=peak_source)
+                       backend=backend, peak_tflops=peak, peak_source=peak_source, **rank_cores(torch.get_num_threads()))
         gathered: list | None = [None] * world if rank == 0 else None
         dist.gather_object(summary, gathered, dst=0)
         if rank == 0:

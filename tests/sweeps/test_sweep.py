@@ -438,3 +438,60 @@ def test_hostfile_errors_exit_2_with_one_line(tmp_path, hostfile, message):
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+
+
+def test_repeats_launch_every_run_round_robin_and_a_resumed_sweep_makes_only_the_missing_ones(tmp_path):
+    sweep = load_sweep(write(tmp_path, 'repeats = 3\n' + SMALL))
+    assert sweep.repeats == 3
+    valid = [r for r in sweep.valid_runs if not r.emulated]
+    net = [r for r in valid if r.experiment == "net"]
+    out = tmp_path / "o.jsonl"
+    out.write_text(_fake_record(net[0]) + "\n" + _fake_record(net[0]) + "\n" + _fake_record(net[1], status="error") + "\n")
+    calls: list[PlannedRun] = []
+
+    def executor(r, o):
+        calls.append(r)
+        with open(o, "a") as f:
+            f.write(_fake_record(r) + "\n")
+        return 0, ""
+
+    res = run_sweep(sweep, out, executor=executor, probe=False, report=False, need_root_for_network=False,
+                    stream=io.StringIO(), only=["ours", "torch_pipe"])
+    ran = [(r.key, r.repetition) for r in calls if not r.emulated]
+    # net[0] had two launches: one more; net[1] failed: not repeated; the others three each
+    assert ran.count((net[0].key, 3)) == 1 and not any(k == net[1].key for k, _ in ran)
+    others = [r for r in net[2:]]
+    assert all(sum(k == r.key for k, _ in ran) == 3 for r in others)
+    # round-robin: every run's first launch before any second launch, within the experiment
+    firsts = [i for i, (k, rep) in enumerate(ran) if rep == 1]
+    seconds = [i for i, (k, rep) in enumerate(ran) if rep == 2]
+    assert max(firsts) < min(seconds)
+    assert res.skipped == 2 + 3  # net[0]'s two launches, net[1]'s failure (counted as every launch)
+    # resumed: nothing left (the emulated runs ran too: need_root_for_network=False)
+    calls.clear()
+    res = run_sweep(sweep, out, executor=executor, probe=False, report=False, need_root_for_network=False,
+                    stream=io.StringIO(), only=["ours", "torch_pipe"])
+    assert calls == [] and res.ok == 0
+    # --repeats 4 on the command line: one more launch of every run that did not fail
+    calls.clear()
+    run_sweep(sweep, out, executor=executor, probe=False, report=False, need_root_for_network=False,
+              stream=io.StringIO(), only=["ours", "torch_pipe"], repeats=4)
+    assert {r.repetition for r in calls} == {4} and net[1].key not in {r.key for r in calls}
+
+
+def test_a_run_that_fails_is_not_launched_again_in_the_same_sweep(tmp_path):
+    sweep = load_sweep(write(tmp_path, 'repeats = 2\n' + SMALL))
+    calls = []
+    res = run_sweep(sweep, tmp_path / "o.jsonl", executor=lambda r, o: calls.append(r.key) or (1, "boom"), probe=False,
+                    report=False, need_root_for_network=False, stream=io.StringIO())
+    assert len(calls) == len({r.key for r in sweep.valid_runs}) and res.failed == len(calls)
+    assert res.not_run == len(calls)  # the second launches
+
+
+@pytest.mark.parametrize("value", [0, -1, "3", 1.5, True])
+def test_repeats_must_be_a_positive_integer(tmp_path, value, capsys):
+    with pytest.raises(SweepError, match="'repeats' must be a positive integer"):
+        sweep_from_dict({"repeats": value, **{"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1},
+                                              "systems": ["reference"]}})
+    assert main([str(write(tmp_path, SMALL)), "--repeats", "0", "--dry-run"]) == 2
+    assert "positive integer" in capsys.readouterr().err
