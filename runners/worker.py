@@ -30,6 +30,7 @@ from contract.rank import Context  # noqa: E402
 from runners.cores import rank_cores  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
+from workload.cpu_peak import cpu_peak_tflops  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
 
 
@@ -61,6 +62,8 @@ def hardware_peak(device: torch.device, cfg: RunConfig) -> tuple[float, str, str
     else:
         name = "cpu"
     dtype = torch.float32 if precision == "fp32" else (torch.float16 if device.type == "cuda" else torch.bfloat16)
+    if device.type == "cpu":  # the model's own GEMMs on one thread, kept per host (workload.cpu_peak)
+        return (*cpu_peak_tflops(cfg.model, cfg.micro_batch_size, dtype), name)
     return measure_matmul_tflops(device, dtype), f"measured-matmul:{precision}", name
 
 
