@@ -117,7 +117,8 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     if not ranks:
         return rec
     rec.environment.update(
-        device_kind=ranks[0]["device"].split(":")[0], device_name=ranks[0]["device_name"], device_count=len(ranks),
+        device_kind=ranks[0]["device"].split(":")[0], device_name=ranks[0]["device_name"],
+        device_count=len(ranks) * spec.devices_per_process(cfg),  # fairscale: each process's pipe has pp devices
         backend=ranks[0]["backend"], hostnames=sorted({r["hostname"] for r in ranks}))
     # A step takes as long as its slowest rank.
     per_step = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
