@@ -145,7 +145,13 @@ CALIBRATION_RUNS = (
     LocalRun("ours", "tiny", n_slices=4),
     LocalRun("ours", "cpu-small", n_slices=4),
     LocalRun("ours", "tiny", dp=2, n_slices=4, dp_mode="central_ps"),
+    # the main job's long sequence (sweeps/local.toml), ours in its default order of units
+    LocalRun("torch_pipe", "cpu-small", seq=1024, batch=1),
+    LocalRun("ours", "cpu-small", seq=1024, batch=2, n_slices=4, schedule="1f1b"),
 )
+# The shapes a calibration profiles beyond its runs' own: the main job's (cpu-small at 1024 tokens,
+# whose profile covers its 256-token runs too)
+PROFILED = (get_model_config("cpu-small"),)
 
 def run_and_read(run: LocalRun, out: Path, steps: int, warmup: int,
                  timeout: float = 900) -> tuple[dict | None, float | None, float]:
@@ -317,7 +323,7 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
     directory.mkdir(parents=True, exist_ok=True)
     speed = speed_probe()
     log(f"calibration into {directory}: host speed probe {speed * 1e3:.1f} GFLOP/s")
-    shapes = {shape_key(r.shape()): r.shape() for r in runs}
+    shapes = {shape_key(m): m for m in [r.shape() for r in runs] + list(PROFILED)}
     profiles = {k: load_profile(m, directory) for k, m in shapes.items()}
     fits = [p["p2p_fit"] for p in profiles.values() if p.get("p2p_fit")]
     loopback = (statistics.median(f["latency"] for f in fits), statistics.median(f["bandwidth"] for f in fits)) \
