@@ -47,7 +47,7 @@ def _validate(args) -> int:
               f"runners/run_all.sh)", file=sys.stderr)
         return 2
     try:
-        validate_records([Path(p) for p in args.records])
+        validate_records([Path(p) for p in args.records], name=args.name)
     except FileNotFoundError as exc:
         print(f"python -m predict validate: error: {exc}", file=sys.stderr)
         return 2
@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("validate", help="recorded runs predicted against measured, by case")
     q.add_argument("records", nargs="*", default=["results/local.jsonl"],
                    help="records files (default: the main job's, results/local.jsonl)")
+    q.add_argument("--name", default="validation", help="results/predict/NAME.{md,json} (default validation: the "
+                   "one the report's predictions are gated by; another name for a check that gates nothing)")
     q.set_defaults(fn=_validate)
     q = sub.add_parser("seed")
     q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")

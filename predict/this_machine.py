@@ -489,13 +489,13 @@ def modelled_cases(cal: Calibration, directory: Path = RESULTS) -> dict[str, dic
     return v.get("cases") or {}
 
 
-def validate_records(paths: list[Path], directory: Path = RESULTS, log=print) -> dict:
+def validate_records(paths: list[Path], directory: Path = RESULTS, log=print, name: str = "validation") -> dict:
     """Every ok CPU run of ``paths`` predicted with this host's and code version's calibration, against
     its measured median over repetitions (records of one run, its identity key, combined by
     ``contract.estimate``); the errors grouped by case (``case_of``), each case modelled where its
     median absolute error is <= ``MODELLED_MEDIAN`` and every error within ``MODELLED_MAX``. Written to
-    ``directory``/validation.json (which ``predict_records`` reads) and validation.md. FileNotFoundError
-    without a calibration."""
+    ``directory``/``name``.json (``validation.json`` is what ``predict_records`` reads) and .md.
+    FileNotFoundError without a calibration."""
     from contract.estimate import estimate
 
     cal = load_calibration(directory, strict=True)
@@ -534,9 +534,9 @@ def validate_records(paths: list[Path], directory: Path = RESULTS, log=print) ->
     result = dict(kind="predict.validation", calibration=cal.identity, records=[str(p) for p in paths],
                   bounds=dict(median=MODELLED_MEDIAN, max=MODELLED_MAX), rows=rows, cases=cases)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "validation.json").write_text(json.dumps(result, indent=1))
+    (directory / f"{name}.json").write_text(json.dumps(result, indent=1))
     text = validation_table(result, cal)
-    (directory / "validation.md").write_text(text + "\n")
+    (directory / f"{name}.md").write_text(text + "\n")
     log(text)
     return result
 
