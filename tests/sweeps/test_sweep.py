@@ -252,7 +252,7 @@ def test_shipped_sweep_files_expand():
     assert any(r.system == "fairscale_fsdp" and flags(r)["--dp"] == "2" for r in net)  # Pipe + FSDP
     assert local.repeats == 3  # every claim of the main job rests on three launches
     check = load_sweep(SWEEPS_DIR / "predict-check.toml")
-    assert not check.invalid_runs and not {r.network for r in check.runs} & {r.network for r in net} | {"none"}
+    assert not check.invalid_runs and not {r.network for r in check.runs} & ({r.network for r in net} | {"none"})
     xl = load_sweep(SWEEPS_DIR / "gpt3-xl-cluster.toml")
     assert not xl.invalid_runs, [(r.label(), r.error) for r in xl.invalid_runs]
     ours_dp4 = [flags(r) for r in xl.runs if r.system == "ours" and flags(r)["--dp"] == "4"]
