@@ -14,14 +14,14 @@ def test_ours_tunes_its_slicing_by_default_and_stays_exact(out_file):
     """--n-slices left out: the ranks time a few K equal slices, starting near the planner's slicing
     (the fitted cpu-small model in results/plan), and keep the fastest, recorded with every K they
     timed; the timing steps leave nothing behind (--verify against the reference passes)."""
-    proc = run_cli("--system", "ours", "--model", "cpu-small", "--num-layers", "2", "--seq-length", "512", "--pp", "2",
+    proc = run_cli("--system", "ours", "--model", "cpu-small", "--num-layers", "2", "--seq-length", "256", "--pp", "2",
                    "--batch-size", "2", "--micro-batch-size", "1", "--steps", "1", "--warmup", "0", "--verify",
                    "--out", str(out_file), timeout=300)
     assert_verified(proc)
     (rec,) = read_records(out_file)
     assert rec["status"] == "ok" and rec["options"]["n_slices"] == "auto"
     slices, how = rec["options"]["slices"], rec["options"]["slicing"]
-    assert len(slices) in CANDIDATES and len(set(slices)) == 1 and sum(slices) == 512
+    assert len(slices) in CANDIDATES and len(set(slices)) == 1 and sum(slices) == 256
     assert how.startswith(f"tuned: K={len(slices)} of K=") and "started near K=" in how and "by planner" in how
     timed = how.split(" of ")[1].split(";")[0].split(", ")
     assert 3 <= len(timed) <= 5 and f"K={len(slices)} " in how.split(" of ")[1]
