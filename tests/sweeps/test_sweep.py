@@ -240,12 +240,12 @@ def test_shipped_sweep_files_expand():
     local = load_sweep(SWEEPS_DIR / "local.toml")
     assert not local.invalid_runs, [(r.label(), r.error) for r in local.invalid_runs]
     net = [r for r in local.runs if r.emulated]
-    settings = ["default", "d50-1g"]  # the seed's fastest and slowest settings (for time)
+    settings = ["default", "d10-1g"]  # two of the seed's settings (for time)
     assert sorted({r.network for r in net}) == sorted(settings)
     per_setting = {s: sorted(r.label().replace(s, "") for r in net if r.network == s) for s in settings}
     assert all(v == per_setting["default"] for v in per_setting.values())  # the same runs under every setting
     modes = {flags(r).get("--dp-mode") for r in net if r.system == "ours" and flags(r)["--dp"] == "2"}
-    assert modes == {"allreduce", "central_ps", "sharded_ps"} and any(r.system == "torch_pipe" for r in net)
+    assert modes == {"allreduce", "sharded_ps"} and any(r.system == "torch_pipe" for r in net)
     layout = [r for r in local.runs if r.experiment.startswith("layout")]
     assert {flags(r)["--seq-length"] for r in layout} == {"1024"} and {flags(r)["--batch-size"] for r in layout} == {"1", "2"}
     assert {r.system for r in layout} >= {"reference", "torch_pipe", "ours", "megatron", "fairscale_fsdp"}
