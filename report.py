@@ -305,8 +305,8 @@ def _verdict(row: pd.DataFrame) -> str | None:
         if len(fair) == 1:
             parts.append(f"only {_timed(fastest)} to compare")
         elif close:
-            parts.append(f"no fastest: {no_difference(fastest['estimate'], *(r['estimate'] for r in close))} between "
-                         f"{_timed(fastest)} and " + ", ".join(_timed(r) for r in close))
+            parts.append(f"no fastest ({no_difference(fastest['estimate'], *(r['estimate'] for r in close))}): "
+                         f"{_timed(fastest)}, " + ", ".join(_timed(r) for r in close))
         else:
             parts.append(f"fastest {_timed(fastest)}")
         parts += _ours_against_best_baseline(fair)
