@@ -44,7 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results" / "predict"
 # The code a calibration is of: what the ranks run and what the simulator makes of it. Any change to
 # these files is another code version, whose runs the calibration has not seen.
-CODE = ("workload", "contract", "baselines", "ours", "predict", "runners/worker.py", "runners/launcher.py")
+CODE = ("workload", "contract", "baselines", "ours", "runners/worker.py", "runners/launcher.py",
+        *(f"predict/{m}.py" for m in ("simulator", "programs", "compute", "collectives", "step_time", "fitting",
+                                      "run_spec", "from_config", "gloo_stall", "host_load", "machine_profile")))
 SPEED_BOUND = 0.10  # the host's speed may drift this far from its calibration's before predictions are refused
 MODELLED_MEDIAN, MODELLED_MAX = 0.10, 0.20  # a case is modelled where its validation errors stay within these
 
