@@ -57,9 +57,13 @@ STATE = "nodes.json"
 MAX_NODES = 250
 HOST_OCTET = 254  # this machine's address on the bridge: <subnet>.254
 SSH_PORT = 22
-# In the node: set the host name, give it its own /etc/hosts, become sshd (the node's pid 1). The
-# script is constant; every value arrives as a positional argument, never inside the script text.
-NODE_INIT = 'hostname "$1" && mount --bind "$2" /etc/hosts && exec "$3" -D -f "$4" -E "$5"'
+# In the node: set the host name, give it its own /etc/hosts, hide this machine's ~/.bashrc (a fresh
+# node's shells start without this user's set-up: bash reads ~/.bashrc for every command ssh runs, and
+# one that runs `pyenv init` takes a lock that a session killed at the wrong moment leaves behind, after
+# which every later command waits a minute for it), become sshd (the node's pid 1). The script is
+# constant; every value arrives as a positional argument, never inside the script text.
+NODE_INIT = ('hostname "$1" && mount --bind "$2" /etc/hosts && { [ ! -f "$6" ] || mount --bind /dev/null "$6"; } '
+             '&& exec "$3" -D -f "$4" -E "$5"')
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -237,7 +241,7 @@ class VirtualNodes(Guarded):
             return subprocess.Popen(
                 ["ip", "netns", "exec", n.namespace, "unshare", "--fork", "--pid", "--mount-proc", "--kill-child",
                  "--uts", "--mount", "--", "sh", "-c", NODE_INIT, "node-init", n.name, str(self.directory / "hosts"),
-                 sshd, str(d / "sshd_config"), str(d / "sshd.log")],
+                 sshd, str(d / "sshd_config"), str(d / "sshd.log"), str(Path.home() / ".bashrc")],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
     def _wait_listening(self, timeout_s: float) -> None:

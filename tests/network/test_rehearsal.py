@@ -82,8 +82,15 @@ def _triggered(moment: str, lines: list[str], directory: Path, namespaces: set[s
     if moment == "setup":
         return any(l.startswith("setup: ") for l in lines)
     word = {"shaping": "shaping_agent", "run": "runners.worker"}[moment]
-    return any(word.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-               for pid in live_processes(str(directory)) if Path(f"/proc/{pid}").exists())
+    return any(word.encode() in _cmdline(pid) for pid in live_processes(str(directory)))
+
+
+def _cmdline(pid: int) -> bytes:
+    """A process's command line, empty once it has ended (it may end while being read)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""
 
 
 @pytest.mark.faults

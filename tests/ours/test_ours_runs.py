@@ -11,7 +11,7 @@ import torch
 
 from baselines.reference.train import train as reference_train
 from contract.rank import Context
-from runners.request import build_parser, config_from_args
+from runners.request import parse_request
 from runners.run import reference_config
 from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
@@ -53,7 +53,7 @@ def test_p2_gpipe_order_verified(tmp_path):
 
 def reference_evals(args: list[str]) -> list[float]:
     """The held-out losses of the run's single-process reference, trained in this process."""
-    cfg = reference_config(config_from_args(build_parser().parse_args(args)))
+    cfg = reference_config(parse_request(args)[0])
     ctx = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo", config=cfg)
     return [e["loss"] for e in reference_train(cfg, ctx).evals]
 

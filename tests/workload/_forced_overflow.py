@@ -70,8 +70,7 @@ def train(system: str, rank: int, world: int) -> list[dict]:
     options = spec.options(**({"schedule": "1f1b"} if system == "torch_pipe" else {"n_slices": 2}))
     cfg = RunConfig(system=system, model=MODEL, batch_size=2, micro_batch_size=1, pp=2, steps=3, warmup=0,
                     precision="fp16", options=options)
-    ctx = Context(rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo", config=cfg,
-                  barrier_group=dist.new_group(list(range(world))))  # as runners.worker: the timing barrier's own
+    ctx = Context(rank=rank, local_rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo", config=cfg)
     log: list[dict] = []
     (patch_torch_pipe if system == "torch_pipe" else patch_ours)(log, rank)
     m = spec.load()(cfg, ctx)
