@@ -3,8 +3,10 @@
     python report.py [RESULTS_DIR_OR_FILES ...] [--out REPORT.md] [--plots DIR]
 
 Reads only RunRecords (JSON lines; a line that is not a record is skipped with a warning). The report:
-- a summary: per table, per row (micro-batch size, or network setting), the fastest system and its margin
-  over the best baseline (or, where a baseline is fastest, how far ours is behind it);
+- a summary: per table, per row (micro-batch size, or network setting), the fastest system and ours
+  against the best baseline, each claimed only where the intervals of the repetitions separate
+  (else "no difference beyond noise (±x %)"), and no comparison at all from a run whose ranks
+  outnumbered its cores;
 - layout tables, for runs without network emulation: rows = micro-batch size, columns = system and layout
   in the seed's notation (``T-4 P-2``), cells ``19.71 s`` or ``Fail (OOM)``;
 - network tables, for runs under emulation: rows = the network settings (fastest to slowest), columns =
@@ -13,8 +15,10 @@ Reads only RunRecords (JSON lines; a line that is not a record is skipped with a
   to a held-out loss, bytes sent per token, which wins (``quality_report``);
 - every run (tokens/s, MFU, peak memory per rank, sync times, the choices a system made) and the failures.
 Each table is headed once by what is fixed in it. A table holds the runs of exactly one configuration
-apart from its axes, so a cell never mixes runs of different configs; of several records of the same
-run, the newest wins. Plots (``--plots``): step time (log scale) against the one-way delay, per table.
+apart from its axes, so a cell never mixes runs of different configs. The records of one run (its
+repetitions, a sweep's ``repeats``) are combined (``contract.estimate``): a cell shows the median of
+their median step times and an interval, ``1.51 s ±4 %``; one run alone shows ``(1 run)``. Plots
+(``--plots``): step time (log scale) against the one-way delay, per table.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +34,7 @@ import pandas as pd
 
 import quality_report
 from contract.config import VOLATILE_FIELDS, RunConfig
+from contract.estimate import INTERVAL_RULE, estimate, no_difference, ratio_interval, separated
 from contract.records import predictions_path, read_predictions, read_records, record_files
 from contract.registry import read_options
 
@@ -110,10 +116,16 @@ def fmt_time(t: float | None) -> str:
 
 def cell(row: pd.Series) -> str:
     if row["status"] == "ok":
-        pred = row.get("predicted")
         t = row["median_step_time"]
-        return (fmt_time(t) if t == t and t is not None else "ok, no step time") + \
-            (f" (pred {fmt_time(pred).removesuffix(' s')})" if pred == pred and pred else "")
+        text = "ok, no step time" if t is None or t != t else f"{fmt_time(t)} {row['estimate'].plus_minus()}"
+        pred = row.get("predicted")
+        if pred == pred and pred:
+            text += f" (pred {fmt_time(pred).removesuffix(' s')})"
+        elif row.get("not_modelled"):
+            text += " (not modelled)"
+        if row.get("oversubscribed"):
+            text += " (oversubscribed)"
+        return text
     if row["status"] == "unfit":
         return f"Fail ({row['error']})"
     return FAIL.get(row["status"], f"Fail ({row['status']})")
@@ -173,6 +185,8 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "status": r["status"],
             "median_step_time": r.get("median_step_time"),
             "predicted": (r.get("prediction") or {}).get("step_time"),
+            "not_modelled": (r.get("prediction") or {}).get("not_modelled"),
+            "oversubscribed": r.get("oversubscribed"),
             "tokens_per_s": r.get("tokens_per_s"),
             "mfu": r.get("mfu"),
             "peak_mem_mb": max(r.get("peak_memory_bytes") or [0]) / 2**20,
@@ -181,13 +195,37 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "details": r.get("details") or "",
             "error": r.get("error") or "",
         })
-    df = pd.DataFrame(rows)
+    df = pd.DataFrame(combine_repetitions(rows))
     if df.empty:
         return df
-    # The newest record of the same run wins (a re-run replaces an older measurement).
-    df = df.sort_values("timestamp", kind="stable").drop_duplicates("key", keep="last").reset_index(drop=True)
+    df = df.sort_values("timestamp", kind="stable").reset_index(drop=True)
     df["column"] = df["system"] + " " + df["layout"]
     return df
+
+
+def combine_repetitions(rows: list[dict]) -> list[dict]:
+    """One row per run (identity key) from its records, its repetitions: where any is ok, the newest ok
+    one's fields with the step time, tokens/s and MFU the medians over the ok ones, ``estimate`` their
+    interval (``contract.estimate``), ``runs`` how many were ok and ``failed_runs`` how many were not,
+    oversubscribed if any of them was; else the newest record (a failure), as it is."""
+    by_key: dict[str, list[dict]] = {}
+    for row in sorted(rows, key=lambda r: r["timestamp"]):
+        by_key.setdefault(row["key"], []).append(row)
+    out = []
+    for same in by_key.values():
+        ok = [r for r in same if r["status"] == "ok" and r["median_step_time"] is not None]
+        if not ok:
+            out.append({**same[-1], "estimate": None, "runs": 0, "failed_runs": len(same)})
+            continue
+        est = estimate([r["median_step_time"] for r in ok])
+        row = {**ok[-1], "estimate": est, "median_step_time": est.median, "runs": len(ok),
+               "failed_runs": len(same) - len(ok),
+               "oversubscribed": next((r["oversubscribed"] for r in ok if r["oversubscribed"]), None)}
+        for name in ("tokens_per_s", "mfu"):
+            values = [r[name] for r in ok if r[name] is not None]
+            row[name] = statistics.median(values) if values else None
+        out.append(row)
+    return out
 
 
 def _columns(g: pd.DataFrame, row_axis: str) -> pd.DataFrame:
@@ -266,25 +304,68 @@ def network_tables(tables: list[tuple[dict, pd.DataFrame]]) -> list[str]:
     return out
 
 
+def _name(r: pd.Series) -> str:
+    return f"`{r['column']}`" + (f" [{r['details']}]" if r["details"] else "")
+
+
+def _timed(r: pd.Series) -> str:
+    return f"{_name(r)} {fmt_time(r['median_step_time'])} {r['estimate'].plus_minus()}"
+
+
 def _verdict(row: pd.DataFrame) -> str | None:
-    """The fastest run of one row and its margin over the best baseline (or ours' gap to it)."""
+    """One row's claims, each made only where the intervals of the repetitions separate
+    (``contract.estimate.separated``): the fastest run, and ours at its best against the best
+    baseline; runs whose ranks outnumbered their cores are left out of both, and the row says so."""
     ok = row[(row["status"] == "ok") & (row["role"] != "reference") & row["median_step_time"].notna()]
     if ok.empty:
         return None
-    fastest = ok.loc[ok["median_step_time"].idxmin()]
-    baselines = ok[ok["role"] == "baseline"]
-    ours = ok[ok["role"] == "ours"]
-    name = f"`{fastest['column']}`" + (f" [{fastest['details']}]" if fastest["details"] else "")
-    text = f"fastest {name} {fmt_time(fastest['median_step_time'])}"
-    if fastest["role"] == "ours" and not baselines.empty:
-        best = baselines.loc[baselines["median_step_time"].idxmin()]
-        text += (f", **{best['median_step_time'] / fastest['median_step_time']:.2f}x** faster than the best "
-                 f"baseline `{best['column']}` ({fmt_time(best['median_step_time'])})")
-    elif fastest["role"] == "baseline" and not ours.empty:
-        mine = ours.loc[ours["median_step_time"].idxmin()]
-        text += (f"; ours at best `{mine['column']}` {fmt_time(mine['median_step_time'])}, "
-                 f"**{mine['median_step_time'] / fastest['median_step_time']:.2f}x** slower")
-    return text
+    crowded = ok[ok["oversubscribed"].map(bool)]
+    fair = ok[~ok["oversubscribed"].map(bool)]
+    parts = []
+    if not fair.empty:
+        fastest = fair.loc[fair["median_step_time"].idxmin()]
+        close = [r for _, r in fair.iterrows()
+                 if r["key"] != fastest["key"] and not separated(r["estimate"], fastest["estimate"])]
+        if len(fair) == 1:
+            parts.append(f"only {_timed(fastest)} to compare")
+        elif close:
+            parts.append(f"no fastest ({no_difference(fastest['estimate'], *(r['estimate'] for r in close))}): "
+                         f"{_timed(fastest)}, " + ", ".join(_timed(r) for r in close))
+        else:
+            parts.append(f"fastest {_timed(fastest)}")
+        parts += _ours_against_best_baseline(fair)
+    if not crowded.empty:
+        over = crowded.iloc[0]["oversubscribed"]
+        parts.append(f"no comparison from {', '.join(f'`{c}`' for c in crowded['column'])}: its ranks outnumbered "
+                     f"the cores they had ({describe_oversubscription(over)}), so its times measure CPU contention, "
+                     f"not the system")
+    return "; ".join(parts)
+
+
+def _ours_against_best_baseline(fair: pd.DataFrame) -> list[str]:
+    """Ours at its best (by median) against the best baseline: the ratio and its range where they
+    separate, else that they do not."""
+    baselines, ours = fair[fair["role"] == "baseline"], fair[fair["role"] == "ours"]
+    if baselines.empty or ours.empty:
+        return []
+    best = baselines.loc[baselines["median_step_time"].idxmin()]
+    mine = ours.loc[ours["median_step_time"].idxmin()]
+    if not separated(best["estimate"], mine["estimate"]):
+        return [f"ours {_timed(mine)} against the best baseline {_timed(best)}: "
+                f"{no_difference(best['estimate'], mine['estimate'])}"]
+    ratio, low, high = ratio_interval(best["estimate"], mine["estimate"])
+    if ratio > 1:
+        return [f"ours {_timed(mine)} **{ratio:.2f}x** ({low:.2f}-{high:.2f}x) faster than the best baseline "
+                f"{_timed(best)}"]
+    return [f"ours at best {_timed(mine)} **{1 / ratio:.2f}x** ({1 / high:.2f}-{1 / low:.2f}x) slower than the best "
+            f"baseline {_timed(best)}"]
+
+
+def describe_oversubscription(over: dict) -> str:
+    """'12 ranks (12 threads) on 2 cores', as a record's ``oversubscribed`` says it."""
+    threads = f" ({over['threads']} threads)" if over.get("threads", over["ranks"]) != over["ranks"] else ""
+    machines = f", on {over['machines']} machines" if over.get("machines", 1) > 1 else ""
+    return f"{over['ranks']} ranks{threads} on {over['cores']} cores{machines}"
 
 
 def _verdicts(row: pd.DataFrame) -> list[tuple[str, str]]:
@@ -312,7 +393,10 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
         if rows and len(g) > 1:
             lines.append(f"- **Networks**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]
-    return "## Summary\n\n" + "\n".join(lines) if lines else ""
+    if not lines:
+        return ""
+    return (f"## Summary\n\nEvery cell and claim: the {INTERVAL_RULE}. A claim is made only where the intervals "
+            f"separate.\n\n" + "\n".join(lines))
 
 
 def _busy_range(shares: list[float]) -> str:
@@ -324,19 +408,23 @@ def _busy_range(shares: list[float]) -> str:
 
 
 def all_runs(df: pd.DataFrame) -> str:
-    cols = ["system", "model", "layout", "devices", "mb", "batch", "network", "status", "median_step_time",
-            "tokens_per_s", "mfu", "peak_mem_mb", "busy", "dp_sync_time", "details"]
+    cols = ["system", "model", "layout", "devices", "mb", "batch", "network", "status", "runs", "median_step_time",
+            "tokens_per_s", "mfu", "peak_mem_mb", "busy", "dp_sync_time", "oversubscribed", "details"]
     t = df[cols].copy()
-    t["median_step_time"] = t["median_step_time"].map(fmt_time)
+    t["median_step_time"] = [fmt_time(v) + (f" {e.plus_minus()}" if e is not None else "")
+                             for v, e in zip(df["median_step_time"], df["estimate"])]
+    t["runs"] = [f"{n}" + (f" (+{f} failed)" if f and n else "") for n, f in zip(df["runs"], df["failed_runs"])]
+    t["oversubscribed"] = df["oversubscribed"].map(lambda o: describe_oversubscription(o) if o else "")
     t["tokens_per_s"] = t["tokens_per_s"].map(lambda v: f"{v:,.0f}" if v == v and v is not None else "")
     t["mfu"] = t["mfu"].map(lambda v: f"{v:.1%}" if v == v and v is not None else "")
     t["peak_mem_mb"] = t["peak_mem_mb"].map(lambda v: f"{v:,.0f}")
     t["busy"] = t["busy"].map(_busy_range)
     t["dp_sync_time"] = t["dp_sync_time"].map(lambda v: fmt_time(v) if v == v and v else "")
     t["network"] = df["network"].where(df["network"] == "none", df["setting"])
-    t = t.rename(columns={"median_step_time": "step", "peak_mem_mb": "peak MiB per rank (max)",
+    t = t.rename(columns={"median_step_time": "step", "runs": "ok runs", "peak_mem_mb": "peak MiB per rank (max)",
                           "busy": "busy per rank", "dp_sync_time": "DP sync"})
-    return "## Every run\n\n" + t.to_markdown(index=False, tablefmt="github")
+    return ("## Every run\n\nOne line per run (its repetitions combined); oversubscribed: its ranks outnumbered the "
+            "cores they had (no comparison is drawn from it).\n\n" + t.to_markdown(index=False, tablefmt="github"))
 
 
 def failures(df: pd.DataFrame) -> str:

@@ -3,8 +3,10 @@
 ours-vs-gpipe: Torch Pipe's GPipe schedule against ours (token-level pipeline) on cpu-small with
 P = 2, at each batch size per pipeline, with repetitions alternating between the systems (so that
 drifts of a shared machine hit every system alike). Each run is the real run command in a
-subprocess, writing its record to a temporary file; the median step time of a configuration is the
-median over repetitions of each run's median_step_time. Prints the step times, the ratio
+subprocess, writing its record to a temporary file; the step time of a configuration is the median
+over repetitions of each run's median_step_time, with its interval (``contract.estimate``, the
+report's statistics: min-max below 8 repetitions, bootstrap from 8), and a difference is claimed only
+where the intervals separate. Prints the step times, the ratio
 GPipe / ours (of the medians, and paired: the median over repetitions of the ratio within one
 repetition), and the pipeline efficiency T_ref / (P * T) against the single-process reference. Before
 each repetition it measures how many cores the machine really gives P processes at once
@@ -30,6 +32,7 @@ import sys
 from dataclasses import dataclass, field
 
 from baselines.torch_pipe import SCHEDULES
+from contract.estimate import INTERVAL_RULE, Estimate, estimate, no_difference, separated
 from ours import slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
 from bench import network_slope, plan_evaluation
@@ -69,10 +72,28 @@ class Sitting:
     def ok(self, name: str) -> list[Run]:
         return [r for r in self.runs.get(name, []) if r is not None]
 
-    def median(self, name: str) -> float | None:
-        """The median over repetitions of each run's median step time."""
+    def estimate(self, name: str) -> Estimate | None:
+        """The median over repetitions of each run's median step time, and its interval."""
         v = [r.median for r in self.ok(name)]
-        return statistics.median(v) if v else None
+        return estimate(v) if v else None
+
+    def median(self, name: str) -> float | None:
+        e = self.estimate(name)
+        return e.median if e else None
+
+    def ms(self, name: str) -> str:
+        """'1234 ±4 %': the median step time in ms and its interval."""
+        e = self.estimate(name)
+        return f"{e.median * 1e3:.0f} {e.plus_minus()}" if e else "failed"
+
+    def versus(self, base: str, name: str) -> str:
+        """base against name: which is faster and by how much where their intervals separate, else that they do not."""
+        a, b = self.estimate(base), self.estimate(name)
+        if a is None or b is None:
+            return "-"
+        if not separated(a, b):
+            return no_difference(a, b)
+        return f"{name} faster" if b.median < a.median else f"{base} faster"
 
     def best(self, name: str) -> float | None:
         """The fastest step of any run."""
@@ -158,10 +179,10 @@ def ours_vs_gpipe(opts: argparse.Namespace) -> int:
 
     gp_label = "torch_pipe GPipe" if opts.gpipe_system == "torch_pipe" else f"{opts.gpipe_system} (standing in for GPipe)"
     print(f"\nours vs {gp_label} on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating reps "
-          f"(step ms: median of per-run median step times; min: fastest step of any run; efficiency = T_ref / (P * T))")
-    print(f"{'batch':>5} | {'config':<34} | {'step ms':>8} | {'min ms':>7} | {'runs':>4} | {'efficiency':>10} | "
-          f"{'gpipe / this':>12} | {'paired':>6}")
-    print("-" * 107)
+          f"(step ms: {INTERVAL_RULE}; min: fastest step of any run; efficiency = T_ref / (P * T))")
+    print(f"{'batch':>5} | {'config':<34} | {'step ms':>12} | {'min ms':>7} | {'runs':>4} | {'efficiency':>10} | "
+          f"{'gpipe / this':>12} | {'paired':>6} | against gpipe")
+    print("-" * 140)
     for batch in opts.batch:
         s = sittings[batch]
         ref, gp = s.median("reference"), s.median("gpipe")
@@ -171,19 +192,21 @@ def ours_vs_gpipe(opts: argparse.Namespace) -> int:
             n = len(s.ok(name))
             label = gp_label if name == "gpipe" else name
             if t is None:
-                print(f"{batch:>5} | {label:<34} | {'failed':>8} | {'':>7} | {n:>4} |")
+                print(f"{batch:>5} | {label:<34} | {'failed':>12} | {'':>7} | {n:>4} |")
                 continue
             p = 1 if name == "reference" or (name == "gpipe" and opts.gpipe_system == "reference") else P
             eff = f"{ref / (p * t):.2f}" if ref else "-"
             ratio = f"{gp / t:.2f}x" if gp and name.startswith("ours") else "-"
             pr = s.paired("gpipe", name) if name.startswith("ours") else None
             pr = f"{pr:.2f}x" if pr else "-"
-            print(f"{batch:>5} | {label:<34} | {t * 1e3:8.0f} | {s.best(name) * 1e3:7.0f} | {n:>4} | {eff:>10} | "
-                  f"{ratio:>12} | {pr:>6}")
+            vs = s.versus("gpipe", name) if name.startswith("ours") else ""
+            print(f"{batch:>5} | {label:<34} | {s.ms(name):>12} | {s.best(name) * 1e3:7.0f} | {n:>4} | {eff:>10} | "
+                  f"{ratio:>12} | {pr:>6} | {vs}")
         ours = [(s.median(n), n) for n in ours_names if s.median(n)]
         if ours and gp:
             t, n = min(ours)
-            print(f"{batch:>5} | best: {n}, {gp_label} / ours = {gp / t:.2f}x (by median step time)")
+            print(f"{batch:>5} | best: {n}, {gp_label} / ours = {gp / t:.2f}x (by median step time; "
+                  f"{s.versus('gpipe', n)})")
     print("paired: median over repetitions of GPipe's / this configuration's step time within the same repetition")
     print_machine(capacities, P, "GPipe at batch 1, which keeps one rank busy at a time")
     return 0
@@ -238,11 +261,11 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
 
     print(f"\nours vs the fastest Torch Pipe schedule on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating "
-          f"reps (step ms: median of per-run median step times; min: fastest step of any run; peak MB: peak memory "
-          f"of each rank, RSS on CPU, largest over the reps)")
-    print(f"{'batch':>5} | {'config':<26} | {'step ms':>8} | {'min ms':>7} | {'runs':>4} | {'peak MB per rank':>16} | "
+          f"reps (step ms: {INTERVAL_RULE}; min: fastest step of any run; peak MB: peak memory of each rank, RSS on "
+          f"CPU, largest over the reps)")
+    print(f"{'batch':>5} | {'config':<26} | {'step ms':>12} | {'min ms':>7} | {'runs':>4} | {'peak MB per rank':>16} | "
           f"{'busy % per rank':>15} | {'best baseline / this':>20}")
-    print("-" * 122)
+    print("-" * 126)
     summary = []
     for batch in opts.batch:
         s = sittings[batch]
@@ -252,30 +275,49 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
         for name in s.runs:
             t = s.median(name)
             if t is None:
-                print(f"{batch:>5} | {name:<26} | {'failed':>8} |")
+                print(f"{batch:>5} | {name:<26} | {'failed':>12} |")
                 continue
             ratio = f"{base_t / t:.2f}x" if base_t and name.startswith("ours") else "-"
-            print(f"{batch:>5} | {name:<26} | {t * 1e3:8.0f} | {s.best(name) * 1e3:7.0f} | {len(s.ok(name)):>4} | "
+            print(f"{batch:>5} | {name:<26} | {s.ms(name):>12} | {s.best(name) * 1e3:7.0f} | {len(s.ok(name)):>4} | "
                   f"{megabytes(s.peak_memory(name)):>16} | {percents(s.busy(name)):>15} | {ratio:>20}")
         if baselines and ours:
             t, name = min(ours)
             summary.append((batch, base, base_t, name, t, s.paired(base, name), s.peak_memory(base), s.peak_memory(name)))
     print("\nper batch: the fastest baseline schedule against ours at its fastest K (by median step time)")
-    print(f"{'batch':>5} | {'best baseline':<26} | {'ms':>6} | {'ours':<10} | {'ms':>6} | {'ratio':>6} | {'paired':>6} | "
-          f"{'goal':>5} | {'peak MB baseline':>16} | {'peak MB ours':>12}")
+    print(f"{'batch':>5} | {'best baseline':<26} | {'ms':>11} | {'ours':<10} | {'ms':>11} | {'ratio':>6} | {'paired':>6} | "
+          f"{'goal':>5} | {'peak MB baseline':>16} | {'peak MB ours':>12} | beyond noise?")
     for batch, base, base_t, name, t, paired, base_mem, ours_mem in summary:
+        s = sittings[batch]
         goal = GOALS.get(batch)
         verdict = "" if goal is None else f"{goal:.1f}x " + ("met" if base_t / t >= goal else "missed")
         schedule = base.removeprefix("torch_pipe ")
-        print(f"{batch:>5} | {SCHEDULE_NAMES.get(schedule, schedule):<26} | {base_t * 1e3:6.0f} | "
-              f"{name.removeprefix('ours '):<10} | {t * 1e3:6.0f} | {base_t / t:5.2f}x | "
+        print(f"{batch:>5} | {SCHEDULE_NAMES.get(schedule, schedule):<26} | {s.ms(base):>11} | "
+              f"{name.removeprefix('ours '):<10} | {s.ms(name):>11} | {base_t / t:5.2f}x | "
               f"{f'{paired:.2f}x' if paired else '-':>6} | {verdict:>5} | {megabytes(base_mem):>16} | "
-              f"{megabytes(ours_mem):>12}")
+              f"{megabytes(ours_mem):>12} | {s.versus(base, name)}")
+    auto_against_fixed(sittings)
     print("ratio: best baseline's / ours' median step time; paired: the median over repetitions of the same ratio "
           "within one repetition; goal: the ratio issue #15 asks for; busy %: the share of each rank's step time it "
           "was computing (its process's CPU time over its step time; the rest is bubbles, messages, the barrier)")
     print_machine(capacities, P, "a schedule that leaves ranks idle")
     return 0
+
+
+def auto_against_fixed(sittings: dict[int, Sitting]) -> None:
+    """Per batch and order of units, ``--n-slices auto`` against the fastest fixed K it ran beside: within
+    noise, or slower or faster beyond it (the done-when of issue #26)."""
+    lines = []
+    for batch, s in sittings.items():
+        for auto in [n for n in s.runs if n.startswith("ours") and n.endswith("K=auto") and s.median(n)]:
+            prefix = auto.removesuffix("auto")
+            fixed = [(s.median(n), n) for n in s.runs if n.startswith(prefix) and n != auto and s.median(n)]
+            if fixed:
+                _, best = min(fixed)
+                lines.append(f"{batch:>5} | {auto:<22} {s.ms(auto):>11} | best fixed {best:<14} {s.ms(best):>11} | "
+                             f"{s.versus(best, auto)}")
+    if lines:
+        print("\nauto against the best fixed K (auto times a few K during warm-up and keeps the fastest; ours.plan.tune)")
+        print("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from contract.records import read_records
 from runners.invoke import run_command
+from contract.estimate import estimate
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
 CONFIG_KEYS = ("ours", *DP_MODES, "gpipe", "1f1b")
@@ -213,7 +214,7 @@ def report(records: list[dict], wire_bytes: int, loads: list[float]) -> None:
         out = []
         for d in delays:
             v = [key(r) for r in rs if link_of(r)[0] == d]
-            out.append(statistics.median(v) if v else None)
+            out.append(estimate(v).median if v else None)  # the report's statistics (contract.estimate)
         return out
 
     for c, rs in by_label.values():

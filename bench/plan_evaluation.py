@@ -26,6 +26,7 @@ from ours.plan.latency import LatencyModel
 from ours.plan.planner import plan
 from runners.invoke import run_command
 from workload.configs import MODEL_CONFIGS, get_model_config
+from contract.estimate import estimate
 
 
 @dataclass
@@ -80,7 +81,7 @@ def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: in
     rows = []
     for c in cs:
         pred = lm.step_time(c.slices, micro, batch_size, n_layer, pp)
-        m = statistics.median(measured[c.name]) if measured[c.name] else None
+        m = estimate(measured[c.name]).median if measured[c.name] else None  # the report's statistics
         rows.append(dict(name=c.name, n_slices=len(c.slices), slices=list(c.slices), status=status.get(c.name),
                          predicted_pipeline=pred["pipeline"], predicted_raw=pred["total"], parts=pred, measured=m,
                          measured_all=measured[c.name],

@@ -145,7 +145,8 @@ def predictions_path(records_file: str | Path) -> Path:
 
 def read_predictions(records_file: str | Path, warn: Callable[[str], None] | None = None) -> dict[str, dict]:
     """The predictions kept beside ``records_file`` by run id (none if there are none); a file that is
-    not a JSON object, or an entry without a finite ``step_time``, is skipped and told to ``warn``."""
+    not a JSON object, or an entry with neither a finite ``step_time`` nor a ``not_modelled`` reason, is
+    skipped and told to ``warn``."""
     p = predictions_path(records_file)
     if not p.exists():
         return {}
@@ -159,7 +160,8 @@ def read_predictions(records_file: str | Path, warn: Callable[[str], None] | Non
         if warn:
             warn(f"{p}:1: not an object of predictions by run id")
         return {}
-    good = {k: v for k, v in d.items() if isinstance(v, dict) and finite_number(v.get("step_time"))}
+    good = {k: v for k, v in d.items() if isinstance(v, dict)
+            and (finite_number(v.get("step_time")) or isinstance(v.get("not_modelled"), str))}
     if warn:
         for k in d.keys() - good.keys():
             warn(f"{p}: the prediction of run {k} left out (no finite step_time)")

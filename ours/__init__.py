@@ -156,7 +156,7 @@ def describe_slicing(options: dict[str, Any]) -> str:
     parts.append(run)
     text = ",".join(f"{s}x{n}" if n > 1 else str(s) for s, n in parts)
     source = str(options.get("slicing", ""))
-    how = f"auto, {source.split(' ')[0]}: " if options.get("n_slices") == "auto" and source else ""
+    how = f"auto, {source.split(' ')[0].rstrip(':')}: " if options.get("n_slices") == "auto" and source else ""
     return f"{how}K={len(slices)} ({text})"
 
 

@@ -8,16 +8,19 @@ deferred weight gradients), ``ours.tp`` (tensor parallelism) and ``ours.dp`` (da
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from contract import RunConfig
 from contract.links import link_groups
 from contract.rank import Context, Measurements, StepOutput, run_steps
-from ours import WIRE_DTYPES, OursOptions, leading_forwards
+from ours import WIRE_DTYPES, OursOptions, leading_forwards, uniform_slices
 from ours.dp import dp_links, make_sync
 from ours.engine import StageEngine, pipeline_links
 from ours.plan.auto import auto_slicing
+from ours.plan.tune import Tuning, candidates, descend, nearest
 from ours.tp import coords, gather_full, rank_of, shard_stage, tp_groups
 from ours.trace import Tracer
 from workload.partition import stage_specs
@@ -35,6 +38,33 @@ def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[tuple[int, ...], str]:
     if sum(chosen.slices) != cfg.model.seq_len or any(s < 1 for s in chosen.slices):
         raise RuntimeError(f"auto slicing {chosen.slices} does not cover the sequence length {cfg.model.seq_len}")
     return chosen.slices, chosen.source
+
+
+def tune_slices(planned: tuple[int, ...], make_engine, params: list[torch.nn.Parameter], ctx: Context,
+                dp_rank: int) -> Tuning:
+    """``--n-slices auto``: time a step of K equal slices for a few K, starting near the planner's
+    ``planned`` slicing, and keep the fastest (``ours.plan.tune``). Every rank times the same steps; a
+    step's time is the slowest rank's (an all-reduce, which every rank then agrees on). The steps
+    leave nothing behind: no optimizer step, gradients dropped."""
+    seq = ctx.config.model.seq_len
+    inputs, targets = ctx.batch(0, dp_rank)
+
+    def time_k(k: int) -> float:
+        engine = make_engine(uniform_slices(seq, k), Tracer(ctx.rank, enabled=False))
+        dist.barrier()
+        start = time.perf_counter()
+        engine.step(inputs, targets)
+        ctx.synchronize()
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        for p in params:
+            p.grad = None
+        return float(took)
+
+    ks = candidates(seq)
+    start = nearest(len(planned), ks)
+    time_k(start)  # untimed: allocation, the first messages
+    return descend(start, time_k, ks)
 
 
 class _LossScaler:
@@ -94,17 +124,26 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     links = link_groups(pipeline_links(pp, dp, tp) + dp_links(pp, dp, tp), ctx.device)
 
     wire = getattr(torch, WIRE_DTYPES[options.wire_dtype])
-    engine = StageEngine(
-        model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
-        device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else rank_of(dp_rank, pp_rank - 1, tp_rank, pp, tp),
-        next_rank=None if spec.is_last else rank_of(dp_rank, pp_rank + 1, tp_rank, pp, tp), tracer=tracer,
-        precision=cfg.precision, recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule, links=links,
-        tp=tp, tp_group=tp_group)
+
+    def make_engine(slices: tuple[int, ...], tracer: Tracer) -> StageEngine:
+        return StageEngine(
+            model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
+            device=ctx.device, rank=ctx.rank,
+            prev_rank=None if spec.is_first else rank_of(dp_rank, pp_rank - 1, tp_rank, pp, tp),
+            next_rank=None if spec.is_last else rank_of(dp_rank, pp_rank + 1, tp_rank, pp, tp), tracer=tracer,
+            precision=cfg.precision, recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule,
+            links=links, tp=tp, tp_group=tp_group)
+
     named = list(model.named_parameters())
     params = [p for _, p in named]
+    if options.auto and cfg.model.seq_len > 1:
+        tuning = tune_slices(slices, make_engine, params, ctx, dp_rank)
+        planned = f"K={len(slices)} by {slicing_source.split(' ')[0]}"
+        slices, slicing_source = uniform_slices(cfg.model.seq_len, tuning.k), f"{tuning.describe()}; started near {planned}"
+    engine = make_engine(slices, tracer)
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
-                     ranks=[rank_of(d, pp_rank, tp_rank, pp, tp) for d in range(dp)], links=links, order=engine.grad_order(),
-                     wire_dtype=wire, tracer=tracer)
+                     ranks=[rank_of(d, pp_rank, tp_rank, pp, tp) for d in range(dp)], links=links,
+                     order=engine.grad_order(), wire_dtype=wire, tracer=tracer)
     scaler = _LossScaler(cfg.precision == "fp16", ctx.device)
     if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
         engine.grads_ready = sync.grads_ready

@@ -5,8 +5,11 @@
     python -m predict sweep SWEEP_FILE [--device-file FILE]   # the predicted report tables of a sweep
     python -m predict records RECORDS.jsonl ...   # this machine's prediction of every recorded CPU run, kept
                                             # beside its records (X.predictions.json) for the report's cells
-    python -m predict calibrate     # this machine: profiles, stall probe, runs without delay, overheads
-    python -m predict validate      # emulated runs: predicted against measured (root)
+    python -m predict calibrate     # this host and code version: profiles, stall probe, runs without delay,
+                                    # overheads, the host's speed (results/predict/calibrations/<host>-<code>/)
+    python -m predict validate [RECORDS.jsonl ...]   # recorded runs (default: the main job's,
+                                    # results/local.jsonl) predicted against measured, by case; the report
+                                    # shows predictions only for the cases this finds modelled
     python -m predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
     python -m predict plan-check [EVALUATION.json]   # the planner's evaluation: formula vs simulator
     python -m predict plan --model cpu-small --pp 2 --batch-size 1 2 4   # ours' slicings chosen by
@@ -36,9 +39,18 @@ def _calibrate(args) -> int:
 
 
 def _validate(args) -> int:
-    from predict.this_machine import validate
+    from predict.this_machine import validate_records
 
-    validate(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    missing = [p for p in args.records if not Path(p).is_file()]
+    if missing:
+        print(f"python -m predict validate: error: no such file: {', '.join(missing)} (run the main job first: "
+              f"runners/run_all.sh)", file=sys.stderr)
+        return 2
+    try:
+        validate_records([Path(p) for p in args.records], name=args.name)
+    except FileNotFoundError as exc:
+        print(f"python -m predict validate: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -76,8 +88,9 @@ def _target(device_file: str | None, cfg, in_flight: int | None):
 
     if device_file is None:
         cal = load_calibration()
-        return (CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.link(cfg.network, None, cfg.network_matrix),
-                cal.cores, "gloo")
+        print(f"with the {cal.name}", file=sys.stderr)
+        return (CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)),
+                cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo")
     from predict.from_config import modelled_precision, single_link
     from predict.seed_tables import NVLINK
     from predict.run_spec import Link
@@ -173,8 +186,8 @@ def _records(args) -> int:
             print(f"python -m predict records: error: no such file: {path}", file=sys.stderr)
             return 2
     for path in args.records:
-        predicted = predict_records(Path(path))
-        where = predictions_path(path) if predicted else "nothing written"
+        predicted = predict_records(Path(path), log=lambda line: print(line, file=sys.stderr))
+        where = predictions_path(path) if predictions_path(path).exists() else "nothing written"
         print(f"{path}: {len(predicted)} run(s) predicted ({where})")
     return 0
 
@@ -221,17 +234,18 @@ def main(argv: list[str] | None = None) -> int:
         return predict_run(argv)
     p = argparse.ArgumentParser(prog="python -m predict", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name, fn in (("calibrate", _calibrate), ("validate", _validate)):
-        q = sub.add_parser(name)
-        q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
-        q.add_argument("--warmup", type=int, default=1)
-        if name == "calibrate":
-            q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (every ok record "
-                           "in calibration-runs.jsonl is fitted)")
-        else:
-            q.add_argument("--repeats", type=int, default=3, help="runs of each validation config (the measurement: "
-                           "the median of their median step times)")
-        q.set_defaults(fn=fn)
+    q = sub.add_parser("calibrate", help="this host and code version's calibration (about 20 minutes)")
+    q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
+    q.add_argument("--warmup", type=int, default=1)
+    q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (every ok record "
+                   "in calibration-runs.jsonl is fitted)")
+    q.set_defaults(fn=_calibrate)
+    q = sub.add_parser("validate", help="recorded runs predicted against measured, by case")
+    q.add_argument("records", nargs="*", default=["results/local.jsonl"],
+                   help="records files (default: the main job's, results/local.jsonl)")
+    q.add_argument("--name", default="validation", help="results/predict/NAME.{md,json} (default validation: the "
+                   "one the report's predictions are gated by; another name for a check that gates nothing)")
+    q.set_defaults(fn=_validate)
     q = sub.add_parser("seed")
     q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")
     q.set_defaults(fn=_seed)

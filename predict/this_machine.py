@@ -1,10 +1,15 @@
-"""This machine: profiles, calibration from runs without emulated delay, and the validation against
-emulated runs (predicted against measured).
+"""This machine: profiles, calibration from runs without emulated delay, the validation on recorded
+runs (predicted against measured), and the predictions the report shows.
 
-    calibrate_here(): profile each model shape (cached), run the calibration set with ``--network none``
-        and fit every system's overheads;
-    validate(): probe each network profile of the validation set, predict every run, run it through
-        the run command (``--network PROFILE``), print predicted against measured with the errors.
+    calibrate_here(): profile each model shape, run the calibration set with ``--network none`` and
+        fit every system's overheads; kept per host and per code version (``calibration_dir``), with a
+        probe of the host's speed while it was made;
+    validate_records(): every ok CPU run of records files (the main job's: sweeps/local.toml) predicted
+        against its measured median over repetitions, grouped into cases (``case_of``: system, layout,
+        sequence); a case is modelled where its median error is <= 10 % and each error within 20 %;
+    predict_records(): the predictions the report shows beside a records file: only with this host's
+        and code version's calibration, only while the host's speed is within ``SPEED_BOUND`` of it
+        (else one line, and no prediction), and only for modelled cases; every other run "not modelled".
 
 Runs go through ``python -m runners.run`` (a subprocess, an argument list), each appending its record
 to a JSON-lines file; the record's median step time is the measurement. The host is shared: while a
@@ -13,11 +18,15 @@ and the simulation can share the two cores with them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import platform
+import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from contract import ConfigError, RunConfig
@@ -32,6 +41,62 @@ from workload.configs import ModelConfig, get_model_config
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results" / "predict"
+# The code a calibration is of: what the ranks run and what the simulator makes of it. Any change to
+# these files is another code version, whose runs the calibration has not seen.
+CODE = ("workload", "contract", "baselines", "ours", "runners/worker.py", "runners/launcher.py",
+        *(f"predict/{m}.py" for m in ("simulator", "programs", "compute", "collectives", "step_time", "fitting",
+                                      "run_spec", "from_config", "gloo_stall", "host_load", "machine_profile")))
+SPEED_BOUND = 0.10  # the host's speed may drift this far from its calibration's before predictions are refused
+MODELLED_MEDIAN, MODELLED_MAX = 0.10, 0.20  # a case is modelled where its validation errors stay within these
+
+
+def host_name() -> str:
+    """This host as a calibration names it: its host name, CPU model and cores."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+               platform.machine())
+    return f"{platform.node()}, {cpu}, {os.cpu_count()} cores"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def code_version(root: Path = REPO) -> str:
+    """The code version a calibration is of: the first 12 hex digits of a hash of ``CODE``'s sources."""
+    from runners.reference_cache import source_digest
+
+    return source_digest(root, CODE)[:12]
+
+
+def calibration_dir(directory: Path = RESULTS) -> Path:
+    """Where this host's calibration of this code version is kept: ``calibrations/<host>-<code>/``."""
+    host = re.sub(r"[^A-Za-z0-9.]+", "-", f"{platform.node()}-{os.cpu_count()}c").strip("-")
+    return directory / "calibrations" / f"{host}-{code_version()}"
+
+
+def speed_probe() -> float:
+    """The host's speed now, quickly (about a second): one thread's best model-FLOP rate on cpu-small's
+    operations at 256 tokens (``workload.cpu_peak``), in TFLOP/s, the best of five trials."""
+    from workload.cpu_peak import best_times, model_ops, model_peak
+
+    ops = model_ops(get_model_config("cpu-small").with_overrides(seq_len=256), 1)
+    return model_peak(ops, best_times(ops, trials=5, budget_s=3.0))
+
+
+def speed_moved(cal: "Calibration", now: float | None = None) -> str | None:
+    """Why ``cal`` no longer holds for this host (its speed probe now differs from the one taken while
+    calibrating by more than ``SPEED_BOUND``), or None."""
+    then = (cal.identity or {}).get("speed_tflops")
+    if not then:
+        return f"the calibration {cal.name} has no speed probe to compare with"
+    now = speed_probe() if now is None else now
+    if abs(now / then - 1) > SPEED_BOUND:
+        return (f"this host runs at {now / then:.2f}x the speed of its calibration {cal.name} (speed probe "
+                f"{now * 1e3:.1f} against {then * 1e3:.1f} GFLOP/s; bound ±{SPEED_BOUND:.0%}): python -m predict calibrate")
+    return None
 
 
 @dataclass(frozen=True)
@@ -81,21 +146,13 @@ CALIBRATION_RUNS = (
     LocalRun("ours", "tiny", n_slices=4),
     LocalRun("ours", "cpu-small", n_slices=4),
     LocalRun("ours", "tiny", dp=2, n_slices=4, dp_mode="central_ps"),
+    # the main job's long sequence (sweeps/local.toml), ours in its default order of units
+    LocalRun("torch_pipe", "cpu-small", seq=1024, batch=1),
+    LocalRun("ours", "cpu-small", seq=1024, batch=2, n_slices=4, schedule="1f1b"),
 )
-
-# Emulated networks, none of them used in calibration.
-VALIDATION_RUNS = (
-    LocalRun("torch_pipe", "tiny", network="d5-2g"),
-    LocalRun("torch_pipe", "tiny", network="d10-1g"),
-    LocalRun("torch_pipe", "tiny", network="d50-1g"),
-    LocalRun("ours", "tiny", network="d5-2g", n_slices=4),
-    LocalRun("ours", "tiny", network="d10-1g", n_slices=4),
-    LocalRun("ours", "tiny", network="d50-1g", n_slices=4),
-    LocalRun("ours", "tiny", network="d10-1g", dp=2, n_slices=4, dp_mode="central_ps"),
-    LocalRun("torch_pipe", "cpu-small", network="d10-1g"),
-    LocalRun("ours", "cpu-small", network="d10-1g", n_slices=4),
-)
-
+# The shapes a calibration profiles beyond its runs' own: the main job's (cpu-small at 1024 tokens,
+# whose profile covers its 256-token runs too)
+PROFILED = (get_model_config("cpu-small"),)
 
 def run_and_read(run: LocalRun, out: Path, steps: int, warmup: int,
                  timeout: float = 900) -> tuple[dict | None, float | None, float]:
@@ -161,19 +218,32 @@ class Calibration:
     runs: tuple = ()
     stall_bytes: float | None = None
     message_latency: float | None = None
+    # which host and code version it is of, when it was made, the host's speed then (``speed_probe``)
+    identity: dict = field(default_factory=dict)
+    directory: Path = RESULTS  # where its profiles are (not kept in the file: where the file was read)
 
-    def compute(self, m: ModelConfig, directory: Path = RESULTS) -> CpuCompute:
-        return CpuCompute(load_profile(m, directory), dict(self.overhead))
+    @property
+    def name(self) -> str:
+        """How a prediction names the calibration it used."""
+        i = self.identity or {}
+        if not i.get("code"):
+            return "calibration of an unknown host and code version (results/predict/calibration.json)"
+        return f"calibration of {i['host']}, code {i['code']}, {i.get('when', '?')}"
+
+    def compute(self, m: ModelConfig, directory: Path | None = None) -> CpuCompute:
+        return CpuCompute(load_profile(m, directory or self.directory), dict(self.overhead))
 
     def to_json(self) -> dict:
-        return dict(kind="predict.calibration", overhead={k: asdict(v) for k, v in self.overhead.items()},
+        return dict(kind="predict.calibration", identity=self.identity,
+                    overhead={k: asdict(v) for k, v in self.overhead.items()},
                     loopback=list(self.loopback), cores=list(self.cores), stall_bytes=self.stall_bytes,
                     message_latency=self.message_latency, runs=list(self.runs))
 
     @classmethod
-    def from_json(cls, d: dict) -> "Calibration":
+    def from_json(cls, d: dict, directory: Path = RESULTS) -> "Calibration":
         return cls({k: Overheads(**v) for k, v in d["overhead"].items()}, tuple(d["loopback"]), tuple(d["cores"]),
-                   tuple(d.get("runs") or ()), d.get("stall_bytes"), d.get("message_latency"))
+                   tuple(d.get("runs") or ()), d.get("stall_bytes"), d.get("message_latency"),
+                   d.get("identity") or {}, directory)
 
     def link(self, network: str, probed: dict | None = None, matrix: dict | None = None):
         return local_link(network, self.loopback, probed, self.stall_bytes, self.message_latency, matrix)
@@ -241,14 +311,20 @@ def recorded_runs(runs, path: Path) -> list[tuple[LocalRun, dict, float]]:
 QUIET_CORES = 2.0  # this host's cores, as the simulator sees them when nothing else runs
 
 
-def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, directory: Path = RESULTS,
+def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, directory: Path | None = None,
                    repeats: int = 2, log=print) -> Calibration:
     """Profile the shapes, run the calibration set without emulated delay (``repeats`` more times each),
     fit the overheads to every recorded repetition, each simulated with the background load measured
-    while it ran (``predict.host_load``): two cores shared with that many other processes."""
+    while it ran (``predict.host_load``): two cores shared with that many other processes. Everything
+    goes to this host's and code version's directory (``calibration_dir``), with the host's speed
+    (``speed_probe``, the best of one probe before and one after)."""
     from predict.host_load import cores_with_background
 
-    shapes = {shape_key(r.shape()): r.shape() for r in runs}
+    directory = directory or calibration_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    speed = speed_probe()
+    log(f"calibration into {directory}: host speed probe {speed * 1e3:.1f} GFLOP/s")
+    shapes = {shape_key(m): m for m in [r.shape() for r in runs] + list(PROFILED)}
     profiles = {k: load_profile(m, directory) for k, m in shapes.items()}
     fits = [p["p2p_fit"] for p in profiles.values() if p.get("p2p_fit")]
     loopback = (statistics.median(f["latency"] for f in fits), statistics.median(f["bandwidth"] for f in fits)) \
@@ -288,78 +364,215 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
             f"{row['cores'][1]:.2f} cores for two)")
     for k, v in overhead.items():
         log(f"  overheads {k}: {v}")
-    cal = Calibration(overhead, loopback, cores, tuple(report), *load_stall(directory, log=log))
+    speed = max(speed, speed_probe())
+    identity = dict(host=host_name(), code=code_version(), when=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    speed_tflops=speed, speed_probe="workload.cpu_peak: cpu-small ops at 256 tokens, 1 thread, best of 5")
+    cal = Calibration(overhead, loopback, cores, tuple(report), *load_stall(directory, log=log), identity, directory)
     (directory / "calibration.json").write_text(json.dumps(cal.to_json(), indent=1))
+    log(f"calibration written: {directory / 'calibration.json'} ({cal.name})")
     return cal
 
 
-def load_calibration(directory: Path = RESULTS) -> Calibration:
-    return Calibration.from_json(json.loads((directory / "calibration.json").read_text()))
+def load_calibration(directory: Path = RESULTS, strict: bool = False) -> Calibration:
+    """This host's calibration of this code version (``calibration_dir``). Where there is none:
+    ``strict``, FileNotFoundError (one line); else the calibration kept at ``directory`` itself (of
+    an unknown host and code version, as ``Calibration.name`` then says)."""
+    own = calibration_dir(directory)
+    if (own / "calibration.json").is_file():
+        return Calibration.from_json(json.loads((own / "calibration.json").read_text()), own)
+    if strict:
+        raise FileNotFoundError(f"no calibration of this host ({platform.node()}) and code version "
+                                f"({code_version()}) in {own.parent}: python -m predict calibrate")
+    return Calibration.from_json(json.loads((directory / "calibration.json").read_text()), directory)
 
 
-def probe_links(networks, log=print) -> dict[str, dict]:
-    """One probe per network profile between two hosts of a virtual cluster (root needed)."""
-    from network_emulation import VirtualCluster
-
-    out = {}
-    for name in networks:
-        with VirtualCluster(2, name, name="predict", log=None) as vc:
-            out[name] = vc.probe(0, 1).describe()
-        log(f"  probe {name}: one-way {out[name]['one_way_delay_ms']:.2f} ms, {out[name]['bandwidth_gbps']:.2f} Gbit/s")
-    return out
-
-
-def predict_here(cfg: RunConfig, probed: dict | None = None) -> Prediction:
-    """The prediction of a run on this machine from its calibration (``results/predict``): the link is
-    the probed one under emulation (``probed``: a LinkMeasurement.describe() dict), else the profile's.
-    FileNotFoundError without a calibration or a profile that covers the shape; NotModelled."""
-    cal = load_calibration()
+def predict_here(cfg: RunConfig, probed: dict | None = None, cal: Calibration | None = None) -> Prediction:
+    """The prediction of a run on this machine from a calibration (default ``load_calibration()``): the
+    link is the probed one under emulation (``probed``: a LinkMeasurement.describe() dict), else the
+    profile's. FileNotFoundError without a calibration or a profile that covers the shape; NotModelled."""
+    cal = cal or load_calibration()
     spec = spec_from_config(cfg, cal.link(cfg.network, probed, cfg.network_matrix))
-    return predict(spec, CpuCompute(find_profile(cfg.model), dict(cal.overhead)), cal.cores)
+    return predict(spec, CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)), cal.cores)
 
 
-def record_prediction(cfg: RunConfig, probed: dict | None = None) -> dict | None:
-    """A run's predicted step time and its parts, or None where this machine has no calibration for
-    the run (a GPU cluster, an unprofiled shape) or the simulator does not model it."""
+def record_prediction(cfg: RunConfig, probed: dict | None = None, cal: Calibration | None = None) -> dict | None:
+    """A run's predicted step time and its parts, and the calibration it used; None where there is no
+    calibration for the run (a GPU cluster, an unprofiled shape) or the simulator does not model it."""
     if cfg.device == "cuda":
         return None
     try:
-        p = predict_here(cfg, probed)
+        cal = cal or load_calibration()
+        p = predict_here(cfg, probed, cal)
     except (FileNotFoundError, NotModelled):
         return None
     except Exception as exc:  # the simulator's own fault: the run it annotates stands, without a prediction
         print(f"prediction not made: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-    return {"step_time": p.step_time, **p.parts(), "source": "predict, this machine's calibration"}
+    return {"step_time": p.step_time, **p.parts(), "source": f"predict, {cal.name}"}
 
 
-def predict_records(path: Path) -> dict[str, dict]:
-    """The predictions of the ok CPU runs recorded in ``path`` by run id (``record_prediction``, over
-    the link each run's probe measured), kept beside it (``contract.records.predictions_path``) for the
-    report; an earlier file of predictions is replaced (removed when none could be made)."""
-    predicted = {}
-    for rec in read_records(path):
-        env = rec.get("environment") or {}
-        if rec.get("status") != "ok" or env.get("device_kind") != "cpu" or not rec.get("config"):
-            continue
+def case_of(record: dict) -> str:
+    """The case a record's prediction is validated as: its system as the report labels it, its layout
+    and its sequence length (e.g. 'ours allreduce P-2 D-2 s256'); its batch and network vary within."""
+    lay = record.get("layout") or {}
+    parts = [f"{k[0].upper()}-{lay[k]}" for k in ("tp", "pp", "dp") if lay.get(k, 1) > 1] or ["1 device"]
+    return f"{record.get('label') or record['system']} {' '.join(parts)} s{record.get('seq_len')}"
+
+
+def config_as_run(record: dict) -> RunConfig:
+    """A record's config as the run resolved it: ours' ``auto`` slicing replaced by the slices it used."""
+    cfg = config_of_record(record)
+    used = (record.get("options") or {}).get("slices")
+    if record["system"] == "ours" and getattr(cfg.options, "auto", False) and used:
+        cfg = cfg.replace(options=dataclasses.replace(cfg.options, slices=tuple(used)))
+    return cfg
+
+
+def _cpu_ok(rec: dict) -> bool:
+    env = rec.get("environment") or {}
+    return rec.get("status") == "ok" and env.get("device_kind") == "cpu" and bool(rec.get("config"))
+
+
+def predict_records(path: Path, directory: Path = RESULTS, log=print) -> dict[str, dict]:
+    """The report's predictions of the ok CPU runs recorded in ``path``, by run id, kept beside it
+    (``contract.records.predictions_path``): a prediction (``record_prediction``, over the link the run's
+    probe measured; it names its calibration) only with this host's and code version's calibration
+    (``load_calibration(strict=True)``), while the host's speed is within ``SPEED_BOUND`` of it, and for
+    a case its validation found modelled (``validate_records``); every other run gets
+    {"not_modelled": why}. Where the calibration is missing or the host's speed has moved, one line
+    says so. An earlier file of predictions is replaced. Returns the predictions made."""
+    records = [r for r in read_records(path) if _cpu_ok(r)]
+    why_not = None
+    try:
+        cal = load_calibration(directory, strict=True)
+        why_not = speed_moved(cal)
+    except FileNotFoundError as exc:
+        cal, why_not = None, str(exc)
+    if why_not and records:
+        log(f"predict records: not predicting {path}: {why_not}")
+    cases = {} if cal is None else modelled_cases(cal, directory)
+    kept: dict[str, dict] = {}
+    for rec in records:
+        case = case_of(rec)
+        verdict = cases.get(case)
         try:
-            cfg = config_of_record(rec)
-        except (ConfigError, KeyError, TypeError, ValueError):  # a record of an unknown system or option
-            continue
-        try:
+            cfg = config_as_run(rec)
             single_link(cfg.network, cfg.network_matrix)
         except NotModelled as exc:  # a per-link matrix: said, not predicted as if it were uniform
-            print(f"{path}: run {rec['run_id']} ({rec.get('label')}): not predicted: {exc}")
+            log(f"{path}: run {rec['run_id']} ({rec.get('label')}): not predicted: {exc}")
+            kept[rec["run_id"]] = {"not_modelled": str(exc)}
             continue
-        p = record_prediction(cfg, (env.get("network") or {}).get("measured_link"))
-        if p is not None:
-            predicted[rec["run_id"]] = p
+        except (ConfigError, KeyError, TypeError, ValueError):  # a record of an unknown system or option
+            kept[rec["run_id"]] = {"not_modelled": f"{case}: its config cannot be read"}
+            continue
+        if why_not:
+            kept[rec["run_id"]] = {"not_modelled": why_not}
+            continue
+        if verdict is None or not verdict["modelled"]:
+            why = ("not validated on this calibration's runs" if verdict is None else
+                   f"validation error median {verdict['median'] * 100:.0f} %, largest {verdict['max'] * 100:.0f} %")
+            kept[rec["run_id"]] = {"not_modelled": f"{case}: {why}"}
+            continue
+        p = record_prediction(cfg, (rec["environment"].get("network") or {}).get("measured_link"), cal)
+        kept[rec["run_id"]] = {**p, "case": case} if p else {"not_modelled": f"{case}: the simulator has no program"}
     out = predictions_path(path)
-    if predicted:
-        out.write_text(json.dumps(predicted, indent=1) + "\n")
+    if kept:
+        out.write_text(json.dumps(kept, indent=1) + "\n")
     else:
         out.unlink(missing_ok=True)
-    return predicted
+    return {k: v for k, v in kept.items() if "step_time" in v}
+
+
+def modelled_cases(cal: Calibration, directory: Path = RESULTS) -> dict[str, dict]:
+    """The cases ``validate_records`` judged with ``cal`` (none where the validation kept in
+    ``directory`` is of another calibration): {case: {"median", "max", "modelled", ...}}."""
+    path = directory / "validation.json"
+    try:
+        v = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if v.get("kind") != "predict.validation" or v.get("calibration") != cal.identity:
+        return {}
+    return v.get("cases") or {}
+
+
+def validate_records(paths: list[Path], directory: Path = RESULTS, log=print, name: str = "validation") -> dict:
+    """Every ok CPU run of ``paths`` predicted with this host's and code version's calibration, against
+    its measured median over repetitions (records of one run, its identity key, combined by
+    ``contract.estimate``); the errors grouped by case (``case_of``), each case modelled where its
+    median absolute error is <= ``MODELLED_MEDIAN`` and every error within ``MODELLED_MAX``. Written to
+    ``directory``/``name``.json (``validation.json`` is what ``predict_records`` reads) and .md.
+    FileNotFoundError without a calibration."""
+    from contract.estimate import estimate
+
+    cal = load_calibration(directory, strict=True)
+    moved = speed_moved(cal)
+    if moved:
+        log(f"warning: {moved}")
+    by_key: dict[str, list[dict]] = {}
+    for path in paths:
+        for rec in read_records(path):
+            if _cpu_ok(rec):
+                by_key.setdefault(rec.get("key") or rec["run_id"], []).append(rec)
+    rows = []
+    for key, recs in by_key.items():
+        rec = recs[-1]
+        measured = estimate([r["median_step_time"] for r in recs])
+        try:
+            p = predict_here(config_as_run(rec), (rec["environment"].get("network") or {}).get("measured_link"), cal)
+        except (FileNotFoundError, NotModelled, ConfigError, KeyError, TypeError, ValueError) as exc:
+            rows.append(dict(case=case_of(rec), network=(rec.get("network_setting") or {}).get("label", rec["network"]),
+                             batch=rec["batch_size"], measured=measured.median, spread=measured.spread, runs=measured.n,
+                             predicted=None, error=None, why=str(exc)))
+            continue
+        rows.append(dict(case=case_of(rec), network=(rec.get("network_setting") or {}).get("label", rec["network"]),
+                         batch=rec["batch_size"], measured=measured.median, spread=measured.spread, runs=measured.n,
+                         predicted=p.step_time, error=(p.step_time - measured.median) / measured.median,
+                         details=rec.get("details") or ""))
+    cases: dict[str, dict] = {}
+    for row in rows:
+        cases.setdefault(row["case"], {"errors": []})
+        if row["error"] is not None:
+            cases[row["case"]]["errors"].append(row["error"])
+    for case in cases.values():
+        e = [abs(x) for x in case["errors"]]
+        case.update(median=statistics.median(e) if e else None, max=max(e) if e else None,
+                    modelled=bool(e) and statistics.median(e) <= MODELLED_MEDIAN and max(e) <= MODELLED_MAX)
+    result = dict(kind="predict.validation", calibration=cal.identity, records=[str(p) for p in paths],
+                  bounds=dict(median=MODELLED_MEDIAN, max=MODELLED_MAX), rows=rows, cases=cases)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(result, indent=1))
+    text = validation_table(result, cal)
+    (directory / f"{name}.md").write_text(text + "\n")
+    log(text)
+    return result
+
+
+def validation_table(result: dict, cal: Calibration) -> str:
+    """The validation as markdown: every run predicted against measured, then the cases' verdicts."""
+    pct = lambda x: "-" if x is None else f"{x * 100:+.1f} %"  # noqa: E731
+    lines = [f"Validation of {cal.name} on {', '.join(result['records'])}: every ok CPU run, the measured step "
+             f"time the median over its repetitions (± the larger side of their min-max or bootstrap interval).", "",
+             "| case | network | batch | measured (s) | runs | predicted (s) | error |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(result["rows"], key=lambda r: (r["case"], r["network"], r["batch"])):
+        pred = "-" if r["predicted"] is None else f"{r['predicted']:.4f}"
+        lines.append(f"| {r['case']} | {r['network']} | {r['batch']} | {r['measured']:.4f} ±{r['spread'] * 100:.0f} % | "
+                     f"{r['runs']} | {pred} | {pct(r['error']) if r['error'] is not None else r.get('why', '-')} |")
+    b = result["bounds"]
+    lines += ["", f"A case is modelled (the report shows its predictions) where its median absolute error is <= "
+              f"{b['median'] * 100:.0f} % and every error within {b['max'] * 100:.0f} %; elsewhere the report says "
+              "\"not modelled\".", "", "| case | runs | median error | largest error | modelled |", "| --- | --- | --- | --- | --- |"]
+    for case, c in sorted(result["cases"].items()):
+        lines.append(f"| {case} | {len(c['errors'])} | {pct(c['median']).lstrip('+')} | {pct(c['max']).lstrip('+')} | "
+                     f"{'yes' if c['modelled'] else 'no'} |")
+    errs = [abs(r["error"]) for r in result["rows"] if r["error"] is not None]
+    if errs:
+        shown = [abs(r["error"]) for r in result["rows"] if r["error"] is not None and result["cases"][r["case"]]["modelled"]]
+        lines += ["", f"All runs: median absolute error {statistics.median(errs) * 100:.1f} %, largest "
+                  f"{max(errs) * 100:.1f} % ({len(errs)} runs). Runs of modelled cases (what the report shows): "
+                  + (f"median {statistics.median(shown) * 100:.1f} %, largest {max(shown) * 100:.1f} % "
+                     f"({len(shown)} runs)." if shown else "none.")]
+    return "\n".join(lines)
 
 
 def local_link(network: str, loopback: tuple[float, float], probed: dict | None = None,
@@ -383,77 +596,3 @@ def local_link(network: str, loopback: tuple[float, float], probed: dict | None 
             gbps = measured
     extra = lat if message_latency is None else message_latency
     return Link(delay_ms / 1e3 + extra, min(gbps * 1e9 / 8, bw), stall_bytes=stall_bytes)
-
-
-def predict_local(run: LocalRun, cal: Calibration, probed: dict | None = None, directory: Path = RESULTS):
-    """The prediction of a LocalRun (spec built from the run command's own config)."""
-    from runners.request import parse_request
-
-    cfg, _ = parse_request(run.argv(Path("/dev/null"), 3, 1)[3:])  # the run command's flags
-    spec = spec_from_config(cfg, cal.link(run.network, probed))
-    return predict(spec, cal.compute(run.shape(), directory), cal.cores)
-
-
-def validate(runs=VALIDATION_RUNS, steps: int = 6, warmup: int = 1, directory: Path = RESULTS,
-             cal: Calibration | None = None, repeats: int = 3, log=print) -> list[dict]:
-    """Predict, then run (``repeats`` times), every run of ``runs``; print predicted against measured.
-
-    The measurement of a run is the median of its repetitions' median step times. Two predictions
-    per run: ``predicted`` for the host as calibrated (two quiet cores), made before the run;
-    ``predicted_loaded`` the same model with the background load measured while its steps ran (the
-    mean over the repetitions of the other runnable processes on the host, ``predict.host_load``)
-    sharing the cores. Nothing measured about the run's own steps feeds either."""
-    from predict.host_load import cores_with_background
-
-    cal = cal or load_calibration(directory)
-    probes = probe_links(sorted({r.network for r in runs if r.network != "none"}), log)
-    out = directory / "validation-runs.jsonl"
-    rows = []
-    for r in runs:
-        pred = predict_local(r, cal, probes.get(r.network), directory)
-        times, loads, ids = [], [], []
-        for _ in range(repeats):
-            rec, background, took = run_and_read(r, out, steps, warmup)
-            if rec:
-                times.append(rec["median_step_time"])
-                ids.append(rec["run_id"])
-            loads.append(background or 0.0)
-            got = f"{rec['median_step_time']:.4f} s" if rec else "failed"
-            log(f"  {r.name} @ {r.network}: predicted {pred.step_time:.4f} s, measured {got} (background load "
-                f"{loads[-1]:.1f}; {took:.0f} s)")
-        m = statistics.median(times) if times else None
-        bg = statistics.mean(loads) if loads else 0.0
-        loaded = predict_local(r, replace(cal, cores=cores_with_background(QUIET_CORES, bg)),
-                               probes.get(r.network), directory)
-        rows.append(dict(run=r.name, network=r.network, background=bg, predicted=pred.step_time,
-                         predicted_loaded=loaded.step_time, measured=m, repetitions=times, run_ids=ids,
-                         error=(pred.step_time - m) / m if m else None,
-                         error_loaded=(loaded.step_time - m) / m if m else None, parts=pred.parts()))
-    log(table(rows))
-    (directory / "validation.json").write_text(json.dumps(dict(probes=probes, repeats=repeats, steps=steps,
-                                                               calibration=cal.to_json(), rows=rows), indent=1))
-    (directory / "validation.md").write_text(table(rows) + "\n")
-    return rows
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| run | network | background load | predicted, quiet host (s) | predicted with the load (s) | "
-             "measured (s): median (repetitions) | error | error with the load |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    errs, errs_l = [], []
-    for r in rows:
-        e, el = r.get("error"), r.get("error_loaded")
-        if e is not None:
-            errs.append(abs(e))
-            errs_l.append(abs(el))
-        got = "-" if r["measured"] is None else f"{r['measured']:.4f}"
-        if len(r.get("repetitions") or ()) > 1:
-            got += " (" + ", ".join(f"{t:.4f}" for t in r["repetitions"]) + ")"
-        bg = "-" if r.get("background") is None else f"{r['background']:.1f}"
-        pe = lambda x: "-" if x is None else f"{x * 100:+.1f} %"
-        lines.append(f"| {r['run']} | {r['network']} | {bg} | {r['predicted']:.4f} | {r['predicted_loaded']:.4f} | "
-                     f"{got} | {pe(e)} | {pe(el)} |")
-    if errs:
-        lines += ["", f"Median absolute error: quiet-host prediction {statistics.median(errs) * 100:.1f} % (largest "
-                  f"{max(errs) * 100:.1f} %); with the measured background load {statistics.median(errs_l) * 100:.1f} % "
-                  f"(largest {max(errs_l) * 100:.1f} %); {len(errs)} runs."]
-    return "\n".join(lines)

@@ -17,6 +17,7 @@ from typing import Any
 
 from contract import RunConfig, SystemSpec
 from network_emulation.profiles import describe_setting
+from runners.cores import oversubscription
 
 STATUSES = ("ok", "oom", "error", "timeout", "unfit")  # unfit: not run, it does not fit the cluster (error says why)
 
@@ -74,6 +75,10 @@ class RunRecord:
     # under --eval-every: the eval points, the first before any step (contract.evaluation: step,
     # tokens, wall_time without the timing barriers and the evals, held-out loss, bytes_sent per rank)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    # where the ranks' threads outnumbered the cores of a machine they shared (runners.cores): the worst
+    # machine's {"threads", "ranks", "cores", "machines"}; None where each had a core. Reports draw no
+    # comparison from such a run: its times are of CPU contention, not of the system.
+    oversubscribed: dict[str, int] | None = None
     verify: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # the run's identity (RunConfig.key): a sweep skips it when recorded, a report cell keeps the newest
@@ -145,6 +150,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     if all(r.get("barrier_times") for r in ranks):  # the last rank to arrive waits only for the barrier itself
         rec.barrier_time = statistics.median(min(b) for b in zip(*(r["barrier_times"] for r in ranks)))
         rec.barrier_time_first = statistics.median(max(b) for b in zip(*(r["barrier_times"] for r in ranks)))
+    rec.oversubscribed = oversubscription(ranks)
     rec.peak_tflops = statistics.mean(r["peak_tflops"] for r in ranks)
     rec.peak_source = ranks[0]["peak_source"]
     if per_step:

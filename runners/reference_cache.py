@@ -26,17 +26,10 @@ from pathlib import Path
 import torch
 
 from contract import RunConfig
+from workload.cache import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("workload", "contract", "baselines/reference", "runners/worker.py")
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("PIPEBENCH_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pipebench"
 
 
 def enabled() -> bool:

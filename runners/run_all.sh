@@ -24,7 +24,8 @@
 #                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down;
 #                                           # --slurm: slurmctld + slurmd on the nodes, the sweep submitted there
 #
-# Other options go to the sweep (python -m runners.sweep --help): --dry-run, --only SYSTEM, --out FILE,
+# Other options go to the sweep (python -m runners.sweep --help): --repeats N (launches of every run, each
+# its own record; default: the sweep file's 'repeats'), --dry-run, --only SYSTEM, --out FILE,
 # --retry-failed, --sudo, --remote-python PY, --port N, --scale-down (with --rehearse: --out, --only,
 # --retry-failed, --dir DIR, --no-report).
 # PYTHON=/path/to/python skips the environment set-up and uses that interpreter.
@@ -49,6 +50,7 @@ while [ $# -gt 0 ]; do
     --dry-run) dry_run=1; extra+=("$1"); shift ;;
     --no-report) no_report=1; extra+=("$1"); shift ;;
     --out) need "$@"; out=$2; extra+=("$1" "$2"); shift 2 ;;
+    --repeats) need "$@"; extra+=("$1" "$2"); shift 2 ;;
     --iface) need "$@"; cluster_args+=("$1" "$2"); shift 2 ;;
     --nproc-per-node) need "$@"; slots=("$1" "$2"); shift 2 ;;
     --slurm) slurm=1; shift ;;

@@ -29,8 +29,10 @@ import torch.distributed as dist  # noqa: E402
 from contract import RunConfig  # noqa: E402
 from contract.rank import Context  # noqa: E402
 from runners import nccl_rules  # noqa: E402
+from runners.cores import rank_cores  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
+from workload.cpu_peak import cpu_peak_tflops  # noqa: E402
 from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
 from workload.training import compute_dtype  # noqa: E402
 
@@ -64,13 +66,13 @@ def peak_memory(devices: tuple[torch.device, ...]) -> dict:
 def hardware_peak(devices: tuple[torch.device, ...], cfg: RunConfig) -> tuple[float, str, str]:
     """(peak TFLOP/s of one device, where it came from, device name): a GPU's from the table of
     datasheet peaks (workload.flops) where it lists the model, else measured by a matmul on each of
-    the process's GPUs (the mean); on CPU measured. A measurement's memory is given back and the peak
+    the process's GPUs (the mean); on CPU the model's own GEMMs measured on one thread. A measurement's memory is given back and the peak
     memory statistics start afresh."""
     device = devices[0]
     precision = cfg.precision  # the dtype the run's matmuls compute in
     dtype = compute_dtype(precision)
-    if device.type != "cuda":
-        return measure_matmul_tflops(device, dtype), f"measured-matmul:{precision}", "cpu"
+    if device.type != "cuda":  # the model's own GEMMs on one thread, kept per host (workload.cpu_peak)
+        return (*cpu_peak_tflops(cfg.model, cfg.micro_batch_size, dtype), "cpu")
     name = torch.cuda.get_device_name(device)
     peak = gpu_peak_tflops(name, precision)
     if peak is not None:
@@ -117,7 +119,7 @@ def main(run_dir: Path) -> int:
         summary = {k: v for k, v in asdict(m).items() if k != "grads"}
         summary.update(rank=rank, hostname=socket.gethostname(), device=str(device), devices=[str(d) for d in devices],
                        device_name=device_name, backend=backend, peak_tflops=peak, peak_source=peak_source,
-                       **peak_memory(devices))
+                       **peak_memory(devices), **rank_cores(torch.get_num_threads()))
         gathered: list | None = [None] * world if rank == 0 else None
         dist.gather_object(summary, gathered, dst=0)
         if rank == 0:

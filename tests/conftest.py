@@ -27,6 +27,32 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subpro
                           timeout=timeout, env=full_env)
 
 
+def records_above_peak(directory: Path) -> list[str]:
+    """Every record under ``directory`` (its *.jsonl files) whose MFU is above 100 %, as 'file: system
+    layout mfu'. The CPU peak is the model's own best rate (workload.cpu_peak), so a real run cannot
+    exceed it; one that does means the peak is wrong."""
+    from contract.records import read_records
+
+    bad = []
+    for path in sorted(directory.rglob("*.jsonl")):
+        for rec in read_records(path):
+            if rec.get("mfu") is not None and rec["mfu"] > 1.0:
+                bad.append(f"{path.name}: {rec['system']} {rec.get('layout')} MFU {rec['mfu']:.1%} "
+                           f"(peak {rec.get('peak_tflops')} TFLOP/s, {rec.get('peak_source')})")
+    return bad
+
+
+@pytest.fixture(autouse=True)
+def _no_record_above_the_peak(request):
+    """Every test that has a tmp_path fails if a record it left there shows an MFU above 100 %."""
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp is not None:
+        bad = records_above_peak(tmp)
+        if bad:
+            pytest.fail("records with an MFU above 100 %:\n" + "\n".join(bad), pytrace=False)
+
+
 TINY = ["--model", "tiny", "--num-layers", "4", "--hidden-size", "64", "--num-heads", "4", "--seq-length", "32",
         "--vocab-size", "128"]
 """A model small enough for many multi-process tests on 2 cores."""

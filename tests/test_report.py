@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,12 @@ def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network=
     return build_record(cfg, spec, status, None if status == "ok" else "CUDA out of memory", ranks,
                         {"torch_version": "2.13", "device_kind": "cuda", "device_name": "Tesla V100-SXM2-16GB",
                          "device_count": n})
+
+
+def _reps(spread=0.02, **kw) -> list[dict]:
+    """Three repetitions of one run: its step time t, and t less and more ``spread``."""
+    t = kw.pop("t", 1.0)
+    return [_rec(t=t * f, **kw).__dict__ for f in (1 - spread, 1.0, 1 + spread)]
 
 
 def test_layout_table_like_the_seed():
@@ -106,12 +113,14 @@ def test_a_record_from_before_an_option_shows_the_value_it_ran_with():
 
 
 def test_the_report_answers_first_and_has_no_single_cell_table():
-    recs = [_rec(system="ours", pp=12, network=net, t=t1) for net, t1 in (("default", 10.0), ("d10-1g", 14.0))]
-    recs += [_rec(system="torch_pipe", pp=12, network=net, t=t1) for net, t1 in (("default", 15.16), ("d10-1g", 22.9))]
-    recs += [_rec(pp=8, t=19.71)]  # alone in its table: only in the table of every run
-    text = render([r.__dict__ for r in recs])
+    recs = [r for net, t1 in (("default", 10.0), ("d10-1g", 14.0)) for r in _reps(system="ours", pp=12, network=net, t=t1)]
+    recs += [r for net, t1 in (("default", 15.16), ("d10-1g", 22.9))
+             for r in _reps(system="torch_pipe", pp=12, network=net, t=t1)]
+    recs += [_rec(pp=8, t=19.71).__dict__]  # alone in its table: only in the table of every run
+    text = render(recs)
     assert text.index("## Summary") < text.index("### ")
-    assert "fastest `ours P-12`" in text and "**1.52x** faster than the best baseline `torch_pipe gpipe P-12`" in text
+    assert "fastest `ours P-12` 10.00 s ±2 %" in text
+    assert "**1.52x** (1.46-1.58x) faster than the best baseline `torch_pipe gpipe P-12` 15.16 s ±2 %" in text
     for table in text.split("### ")[1:]:
         rows = [l for l in table.splitlines() if l.startswith("|")][2:]
         cells = [c for l in rows for c in l.split("|")[2:-1]]
@@ -120,14 +129,52 @@ def test_the_report_answers_first_and_has_no_single_cell_table():
 
 
 def test_the_summary_races_runs_of_the_same_device_count():
-    recs = [_rec(system="ours", pp=2, network="d10-1g", t=0.6), _rec(system="torch_pipe", pp=2, network="d10-1g", t=0.8),
-            _rec(system="ours", pp=2, dp=2, network="d10-1g", t=1.5),
-            _rec(system="torch_pipe", pp=2, dp=2, network="d10-1g", t=3.0)]
-    summary = render([r.__dict__ for r in recs]).split("## Summary")[1].split("\n## ")[0]
+    recs = (_reps(system="ours", pp=2, network="d10-1g", t=0.6) + _reps(system="torch_pipe", pp=2, network="d10-1g", t=0.8)
+            + _reps(system="ours", pp=2, dp=2, network="d10-1g", t=1.5)
+            + _reps(system="torch_pipe", pp=2, dp=2, network="d10-1g", t=3.0))
+    summary = render(recs).split("## Summary")[1].split("\n## ")[0]
     two = next(l for l in summary.splitlines() if "2 devices" in l)
     four = next(l for l in summary.splitlines() if "4 devices" in l)
-    assert "fastest `ours P-2`" in two and "**1.33x** faster than the best baseline `torch_pipe gpipe P-2`" in two
-    assert "P-2 D-2` 1.50 s, **2.00x** faster than the best baseline `torch_pipe gpipe P-2 D-2`" in four
+    assert "fastest `ours P-2`" in two and "**1.33x** (1.28-1.39x) faster than the best baseline `torch_pipe gpipe P-2`" in two
+    assert "P-2 D-2` 1.50 s ±2 % **2.00x** (1.92-2.08x) faster than the best baseline `torch_pipe gpipe P-2 D-2`" in four
+
+
+def test_repetitions_combine_into_a_median_and_an_interval():
+    recs = [_rec(pp=8, t=t).__dict__ for t in (1.0, 1.2, 1.1)] + _reps(tp=8, t=2.0, spread=0.0)
+    text = render(recs)
+    layout = text.split("### ")[1]
+    assert "1.10 s ±10 %" in layout and "2.00 s ±0 %" in layout
+    assert "min-max" in text.split("## Summary")[1]  # the summary states which interval
+    every = text.split("## Every run")[1]
+    assert "1.10 s ±10 %" in every and re.search(r"\| +3 \| 1.10 s", every)  # one line per run, its repetitions
+    single = render([_rec(pp=8, t=1.0).__dict__, _rec(tp=8, t=3.0).__dict__])
+    assert "1.00 s (1 run)" in single and "no claim: a single run has no interval" in single
+    assert "fastest" not in single.split("## Summary")[1].split("###")[0].replace("no fastest", "")
+
+
+def test_the_summary_names_a_winner_only_where_the_intervals_separate():
+    recs = _reps(system="ours", pp=2, t=1.0, spread=0.05) + _reps(system="torch_pipe", pp=2, t=1.04, spread=0.05)
+    summary = render(recs).split("## Summary")[1].split("\n## ")[0]
+    line = next(l for l in summary.splitlines() if "micro-batch 1" in l)
+    assert "no difference beyond noise (±5 %)" in line and "faster" not in line and "slower" not in line
+    assert "no fastest" in line
+    recs = _reps(system="ours", pp=2, t=1.3, spread=0.05) + _reps(system="torch_pipe", pp=2, t=1.0, spread=0.05)
+    line = next(l for l in render(recs).splitlines() if "micro-batch 1" in l)
+    assert "fastest `torch_pipe gpipe P-2`" in line and "**1.30x** (1.18-1.44x) slower than the best baseline" in line
+
+
+def test_no_comparison_is_drawn_from_an_oversubscribed_run():
+    crowded = {"threads": 12, "ranks": 12, "cores": 2, "machines": 1}
+    recs = [{**r, "oversubscribed": crowded} for r in _reps(system="ours", pp=12, network="d10-1g", t=1.0)]
+    recs += [{**r, "oversubscribed": crowded} for r in _reps(system="torch_pipe", pp=12, network="d10-1g", t=2.0)]
+    text = render(recs)
+    line = next(l for l in text.split("## Summary")[1].splitlines() if "10ms" in l)
+    assert "faster" not in line and "fastest" not in line
+    assert "no comparison from `ours P-12`, `torch_pipe gpipe P-12`: its ranks outnumbered the cores they had " \
+           "(12 ranks on 2 cores)" in line
+    table = text.split("### ")[1]
+    assert "1.00 s ±2 % (oversubscribed)" in table and "2.00 s ±2 % (oversubscribed)" in table
+    assert "12 ranks on 2 cores" in text.split("## Every run")[1]
 
 
 def test_a_line_that_is_not_a_record_is_skipped_with_a_warning(tmp_path):
@@ -229,7 +276,7 @@ def test_malformed_fields_are_left_out_with_a_warning_naming_file_and_line(tmp_p
     assert f'{path}:3: field median_step_time left out ("fast" is not a finite number)' in err
     assert f"{path}:4: an ok record without a median_step_time" in err
     assert "the prediction of run other left out (no finite step_time)" in err and "Traceback" not in err
-    assert "ok, no step time (pred 0.046)" in out and "fastest `megatron T-8` 25.00 s" in out
+    assert "ok, no step time (pred 0.046)" in out and "only `megatron T-8` 25.00 s (1 run) to compare" in out
 
 
 def test_records_of_one_config_on_different_hardware_never_share_a_cell(tmp_path):
@@ -245,7 +292,7 @@ def test_records_of_one_config_on_different_hardware_never_share_a_cell(tmp_path
     text = render([cpu, baseline, gpu])
     cpu_table = next(t for t in text.split("## Every run")[0].split("### ")[1:] if "hardware: cpu;" in t)
     assert "0.300 s" in cpu_table and "0.010 s" not in cpu_table
-    assert "fastest `ours P-2` 0.300 s" in text and "0.010 s" in text.split("## Every run")[1]
+    assert "`ours P-2` 0.300 s (1 run)" in text.split("## Every run")[0] and "0.010 s" in text.split("## Every run")[1]
 
 
 def test_runs_under_one_matrix_file_with_other_contents_are_rows_of_their_own(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """The sweep's command line.
 
-    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down]
+    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down] [--repeats N]
                                        [--hostfile FILE [--ssh-config FILE] [--iface IFACE] [--nproc-per-node N] ...]
                                        [--slurm [--iface IFACE] [--nproc-per-node N] ...]   (inside a Slurm allocation)
     python -m runners.sweep --networks PROFILE... [--out FILE] [--dry-run] -- RUN_ARGS...   (netem_sweep.sh)
@@ -24,7 +24,7 @@ from network_emulation.profiles import SEED_PROFILES
 from network_emulation.signals import Terminated, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
 from runners.sweep.execute import run_sweep, select_runs
-from runners.sweep.plan import REPO, SweepError, adhoc_sweep, load_sweep
+from runners.sweep.plan import REPO, SweepError, adhoc_sweep, check_repeats, load_sweep
 from runners.sweep.scale import scale_down
 from runners.sweep.slurm import SlurmExecutor, read_allocation
 
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="print the run commands, run nothing")
     ap.add_argument("--only", action="append", default=[], metavar="SYSTEM", help="only this system (repeatable)")
     ap.add_argument("--retry-failed", action="store_true", help="re-run configurations recorded as failed")
+    ap.add_argument("--repeats", type=int, default=None, metavar="N",
+                    help="launches of every run, each its own record, round-robin through each experiment's runs "
+                         "(default: the sweep file's 'repeats', else 1); a resumed sweep makes only the missing ones")
     ap.add_argument("--no-report", action="store_true", help="do not run report.py at the end")
     ap.add_argument("--no-probe", action="store_true", help="do not probe the emulated networks first")
     ap.add_argument("--plots", default=None, help="also write the report's plots into this directory")
@@ -103,6 +106,8 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
         if run_args:
             raise SweepError("run arguments after -- go with --networks only")
         sweep = load_sweep(args.sweep, scale_down if args.scale_down else None, here=here)
+    if args.repeats is not None:
+        sweep.repeats = check_repeats(args.repeats, "--repeats")
     unknown = [s for s in args.only if s not in {r.system for r in sweep.runs}]
     if unknown:
         raise SweepError(f"--only {', '.join(unknown)}: not in this sweep (it has "

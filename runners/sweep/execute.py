@@ -1,6 +1,11 @@
 """Running a planned sweep: the runs one after another, each through the run command, skipping the
 ones already recorded; a lock on the records file while it runs; progress, a summary and the report.
 
+A sweep's ``repeats`` launches every run that many times, each launch its own record: the launches go
+round-robin through the runs of each experiment (``repetitions``), so that a shared host's drifts hit
+every system alike, and a resumed sweep runs only the launches a run's key still lacks. A run that
+fails is not launched again in the same sweep (``--retry-failed`` retries it).
+
 A failed run is recorded by the run command and the sweep goes on. Before the runs, each emulated
 network profile is probed once. An executor runs one planned run: ``executor(run, out) -> (exit
 status, last output lines)``; ``LocalExecutor`` on this machine, ``ClusterExecutor`` over ssh.
@@ -8,11 +13,13 @@ status, last output lines)``; ``LocalExecutor`` on this machine, ``ClusterExecut
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +36,7 @@ from runners.sweep.hostfile import DoesNotFit
 from runners.sweep.plan import REPO, PlannedRun, Sweep, SweepError
 
 SAFETY_MARGIN_S = 300.0  # beyond a run's own --timeout before the sweep stops it
+ALL_LAUNCHED = 1 << 30  # the launch count of a run recorded as failed: as many as any sweep repeats
 
 
 class Executor(Protocol):
@@ -37,25 +45,10 @@ class Executor(Protocol):
     def __call__(self, run: PlannedRun, out: Path) -> tuple[int, str]: ...
 
 
-def recorded(out: str | os.PathLike, retry_failed: bool = False) -> dict[str, set[str | None]]:
-    """The runs already recorded in ``out`` (only the ok ones with retry_failed; never unfit ones): each
-    as its planned run's key (``contract.config.planned_key``) with the hardware it was recorded on
-    (None: not known)."""
-    done: dict[str, set[str | None]] = {}
-    for rec in read_records(out):
-        try:
-            key, hardware = planned_key(rec["key"])
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue
-        if rec.get("status") == "unfit" or (retry_failed and rec.get("status") != "ok"):
-            continue  # whether a run fits depends on the hostfile: judged again each time
-        done.setdefault(key, set()).add(hardware)
-    return done
-
-
 def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str]:
-    """The planned runs' keys already recorded in ``out`` (on any hardware)."""
-    return set(recorded(out, retry_failed))
+    """The planned runs' keys already recorded in ``out`` (on any hardware; only the ok ones with
+    retry_failed; never unfit ones)."""
+    return set(recorded_counts(out, retry_failed))
 
 
 def hardware_here(run: PlannedRun, gpus) -> str | None:
@@ -66,6 +59,44 @@ def hardware_here(run: PlannedRun, gpus) -> str | None:
         return judge_gpus(run.device, gpus, run.world, run.devices_per_process)
     except ConfigError:
         return None
+
+
+def recorded_counts(out: str | os.PathLike, retry_failed: bool = False) -> dict[str, Counter]:
+    """How many launches of each run ``out`` already holds, for the sweep's repetitions: by its planned
+    run's key (``contract.config.planned_key``), per hardware it was recorded on (None: not known), its
+    ok records; a failed record counts as fully launched (``ALL_LAUNCHED``: a failure is not repeated),
+    unless ``retry_failed``. Unfit records never count (whether a run fits depends on the hostfile)."""
+    counts: dict[str, Counter] = {}
+    failed: set[tuple[str, str | None]] = set()
+    for rec in read_records(out):
+        try:
+            key, hardware = planned_key(rec["key"])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+        if rec.get("status") == "unfit":
+            continue
+        if rec.get("status") == "ok":
+            counts.setdefault(key, Counter())[hardware] += 1
+        elif not retry_failed:
+            failed.add((key, hardware))
+    for key, hardware in failed:
+        counts.setdefault(key, Counter())[hardware] = ALL_LAUNCHED
+    return counts
+
+
+def repetitions(runs: Sequence[PlannedRun], repeats: int, done: Counter) -> list[PlannedRun]:
+    """The launches still to make, ``repeats`` per run less those ``done`` has: round-robin through
+    each experiment's runs (every run's first launch, then every run's second, ...), the experiments
+    one after another; each launch carries its repetition number."""
+    todo: list[PlannedRun] = []
+    experiments: dict[str, list[PlannedRun]] = {}
+    for r in runs:
+        experiments.setdefault(r.experiment, []).append(r)
+    for runs_of in experiments.values():
+        for i in range(repeats):
+            todo += [dataclasses.replace(r, repetition=done[r.key] + i + 1) for r in runs_of
+                     if done[r.key] + i < repeats]
+    return todo
 
 
 @contextlib.contextmanager
@@ -125,7 +156,7 @@ class LocalExecutor:
 class Outcome:
     ok: int = 0
     failed: int = 0
-    skipped: int = 0  # already recorded
+    skipped: int = 0  # launches already recorded
     invalid: int = 0  # bad combinations (judged before, or exit status 2)
     not_run: int = 0  # emulated runs without root, runs that do not fit the cluster, or --only
     failures: list[str] = field(default_factory=list)
@@ -144,8 +175,10 @@ def select_runs(sweep: Sweep, only: Sequence[str] = ()) -> list[PlannedRun]:
 def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only: Sequence[str] = (),
               dry_run: bool = False, retry_failed: bool = False, need_root_for_network: bool = True,
               probe: bool = True, report: bool = True, plots: str | None = None, python: str = sys.executable,
-              stream: IO = sys.stdout) -> Outcome:
-    """Run (or with dry_run print) the sweep's runs; returns the counts."""
+              stream: IO = sys.stdout, repeats: int | None = None) -> Outcome:
+    """Run (or with dry_run print) the sweep's runs, ``repeats`` launches each (default: the sweep's
+    own); returns the counts."""
+    repeats = sweep.repeats if repeats is None else repeats
     t0 = time.monotonic()
     outcome = Outcome()
     planned = select_runs(sweep, only)
@@ -159,25 +192,30 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
             say(f"skip (bad combination): {r.label()}\n    {r.error}")
             outcome.invalid += 1
     planned = [r for r in planned if r.valid]
-    done = recorded(out, retry_failed) if out else {}
-    # A run is recorded when its key is, on the hardware it would run on: this machine's in a local
-    # sweep (CPU and GPU records of one config are different runs); any in cluster mode (the nodes'
-    # hardware is seen only by the run command on them).
+    recorded = recorded_counts(out, retry_failed) if out else {}
+    # A run's launches are its records on the hardware it would run on: this machine's in a local sweep
+    # (CPU and GPU records of one config are different runs); any in cluster mode (the nodes' hardware
+    # is seen only by the run command on them).
     gpus = None
-    if done and not getattr(executor, "cluster", False):
+    if recorded and not getattr(executor, "cluster", False):
         from runners.devices import local_gpus
 
         with contextlib.suppress(ConfigError):  # GPUs that cannot be read: the run command says why
             gpus = local_gpus()
-    todo: list[PlannedRun] = []
+    done: Counter = Counter()
+    unique: list[PlannedRun] = []
     seen: set[str] = set()
     for r in planned:
-        hardware = {hardware_here(r, gpus), None} if gpus is not None and r.key in done else None
-        if (r.key in done and (hardware is None or done[r.key] & hardware)) or r.key in seen:
-            outcome.skipped += 1
+        if r.key in seen:
+            outcome.skipped += repeats
             continue
         seen.add(r.key)
-        todo.append(r)
+        unique.append(r)
+        by_hardware = recorded.get(r.key, Counter())
+        hardware = {hardware_here(r, gpus), None} if gpus is not None else set(by_hardware)
+        done[r.key] = min(sum(by_hardware[h] for h in hardware), ALL_LAUNCHED)
+        outcome.skipped += min(done[r.key], repeats)
+    todo = repetitions(unique, repeats, done)
     if need_root_for_network and not is_root():
         emulated = [r for r in todo if r.emulated]
         if emulated:
@@ -185,8 +223,9 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
                 f"not root, so they are skipped: {', '.join(sorted({r.network for r in emulated}))}")
             outcome.not_run += len(emulated)
             todo = [r for r in todo if not r.emulated]
-    say(f"sweep {sweep.name}: {len(sweep.runs)} planned, {len(todo)} to run, {outcome.skipped} already recorded "
-        f"in {out}" + (f", {outcome.invalid} invalid" if outcome.invalid else ""))
+    times = f" x {repeats} launches" if repeats > 1 else ""
+    say(f"sweep {sweep.name}: {len(sweep.runs)} planned{times}, {len(todo)} to run, {outcome.skipped} already "
+        f"recorded in {out}" + (f", {outcome.invalid} invalid" if outcome.invalid else ""))
     if dry_run:
         for r in todo:
             say(shlex.join(r.command(out, python)))
@@ -218,19 +257,27 @@ def _run_all(sweep: Sweep, todo: list[PlannedRun], out: Path, executor: Executor
             execute.log = log
         bar = tqdm(total=len(todo), desc=f"sweep {sweep.name}", unit="run", file=sys.stderr, dynamic_ncols=True,
                    bar_format="{desc}: {n_fmt}/{total_fmt} runs |{bar}| elapsed {elapsed}, left ~{remaining}{postfix}")
+        stopped: set[str] = set()  # runs that failed, did not fit or were refused: not launched again
         try:
             for r in todo:
+                if r.key in stopped:
+                    outcome.not_run += 1
+                    bar.update(1)
+                    continue
                 bar.set_postfix_str(f"{r.system} {r.network}", refresh=True)
                 log.write(f"\n=== {shlex.join(r.command(out, python))}\n")
                 log.flush()
                 try:
                     rc, tail = execute(r, out)
                 except DoesNotFit as e:  # recorded by the executor as unfit
+                    stopped.add(r.key)
                     outcome.not_run += 1
                     bar.write(f"unfit  {r.label()}\n       {e}", file=stream)
                     bar.update(1)
                     continue
                 last = [l for l in tail.splitlines() if l.strip()]
+                if rc != 0:
+                    stopped.add(r.key)
                 if rc == 0:
                     outcome.ok += 1
                     bar.write(f"ok     {r.label()}\n       {last[-1] if last else ''}", file=stream)

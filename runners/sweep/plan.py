@@ -3,6 +3,7 @@
 A sweep file (see sweeps/*.toml)::
 
     name = "local"
+    repeats = 3                    # launches of every run (default 1), interleaved round-robin per experiment
     [fixed]                        # settings of every run: any flag of the run command, snake_case
     model = "tiny"                 #   (model, seq_length, batch_size, steps, warmup, precision,
     batch_size = 4                 #    recompute, timeout, ...); booleans are switches
@@ -73,6 +74,7 @@ class PlannedRun:
     devices_per_process: int = 1  # devices each process uses (fairscale: its pipe's devices)
     timeout: float = 3600.0  # the run's own --timeout
     nproc_per_node: int | None = None  # placement hint from the sweep file (cluster mode)
+    repetition: int = 1  # which launch of the run this is (1..the sweep's repeats), each its own record
 
     @property
     def valid(self) -> bool:
@@ -87,7 +89,8 @@ class PlannedRun:
         return self.world * self.devices_per_process
 
     def label(self) -> str:
-        return f"[{self.experiment}] " + shlex.join(self.args)
+        rep = f" (repetition {self.repetition})" if self.repetition > 1 else ""
+        return f"[{self.experiment}] " + shlex.join(self.args) + rep
 
     def command(self, out: str | os.PathLike, python: str = sys.executable) -> list[str]:
         return [python, "-m", "runners.run", *self.args, "--out", str(out)]
@@ -190,6 +193,7 @@ class Sweep:
     name: str
     runs: list[PlannedRun] = field(default_factory=list)
     description: str = ""
+    repeats: int = 1  # launches of every run, each its own record (``runners.sweep.execute.repetitions``)
 
     @property
     def valid_runs(self) -> list[PlannedRun]:
@@ -311,7 +315,7 @@ def sweep_from_dict(data: dict, where: str = "sweep", here: bool = False) -> Swe
         raise SweepError(f"{where}: [fixed] must be a table")
     flags = _parser_flags()
     if "experiment" in data:
-        top = set(data) - {"name", "description", "fixed", "experiment"}
+        top = set(data) - {"name", "description", "fixed", "experiment", "repeats"}
         if top:
             raise SweepError(f"{where}: unexpected top-level key(s) {', '.join(sorted(top))}: "
                              "put them in [fixed] or in an [[experiment]]")
@@ -319,11 +323,20 @@ def sweep_from_dict(data: dict, where: str = "sweep", here: bool = False) -> Swe
         if not isinstance(experiments, list) or not all(isinstance(e, dict) for e in experiments):
             raise SweepError(f"{where}: 'experiment' must be [[experiment]] tables")
     else:  # the file itself is one experiment
-        experiments = [{k: v for k, v in data.items() if k not in ("fixed", "description")} | {"name": name}]
+        experiments = [{k: v for k, v in data.items() if k not in ("fixed", "description", "repeats")}
+                       | {"name": name}]
+    repeats = check_repeats(data.get("repeats", 1), where)
     runs = []
     for i, exp in enumerate(experiments):
         runs += expand_experiment(exp, fixed, flags, f"{where} experiment {exp.get('name', i + 1)!r}", here)
-    return refuse_bad_combinations(Sweep(str(name), runs, str(data.get("description", ""))), where)
+    return refuse_bad_combinations(Sweep(str(name), runs, str(data.get("description", "")), repeats), where)
+
+
+def check_repeats(value, where: str) -> int:
+    """A sweep's ``repeats`` (or ``--repeats``): a positive integer."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SweepError(f"{where}: 'repeats' must be a positive integer (launches of every run), got {value!r}")
+    return value
 
 
 def refuse_bad_combinations(sweep: Sweep, where: str) -> Sweep:

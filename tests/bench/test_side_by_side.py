@@ -53,6 +53,8 @@ def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_si
         assert all(int(mb) > 0 for mb in r[5].strip().split("/")) and len(r[5].strip().split("/")) == 2  # MB per rank
         busy = [int(b) for b in r[6].strip().split("/")]  # busy % per rank: computing, not waiting
         assert len(busy) == 2 and all(0 < b <= 105 for b in busy), r
-    (best,) = [r for r in rows if len(r) == 10]  # the per-batch summary
+    (best,) = [r for r in rows if len(r) == 11]  # the per-batch summary
     assert best[1].strip() in ("GPipe", "ZBV zero bubble") and best[3].strip() == "K=2"
     assert float(best[5].strip().rstrip("x")) > 0 and best[7].strip().startswith("1.3x ")
+    # one repetition: a step time without an interval, and no claim beyond noise
+    assert best[2].strip().endswith("(1 run)") and best[10].strip() == "no claim: a single run has no interval"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 RUN = ["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1",
@@ -65,27 +67,112 @@ def test_a_fault_of_the_simulator_leaves_the_record_without_a_prediction(monkeyp
     assert capsys.readouterr().err.strip() == "prediction not made: SimulationError: deadlock: rank 0 stuck"
 
 
-def test_recorded_runs_predicted_beside_their_records_and_shown_by_the_report(tmp_path):
-    import report
-    from contract.records import predictions_path
+def _records(tmp_path, medians=(0.5, 0.5, 0.5)):
+    """Three recorded runs of RUN's kind: ours K=4 on CPU, the same on a GPU, ours K=2 on CPU."""
     from runners.record import build_record
     from runners.request import parse_request
 
     records = tmp_path / "runs.jsonl"
     lines = []
-    for argv, kind in ((RUN, "cpu"), (RUN + ["--seed", "1"], "cuda"), (RUN[:-2] + ["--n-slices", "2"], "cpu")):
+    for (argv, kind), t in zip(((RUN, "cpu"), (RUN + ["--seed", "1"], "cuda"), (RUN[:-2] + ["--n-slices", "2"], "cpu")),
+                               medians):
         cfg, spec = parse_request(argv)
         rec = build_record(cfg, spec, "ok", None, None, {"device_kind": kind, "device_name": kind})
-        rec.median_step_time = 0.5
+        rec.median_step_time = t
         lines.append(rec)
     records.write_text("".join(r.to_json() + "\n" for r in lines))
-    p = predict_cli("records", str(records))
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == f"{records}: 2 run(s) predicted ({predictions_path(records)})"
-    kept = __import__("json").loads(predictions_path(records).read_text())
+    return records, lines
+
+
+def _calibrated(tmp_path, monkeypatch, speed=0.05):
+    """A calibration of this host and code version under tmp_path (the committed one's overheads and
+    the tiny model's profile), made at ``speed``; the speed probe answers ``speed`` too."""
+    import json
+    import shutil
+
+    from predict import this_machine as local
+
+    own = local.calibration_dir(tmp_path)
+    own.mkdir(parents=True)
+    cal = json.loads((REPO / "results/predict/calibration.json").read_text())
+    cal["identity"] = {"host": local.host_name(), "code": local.code_version(), "when": "now", "speed_tflops": speed}
+    (own / "calibration.json").write_text(json.dumps(cal))
+    shutil.copy(REPO / "results/predict/profile-h128-a4-s128-v512.json", own)
+    monkeypatch.setattr(local, "speed_probe", lambda: speed)
+    return local.load_calibration(tmp_path, strict=True)
+
+
+def test_without_this_hosts_calibration_every_run_is_not_modelled_and_one_line_says_why(tmp_path):
+    import json
+
+    import report
+    from contract.records import predictions_path
+    from predict.this_machine import predict_records
+
+    records, lines = _records(tmp_path)
+    said = []
+    assert predict_records(records, directory=tmp_path / "none", log=said.append) == {}
+    assert len(said) == 1 and "no calibration of this host" in said[0] and "python -m predict calibrate" in said[0]
+    kept = json.loads(predictions_path(records).read_text())
     assert set(kept) == {lines[0].run_id, lines[2].run_id}  # a GPU run is not this machine's to predict
-    shown = report.load_records([str(tmp_path)])
-    assert [r.get("prediction", {}).get("step_time") for r in shown] == [
-        kept[lines[0].run_id]["step_time"], None, kept[lines[2].run_id]["step_time"]]
-    assert "(pred " in report.render(shown)
-    assert predict_cli("records", str(tmp_path / "missing.jsonl")).returncode == 2
+    assert all("no calibration of this host" in v["not_modelled"] for v in kept.values())
+    text = report.render(report.load_records([str(records)]))
+    assert "(not modelled)" in text and "(pred " not in text
+    p = predict_cli("records", str(tmp_path / "missing.jsonl"))
+    assert p.returncode == 2
+
+
+def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp_path, monkeypatch):
+    import json
+
+    import report
+    from contract.records import predictions_path
+    from predict import this_machine as local
+
+    cal = _calibrated(tmp_path, monkeypatch)
+    records, lines = _records(tmp_path)
+    # K=4 and K=2 are one case (ours P-2 s128): measured 5 % and 30 % above their predictions, errors
+    # -4.8 % and -23.1 %: largest beyond 20 %, not modelled
+    truth = [local.predict_here(local.config_as_run(json.loads(r.to_json())), None, cal).step_time for r in lines]
+    records, lines = _records(tmp_path, medians=(truth[0] * 1.05, 1.0, truth[2] * 1.3))
+    local.validate_records([records], directory=tmp_path, log=lambda line: None)
+    v = json.loads((tmp_path / "validation.json").read_text())
+    assert list(v["cases"]) == ["ours P-2 s128"] and v["cases"]["ours P-2 s128"]["max"] == pytest.approx(0.3 / 1.3)
+    assert not v["cases"]["ours P-2 s128"]["modelled"] and "| ours P-2 s128 | 2 | 13.9 % | 23.1 % | no |" in \
+        (tmp_path / "validation.md").read_text()
+    said = []
+    assert local.predict_records(records, directory=tmp_path, log=said.append) == {} and said == []
+    assert "largest 23 %" in json.loads(predictions_path(records).read_text())[lines[0].run_id]["not_modelled"]
+    # within the bounds: the K=2 run measured 12 % above (errors -4.8 % and -10.7 %)
+    records, lines = _records(tmp_path, medians=(truth[0] * 1.05, 1.0, truth[2] * 1.12))
+    local.validate_records([records], directory=tmp_path, log=lambda line: None)
+    said = []
+    made = local.predict_records(records, directory=tmp_path, log=said.append)
+    assert said == [] and set(made) == {lines[0].run_id, lines[2].run_id}
+    assert all(p["source"] == f"predict, {cal.name}" and cal.identity["code"] in p["source"] for p in made.values())
+    assert "(pred " in report.render(report.load_records([str(records)]))
+    # the host got 30 % faster than at its calibration: refused in one line, every run not modelled
+    monkeypatch.setattr(local, "speed_probe", lambda: 0.065)
+    assert local.predict_records(records, directory=tmp_path, log=said.append) == {}
+    assert len(said) == 1 and "1.30x the speed of its calibration" in said[0] and "bound ±10%" in said[0]
+    kept = json.loads(predictions_path(records).read_text())
+    assert all("1.30x" in v["not_modelled"] for v in kept.values())
+    # a validation of another calibration judges nothing for this one
+    monkeypatch.setattr(local, "speed_probe", lambda: 0.05)
+    v["calibration"] = {**v["calibration"], "code": "another"}
+    (tmp_path / "validation.json").write_text(json.dumps(v))
+    assert local.predict_records(records, directory=tmp_path, log=said.append) == {}
+    assert "not validated on this calibration's runs" in json.loads(predictions_path(records).read_text())[lines[0].run_id]["not_modelled"]
+
+
+def test_an_auto_run_is_predicted_with_the_slices_it_used():
+    import json
+
+    from predict.this_machine import config_as_run
+    from runners.record import build_record
+    from runners.request import parse_request
+
+    cfg, spec = parse_request(RUN[:-2])  # --n-slices auto
+    rec = json.loads(build_record(cfg, spec, "ok", None, None, {}).to_json())
+    rec["options"]["slices"] = [32, 32, 32, 32]
+    assert config_as_run(rec).options.token_slices(128) == (32, 32, 32, 32)

@@ -1,0 +1,110 @@
+"""Repetitions of one configuration combined into a median and an interval, and whether two
+configurations differ beyond that noise: the one statistics code of the report and the benchmarks.
+Plain Python, no torch.
+
+A repetition is one launch of a configuration; its value is the launch's own median step time. On a
+shared host the same configuration varies by 10-15 % from launch to launch while its steps within a
+launch agree to a few per cent, so the launches, not the steps, are the samples.
+
+The interval (``estimate``):
+
+- **min-max of the repetitions** below ``BOOTSTRAP_FROM`` repetitions. With n launches drawn from one
+  distribution, the smallest and the largest bracket its median with probability 1 - 2^(1 - n) (75 %
+  at 3, 87.5 % at 4, 94 % at 5), whatever the distribution; a bootstrap of the median from so few
+  values can only return the values themselves, and its percentile interval is narrower than min-max
+  without being better founded.
+- **bootstrap** from ``BOOTSTRAP_FROM`` repetitions on: the 2.5th and 97.5th percentiles of the median
+  over ``RESAMPLES`` resamples with replacement (seeded: the same values always give the same interval).
+- **one run**: no interval; nothing is claimed from it.
+
+Two estimates differ beyond noise (``separated``) only when both have an interval and the intervals do
+not overlap.
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BOOTSTRAP_FROM = 8  # repetitions from which the interval is a bootstrap one (below: min-max)
+RESAMPLES = 2000
+CONFIDENCE = 0.95
+MIN_MAX, BOOTSTRAP, ONE_RUN = "min-max", "bootstrap 95 %", "one run"
+INTERVAL_RULE = (f"median of the repetitions (each a launch's median step time) ± its interval: the min-max of "
+                 f"the repetitions below {BOOTSTRAP_FROM} (it brackets the median of the launches with "
+                 f"probability 1 - 2^(1-n): 75 % at 3, 87.5 % at 4), a bootstrap 95 % interval of the median from "
+                 f"{BOOTSTRAP_FROM} on; one run has none")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A configuration's repetitions: their median, an interval around it, how many, and how the
+    interval was made (``MIN_MAX``, ``BOOTSTRAP`` or ``ONE_RUN``)."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+    method: str
+
+    @property
+    def has_interval(self) -> bool:
+        return self.n >= 2
+
+    @property
+    def spread(self) -> float:
+        """The interval's larger side relative to the median (0.04 for ±4 %); 0 for one run."""
+        if not self.median:
+            return 0.0
+        return max(self.high - self.median, self.median - self.low) / self.median
+
+    def plus_minus(self) -> str:
+        """'±4 %' (the larger side, rounded up to a whole per cent), or '(1 run)'."""
+        if not self.has_interval:
+            return "(1 run)"
+        return f"±{max(0, math.ceil(100 * self.spread - 1e-9))} %"
+
+
+def estimate(values: Sequence[float], bootstrap_from: int = BOOTSTRAP_FROM, resamples: int = RESAMPLES,
+             seed: int = 0) -> Estimate:
+    """The median of ``values`` (one per repetition) and its interval, by the rule in the module's
+    docstring. ValueError for no values."""
+    v = sorted(float(x) for x in values)
+    if not v:
+        raise ValueError("no repetitions to estimate from")
+    med = statistics.median(v)
+    if len(v) == 1:
+        return Estimate(med, med, med, 1, ONE_RUN)
+    if len(v) < bootstrap_from:
+        return Estimate(med, v[0], v[-1], len(v), MIN_MAX)
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(v, k=len(v))) for _ in range(resamples))
+    tail = (1 - CONFIDENCE) / 2
+    low, high = meds[int(tail * (resamples - 1))], meds[int(math.ceil((1 - tail) * (resamples - 1)))]
+    return Estimate(med, min(low, med), max(high, med), len(v), BOOTSTRAP)
+
+
+def separated(a: Estimate, b: Estimate) -> bool:
+    """Whether a and b differ beyond noise: both have an interval and the intervals do not overlap."""
+    return a.has_interval and b.has_interval and (a.high < b.low or b.high < a.low)
+
+
+def noise(*estimates: Estimate) -> float:
+    """The largest spread among ``estimates`` (relative, 0.04 for ±4 %): the noise a comparison of
+    them could not see beyond."""
+    return max((e.spread for e in estimates), default=0.0)
+
+
+def no_difference(*estimates: Estimate) -> str:
+    """The words for a comparison that does not separate: 'no difference beyond noise (±x %)', or,
+    where one of them is a single run, that a single run has no interval."""
+    if not all(e.has_interval for e in estimates):
+        return "no claim: a single run has no interval"
+    return f"no difference beyond noise (±{math.ceil(100 * noise(*estimates) - 1e-9)} %)"
+
+
+def ratio_interval(base: Estimate, other: Estimate) -> tuple[float, float, float]:
+    """base / other: the ratio of the medians and its range over the two intervals (low, high)."""
+    return base.median / other.median, base.low / other.high, base.high / other.low

@@ -1,0 +1,71 @@
+"""``--n-slices auto`` settled by measurement: before the run's first step, the ranks time K equal
+token slices for a few K and keep the fastest.
+
+Why measure rather than model: the planner's latency model (``ours.plan.latency``, fitted from a
+one-process profile) and the simulator (``predict``) both missed what slicing costs with every rank
+busy: at cpu-small batch 2 the planner's K = 15 ran 6-22 % slower than K = 4, the simulator's 2 x 512
+16 % slower (results/predict/NOTE.md). A fixed per-slice cost fitted from the same profile would not
+see the contention either. A step timed inside the run sees everything the run pays (the host as it
+is now, the emulated network, data parallelism's other replicas), and steps within one launch agree
+to a few per cent while launches differ by 10-15 %: within-launch timing is the sharpest comparison
+this host allows, so auto lands within that noise of the best fixed K by construction.
+
+The search (``descend``): K in ``CANDIDATES`` (1, 2, 4, 8, 16; those the sequence can be cut into),
+starting from the one nearest the planner's choice (``ours.plan.auto``: simulator, fitted model or
+rule of thumb); time it and its neighbours, move to the faster neighbour, stop where neither is
+faster. Step time against K falls while slicing fills the pipeline and rises once per-slice costs
+dominate, so this finds the best candidate in 3-5 timed steps instead of timing all five. What
+each step costs: one forward and backward of the first batch, no optimizer step, no data-parallel
+sync (gradients are dropped: the training that follows, and ``--verify``, see none of it); one
+untimed step first, at the starting K (allocation, first messages).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+CANDIDATES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The K a search kept, every K it timed (seconds of one step each, in the order timed), and where it started."""
+
+    k: int
+    start: int
+    times: dict[int, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """'tuned: K=4 of K=8 1.02 s, K=4 0.95 s, K=16 1.30 s, K=2 1.10 s'."""
+        return f"tuned: K={self.k} of " + ", ".join(f"K={k} {t:.3g} s" for k, t in self.times.items())
+
+
+def candidates(seq_len: int) -> tuple[int, ...]:
+    """The K a search may try: ``CANDIDATES`` that cut the sequence into slices of at least one token."""
+    return tuple(k for k in CANDIDATES if k <= seq_len)
+
+
+def nearest(k: int, ks: tuple[int, ...]) -> int:
+    """The candidate nearest ``k`` on a log scale (the planner's K = 15 starts the search at 16)."""
+    return min(ks, key=lambda c: (abs(math.log2(c) - math.log2(max(1, k))), c))
+
+
+def descend(start: int, time_k: Callable[[int], float], ks: tuple[int, ...] = CANDIDATES) -> Tuning:
+    """From ``start`` (one of ``ks``, sorted), time it and its neighbours with ``time_k(K) -> seconds``;
+    move to the faster neighbour until neither neighbour is faster. Each K is timed at most once."""
+    ks = tuple(sorted(ks))
+    times: dict[int, float] = {}
+
+    def t(i: int) -> float:
+        if ks[i] not in times:
+            times[ks[i]] = time_k(ks[i])
+        return times[ks[i]]
+
+    i = ks.index(start)
+    while True:
+        around = [j for j in (i - 1, i, i + 1) if 0 <= j < len(ks)]
+        best = min(around, key=lambda j: (t(j), j != i))
+        if best == i:
+            return Tuning(ks[i], start, times)
+        i = best
