@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from contract.links import Link
 from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
 from ours.schedule import unit_order
-from ours.tp import COLUMN_PARALLEL, CopyToTP, ReduceFromTP, rank_of
+from ours.tp import COLUMN_PARALLEL, CopyToTP, ReduceFromTP, VocabParallelCrossEntropy, rank_of, shard_start
 from ours.trace import Tracer
 from workload.model import GPT, block_forward
 from workload.partition import StageSpec
@@ -121,13 +121,13 @@ class StageEngine:
                  precision: str = "fp32", recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
                  schedule: str = "1f1b", grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None,
                  links: Mapping[Link, dist.ProcessGroup] | None = None, tp: int = 1,
-                 tp_group: dist.ProcessGroup | None = None):
+                 tp_rank: int = 0, tp_group: dist.ProcessGroup | None = None):
         cfg = model.config
         self.model, self.spec, self.device, self.rank = model, spec, device, rank
-        # H: the heads this rank computes (its 1/tp of them: ``ours.tp``, the model's linears split by
-        # ``shard_stage``); the TP collectives run on ``tp_group``
+        # H: the heads this rank computes (its 1/tp of them: ``ours.tp``, the model's linears and LM head
+        # split by ``shard_stage``); the TP collectives run on ``tp_group``
         self.C, self.H, self.T, self.V = cfg.n_embd, cfg.n_head // tp, cfg.seq_len, cfg.vocab_size
-        self.tp_group = tp_group if tp > 1 else None
+        self.tp_group, self.tp_rank = (tp_group if tp > 1 else None), tp_rank
         self.slices = [(sum(slices[:i]), slices[i]) for i in range(len(slices))]
         self.batch_size, self.mb = batch_size, micro_batch_size
         self.nb = batch_size // micro_batch_size
@@ -204,8 +204,14 @@ class StageEngine:
         c, l = self.slices[i]
         with autocast(self.device, self.precision):
             h = F.layer_norm(x, (self.C,), self.model.ln_f.weight, self.model.ln_f.bias)
-            logits = self._lin("lm_head", h)
             tgt = targets[b * self.mb : (b + 1) * self.mb, c : c + l]
+            if self.tp_group is not None:  # the head split by vocabulary (ours.tp)
+                logits = self._lin("lm_head", CopyToTP.apply(h, self.tp_group))
+                tp = dist.get_world_size(self.tp_group)
+                losses = VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1),
+                                                         shard_start(self.V, tp, self.tp_rank), self.tp_group)
+                return losses.sum() / (self.batch_size * self.T)
+            logits = self._lin("lm_head", h)
             return F.cross_entropy(logits.reshape(-1, self.V).float(), tgt.reshape(-1), reduction="sum") / (self.batch_size * self.T)
 
     def _prepare_weights(self) -> None:

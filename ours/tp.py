@@ -7,8 +7,11 @@ after the sum). The block's input reaches the column-parallel linears through ``
 forward, all-reduce of the gradient backward), the row-parallel linears' partial outputs leave
 through ``g`` (all-reduce forward, identity backward): one all-reduce after attention and one after
 the MLP in forward, one for each in backward. Everything else (LayerNorms, the embeddings, ln_f and
-the LM head, the row-parallel biases) is replicated on the T ranks and gets the same gradient on
-each, without communication: every rank of a stage sees the same activations and their gradients.
+the row-parallel biases) is replicated on the T ranks and gets the same gradient on each, without
+communication: every rank of a stage sees the same activations and their gradients. The LM head is
+split by vocabulary rows (behind ``f``), and the loss computed on the split logits
+(``VocabParallelCrossEntropy``, Megatron's: the max, the sum of exponentials and the target's logit
+all-reduced), so no rank holds the whole logits.
 
 The weights are the shared model's, split from the stage's full initialisation (``shard_stage``);
 ``gather_full`` puts a parameter's shards back together (``--verify``'s gradients, the eval's
@@ -44,6 +47,8 @@ def coords(rank: int, pp: int, tp: int) -> tuple[int, int, int]:
 def split_of(name: str) -> tuple[int, int] | None:
     """(dim, parts) of a parameter split over the TP ranks, by its name in the shared model; None:
     replicated (row-parallel biases included)."""
+    if name == "lm_head.weight":  # by vocabulary rows
+        return 0, 1
     for lname, (dim, parts) in SPLITS.items():
         if name.endswith(f".{lname}.weight"):
             return dim, parts
@@ -52,11 +57,18 @@ def split_of(name: str) -> tuple[int, int] | None:
     return None
 
 
+def shard_start(n: int, tp: int, tp_rank: int) -> int:
+    """Where tp_rank's part of n rows starts (``Tensor.tensor_split``'s parts: the first n % T one longer)."""
+    q, r = divmod(n, tp)
+    return tp_rank * q + min(tp_rank, r)
+
+
 def shard(full: torch.Tensor, dim: int, parts: int, tp: int, tp_rank: int) -> torch.Tensor:
     """tp_rank's shard of ``full``: along ``dim``, seen as ``parts`` equal blocks, the tp_rank-th 1/T
-    of each block (c_attn: of q, of k and of v), concatenated."""
+    of each block (c_attn: of q, of k and of v), concatenated. A block that T does not divide (the
+    LM head's vocabulary) is cut as ``tensor_split`` cuts it."""
     blocks = full.chunk(parts, dim)
-    return torch.cat([b.chunk(tp, dim)[tp_rank] for b in blocks], dim).contiguous()
+    return torch.cat([b.tensor_split(tp, dim)[tp_rank] for b in blocks], dim).contiguous()
 
 
 def unshard(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
@@ -90,9 +102,17 @@ def gather_full(tensors: dict[str, torch.Tensor], tp: int, group: dist.ProcessGr
         if split is None:
             out[name] = t
             continue
-        shards = [torch.empty_like(t) for _ in range(tp)]
-        dist.all_gather(shards, t.contiguous(), group=group)
-        out[name] = unshard(shards, *split)
+        dim = split[0]
+        sizes = [torch.zeros(1, dtype=torch.int64, device=t.device) for _ in range(tp)]
+        dist.all_gather(sizes, torch.tensor([t.shape[dim]], device=t.device), group=group)
+        sizes = [int(n) for n in sizes]
+        pad = list(t.shape)
+        pad[dim] = max(sizes)  # all_gather takes equal shapes: pad the shorter parts, then cut them back
+        mine = torch.zeros(pad, dtype=t.dtype, device=t.device)
+        mine.narrow(dim, 0, t.shape[dim]).copy_(t)
+        shards = [torch.empty_like(mine) for _ in range(tp)]
+        dist.all_gather(shards, mine, group=group)
+        out[name] = unshard([x.narrow(dim, 0, n) for x, n in zip(shards, sizes)], *split)
     return out
 
 
@@ -139,3 +159,35 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         return dy, None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split by vocabulary over the stage's TP ranks: ``logits``
+    (N, V / T) float, this rank's columns [``start``, ``start`` + V / T) of the vocabulary; ``targets``
+    (N,) global ids. Returns (N,) losses, the same on every rank; backward gives this rank's part of
+    softmax - onehot. Megatron's ``vocab_parallel_cross_entropy``: three all-reduces forward (max, sum
+    of exponentials, the target's logit), none backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, group: dist.ProcessGroup):
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        local = targets - start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        local = local.clamp(0, logits.shape[-1] - 1)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        dist.all_reduce(picked, group=group)
+        exp.div_(total.unsqueeze(-1))  # the softmax
+        ctx.save_for_backward(exp, local, mine)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, dloss: torch.Tensor):
+        softmax, local, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        return grad * dloss.unsqueeze(-1), None, None, None

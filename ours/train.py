@@ -132,7 +132,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             prev_rank=None if spec.is_first else rank_of(dp_rank, pp_rank - 1, tp_rank, pp, tp),
             next_rank=None if spec.is_last else rank_of(dp_rank, pp_rank + 1, tp_rank, pp, tp), tracer=tracer,
             precision=cfg.precision, recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule,
-            links=links, tp=tp, tp_group=tp_group)
+            links=links, tp=tp, tp_rank=tp_rank, tp_group=tp_group)
 
     named = list(model.named_parameters())
     params = [p for _, p in named]

@@ -9,14 +9,16 @@ is judged by one step's predicted time, each with its optimal token slicing (``o
   of context: 72 b l h^2 (the four linears, x 4/3 with recompute) + 12 b l (c + l/2) h (attention)
   FLOPs, split over the T ranks, at ``efficiency`` of the device's peak, plus a fixed ``overhead``
   per layer and slice (kernel launches, Python: what makes thin slices dear). The last stage adds
-  the LM head (6 b l h V FLOPs, replicated on its T ranks, as ours runs it).
+  the LM head (6 b l h V FLOPs, split by vocabulary over its T ranks, as ours runs it: its input's
+  gradient all-reduced, and the loss's three all-reduces of b l floats).
 - **TP all-reduces**: 2 per layer forward and 2 backward (2 more with recompute: the forward again),
   each of b l h x bytes, as a ring over the stage's T ranks: 2(T - 1)/T x bytes / bandwidth + 2(T - 1) x
   latency, on the slowest link of the ring.
-- **Pipeline messages**: each slice's activations out and their gradients back, 2 x b l h x bytes /
-  bandwidth on the slowest link between adjacent stages, in every slice's time; the links' latency
-  once per direction and stage boundary (the fill and the drain: 2 (P - 1) latencies), since a
-  message's latency overlaps the other slices' work.
+- **Pipeline messages**: what a stage sends of each slice (its activations to the next stage, their
+  gradients to the previous one), 2 x b l h x bytes / bandwidth on the slowest link between adjacent
+  stages (links full duplex), in every slice's time, not overlapped with compute (TeraPipe's latency
+  model adds them too); the links' latency once per direction and stage boundary (the fill and the
+  drain: 2 (P - 1) latencies), since a message's latency overlaps the other slices' work.
 - A slice's time t_i on a stage is its layers' compute and all-reduces plus its messages (the slowest
   stage's); the step is TeraPipe's M x sum t_i + (P - 1) x max t_i (M = B / b batch slices), plus the
   fill/drain latencies.
@@ -138,11 +140,11 @@ def layouts(n_devices: int, model: ModelConfig) -> list[tuple[int, int]]:
 
 def memory_gb(model: ModelConfig, tp: int, pp: int) -> float:
     """The fullest rank's weights, gradients and Adam moments: a stage's layers over T, its
-    embeddings (first stage) or ln_f and LM head (last stage) replicated on its T ranks."""
+    embeddings (first stage) replicated on its T ranks, the LM head (last stage) split over them."""
     h, V, S = model.n_embd, model.vocab_size, model.seq_len
     layers = model.n_layer // pp * ((12 * h * h + 9 * h) / tp + 4 * h)
-    first = (V + S) * h + (0 if pp > 1 else V * h + 2 * h)
-    last = V * h + 2 * h
+    first = (V + S) * h + (0 if pp > 1 else V * h / tp + 2 * h)
+    last = V * h / tp + 2 * h
     return (layers + max(first, last if pp > 1 else 0)) * ADAM_BYTES_PER_PARAM / 1e9
 
 
@@ -164,20 +166,20 @@ def evaluate(model: ModelConfig, cluster: Cluster, device: Device, tp: int, pp: 
     linear = 72 * b * l * h * h * (4 / 3 if recompute else 1)
     attention = 12 * b * l * (c + l / 2) * h
     compute = lp * ((linear + attention) / tp / flops_per_s + device.overhead)
-    head = 6 * b * l * h * V / flops_per_s  # the last stage's LM head, whole on each of its T ranks
+    head = 6 * b * l * h * V / tp / flops_per_s  # the last stage's LM head, split by vocabulary
+
+    def ring_allreduce(n):  # seconds of one all-reduce of n bytes over the slowest ring
+        return 2 * (tp - 1) / tp * n / ring.bandwidth + 2 * (tp - 1) * ring.latency
+
     allreduce = np.zeros_like(l)
     if ring is not None:
-        per = (4 + (2 if recompute else 0)) * lp
-        allreduce = per * (2 * (tp - 1) / tp * b * l * h * nbytes / ring.bandwidth + 2 * (tp - 1) * ring.latency)
-    # a slice's messages on one link (activations out, gradients back); the slowest stage's slice time:
-    # the last stage's (messages on one link, and the head) or a middle one's (messages on two links)
+        allreduce = (4 + (2 if recompute else 0)) * lp * ring_allreduce(b * l * h * nbytes)
+        head = head + ring_allreduce(b * l * h * nbytes) + 3 * ring_allreduce(b * l * 4)
+    # a slice's messages: what a stage sends of it, its activations to the next stage and their
+    # gradients to the previous one (a middle stage's, at full duplex); the last stage, which also
+    # runs the head, is the slowest
     messages = 2 * b * l * h * nbytes / hop.bandwidth if hop is not None else np.zeros_like(l)
-    if pp == 1:
-        head_part, message_part = head, np.zeros_like(l)
-    else:
-        last = messages + head >= (2 * messages if pp > 2 else 0.0)  # the last stage is the slowest
-        head_part = np.where(last, head, 0.0)
-        message_part = np.where(last, messages, 2 * messages)
+    head_part, message_part = head, messages
     table = np.where(e > c, compute + allreduce + head_part + message_part, np.inf)
     sol = solve_table(table, pp, M)
     cuts = list(zip(sol.cuts[:-1], sol.cuts[1:]))

@@ -6,7 +6,7 @@ import torch
 
 from ours.dp import dp_links
 from ours.engine import pipeline_links
-from ours.tp import coords, rank_of, shard, split_of, unshard
+from ours.tp import coords, rank_of, shard, shard_start, split_of, unshard
 from workload.configs import ModelConfig
 from workload.model import build_gpt
 
@@ -43,3 +43,10 @@ def test_shards_are_the_heads_and_columns_megatron_splits(tp):
     for j in range(3):  # q, k, v
         assert torch.allclose(part[..., j * D:(j + 1) * D], qkv[..., j * 32 + D:j * 32 + 2 * D], atol=1e-6)
     assert split_of("blocks.0.attn.c_proj.bias") is None and split_of("blocks.0.mlp.c_fc.bias") == (0, 1)
+
+
+def test_uneven_vocabulary_shards_round_trip():
+    full = torch.randn(11, 4)
+    shards = [shard(full, 0, 1, 3, t) for t in range(3)]
+    assert [s.shape[0] for s in shards] == [4, 4, 3] and [shard_start(11, 3, t) for t in range(3)] == [0, 4, 8]
+    assert torch.equal(unshard(shards, 0, 1), full) and split_of("lm_head.weight") == (0, 1)
