@@ -23,6 +23,9 @@ schedule, the DP sync and the closing barrier (``bench.network_slope``).
 
 plan-evaluation: ours' latency model (``ours.plan``) against measured runs of uniform slicings and the
 planner's optimal one (``bench.plan_evaluation``).
+ours-vs-megatron-tp: ours with tensor parallelism (``--tp``, ``ours.tp``) against Megatron at the same
+T (P = 1), on cpu-small, alternating repetitions as above; per batch the step times with their
+intervals, the ratio megatron / ours (of the medians, and paired) and whether the intervals separate.
 """
 from __future__ import annotations
 
@@ -320,6 +323,41 @@ def auto_against_fixed(sittings: dict[int, Sitting]) -> None:
         print("\n".join(lines))
 
 
+def ours_vs_megatron_tp(opts: argparse.Namespace) -> int:
+    """ours --tp T against megatron --tp T, side by side (module docstring)."""
+    T = opts.tp
+    common = ["--model", opts.model, "--tp", str(T), "--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+    sittings: dict[int, Sitting] = {}
+    capacities: list[float] = []
+    opts.pp = T  # the machine check: T processes at once
+    for batch in opts.batch:
+        configs = {"megatron": ["--system", "megatron", "--batch-size", str(batch), "--micro-batch-size", "1"]}
+        for k in opts.slices:
+            configs[f"ours K={k}"] = ["--system", "ours", "--batch-size", str(batch), "--micro-batch-size", "1",
+                                      "--n-slices", str(k)]
+        sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
+    print(f"\nours T-{T} vs megatron T-{T} on {opts.model}, P=1, micro-batch 1, {opts.reps} alternating reps "
+          f"(step ms: {INTERVAL_RULE})")
+    print(f"{'batch':>5} | {'config':<12} | {'step ms':>12} | {'min ms':>7} | {'runs':>4} | {'megatron / this':>15} | "
+          f"{'paired':>6} | against megatron")
+    print("-" * 100)
+    for batch, s in sittings.items():
+        meg = s.median("megatron")
+        for name in s.runs:
+            t = s.median(name)
+            if t is None:
+                print(f"{batch:>5} | {name:<12} | {'failed':>12} |")
+                continue
+            ours = name.startswith("ours")
+            ratio = f"{meg / t:.2f}x" if meg and ours else "-"
+            pr = s.paired("megatron", name) if ours else None
+            print(f"{batch:>5} | {name:<12} | {s.ms(name):>12} | {s.best(name) * 1e3:7.0f} | {len(s.ok(name)):>4} | "
+                  f"{ratio:>15} | {f'{pr:.2f}x' if pr else '-':>6} | {s.versus('megatron', name) if ours else ''}")
+    print("paired: the median over repetitions of megatron's / ours' step time within the same repetition")
+    print_machine(capacities, T, "megatron")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="bench", required=True)
@@ -357,6 +395,18 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--timeout", type=float, default=900.0)
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
+    b = sub.add_parser("ours-vs-megatron-tp", help="ours --tp T against megatron --tp T on cpu-small, P=1")
+    b.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="batch sizes")
+    b.add_argument("--reps", type=int, default=4, help="alternating repetitions of every configuration")
+    b.add_argument("--tp", type=int, default=2)
+    b.add_argument("--slices", type=slice_count, nargs="+", default=[1], metavar="K|auto",
+                   help="token slice counts K of ours to run")
+    b.add_argument("--model", default="cpu-small")
+    b.add_argument("--steps", type=int, default=3, help="measured steps per run")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--timeout", type=float, default=900.0)
+    b.add_argument("--no-capacity-check", action="store_true",
+                   help="skip measuring, before each repetition, how many cores the machine really gives at once")
     b = sub.add_parser("network-slope", help="how many one-way delays each system pays per step (virtual cluster; "
                                              "root); the same as python -m bench.network_slope")
     network_slope.fill_parser(b)
@@ -371,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         return ours_vs_gpipe(opts)
     if opts.bench == "ours-vs-best":
         return ours_vs_best(opts)
+    if opts.bench == "ours-vs-megatron-tp":
+        return ours_vs_megatron_tp(opts)
     return 2
 
 

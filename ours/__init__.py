@@ -1,5 +1,5 @@
-"""ours: the project's own system — a token-level pipeline (TeraPipe) with all-reduce or
-parameter-server data parallelism. This module declares it (options and SPEC); the rest:
+"""ours: the project's own system — a token-level pipeline (TeraPipe), tensor parallelism inside a
+stage, and all-reduce or parameter-server data parallelism. This module declares it (options and SPEC); the rest:
 
 - ``ours.train``: ``train(config, context)``, the entry point the ranks call;
 - ``ours.engine``: one stage's token-sliced pipeline step (asynchronous point-to-point transfers,
@@ -7,6 +7,7 @@ parameter-server data parallelism. This module declares it (options and SPEC); t
 - ``ours.schedule``: the order of a stage's forwards and backwards (1F1B over batch slices, or GPipe);
 - ``ours.kernels``: the exact sliced attention Function (KV state, gradient accumulation for earlier
   slices) and the deferred-gradient linear;
+- ``ours.tp``: Megatron-style tensor parallelism inside a stage (``--tp``);
 - ``ours.dp``: allreduce, central_ps and sharded_ps data parallelism;
 - ``ours.trace``: the measured schedule as a Chrome trace;
 - ``ours.plan``: the latency model and slicing planner (``--n-slices auto``).
@@ -164,7 +165,7 @@ SPEC = SystemSpec(
     train="ours.train:train",
     description="token-level pipeline (TeraPipe) with all-reduce or parameter-server data parallelism",
     options=OursOptions,
-    dims=("pp", "dp"),
+    dims=("pp", "tp", "dp"),
     label=lambda config: " ".join(["ours"] + ([config.options.schedule] if config.options.schedule != "1f1b" else [])
                                   + ([config.options.dp_mode] if config.dp > 1 else [])
                                   + ([config.options.lossy()] if config.options.lossy() else [])),

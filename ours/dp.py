@@ -50,15 +50,18 @@ import torch
 import torch.distributed as dist
 
 from contract.links import Link
+from ours.tp import rank_of
 from ours.trace import Tracer
 from workload.training import OptimizerConfig, make_optimizer
 
 BUCKET_BYTES = 4 * 1024 * 1024  # small buckets pipeline push, reduction and what comes back
 
 
-def dp_links(pp: int, dp: int) -> list[Link]:
-    """Every ordered pair of each stage's DP ranks (global rank = dp_rank * P + stage)."""
-    return [(a * pp + s, b * pp + s) for s in range(pp) for a in range(dp) for b in range(dp) if a != b]
+def dp_links(pp: int, dp: int, tp: int = 1) -> list[Link]:
+    """Every ordered pair of the DP ranks of each (stage, tp_rank) (``ours.tp.rank_of``: global rank =
+    (dp_rank * P + stage) * T + tp_rank)."""
+    return [(rank_of(a, s, t, pp, tp), rank_of(b, s, t, pp, tp))
+            for s in range(pp) for t in range(tp) for a in range(dp) for b in range(dp) if a != b]
 
 
 def buckets(params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.nn.Parameter]]:

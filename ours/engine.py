@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 from contract.links import Link
 from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
 from ours.schedule import unit_order
+from ours.tp import COLUMN_PARALLEL, CopyToTP, ReduceFromTP, VocabParallelCrossEntropy, rank_of, shard_start
 from ours.trace import Tracer
 from workload.model import GPT, block_forward
 from workload.partition import StageSpec
@@ -55,10 +56,12 @@ from workload.training import autocast, compute_dtype
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-def pipeline_links(pp: int, dp: int) -> list[Link]:
-    """Every link of the D pipelines of P stages (global rank = dp_rank * P + stage), both ways:
-    stage s to s + 1 (activations), s + 1 to s (their gradients)."""
-    return [link for d in range(dp) for s in range(d * pp, (d + 1) * pp - 1) for link in ((s, s + 1), (s + 1, s))]
+def pipeline_links(pp: int, dp: int, tp: int = 1) -> list[Link]:
+    """Every link of the D x T pipelines of P stages (``ours.tp.rank_of``: global rank =
+    (dp_rank * P + stage) * T + tp_rank), both ways: stage s to s + 1 (activations), s + 1 to s
+    (their gradients), between ranks of the same tp_rank."""
+    return [link for d in range(dp) for t in range(tp) for s in range(pp - 1)
+            for a, b in [(rank_of(d, s, t, pp, tp), rank_of(d, s + 1, t, pp, tp))] for link in ((a, b), (b, a))]
 
 
 class _Arrivals:
@@ -117,10 +120,14 @@ class StageEngine:
                  device: torch.device, rank: int, prev_rank: int | None, next_rank: int | None, tracer: Tracer,
                  precision: str = "fp32", recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
                  schedule: str = "1f1b", grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None,
-                 links: Mapping[Link, dist.ProcessGroup] | None = None):
+                 links: Mapping[Link, dist.ProcessGroup] | None = None, tp: int = 1,
+                 tp_rank: int = 0, tp_group: dist.ProcessGroup | None = None):
         cfg = model.config
         self.model, self.spec, self.device, self.rank = model, spec, device, rank
-        self.C, self.H, self.T, self.V = cfg.n_embd, cfg.n_head, cfg.seq_len, cfg.vocab_size
+        # H: the heads this rank computes (its 1/tp of them: ``ours.tp``, the model's linears and LM head
+        # split by ``shard_stage``); the TP collectives run on ``tp_group``
+        self.C, self.H, self.T, self.V = cfg.n_embd, cfg.n_head // tp, cfg.seq_len, cfg.vocab_size
+        self.tp_group, self.tp_rank = (tp_group if tp > 1 else None), tp_rank
         self.slices = [(sum(slices[:i]), slices[i]) for i in range(len(slices))]
         self.batch_size, self.mb = batch_size, micro_batch_size
         self.nb = batch_size // micro_batch_size
@@ -164,11 +171,22 @@ class StageEngine:
         w, b, wg = self._w[name]
         return DeferredLinear.apply(x, w, b, wg.stash)
 
+    def _block_lin(self, name: str, lname: str, x: torch.Tensor) -> torch.Tensor:
+        """A block's linear ``lname`` ("attn.c_attn", ...): under tensor parallelism column-parallel
+        behind f, or row-parallel followed by g and then its bias (``ours.tp``); the bias's gradient
+        is the sum of the output gradient either way (``WeightGrad``)."""
+        if self.tp_group is None:
+            return self._lin(name, x)
+        if lname in COLUMN_PARALLEL:
+            return self._lin(name, CopyToTP.apply(x, self.tp_group))
+        w, b, wg = self._w[name]
+        return ReduceFromTP.apply(DeferredLinear.apply(x, w, None, wg.stash), self.tp_group) + b
+
     def _layer(self, idx: str, blk, x: torch.Tensor, state: KVState, c: int) -> torch.Tensor:
         """One layer on token slice [c, c + len): the shared block, with the slice's attention over
         the sequence's cached keys and values and the stage's deferred-gradient linears."""
         return block_forward(blk, x, attention=lambda qkv: SliceAttention.apply(qkv, state, c, self.H, self.T),
-                             linear=lambda name, module, h: self._lin(f"blocks.{idx}.{name}", h))
+                             linear=lambda name, module, h: self._block_lin(f"blocks.{idx}.{name}", name, h))
 
     def _forward_unit(self, x: torch.Tensor, states: list[KVState], c: int) -> torch.Tensor:
         for (idx, blk), state in zip(self.model.blocks.items(), states):
@@ -186,8 +204,14 @@ class StageEngine:
         c, l = self.slices[i]
         with autocast(self.device, self.precision):
             h = F.layer_norm(x, (self.C,), self.model.ln_f.weight, self.model.ln_f.bias)
-            logits = self._lin("lm_head", h)
             tgt = targets[b * self.mb : (b + 1) * self.mb, c : c + l]
+            if self.tp_group is not None:  # the head split by vocabulary (ours.tp)
+                logits = self._lin("lm_head", CopyToTP.apply(h, self.tp_group))
+                tp = dist.get_world_size(self.tp_group)
+                losses = VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1),
+                                                         shard_start(self.V, tp, self.tp_rank), self.tp_group)
+                return losses.sum() / (self.batch_size * self.T)
+            logits = self._lin("lm_head", h)
             return F.cross_entropy(logits.reshape(-1, self.V).float(), tgt.reshape(-1), reduction="sum") / (self.batch_size * self.T)
 
     def _prepare_weights(self) -> None:

@@ -1,9 +1,10 @@
 """ours: the training entry point the ranks call (``train``).
 
-Global rank r = dp_rank * pp + pp_rank. Stage pp_rank holds the layers of
-``stage_specs(n_layer, pp)[pp_rank]``; each stage's DP group is the ranks with the same pp_rank.
-See ``ours.engine`` (the pipeline), ``ours.kernels`` (exact sliced attention, deferred weight
-gradients) and ``ours.dp`` (data parallelism).
+Global rank r = (dp_rank * pp + pp_rank) * tp + tp_rank (``ours.tp.rank_of``; with tp = 1,
+dp_rank * pp + pp_rank). Stage pp_rank holds the layers of ``stage_specs(n_layer, pp)[pp_rank]``, its
+block linears split over its tp ranks (``ours.tp``); each DP group is the ranks with the same
+(pp_rank, tp_rank). See ``ours.engine`` (the pipeline), ``ours.kernels`` (exact sliced attention,
+deferred weight gradients), ``ours.tp`` (tensor parallelism) and ``ours.dp`` (data parallelism).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ours.dp import dp_links, make_sync
 from ours.engine import StageEngine, pipeline_links
 from ours.plan.auto import auto_slicing
 from ours.plan.tune import Tuning, candidates, descend, nearest
+from ours.tp import coords, gather_full, rank_of, shard_stage, tp_groups
 from ours.trace import Tracer
 from workload.partition import stage_specs
 from workload.training import LOSS_SCALING
@@ -99,32 +101,38 @@ class _LossScaler:
 
 def train(config: RunConfig, ctx: Context) -> Measurements:
     cfg = config
-    pp, dp = cfg.pp, cfg.dp
-    dp_rank, pp_rank = divmod(ctx.rank, pp)
+    pp, tp, dp = cfg.pp, cfg.tp, cfg.dp
+    dp_rank, pp_rank, tp_rank = coords(ctx.rank, pp, tp)
     spec = stage_specs(cfg.model.n_layer, pp)[pp_rank]
     model = ctx.build_stage(spec)
+    shard_stage(model, tp, tp_rank)
     options: OursOptions = cfg.options
     slices, slicing_source = resolve_slices(cfg, ctx)
     tracer = Tracer(ctx.rank, enabled=options.trace is not None)
 
-    # every rank creates every stage's DP group (--verify's collectives), in the same order, and a
-    # group per link and direction of the pipelines and of DP (their point-to-point traffic)
+    # every rank creates every (stage, tp_rank)'s DP group (--verify's collectives) and every stage's TP
+    # group, in the same order, and a group per link and direction of the pipelines and of DP (their
+    # point-to-point traffic)
     group = None
     if dp > 1:
         for s in range(pp):
-            g = dist.new_group([d * pp + s for d in range(dp)])
-            if s == pp_rank:
-                group = g
-    links = link_groups(pipeline_links(pp, dp) + dp_links(pp, dp), ctx.device)
+            for t in range(tp):
+                g = dist.new_group([rank_of(d, s, t, pp, tp) for d in range(dp)])
+                if (s, t) == (pp_rank, tp_rank):
+                    group = g
+    tp_group = tp_groups(pp, tp, dp, ctx.rank)
+    links = link_groups(pipeline_links(pp, dp, tp) + dp_links(pp, dp, tp), ctx.device)
 
     wire = getattr(torch, WIRE_DTYPES[options.wire_dtype])
 
     def make_engine(slices: tuple[int, ...], tracer: Tracer) -> StageEngine:
         return StageEngine(
             model, spec, slices=slices, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
-            device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
-            next_rank=None if spec.is_last else ctx.rank + 1, tracer=tracer, precision=cfg.precision,
-            recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule, links=links)
+            device=ctx.device, rank=ctx.rank,
+            prev_rank=None if spec.is_first else rank_of(dp_rank, pp_rank - 1, tp_rank, pp, tp),
+            next_rank=None if spec.is_last else rank_of(dp_rank, pp_rank + 1, tp_rank, pp, tp), tracer=tracer,
+            precision=cfg.precision, recompute=cfg.recompute, wire_dtype=wire, schedule=options.schedule,
+            links=links, tp=tp, tp_rank=tp_rank, tp_group=tp_group)
 
     named = list(model.named_parameters())
     params = [p for _, p in named]
@@ -134,8 +142,8 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         slices, slicing_source = uniform_slices(cfg.model.seq_len, tuning.k), f"{tuning.describe()}; started near {planned}"
     engine = make_engine(slices, tracer)
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
-                     ranks=[d * pp + pp_rank for d in range(dp)], links=links, order=engine.grad_order(),
-                     wire_dtype=wire, tracer=tracer)
+                     ranks=[rank_of(d, pp_rank, tp_rank, pp, tp) for d in range(dp)], links=links,
+                     order=engine.grad_order(), wire_dtype=wire, tracer=tracer)
     scaler = _LossScaler(cfg.precision == "fp16", ctx.device)
     if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
         engine.grads_ready = sync.grads_ready
@@ -155,13 +163,20 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             ctx.synchronize()
         if more and options.prefetch:  # the stage's weights are final for step i + 1
             engine.prefetch(ctx.batch(i + 1, dp_rank)[0], options.prefetch)
-        return StepOutput(loss=float(loss) if loss is not None else None, dp_sync_time=dt)
+        # the T ranks of the last stage compute the same loss: tp_rank 0 reports it
+        return StepOutput(loss=float(loss) if loss is not None and tp_rank == 0 else None, dp_sync_time=dt)
+
+    def weights() -> dict[str, torch.Tensor]:
+        """Full tensors (gathered over TP: every TP rank takes part) on the first replica's tp_rank 0."""
+        full = gather_full({n: p.detach() for n, p in named}, tp, tp_group)
+        return full if dp_rank == 0 and tp_rank == 0 else {}
 
     engine.post_receives()  # the first step's receives, before the first step
     sync.post_receives()
-    m = run_steps(ctx, dp_rank, step, weights=lambda: dict(named) if dp_rank == 0 else {})
+    m = run_steps(ctx, dp_rank, step, weights=weights)
     if cfg.verify:
-        m.grads = sync.grads()
+        grads = gather_full(sync.grads(), tp, tp_group)
+        m.grads = grads if tp_rank == 0 else {}
     if options.trace:
         tracer.write(options.trace, ctx.world_size)
     m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.n_micro_batches)

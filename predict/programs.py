@@ -67,7 +67,7 @@ class _Step:
         self.V = spec.virtual_pp
         self.n_chunks = spec.pp * spec.virtual_pp
         self.layers = m.n_layer // self.n_chunks  # per model chunk
-        self.tp = spec.tp if spec.system == "megatron" else 1
+        self.tp = spec.tp if spec.system in TENSOR_PARALLEL else 1
         self.width = spec.head_classes  # None: the vocabulary
 
     def params(self, layers: int, first: bool, last: bool, tp: int = 1) -> int:
@@ -107,14 +107,17 @@ class _Step:
         cm, tp = self.cm, self.tp
         if kind == "backward":
             t = cm.layer_backward_input(b, l, c, tp) + cm.layer_wgrad(b, l, tp)
+        elif kind == "backward-input":  # ours: the weight gradients deferred
+            t = cm.layer_backward_input(b, l, c, tp)
         else:
             t = cm.layer_forward(b, l, c, tp)
+        label = "backward" if kind == "backward-input" else kind
         if tp == 1:
-            return [Compute(L * t, kind)]
+            return [Compute(L * t, label)]
         ops = []
         for _ in range(L):  # two all-reduces per layer, each after half of the layer's math
             for _half in range(2):
-                ops.append(Compute(t / 2, kind))
+                ops.append(Compute(t / 2, label))
                 ops += self._tp_comm(b * l, kind)
         return ops
 
@@ -574,7 +577,8 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
     of the ``following`` step (the engine's after its backward, the sync's after the sync)."""
     spec, cm = st.spec, st.cm
     P, D = spec.pp, spec.dp
-    d, s = divmod(rank, P)
+    d, s = divmod(rank, P)  # a stage's T ranks are one simulated rank
+    tp = st.tp
     mb = spec.micro_batch_size
     nbs = spec.n_micro_batches
     slices = spec.token_slices
@@ -604,17 +608,17 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
         if not last:
             ops.append(FillWait(_key(st.step, "b", d, s + 1, u), "wgrad"))
         ops.append(Compute(st.o.per_unit(L) / 2, "overhead"))
-        if last:
-            ops.append(Compute(cm.head_forward(mb * l, 1, st.width) + cm.head_backward_input(mb * l, 1, st.width),
+        if last:  # the head split by vocabulary over the T ranks (ours.tp)
+            ops.append(Compute(cm.head_forward(mb * l, tp, st.width) + cm.head_backward_input(mb * l, tp, st.width),
                                "head"))
         if spec.recompute:
-            ops.append(Compute(L * cm.layer_forward(mb, l, c), "recompute"))
-        ops.append(Compute(L * cm.layer_backward_input(mb, l, c), "backward"))
+            ops += st._layers("recompute", L, mb, l, c)
+        ops += st._layers("backward-input", L, mb, l, c)
         if first:
             ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
-        chunks = [cm.layer_wgrad(mb, l) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
+        chunks = [cm.layer_wgrad(mb, l, tp) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
         if last:
-            chunks.append(cm.head_wgrad(mb * l, 1, st.width))
+            chunks.append(cm.head_wgrad(mb * l, tp, st.width))
         for k, t in enumerate(chunks):
             wgrad[k] += t
         ops.append(Defer(tuple(chunks)))
@@ -628,7 +632,7 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
                 ops.append(Flush("wgrad", keep=sum(queued[-limit:])))
     if following is not None:
         ops += _ours_unit_receives(following, rank)
-    params = st.params(L, first, last)
+    params = st.params(L, first, last, tp)
     if D == 1:
         ops.append(Flush("wgrad"))
         if sends:
@@ -687,11 +691,12 @@ def _chain_ps(st: _Step, rank: int, sends: list, after: list[float], wgrad: floa
 
 
 BUILDERS = {"torch_pipe": torch_pipe, "megatron": megatron, "ours": ours}
+TENSOR_PARALLEL = ("megatron", "ours")  # a stage's T ranks are one simulated rank, its all-reduces in closed form
 
 
 def network_of(spec: RunSpec) -> Network:
     per_host = spec.ranks_per_host
-    if spec.system == "megatron":  # a tensor-parallel group is one simulated rank
+    if spec.system in TENSOR_PARALLEL:  # a tensor-parallel group is one simulated rank
         per_host = max(1, per_host // spec.tp)
     return Network(spec.link, spec.transport, spec.intra_link, per_host)
 
@@ -700,7 +705,7 @@ def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
     """Programs of every simulated rank: ``steps`` steps, each framed by the timing barriers; Marks
     ``start{k}`` / ``end{k}`` around step k (after the opening barrier, after the closing one). What a
     rank posts ahead of its first step (ours' receives, the first barrier's over gloo) comes first."""
-    if spec.tp > 1 and spec.system != "megatron":
+    if spec.tp > 1 and spec.system not in TENSOR_PARALLEL:
         raise ValueError(f"{spec.system} has no tensor parallelism")
     net = network_of(spec)
     n = spec.pp * spec.dp
@@ -722,7 +727,7 @@ def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
             ops += _barrier(net, world, r, uses[2 * k + 1], uses[2 * k + 2] if 2 * k + 2 < len(uses) else None)
             ops.append(Mark(f"end{k}"))
         programs.append(ops)
-    procs = [spec.tp if spec.system == "megatron" else 1] * n
+    procs = [spec.tp if spec.system in TENSOR_PARALLEL else 1] * n
     return Built(programs, procs, net)
 
 

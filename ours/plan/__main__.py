@@ -1,8 +1,10 @@
-"""python -m ours.plan {profile,fit,solve}: TeraPipe's latency model and optimal slicing.
+"""python -m ours.plan {profile,fit,solve,layout}: TeraPipe's latency model, optimal slicing and layout.
 
     python -m ours.plan profile --model cpu-small [--quick] [--out FILE]
     python -m ours.plan fit --profile FILE [--out FILE]          # default out: the cache auto uses
     python -m ours.plan solve --model cpu-small --pp 2 --batch-size 2 [--micro-batch-size 1] [--granularity 8]
+    python -m ours.plan layout --model gpt3-xl --devices 8 --gpus-per-node 8 --intra 5us,300GB/s --batch-size 64
+        [--inter 10ms,1Gbps | --matrix FILE.json] [--gpu "V100 SXM2" | --tflops X] [--memory-gb 16] [--recompute]
 
 Predicted against measured step times: ``python -m bench plan-evaluation`` (runs the run command).
 """
@@ -107,6 +109,37 @@ def cmd_solve(args) -> int:
     return 0
 
 
+def cmd_layout(args) -> int:
+    from ours.plan.layout import Cluster, Device, describe, parse_link, plan_layout
+    from workload.flops import GPU_PEAK_TFLOPS
+
+    cfg = _model(args)
+    if args.matrix:
+        cluster = Cluster.from_matrix(json.loads(Path(args.matrix).read_text()))
+    else:
+        if not args.devices:
+            sys.exit("python -m ours.plan layout: error: give --devices N (with --intra / --inter) or --matrix FILE")
+        links = {k: parse_link(v) if v else None for k, v in (("intra", args.intra), ("inter", args.inter))}
+        cluster = Cluster(n_devices=args.devices, gpus_per_node=args.gpus_per_node, **links)
+    if args.tflops is None:
+        peaks = GPU_PEAK_TFLOPS.get(args.gpu)
+        if not peaks or args.precision not in peaks:
+            sys.exit(f"python -m ours.plan layout: error: no {args.precision} peak for --gpu {args.gpu!r} "
+                     f"(known: {', '.join(GPU_PEAK_TFLOPS)}); give --tflops")
+        args.tflops = peaks[args.precision]
+    device = Device(tflops=args.tflops, memory_gb=args.memory_gb, efficiency=args.efficiency,
+                    overhead=args.overhead_us * 1e-6)
+    cands = plan_layout(cfg, cluster, device, batch_size=args.batch_size, batch_slice=args.micro_batch_size,
+                        precision=args.precision, recompute=args.recompute, granularity=args.granularity)
+    links = "per-link matrix" if args.matrix else ", ".join(
+        f"{k} {v}" for k, v in (("inside a node", args.intra), ("between nodes", args.inter)) if v)
+    print(f"{cfg.name}, {cluster.n_devices} devices ({cluster.gpus_per_node} a node; {links}), "
+          f"{args.tflops:g} TFLOP/s x {args.efficiency:g}, {args.memory_gb:g} GB, batch {args.batch_size}, "
+          f"batch slice {args.micro_batch_size}, {args.precision}{', recompute' if args.recompute else ''}")
+    print(describe(cands))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ours.plan", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -151,6 +184,27 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default=None)
     q.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
     q.set_defaults(fn=cmd_solve)
+
+    q = sub.add_parser("layout", help="choose T, P and the token slicing for a cluster (ours.plan.layout)")
+    q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
+    q.add_argument("--n-layer", "--num-layers", dest="n_layer", type=int, default=None)
+    q.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=None)
+    q.add_argument("--devices", type=int, default=None, help="devices in all (with --intra / --inter)")
+    q.add_argument("--gpus-per-node", type=int, default=1)
+    q.add_argument("--intra", default=None, help="the links inside a node: LATENCY,BANDWIDTH, e.g. 5us,300GB/s")
+    q.add_argument("--inter", default=None, help="the links between nodes, e.g. 10ms,1Gbps")
+    q.add_argument("--matrix", default=None, help='a per-link matrix {"delay_ms": [[...]], "bandwidth_gbps": [[...]]}')
+    q.add_argument("--gpu", default="V100 SXM2", help="the device's peak from workload.flops' table")
+    q.add_argument("--tflops", type=float, default=None, help="the device's peak instead")
+    q.add_argument("--memory-gb", type=float, default=16.0)
+    q.add_argument("--efficiency", type=float, default=0.5, help="of the peak the layers' matmuls reach")
+    q.add_argument("--overhead-us", type=float, default=200.0, help="fixed cost per layer and slice")
+    q.add_argument("--batch-size", type=int, required=True)
+    q.add_argument("--micro-batch-size", type=int, default=1, help="the batch slice")
+    q.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    q.add_argument("--recompute", action="store_true")
+    q.add_argument("--granularity", type=int, default=64, help="token slice boundaries at multiples of this")
+    q.set_defaults(fn=cmd_layout)
 
     return p
 

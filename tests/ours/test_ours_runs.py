@@ -1,6 +1,6 @@
 """ours through the real run command (torchrun, gloo ranks): --verify against the single-process
 reference (per-step losses and the last step's gradients within 1e-5 after 3 optimizer steps),
-over pipeline depths, data-parallel modes and slicings, under NCCL's rules (--p2p-semantics nccl)
+over pipeline depths, tensor parallelism, data-parallel modes and slicings, under NCCL's rules (--p2p-semantics nccl)
 but for the all-reduce on plain gloo; bad requests; the Chrome trace."""
 from __future__ import annotations
 
@@ -112,10 +112,27 @@ def test_p2_d2_data_parallel_modes_verified(tmp_path, mode, slicing, rules):
     assert rec["dp_sync_time"] is not None and rec["dp_sync_time"] > 0
 
 
+@pytest.mark.parametrize("layout", [
+    ["--pp", "2", "--n-slices", "4"],
+    ["--dp", "2", "--dp-mode", "sharded_ps", "--n-slices", "2"],
+], ids=["t2-p2", "t2-d2"])
+@pytest.mark.multiprocess
+def test_t2_tensor_parallel_verified(tmp_path, layout):
+    """--tp 2 (ours.tp): each stage's block linears split over 2 ranks; losses and the gathered full
+    gradients are the reference's, with pipeline links between the same tp_rank of adjacent stages
+    (T-2 P-2) and a parameter server per (stage, tp_rank) (T-2 D-2), under NCCL's rules."""
+    out = tmp_path / "runs.jsonl"
+    proc = run_cli(*COMMON, *NCCL_RULES, "--tp", "2", *layout, "--verify", "--out", str(out))
+    assert_verified(proc)
+    rec = json.loads(out.read_text().splitlines()[-1])
+    assert rec["status"] == "ok" and rec["layout"]["tp"] == 2 and len(rec["losses"]) == 3
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--pp", "2", "--slices", "10,10"], "sum to 20, not the sequence length 32"),
     (["--pp", "3"], "do not divide into 3 pipeline stages"),
     (["--pp", "2", "--prefetch", "-1"], "--prefetch must be >= 0"),
+    (["--tp", "3"], "--tp 3 must divide the heads (4)"),
 ])
 def test_bad_requests_exit_2_with_one_line(tmp_path, extra, needle):
     out = tmp_path / "runs.jsonl"

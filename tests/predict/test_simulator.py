@@ -268,3 +268,19 @@ def test_torch_interleaved_with_fewer_micro_batches_than_stages_runs_one_round()
     times = [predict(RunSpec("torch_pipe", MODEL, batch_size=m, micro_batch_size=1, link=FAST, pp=2,
                              schedule="interleaved"), Fixed(0.01, 0.02)).step_time for m in (1, 2, 4)]
     assert all(t >= m * 3 * 0.03 for t, m in zip(times, (1, 2, 4))) and times[0] < times[1] < times[2]
+
+
+def test_ours_tensor_parallel_splits_the_compute_and_pays_its_all_reduces():
+    """ours --tp 2 (ours.tp): a stage's two ranks are one simulated rank computing half of each layer,
+    with 2 all-reduces per layer forward and 2 backward per unit, each at least one latency of the links
+    between them."""
+    fwd, bwd = 0.010, 0.020
+    def ours(tp, intra):
+        return RunSpec("ours", MODEL, batch_size=1, micro_batch_size=1, link=FAST, tp=tp, slices=(64, 64),
+                       transport="nccl", intra_link=intra, ranks_per_host=2)
+    one = predict(ours(1, FAST), Fixed(fwd, bwd)).step_time
+    two = predict(ours(2, FAST), Fixed(fwd, bwd)).step_time
+    assert two == pytest.approx(one / 2, rel=1e-6) and one == pytest.approx(MODEL.n_layer * (fwd + bwd), rel=1e-6)
+    slow = predict(ours(2, Link(1e-3, 1e15)), Fixed(fwd, bwd)).step_time
+    all_reduces = 4 * MODEL.n_layer * 2  # per layer 2 forward + 2 backward, 2 token slices
+    assert slow - two >= all_reduces * 1e-3 * 0.999

@@ -103,8 +103,8 @@ def test_twelve_single_gpu_hosts_plan_the_seed_sweep(tmp_path):
     p12 = placed(lines, "ours", ("12", "1")) + placed(lines, "torch_pipe", ("12", "1"))
     assert len(p12) == 10 and all(p.startswith("12 node(s) x 1 rank(s): node01 node02") for p in p12)
     assert placed(lines, "ours", ("12", "4")) == ["does not fit: needs 48 GPUs, hostfile has 12"] * 5
-    megatron = [l for l in lines if "--system megatron" in l]
-    assert len(megatron) == 20 and all(l.startswith("# skip (unfit)") for l in megatron)
+    megatron = [l for l in lines if "--system megatron" in l or ("--system ours" in l and "--tp 1 " not in l)]
+    assert len(megatron) == 20 + 4 and all(l.startswith("# skip (unfit)") for l in megatron)
     assert placed(lines, "torch_pipe", ("8", "1")) == [
         "does not fit: needs 1 node(s) of 8 GPUs (8 ranks per node), hostfile has 0 (at most 1 GPUs per host)"] * 3
     runs = [l for l in lines if "runners.run" in l]
@@ -155,4 +155,4 @@ def test_seed_sweep_loads_with_slots_unchanged():
     """The seed sweep's placement hints are ranks per node (Megatron's 8 on one machine)."""
     sweep = load_sweep("gpt3-xl-cluster.toml")
     hints = {r.experiment: r.nproc_per_node for r in sweep.runs}
-    assert hints == {"network": None, "megatron-layouts": 8, "torch-pipe-8gpu": 8}
+    assert hints == {"network": None, "megatron-layouts": 8, "ours-layouts": 8, "torch-pipe-8gpu": 8}

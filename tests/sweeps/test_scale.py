@@ -30,7 +30,7 @@ def test_seed_sweep_scaled_keeps_the_plan():
     before = copy.deepcopy(data)
     full, small = sweep_from_dict(data), sweep_from_dict(scale_down(data))
     assert data == before                                             # the input is left alone
-    assert small.name == "gpt3-xl-cluster-scaled" and len(small.runs) == len(full.runs) == 38
+    assert small.name == "gpt3-xl-cluster-scaled" and len(small.runs) == len(full.runs) == 42
     assert not small.invalid_runs
     assert [shape(r) for r in small.runs] == [shape(r) for r in full.runs]
     for r in small.runs:
@@ -64,7 +64,7 @@ def test_scale_down_flag_plans_the_scaled_sweep(tmp_path):
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     runs = [l for l in p.stdout.splitlines() if "runners.run" in l]
-    assert len(runs) == 10 and all("--model tiny --num-layers 24 --hidden-size 64" in r for r in runs)
+    assert len(runs) == 14 and all("--model tiny --num-layers 24 --hidden-size 64" in r for r in runs)
     assert load_sweep("gpt3-xl-cluster.toml", scale_down).name == "gpt3-xl-cluster-scaled"
     p = subprocess.run([sys.executable, "-m", "runners.sweep", "--scale-down", "--networks", "none", "--",
                         "--system", "ours"], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -313,6 +313,9 @@ def test_shipped_sweep_files_expand():
     assert all(flags(r)["--model"] == "gpt3-xl" and "--recompute" in r.args for r in xl.runs)
     meg = [flags(r) for r in xl.runs if r.system == "megatron"]
     assert len(meg) == 4 * 5 and {f["--micro-batch-size"] for f in meg} == {"1", "2", "4", "8", "16"}
+    ours_tp = {(f["--tp"], f["--pp"]) for f in map(flags, xl.runs) if f["--system"] == "ours" and f["--tp"] != "1"}
+    assert ours_tp == {("4", "2"), ("2", "4")}  # beside megatron's mixed layouts
+    assert any(r.system == "ours" and flags(r)["--tp"] == "2" for r in layout)  # beside megatron T-2
 
 
 def test_adhoc_network_sweep(tmp_path):
