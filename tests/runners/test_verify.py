@@ -131,3 +131,16 @@ def test_every_system_verifies_under_the_half_policies(system, precision, out_fi
     assert line.startswith(f"verify ({policy}, tol "), line
     (rec,) = read_records(out_file)
     assert rec["precision"] == precision and rec["verify"]["tolerance"].startswith(policy)
+
+
+def test_every_policys_tolerance_follows_from_the_kept_measurements():
+    """runners.tolerance's docstring: each policy's tolerance in force is the rule's (``derive``) over the
+    kept verify-spread runs; a new measurement beyond it, or a hand-edited tolerance, fails here."""
+    from runners.tolerance import TOLERANCES, derivation_runs, derive
+    from runners.verify_spread import KEEP, load
+
+    rows = load(KEEP)
+    for policy, tolerance in TOLERANCES.items():
+        runs = derivation_runs(policy, rows)
+        assert len(runs) >= 30, (policy, len(runs))  # many seeds, every system of the policy
+        assert derive(policy, runs) == tolerance, policy
