@@ -469,8 +469,12 @@ def predict_records(path: Path, directory: Path = RESULTS, log=print) -> dict[st
             kept[rec["run_id"]] = {"not_modelled": why_not}
             continue
         if verdict is None or not verdict["modelled"]:
-            why = ("not validated on this calibration's runs" if verdict is None else
-                   f"validation error median {verdict['median'] * 100:.0f} %, largest {verdict['max'] * 100:.0f} %")
+            if verdict is None:
+                why = "not validated on this calibration's runs"
+            elif verdict.get("median") is None:  # none of its runs could be predicted
+                why = f"the validation predicted none of its runs: {verdict.get('why', 'no prediction')}"
+            else:
+                why = f"validation error median {verdict['median'] * 100:.0f} %, largest {verdict['max'] * 100:.0f} %"
             kept[rec["run_id"]] = {"not_modelled": f"{case}: {why}"}
             continue
         p = record_prediction(cfg, (rec["environment"].get("network") or {}).get("measured_link"), cal)
@@ -534,6 +538,8 @@ def validate_records(paths: list[Path], directory: Path = RESULTS, log=print, na
         cases.setdefault(row["case"], {"errors": []})
         if row["error"] is not None:
             cases[row["case"]]["errors"].append(row["error"])
+        else:
+            cases[row["case"]].setdefault("why", row["why"])
     for case in cases.values():
         e = [abs(x) for x in case["errors"]]
         case.update(median=statistics.median(e) if e else None, max=max(e) if e else None,

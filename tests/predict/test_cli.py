@@ -165,6 +165,31 @@ def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp
     assert "not validated on this calibration's runs" in json.loads(predictions_path(records).read_text())[lines[0].run_id]["not_modelled"]
 
 
+def test_a_case_whose_runs_the_validation_could_not_predict_is_not_modelled_and_says_why(tmp_path, monkeypatch):
+    """The main job of 1125: torch_pipe zbv has no program in the simulator, so its case was validated
+    with no errors at all; predicting the records then failed on the missing error."""
+    import json
+
+    from contract.records import predictions_path
+    from predict import this_machine as local
+
+    _calibrated(tmp_path, monkeypatch)
+    records, lines = _records(tmp_path)
+
+    def unknown(*args, **kwargs):
+        raise ValueError("unknown schedule 'zbv' for torch_pipe")
+
+    with monkeypatch.context() as m:
+        m.setattr(local, "predict_here", unknown)
+        local.validate_records([records], directory=tmp_path, log=lambda line: None)
+    case = json.loads((tmp_path / "validation.json").read_text())["cases"]["ours P-2 s128"]
+    assert case["median"] is None and not case["modelled"] and "unknown schedule 'zbv'" in case["why"]
+    said = []
+    assert local.predict_records(records, directory=tmp_path, log=said.append) == {} and said == []
+    why = json.loads(predictions_path(records).read_text())[lines[0].run_id]["not_modelled"]
+    assert why == "ours P-2 s128: the validation predicted none of its runs: unknown schedule 'zbv' for torch_pipe"
+
+
 def test_an_auto_run_is_predicted_with_the_slices_it_used():
     import json
 
