@@ -51,6 +51,7 @@ class Run:
     minimum: float  # fastest step (s)
     peak_memory: tuple[int, ...]  # peak memory of every rank (bytes; peak RSS on CPU)
     busy: tuple[float, ...] = ()  # every rank's busy share of its step time (CPU runs; the rest is waiting)
+    details: str = ""  # the record's details (ours' auto: the K it kept, 'auto, tuned: K=8 (128x8)')
 
 
 def run_once(args: list[str], timeout: float) -> Run | None:
@@ -62,7 +63,7 @@ def run_once(args: list[str], timeout: float) -> Run | None:
         print(f"  run failed ({' '.join(args)}): {str(why)[:500]}", file=sys.stderr)
         return None
     return Run(rec["median_step_time"], rec.get("min_step_time") or rec["median_step_time"],
-               tuple(rec.get("peak_memory_bytes") or ()), tuple(rec.get("busy_fraction") or ()))
+               tuple(rec.get("peak_memory_bytes") or ()), tuple(rec.get("busy_fraction") or ()), rec.get("details") or "")
 
 
 @dataclass
@@ -137,7 +138,8 @@ def run_alternating(batch: int, configs: dict[str, list[str]], common: list[str]
             r = run_once(configs[name] + common, opts.timeout)
             sitting.runs[name].append(r)
             print(f"batch {batch} rep {rep + 1}/{opts.reps} {name}: "
-                  f"{'failed' if r is None else f'median {r.median * 1e3:.0f} ms, min {r.minimum * 1e3:.0f} ms'}",
+                  f"{'failed' if r is None else f'median {r.median * 1e3:.0f} ms, min {r.minimum * 1e3:.0f} ms'}"
+                  f"{f' ({r.details})' if r is not None and r.details else ''}",
                   file=sys.stderr, flush=True)
     return sitting
 
