@@ -298,14 +298,23 @@ def memory_line(recs: dict[str, dict]) -> Line:
     return Line(check, ok, "per GPU, reserved >= allocated > 0 expected; " + "; ".join(parts))
 
 
+def _git(*args: str) -> str:
+    """git's answer in the repository, or "" where there is none (a copy of the tree without .git, or no
+    git on the machine: a GPU host's copy, say); the summary then names the code by PIPEBENCH_COMMIT."""
+    try:
+        p = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return p.stdout.strip() if p.returncode == 0 else ""
+
+
 def summary(lines: Sequence[Line], title: str, argv: Sequence[str], elapsed: float) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
+    commit = _git("rev-parse", "--short", "HEAD") or os.environ.get("PIPEBENCH_COMMIT") or "?"
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
     counts = {v: sum(1 for l in lines if l.passed is v) for v in (True, False, None)}
     return "\n".join([
         f"# gpu_check: {title}", "",
-        f"`scripts/gpu_check.sh {' '.join(argv)}` at {commit or '?'}{' (with local changes)' if dirty else ''}, "
+        f"`scripts/gpu_check.sh {' '.join(argv)}` at {commit}{' (with local changes)' if dirty else ''}, "
         f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {elapsed / 60:.1f} min: {counts[True]} passed, "
         f"{counts[False]} failed, {counts[None]} not run.", "",
         "| check | result | detail |", "| --- | --- | --- |", *(l.row() for l in lines), ""])
