@@ -55,7 +55,7 @@ def tune_slices(planned: tuple[int, ...], make_engine, params: list[torch.nn.Par
         start = time.perf_counter()
         engine.step(inputs, targets)
         ctx.synchronize()
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)  # NCCL: on the GPU
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         for p in params:
             p.grad = None

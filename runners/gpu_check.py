@@ -1,6 +1,7 @@
 """The checks that prove the CUDA path on one machine with one GPU (scripts/gpu_check.sh).
 
-    python -m runners.gpu_check [--out FILE.md] [--only CHECK]... [--steps N] [--device cuda|cpu]
+    python -m runners.gpu_check [--out FILE.md] [--only CHECK]... [--steps N] [--run-timeout S] [--jobs J]
+                                [--device cuda|cpu]
 
 Each check is one line (a row) of a markdown summary, written to FILE.md (default
 results/measured-here/gpu-check-<gpu>.md), the runs' records beside it (FILE.jsonl):
@@ -17,6 +18,12 @@ results/measured-here/gpu-check-<gpu>.md), the runs' records beside it (FILE.jso
 - figures: the closing barrier of those two runs (under d10-1g the last rank to arrive waits one
   delay: at least that, or the barrier does not block the host), and the memory of the shared runs
   per GPU (allocated and reserved, reserved ≥ allocated > 0) beside each rank's CPU RSS.
+
+The summary is written after every check, so a check script stopped part-way (a device lease's end)
+keeps the rows it had. Each run is bounded by ``--run-timeout`` (a hang costs that, not the lease),
+under which NCCL's watchdog ends a hung run first and its row names the operation that never came
+(``runners.worker.op_timeout``). ``--jobs J`` runs J one-rank checks at once (on one GPU their step
+times then share it: the rows say so; --verify is what they check).
 
 Without a GPU it says so and exits 0 once its arguments are judged (``--device cpu`` runs the same
 checks on CPU over gloo instead: a rehearsal of this script, which proves nothing of CUDA). The
@@ -82,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "gpu-check-<gpu>.md), the records beside it (.jsonl)")
     ap.add_argument("--only", action="append", choices=CHECKS, default=[], help="only this check (repeatable)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps of each run (default 3)")
+    ap.add_argument("--run-timeout", type=float, default=240.0,
+                    help="seconds each run may take before it is stopped and its row fails (default 240)")
+    ap.add_argument("--jobs", type=int, default=1, help="one-rank checks run at once (default 1)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: the same checks on CPU over gloo, a rehearsal of this script (default cuda)")
     return ap
@@ -92,9 +102,16 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def common_args(device: str, steps: int) -> list[str]:
-    return ["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", "--steps", str(steps), "--warmup", "1",
-            "--timeout", "600", "--device", device]
+@dataclass(frozen=True)
+class Settings:
+    device: str
+    steps: int
+    run_timeout: float
+
+    def args(self, steps: int | None = None) -> list[str]:
+        """Every run's common arguments."""
+        return ["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", "--steps", str(steps or self.steps),
+                "--warmup", "1", "--timeout", f"{self.run_timeout:g}", "--device", self.device]
 
 
 def verify_line(check: str, rec: dict | None, tail: str) -> Line:
@@ -143,19 +160,30 @@ def environment_line(device: str) -> Line:
                 f"{' '.join(gpus.arch_list)}; CUDA {torch.version.cuda}, NCCL {nccl}; {found}; {peak}")
 
 
-def one_rank_lines(device: str, steps: int, records: Path, say: Callable[[str], None]) -> list[Line]:
-    from runners.invoke import run_command
+def one_rank_lines(settings: Settings, jobs: int, records: Path, report: "Report") -> None:
+    """Every system at one rank, in each precision, ``jobs`` runs at once; each row added as its run ends."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    lines = []
-    for precision in PRECISIONS:
-        extra = ["--precision", precision]
-        for system, args in ONE_RANK.items():
-            check = f"one rank: {system} {precision}"
-            started = time.monotonic()
-            inv = run_command([*args, *common_args(device, steps), *extra, "--verify"], out=records, timeout=900)
-            lines.append(verify_line(check, inv.record, inv.output))
-            say(f"{lines[-1].row()} ({time.monotonic() - started:.0f} s)")
-    return lines
+    from runners.invoke import run_command
+    from runners.record import append_line
+
+    def check(system: str, precision: str) -> tuple[Line, float]:
+        started = time.monotonic()
+        inv = run_command([*ONE_RANK[system], *settings.args(), "--precision", precision, "--verify"],
+                          timeout=settings.run_timeout + 90)  # its own --timeout stops it first
+        if inv.record is not None:
+            append_line(records, json.dumps(inv.record))
+        return verify_line(f"one rank: {system} {precision}", inv.record, inv.output), time.monotonic() - started
+
+    shared = f", {jobs} runs at once on one device" if jobs > 1 else ""
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        futures = [pool.submit(check, system, precision) for precision in PRECISIONS for system in ONE_RANK]
+        for future in as_completed(futures):
+            line, took = future.result()
+            report.add(line, f"({took:.0f} s{shared})")
+    finally:  # on an interruption: no new runs; those running are stopped with this process (runners.invoke)
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Nodes:
@@ -207,15 +235,15 @@ class Nodes:
         return (json.loads(lines[-1]) if len(lines) > before else None), tail
 
 
-def shared_lines(nodes: Nodes, device: str, steps: int, records: Path, say) -> tuple[list[Line], dict[str, dict]]:
-    lines, recs = [], {}
+def shared_lines(nodes: Nodes, settings: Settings, records: Path, report: "Report") -> dict[str, dict]:
+    recs = {}
     for label, args in SHARED.items():
         check = f"shared GPU: {label}"
         if nodes.executor is None:
-            lines.append(Line(check, None, nodes.why or "no nodes"))
+            report.add(Line(check, None, nodes.why or "no nodes"))
             continue
         started = time.monotonic()
-        rec, tail = nodes.run([*args, *common_args(device, steps), "--verify"], "none", records)
+        rec, tail = nodes.run([*args, *settings.args(), "--verify"], "none", records)
         if rec is not None:
             recs[label] = rec
         line = verify_line(check, rec, tail)
@@ -223,12 +251,11 @@ def shared_lines(nodes: Nodes, device: str, steps: int, records: Path, say) -> t
             hosts = rec.get("environment", {}).get("hostnames") or []
             line = Line(check, line.passed, f"{line.detail}; {len(hosts)} hosts {', '.join(hosts)}, backend "
                                              f"{rec.get('environment', {}).get('backend')}")
-        lines.append(line)
-        say(f"{line.row()} ({time.monotonic() - started:.0f} s)")
-    return lines, recs
+        report.add(line, f"({time.monotonic() - started:.0f} s)")
+    return recs
 
 
-def shaped_line(nodes: Nodes, device: str, steps: int, records: Path, say) -> tuple[Line, dict[str, dict]]:
+def shaped_line(nodes: Nodes, settings: Settings, records: Path) -> tuple[Line, dict[str, dict]]:
     from network_emulation.profiles import parse_profile
 
     label, profile, stages = SHAPED
@@ -238,7 +265,7 @@ def shaped_line(nodes: Nodes, device: str, steps: int, records: Path, say) -> tu
     delay = parse_profile(profile).link_spec.delay_ms
     recs = {}
     for network in ("none", profile):
-        rec, tail = nodes.run([*SHARED[label], *common_args(device, steps)], network, records)
+        rec, tail = nodes.run([*SHARED[label], *settings.args(max(settings.steps, 5))], network, records)
         if rec is None or rec.get("status") != "ok":
             why = rec.get("error") if rec else ([l for l in tail.splitlines() if l.strip()] or ["no output"])[-1]
             return Line(check, False, f"the {network} run: {str(why)[:300]}"), recs
@@ -252,7 +279,6 @@ def shaped_line(nodes: Nodes, device: str, steps: int, records: Path, say) -> tu
                 f"one-way delays of {delay:g} ms, at least {floor} (fill and drain) expected; "
                 f"backend {recs[profile].get('environment', {}).get('backend')}, "
                 f"{' '.join(f'{k}={v}' for k, v in nccl.items())}")
-    say(line.row())
     return line, recs
 
 
@@ -308,7 +334,8 @@ def _git(*args: str) -> str:
     return p.stdout.strip() if p.returncode == 0 else ""
 
 
-def summary(lines: Sequence[Line], title: str, argv: Sequence[str], elapsed: float) -> str:
+def summary(lines: Sequence[Line], title: str, argv: Sequence[str], elapsed: float, state: str = "") -> str:
+    """The markdown summary; ``state`` says where a check script that has not ended stands."""
     commit = _git("rev-parse", "--short", "HEAD") or os.environ.get("PIPEBENCH_COMMIT") or "?"
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     counts = {v: sum(1 for l in lines if l.passed is v) for v in (True, False, None)}
@@ -316,8 +343,32 @@ def summary(lines: Sequence[Line], title: str, argv: Sequence[str], elapsed: flo
         f"# gpu_check: {title}", "",
         f"`scripts/gpu_check.sh {' '.join(argv)}` at {commit}{' (with local changes)' if dirty else ''}, "
         f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {elapsed / 60:.1f} min: {counts[True]} passed, "
-        f"{counts[False]} failed, {counts[None]} not run.", "",
+        f"{counts[False]} failed, {counts[None]} not run{f' ({state})' if state else ''}.", "",
         "| check | result | detail |", "| --- | --- | --- |", *(l.row() for l in lines), ""])
+
+
+class Report:
+    """The rows so far, printed as they come and written to ``out`` after each (nothing is lost when
+    the script is stopped part-way); ``finish`` writes the final summary."""
+
+    def __init__(self, out: Path, title: str, argv: Sequence[str]):
+        self.out, self.title, self.argv = out, title, list(argv)
+        self.lines: list[Line] = []
+        self.started = time.monotonic()
+
+    def add(self, line: Line, note: str = "") -> None:
+        self.lines.append(line)
+        print(f"{line.row()}{f' {note}' if note else ''}", flush=True)
+        self._write("in progress")
+
+    def finish(self, state: str = "") -> None:
+        self._write(state)
+
+    def _write(self, state: str) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        tmp.write_text(summary(self.lines, self.title, self.argv, time.monotonic() - self.started, state))
+        tmp.replace(self.out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -326,6 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.run_timeout < 30:
+        ap.error(f"--run-timeout must be >= 30 s, got {args.run_timeout:g}")
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.out is not None:
         try:
             check_writable(args.out, "--out")
@@ -348,41 +403,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out or REPO / "results" / "measured-here" / f"gpu-check-{slug(name)}.md")
     records = out.with_suffix(".jsonl")
     records.unlink(missing_ok=True)
-    started = time.monotonic()
-
-    def say(text: str) -> None:
-        print(text, flush=True)
-
-    lines: list[Line] = []
+    settings = Settings(args.device, args.steps, args.run_timeout)
+    title = name if args.device == "cuda" else "CPU over gloo (a rehearsal of the script, not a GPU check)"
+    report = Report(out, title, argv)
     try:
         with signals_raise():
             if "environment" in only:
-                lines.append(environment_line(args.device))
-                say(lines[-1].row())
+                report.add(environment_line(args.device))
             if "one-rank" in only:
-                lines += one_rank_lines(args.device, args.steps, records, say)
+                one_rank_lines(settings, args.jobs, records, report)
             if only & {"shared", "shaped", "figures"}:
                 with Nodes(NODES, sys.stdout) as nodes:
                     shared_recs, shaped_recs = {}, {}
                     if "shared" in only:
-                        got, shared_recs = shared_lines(nodes, args.device, args.steps, records, say)
-                        lines += got
+                        shared_recs = shared_lines(nodes, settings, records, report)
                     if only & {"shaped", "figures"}:  # the figures are read off these runs (and the shared ones)
-                        got_line, shaped_recs = shaped_line(nodes, args.device, max(args.steps, 5), records, say)
-                        lines += [got_line] if "shaped" in only else []
+                        got_line, shaped_recs = shaped_line(nodes, settings, records)
+                        if "shaped" in only:
+                            report.add(got_line)
                     if "figures" in only:
                         memory_of = shared_recs or {f"{SHAPED[0]} {k}": v for k, v in shaped_recs.items()}
-                        lines += [barrier_line(shaped_recs), memory_line(memory_of)]
-                        say(lines[-2].row())
-                        say(lines[-1].row())
+                        report.add(barrier_line(shaped_recs))
+                        report.add(memory_line(memory_of))
     except (KeyboardInterrupt, Terminated):
-        print("gpu_check: interrupted; nothing written", file=sys.stderr)
-        return 130
-    title = name if args.device == "cuda" else "CPU over gloo (a rehearsal of the script, not a GPU check)"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(summary(lines, title, argv, time.monotonic() - started))
-    say(f"gpu_check: {out} ({records.name} beside it)")
-    return 1 if any(l.passed is False for l in lines) else 0
+        report.finish(f"interrupted after {len(report.lines)} checks")
+        print(f"gpu_check: interrupted; the rows so far are in {out}", file=sys.stderr, flush=True)
+        os._exit(130)  # runs still going in the pool's threads are stopped with this process (runners.invoke)
+    report.finish()
+    print(f"gpu_check: {out} ({records.name} beside it)", flush=True)
+    return 1 if any(l.passed is False for l in report.lines) else 0
 
 
 if __name__ == "__main__":

@@ -145,6 +145,13 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def nccl_watchdog(log_tail: str) -> str:
+    """'; NCCL's watchdog: <its line>' where a rank's NCCL watchdog ended it for an operation that
+    waited past the process group's timeout (``runners.worker.op_timeout``), else ''."""
+    line = next((l for l in log_tail.splitlines() if "Watchdog caught collective operation timeout" in l), None)
+    return f"; NCCL's watchdog: {line.strip()[:600]}" if line else ""
+
+
 def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeout: float, log_tail: str,
             expect_result: bool = True, oom_killed: bool = False) -> LaunchResult:
     """The outcome of a run from its files. ``expect_result`` is False on the nodes of a multi-node run
@@ -173,7 +180,7 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
     first = [int(r) for r, code in _TORCHRUN_EXIT.findall(root) if int(code) < 0]
     if killed:
         rank = first[0] if first else min(killed, key=lambda r: (killed[r] == signal.SIGTERM, r))
-        how = f"rank {rank} was killed by {_signal_name(killed[rank])}"
+        how = f"rank {rank} was killed by {_signal_name(killed[rank])}" + nccl_watchdog(log_tail)
         if oom_killed:
             return LaunchResult("oom", how + " (the kernel's OOM killer)", ranks, grads, run_dir)
         return LaunchResult("error", how, ranks, grads, run_dir)
@@ -183,7 +190,8 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
     if (ranks is not None or not expect_result) and all(rc == 0 for rc in returncodes):
         return LaunchResult("ok", None, ranks, grads, run_dir)
     last = [l for l in log_tail.splitlines() if l.strip()][-3:]
-    msg = f"a rank failed (exit codes {returncodes})" + (": " + " | ".join(l.strip() for l in last) if last else "")
+    msg = (f"a rank failed (exit codes {returncodes})" + (nccl_watchdog(log_tail) or
+                                                          (": " + " | ".join(l.strip() for l in last) if last else "")))
     return LaunchResult("oom" if oom_killed else "error", msg[:2000], ranks, grads, run_dir)
 
 

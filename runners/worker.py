@@ -83,6 +83,15 @@ def hardware_peak(devices: tuple[torch.device, ...], cfg: RunConfig) -> tuple[fl
     return sum(measured) / len(measured), f"measured-matmul:{precision}", name
 
 
+def op_timeout(backend: str, run_timeout: float) -> float:
+    """Seconds one collective or point-to-point operation may wait. gloo: the run's whole timeout (a
+    hang there ends as the launcher's ``timeout``, naming each rank's pending operations under
+    ``--p2p-semantics nccl``). NCCL: 0.8 of it, so that its watchdog ends a hung run first and names
+    the operation it waited on (``WorkNCCL(SeqNum=.., OpType=..)``, in the record's error) instead of
+    a bare timeout: on a GPU nothing else can say which message never came."""
+    return max(60.0, run_timeout) if backend != "nccl" else max(30.0, 0.8 * run_timeout)
+
+
 def is_oom(exc: BaseException) -> bool:
     text = str(exc).lower()
     return (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
@@ -101,7 +110,7 @@ def main(run_dir: Path) -> int:
         device = devices[0]
         if device.type == "cpu":
             torch.set_num_threads(1)  # one thread per rank: ranks share few cores
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(60.0, cfg.timeout)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=op_timeout(backend, cfg.timeout)))
         if cfg.p2p_semantics == "nccl":  # gloo under NCCL's rules (a no-op where the backend is NCCL)
             nccl_rules.install(rank, device, run_dir)
         torch.manual_seed(cfg.seed)

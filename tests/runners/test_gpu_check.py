@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from runners.gpu_check import Line, barrier_line, memory_line, slug, verify_line
+from runners.gpu_check import Line, Report, barrier_line, memory_line, slug, verify_line
 from tests.conftest import REPO
 
 
@@ -27,7 +27,8 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
 def test_its_arguments_are_judged_first(tmp_path):
     for args, message in ((["--only", "bogus"], "invalid choice: 'bogus'"), (["--steps", "0"], "--steps must be >= 1"),
                           (["--out", str(tmp_path / "missing" / "s.md")], "no such directory"),
-                          (["--device", "tpu"], "invalid choice: 'tpu'")):
+                          (["--device", "tpu"], "invalid choice: 'tpu'"), (["--jobs", "0"], "--jobs must be >= 1"),
+                          (["--run-timeout", "5"], "--run-timeout must be >= 30 s")):
         p = _check(*args)
         assert p.returncode == 2 and message in p.stderr.strip().splitlines()[-1], (args, p.stderr)
 
@@ -57,3 +58,15 @@ def test_rows_judge_the_records():
     assert barrier_line(shaped).passed is True
     shaped["d10-1g"]["barrier_time_first"] = 0.0005  # a barrier that does not block the host
     assert barrier_line(shaped).passed is False
+
+
+def test_the_summary_is_written_after_every_row(tmp_path):
+    """A check script stopped part-way (a device lease's end) keeps the rows it had."""
+    out = tmp_path / "gpu-check.md"
+    report = Report(out, "NVIDIA H100 80GB HBM3", ["--jobs", "4"])
+    report.add(Line("environment", True, "sm_90"))
+    assert "| environment | PASS | sm_90 |" in out.read_text() and "(in progress)" in out.read_text()
+    report.add(Line("one rank: ours fp32", False, "error: x"))
+    report.finish("interrupted after 2 checks")
+    text = out.read_text()
+    assert "1 passed, 1 failed, 0 not run (interrupted after 2 checks)." in text and "| **FAIL** |" in text
