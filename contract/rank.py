@@ -92,10 +92,13 @@ class Context:
         return build_stage(self.config.model, spec, self.config.seed, self.device)
 
     def synchronize(self) -> None:
-        """Wait until every GPU this process uses has finished the work queued on it."""
+        """Wait until every GPU this process uses has finished the work queued on its current stream.
+        Not the whole device (``torch.cuda.synchronize``): that waits for every stream, NCCL's too, and
+        a receive posted there ahead of its send (the next step's) would never finish; each system
+        joins its communication into the current stream (``Work.wait``) before its step returns."""
         for device in self.devices:
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                torch.cuda.current_stream(device).synchronize()
 
 
 class StepBarrier:
@@ -107,8 +110,12 @@ class StepBarrier:
     keeps it from matching a system's own messages). Over gloo a message moves only once its receive
     is posted, so each use posts the next use's receives (the last use leaves none behind); on a
     link that carries one direction only, a pending receive holds back no send, as NCCL's rules
-    require. On CUDA it blocks the host: an NCCL ``wait`` only orders the current stream, so the
-    barrier synchronises that stream after its last round (else its wait moves into the next step)."""
+    require. On CUDA it posts a use's receives when that use begins instead: a receive posted ahead
+    is an NCCL kernel that spins on the GPU until its message comes, through the whole step, and a
+    device-wide synchronise inside a system (megatron's point-to-point does one) or a CUDA call that
+    waits for the device (a lazily loaded kernel's first launch) would wait for it forever. And it
+    blocks the host: an NCCL ``wait`` only orders the current stream, so the barrier synchronises that
+    stream after its last round (else its wait moves into the next step)."""
 
     def __init__(self, ctx: Context, uses: int):
         self.ctx, self.uses = ctx, uses
@@ -117,7 +124,8 @@ class StepBarrier:
         self.links = link_groups(((r, (r + k) % n) for r in range(n) for k in rounds), ctx.device)
         self.peers = [((ctx.rank + k) % n, (ctx.rank - k) % n) for k in rounds]  # (to, from) per round
         self.token = torch.zeros(1, device=ctx.device)
-        self._posted = self._post()
+        self.ahead = ctx.device.type == "cpu"  # gloo: post the next use's receives ahead; NCCL: at the use
+        self._posted = self._post() if self.ahead else None
 
     def _post(self) -> list[tuple[torch.Tensor, Any]] | None:
         if self.uses <= 0:
@@ -127,14 +135,15 @@ class StepBarrier:
         return [(b, dist.irecv(b, src, group=self.links[src, me])) for b, (_, src) in zip(bufs, self.peers)]
 
     def wait(self) -> None:
-        posted, self.uses = self._posted, self.uses - 1
+        posted = self._posted if self.ahead else self._post()
+        self.uses -= 1
         assert posted is not None, "StepBarrier used more often than declared"
         me = self.ctx.rank
         for (dst, _), (_, recv) in zip(self.peers, posted):
             send = dist.isend(self.token, dst, group=self.links[me, dst])
             recv.wait()
             send.wait()
-        self._posted = self._post()
+        self._posted = self._post() if self.ahead else None
         if self.ctx.device.type == "cuda":
             torch.cuda.current_stream(self.ctx.device).synchronize()
 

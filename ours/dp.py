@@ -148,6 +148,9 @@ class LocalSync:
     def post_receives(self) -> None:
         """Post the receives of the coming step's sync (nothing to receive here)."""
 
+    def post_ahead(self) -> None:
+        """As ``post_receives``, a step ahead where that helps (nothing to receive here)."""
+
     @torch.no_grad()
     def step(self) -> float:
         self.opt.step()
@@ -252,6 +255,12 @@ class PointToPointSync:
                     jlo, jhi = b.ranges[j]
                     recvs["back", i, j] = dist.irecv(self._back[i][jlo:jhi], self.ranks[j], group=self._link(j, me))
         self._recvs = recvs
+
+    def post_ahead(self) -> None:
+        """``post_receives`` a step ahead, on gloo only (see ``ours.engine.StageEngine.post_ahead``);
+        on CUDA ``step`` posts them."""
+        if self._grad and self._grad[0].device.type == "cpu":
+            self.post_receives()
 
     def grads_ready(self, params: list[torch.nn.Parameter]) -> None:
         for i in self.readiness.ready(params):

@@ -275,6 +275,14 @@ class StageEngine:
             (fwd if kind == "F" else bwd)[u] = (buf, dist.irecv(buf, src, group=self.links[src, self.rank]))
         self._posted = (fwd, bwd)
 
+    def post_ahead(self) -> None:
+        """Post the coming step's receives now where that helps: gloo moves a message only once its
+        receive is posted. On CUDA the step posts its own when it begins (``post_receives``): a
+        receive posted ahead is an NCCL kernel spinning on the GPU across the optimizer step and the
+        step's end, and CUDA promises no progress of one stream beside another's spinning kernel."""
+        if self.device.type == "cpu":
+            self.post_receives()
+
     def _send(self, t: torch.Tensor, dst: int, sends: list) -> None:
         out = t.detach().to(self.wire_dtype).contiguous()  # gloo: contiguous CPU tensors
         sends.append((out, dist.isend(out, dst, group=self.links[self.rank, dst])))
@@ -316,7 +324,7 @@ class StageEngine:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, post_next: bool = False) -> torch.Tensor | None:
         """Forward and backward of the replica batch; leaves every parameter's gradient in .grad.
         Returns the replica's mean loss (a 0-dim tensor) on the last stage, else None. ``post_next``:
-        another step follows, whose receives are posted before this one returns."""
+        another step follows, whose receives are posted before this one returns (``post_ahead``)."""
         st, self._pending = self._pending, None
         if st is None:
             st = self._begin(inputs)
@@ -327,7 +335,7 @@ class StageEngine:
             if a is not None:
                 a.join()
         if post_next:
-            self.post_receives()
+            self.post_ahead()
         tr = self.tracer
         with tr.span("wgrad", "weight grads"):
             self._report(self._autograd_params)

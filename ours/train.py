@@ -121,6 +121,9 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
                 if (s, t) == (pp_rank, tp_rank):
                     group = g
     tp_group = tp_groups(pp, tp, dp, ctx.rank)
+    for g in (tp_group, group):  # NCCL creates a group's communicator at its first collective (it blocks the
+        if g is not None:        # host and allocates on the GPU): here, before any receive is posted
+            dist.all_reduce(torch.zeros(1, device=ctx.device), group=g)
     links = link_groups(pipeline_links(pp, dp, tp) + dp_links(pp, dp, tp), ctx.device)
 
     wire = getattr(torch, WIRE_DTYPES[options.wire_dtype])
@@ -149,17 +152,18 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         engine.grads_ready = sync.grads_ready
 
     def step(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
-        more = ctx.plan.more_after(i)  # post the next step's receives a step ahead
+        more = ctx.plan.more_after(i)  # post the next step's receives a step ahead (on gloo: post_ahead)
         for p in params:
             p.grad = None
         engine.loss_scale = scaler.scale
+        sync.post_receives()  # no-op where the previous step posted them
         loss = engine.step(inputs, targets, post_next=more)
         dt = 0.0
         with tracer.span("sync", f"dp {options.dp_mode} + optimizer" if dp > 1 else "optimizer"):
             if scaler.check_and_unscale(params):
                 dt = sync.step()
             if more:
-                sync.post_receives()
+                sync.post_ahead()
             ctx.synchronize()
         if more and options.prefetch:  # the stage's weights are final for step i + 1
             engine.prefetch(ctx.batch(i + 1, dp_rank)[0], options.prefetch)
@@ -171,8 +175,8 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         full = gather_full({n: p.detach() for n, p in named}, tp, tp_group)
         return full if dp_rank == 0 and tp_rank == 0 else {}
 
-    engine.post_receives()  # the first step's receives, before the first step
-    sync.post_receives()
+    engine.post_ahead()  # the first step's receives, before the first step (gloo)
+    sync.post_ahead()
     m = run_steps(ctx, dp_rank, step, weights=weights)
     if cfg.verify:
         grads = gather_full(sync.grads(), tp, tp_group)

@@ -23,6 +23,13 @@ from runners.lifetime import die_with_parent_now  # noqa: E402
 
 die_with_parent_now()
 
+# CUDA loads a kernel's module at its first launch by default (torch sets LAZY), and that load waits
+# for the device: with a receive posted on an NCCL stream, spinning until a peer sends what it sends
+# only after this rank's next kernels, the first launch of a kernel never ends (the CUDA Programming
+# Guide's lazy-loading caveat for kernels that wait on each other). Every module loaded at start-up
+# instead, unless the user chose.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 

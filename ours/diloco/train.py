@@ -153,7 +153,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         with diloco:
             manager.start_quorum()  # the first quorum connects the manager's process group
             if engine is not None:
-                engine.post_receives()  # the first step's receives, before the first step
+                engine.post_ahead()  # the first step's receives, before the first step (gloo)
             m = run_steps(ctx, dp_rank, step, weights)
     finally:
         manager.shutdown(wait=False)
