@@ -32,13 +32,16 @@ class Overheads:
     synchronisation (flattening, copying, the collectives' own bookkeeping); compute: the factor the
     system's own kernels take over the profiled ones on the layers', head's and embeddings' math (the
     profile measures ours' kernels: a baseline's plain blocks, whose linears compute their input and
-    weight gradients in one backward, run at their own speed; 1: as profiled)."""
+    weight gradients in one backward, run at their own speed; 1: as profiled); tp: the factor a
+    tensor-parallel rank's math takes over 1/tp of the profiled math (its narrower matrices and, on a
+    host's shared cores, the all-reduces' copies and reductions beside it; 1: the profile over tp)."""
 
     step: float = 0.0
     unit: float = 0.0
     unit_layer: float = 0.0
     dp: float = 0.0
     compute: float = 1.0
+    tp: float = 1.0
 
     def per_unit(self, layers: int) -> float:
         return self.unit + self.unit_layer * layers

@@ -15,7 +15,7 @@ from predict.compute import GpuCompute, Overheads
 from predict.step_time import predict
 from predict.run_spec import RunSpec
 
-PARAMS = ("step", "unit", "unit_layer", "dp", "compute")
+PARAMS = ("step", "unit", "unit_layer", "dp", "compute", "tp")
 
 
 def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -89,9 +89,9 @@ def fit_overheads(system: str, runs: list[tuple], cores: float | None,
     report = []
     for run, p in zip(runs, times(x)):
         spec, m = run[0], run[1]
-        report.append(dict(system=spec.system, model=spec.model.name, pp=spec.pp, dp=spec.dp, batch=spec.batch_size,
-                           slices=len(spec.token_slices), dp_mode=spec.dp_mode, measured=m, fitted=p,
-                           error=(p - m) / m, cores=run[3] if len(run) > 3 else cores))
+        report.append(dict(system=spec.system, model=spec.model.name, pp=spec.pp, tp=spec.tp, dp=spec.dp,
+                           batch=spec.batch_size, slices=len(spec.token_slices), dp_mode=spec.dp_mode, measured=m,
+                           fitted=p, error=(p - m) / m, cores=run[3] if len(run) > 3 else cores))
     return fitted, report
 
 

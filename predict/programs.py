@@ -61,13 +61,15 @@ class _Step:
     def __init__(self, spec: RunSpec, cm: ComputeModel, network: Network, step: int):
         self.spec, self.net, self.step = spec, network, step
         self.o: Overheads = cm.overheads(spec.system)
-        self.cm = cm if self.o.compute == 1.0 else Scaled(cm, self.o.compute)  # the system's own kernels
         m = spec.model
         self.h, self.seq = m.n_embd, m.seq_len
         self.V = spec.virtual_pp
         self.n_chunks = spec.pp * spec.virtual_pp
         self.layers = m.n_layer // self.n_chunks  # per model chunk
         self.tp = spec.tp if spec.system in TENSOR_PARALLEL else 1
+        # the system's own kernels, and a tensor-parallel rank's math beyond 1/tp of the profiled
+        factor = self.o.compute * (self.o.tp if self.tp > 1 else 1.0)
+        self.cm = cm if factor == 1.0 else Scaled(cm, factor)
         self.width = spec.head_classes  # None: the vocabulary
 
     def params(self, layers: int, first: bool, last: bool, tp: int = 1) -> int:

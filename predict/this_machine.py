@@ -108,6 +108,7 @@ class LocalRun:
     network: str = "none"
     pp: int = 2
     dp: int = 1
+    tp: int = 1
     batch: int = 2
     micro: int = 1
     seq: int = 128
@@ -120,12 +121,17 @@ class LocalRun:
         what = self.system if self.system != "torch_pipe" else f"torch_pipe {self.schedule}"
         if self.system == "ours":
             what += f" K={self.n_slices}" + (f" {self.dp_mode}" if self.dp > 1 else "")
-        layout = f"P-{self.pp}" + (f" D-{self.dp}" if self.dp > 1 else "")
+        parts = [f"T-{self.tp}"] if self.tp > 1 else []
+        if self.pp > 1 or self.tp == 1:
+            parts.append(f"P-{self.pp}")
+        if self.dp > 1:
+            parts.append(f"D-{self.dp}")
+        layout = " ".join(parts)
         return f"{what} {self.model} s{self.seq} {layout} B={self.batch} b={self.micro}"
 
     def argv(self, out: Path, steps: int, warmup: int) -> list[str]:
         a = [sys.executable, "-m", "runners.run", "--system", self.system, "--model", self.model,
-             "--seq-length", str(self.seq), "--pp", str(self.pp), "--dp", str(self.dp), "--batch-size",
+             "--seq-length", str(self.seq), "--pp", str(self.pp), "--tp", str(self.tp), "--dp", str(self.dp), "--batch-size",
              str(self.batch), "--micro-batch-size", str(self.micro), "--steps", str(steps), "--warmup", str(warmup),
              "--network", self.network, "--out", str(out), "--timeout", "600"]
         if self.system == "ours":
@@ -149,6 +155,12 @@ CALIBRATION_RUNS = (
     # the main job's long sequence (sweeps/local.toml), ours in its default order of units
     LocalRun("torch_pipe", "cpu-small", seq=1024, batch=1),
     LocalRun("ours", "cpu-small", seq=1024, batch=2, n_slices=4, schedule="1f1b"),
+    # tensor parallelism (the main job's T-2): what a tensor-parallel rank's math costs beyond half the
+    # profiled math (``Overheads.tp``), at two amounts of math per step (Megatron's per-step cost too)
+    LocalRun("megatron", "cpu-small", pp=1, tp=2, seq=256, batch=2, schedule="1f1b"),
+    LocalRun("megatron", "cpu-small", pp=1, tp=2, seq=1024, batch=1, schedule="1f1b"),
+    LocalRun("ours", "cpu-small", pp=1, tp=2, seq=256, batch=2, schedule="1f1b"),
+    LocalRun("ours", "cpu-small", pp=1, tp=2, seq=1024, batch=1, schedule="1f1b"),  # auto kept K=1 there
 )
 # The shapes a calibration profiles beyond its runs' own: the main job's (cpu-small at 1024 tokens,
 # whose profile covers its 256-token runs too)
@@ -271,6 +283,7 @@ def matches(run: LocalRun, record: dict) -> bool:
     c = record.get("config") or {}
     same = (c.get("system") == run.system and c.get("model", {}).get("name") == run.model
             and c.get("model", {}).get("seq_len") == run.seq and c.get("pp") == run.pp and c.get("dp") == run.dp
+            and c.get("tp", 1) == run.tp
             and c.get("batch_size") == run.batch and c.get("micro_batch_size") == run.micro
             and c.get("network") == run.network)
     if not same:
@@ -350,16 +363,20 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
     # torch_pipe's own kernels (plain blocks) run at a factor of the profiled ones (ours' kernels):
     # fitted with its overheads, the cpu-small run giving it leverage over the tiny ones
     for system, params in (("torch_pipe", ("step", "unit", "compute")), ("ours", ("step", "unit_layer"))):
-        sel = rows(lambda r: r.system == system and r.dp == 1)
+        sel = rows(lambda r: r.system == system and r.dp == 1 and r.tp == 1)
         if sel:
             overhead[system], rep = fit_overheads(system, sel, cores, params)
             report += rep
-    sel = rows(lambda r: r.system == "ours" and r.dp > 1)
-    if sel:
-        overhead["ours"], rep = fit_overheads("ours", sel, cores, ("dp",))
-        report += rep
+    # then what the pipeline runs left open: ours' data-parallel sync, the tensor-parallel math of ours
+    # and of Megatron (its per-step cost with it: Megatron has no pipeline run here)
+    for system, params, select in (("ours", ("dp",), lambda r: r.dp > 1), ("ours", ("tp",), lambda r: r.tp > 1),
+                                   ("megatron", ("step", "tp"), lambda r: r.tp > 1)):
+        sel = rows(lambda r: r.system == system and select(r))
+        if sel:
+            overhead[system], rep = fit_overheads(system, sel, cores, params)
+            report += rep
     for row in report:
-        log(f"  fitted {row['system']} {row['model']} P-{row['pp']} D-{row['dp']} B={row['batch']} K={row['slices']}: "
+        log(f"  fitted {row['system']} {row['model']} T-{row['tp']} P-{row['pp']} D-{row['dp']} B={row['batch']} K={row['slices']}: "
             f"measured {row['measured']:.4f} s, simulated {row['fitted']:.4f} s ({row['error'] * 100:+.1f} %; "
             f"{row['cores'][1]:.2f} cores for two)")
     for k, v in overhead.items():

@@ -3,6 +3,7 @@ to RunConfig, and the seed's tables predicted from its default GPipe row."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +73,37 @@ def test_compute_factor_round_trip():
                               ("step", "unit", "compute"))
     assert fitted.compute == pytest.approx(0.8, rel=0.02)
     assert fitted.unit == pytest.approx(0.002, rel=0.05)
+
+
+def test_tensor_parallel_factor_round_trip():
+    """A tensor-parallel rank's math at 1.4 of half the profiled math, fitted with Megatron's per-step
+    cost from two T-2 runs of different amounts of math; the factor leaves a pipeline run alone."""
+    truth = Overheads(step=0.004, tp=1.4)
+    cm = CpuCompute(synthetic_profile())
+    link = Link(2e-4, 1e9)
+    specs = [RunSpec("megatron", TOY.with_overrides(seq_len=seq), b, 1, link, pp=1, tp=2)
+             for seq, b in ((32, 2), (64, 1), (64, 2))]
+    measured = [predict(s, cm.with_overheads("megatron", truth), cores=2.0).step_time for s in specs]
+    fitted, report = fit_overheads("megatron", [(s, m, cm) for s, m in zip(specs[:2], measured[:2])], 2.0,
+                                   ("step", "tp"))
+    assert fitted.tp == pytest.approx(1.4, rel=0.02) and fitted.step == pytest.approx(0.004, rel=0.05)
+    assert report[0]["tp"] == 2
+    held_out = predict(specs[2], cm.with_overheads("megatron", fitted), cores=2.0).step_time
+    assert held_out == pytest.approx(measured[2], rel=0.01)
+    pipe = RunSpec("megatron", TOY, 2, 1, link, pp=2)
+    assert predict(pipe, cm.with_overheads("megatron", truth), cores=2.0).step_time == pytest.approx(
+        predict(pipe, cm.with_overheads("megatron", Overheads(step=0.004)), cores=2.0).step_time)
+
+
+def test_a_tensor_parallel_calibration_run_is_its_own_layout():
+    from predict.this_machine import LocalRun, matches
+
+    rec = dict(config=dict(system="megatron", model=dict(name="cpu-small", seq_len=256), pp=1, tp=2, dp=1,
+                           batch_size=2, micro_batch_size=1, network="none", options=dict(schedule="1f1b")))
+    run = LocalRun("megatron", "cpu-small", pp=1, tp=2, seq=256, schedule="1f1b")
+    assert matches(run, rec) and "T-2 B=2" in run.name and "P-1" not in run.name
+    assert "--tp" in run.argv(Path("x.jsonl"), 2, 1)
+    assert not matches(LocalRun("megatron", "cpu-small", pp=1, seq=256, schedule="1f1b"), rec)
 
 
 def test_efficiency_round_trip():
