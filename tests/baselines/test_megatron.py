@@ -9,8 +9,8 @@ from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
+# T-2 alone: inside T-2 x P-2 below, and with sequence parallelism (for time)
 LAYOUTS = {
-    "tp2": ["--tp", "2", *NCCL_RULES],
     "pp2": ["--pp", "2", *NCCL_RULES],
     "dp2": ["--dp", "2"],
 }

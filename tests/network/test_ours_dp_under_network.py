@@ -13,7 +13,9 @@ from tests.network.conftest import needs_root
 @pytest.mark.multiprocess
 @pytest.mark.network
 @needs_root
-@pytest.mark.parametrize("mode", ["allreduce", "sharded_ps"])  # central_ps: tests/ours/test_dp_runs.py (for time)
+# sharded_ps, whose messages are the most (every rank a server of its share); all-reduce and central_ps
+# on plain gloo: tests/ours/test_ours_runs.py, tests/ours/test_dp_runs.py (for time)
+@pytest.mark.parametrize("mode", ["sharded_ps"])
 def test_p2_d2_verified_under_d10_1g(tmp_path, mode):
     out = tmp_path / "runs.jsonl"
     proc = run_cli("--system", "ours", *TINY, "--pp", "2", "--dp", "2", "--dp-mode", mode, "--n-slices", "2",
