@@ -10,7 +10,9 @@ policies (``RunConfig.precision``):
   scale halved; after ``growth_interval`` good steps in a row it doubles.
 
 A system that keeps half-precision weights instead of autocasting (megatron's Float16Module, see
-``contract.SystemSpec.half_weights``) applies the same dtype and the same loss scaling.
+``contract.SystemSpec.half_weights``) applies the same dtype and the same loss scaling. One scale over
+the ranks of a model spread across processes: ``workload.shared_scaler`` (apart: it imports FSDP,
+over half a second at every rank's start).
 """
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ import contextlib
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from workload.configs import OptimizerConfig
 
@@ -51,23 +51,6 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     """One process's dynamic loss scaling (``LOSS_SCALING``) under fp16; a disabled pass-through else."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16", **LOSS_SCALING)
-
-
-class SharedGradScaler(ShardedGradScaler):
-    """Dynamic loss scaling for a model spread over the ranks of ``group`` (pipeline stages, shards):
-    one scale and one decision for all of them. Every rank must call ``step`` (or ``unscale_``) and
-    ``update`` once per step, in the same order: the inf/NaN found in each rank's gradients is summed
-    over the group before any rank steps, so an overflow on any rank skips the step on every rank, and
-    every rank updates its scale from that same verdict. The scales start equal (``LOSS_SCALING``) and
-    stay equal without being sent: the rank that computes the loss scales it with the scale every other
-    rank unscales by. Every rank creates its scale at once (torch's creates it in the first ``scale``,
-    which a pipeline stage without the loss never calls: its ``step`` then fails)."""
-
-    def __init__(self, device: torch.device, precision: str, group: dist.ProcessGroup | None = None):
-        super().__init__(device.type, enabled=precision == "fp16", process_group=group or dist.group.WORLD,
-                         **LOSS_SCALING)
-        if self.is_enabled():
-            self._lazy_init_scale_growth_tracker(device)
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> None:

@@ -25,7 +25,8 @@ from contract import RunConfig
 from contract.rank import Context, Measurements, StepOutput, run_steps
 from workload.model import GPT, lm_loss
 from workload.partition import stage_specs
-from workload.training import SharedGradScaler, autocast, checkpoint_blocks, make_optimizer
+from workload.shared_scaler import SharedGradScaler
+from workload.training import autocast, checkpoint_blocks, make_optimizer
 
 
 def _with_autocast(module: GPT, device: torch.device, precision: str) -> None:

@@ -25,7 +25,7 @@ def _params(opt_or_params) -> list[torch.Tensor]:
 
 def patch_torch_pipe(log: list, rank: int) -> None:
     """Wrap the shared scaler torch_pipe uses: force the overflow, record what each step did."""
-    from workload.training import SharedGradScaler
+    from workload.shared_scaler import SharedGradScaler
 
     step, update = SharedGradScaler.step, SharedGradScaler.update
 
