@@ -376,7 +376,7 @@ def _verdicts(row: pd.DataFrame) -> list[tuple[str, str]]:
     if len(counts) <= 1:
         groups = [("", row)]
     else:
-        groups = [(f", {int(n)} devices", row[row["devices"] == n]) for n in counts]
+        groups = [(f", {int(n)} device{'s' if n != 1 else ''}", row[row["devices"] == n]) for n in counts]
     return [(q, v) for q, v in ((q, _verdict(g)) for q, g in groups) if v]
 
 
