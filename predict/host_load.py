@@ -62,9 +62,15 @@ def _running_threads(pids) -> int:
 
 
 def others_runnable(mine: set[int]) -> int:
-    """Runnable threads on the host (``/proc/loadavg``) that are neither ``mine`` nor this sampler."""
+    """Runnable threads on the host (``/proc/loadavg``) that are not ``mine`` (the run's process tree and
+    this sampler's process, whose sampling thread is runnable while it reads). May be negative: ``mine``
+    are read a moment after the host's count, and a thread that blocks or wakes in between (Megatron's
+    tensor-parallel all-reduces, many a step) counts one way or the other; the mean over a run
+    (``watch_run``) is clamped at 0, not each sample. (Until 2026-11-26 the sampler was subtracted a
+    second time and each sample clamped: a busy process beside the run read about 0.1, and a quiet host
+    under Megatron T-2 0.7-1.5.)"""
     running = int((PROC / "loadavg").read_text().split()[3].split("/")[0])
-    return max(0, running - _running_threads(mine) - 1)
+    return running - _running_threads(mine)
 
 
 def cores_with_background(cores: float, background: float, n: int = 8) -> tuple[float, ...]:
@@ -112,4 +118,4 @@ def watch_run(argv: list[str], cwd: Path, timeout: float = 900, period: float = 
         return proc.returncode, None
     t0, t1 = (starts[-1] if starts else measured[0]), measured[-1]
     window = [n for t, n in samples if t0 <= t <= t1]
-    return proc.returncode, (sum(window) / len(window) if window else None)
+    return proc.returncode, (max(0.0, sum(window) / len(window)) if window else None)
