@@ -121,12 +121,7 @@ class LocalRun:
         what = self.system if self.system != "torch_pipe" else f"torch_pipe {self.schedule}"
         if self.system == "ours":
             what += f" K={self.n_slices}" + (f" {self.dp_mode}" if self.dp > 1 else "")
-        parts = [f"T-{self.tp}"] if self.tp > 1 else []
-        if self.pp > 1 or self.tp == 1:
-            parts.append(f"P-{self.pp}")
-        if self.dp > 1:
-            parts.append(f"D-{self.dp}")
-        layout = " ".join(parts)
+        layout = layout_words(dict(tp=self.tp, pp=self.pp, dp=self.dp))
         return f"{what} {self.model} s{self.seq} {layout} B={self.batch} b={self.micro}"
 
     def argv(self, out: Path, steps: int, warmup: int) -> list[str]:
@@ -431,9 +426,13 @@ def record_prediction(cfg: RunConfig, probed: dict | None = None, cal: Calibrati
 def case_of(record: dict) -> str:
     """The case a record's prediction is validated as: its system as the report labels it, its layout
     and its sequence length (e.g. 'ours allreduce P-2 D-2 s256'); its batch and network vary within."""
-    lay = record.get("layout") or {}
-    parts = [f"{k[0].upper()}-{lay[k]}" for k in ("tp", "pp", "dp") if lay.get(k, 1) > 1] or ["1 device"]
-    return f"{record.get('label') or record['system']} {' '.join(parts)} s{record.get('seq_len')}"
+    return f"{record.get('label') or record['system']} {layout_words(record.get('layout') or {})} s{record.get('seq_len')}"
+
+
+def layout_words(layout: dict) -> str:
+    """A layout as the report writes it: 'T-2', 'P-2 D-2', '1 device'."""
+    parts = [f"{k[0].upper()}-{layout[k]}" for k in ("tp", "pp", "dp") if layout.get(k, 1) > 1]
+    return " ".join(parts) or "1 device"
 
 
 def config_as_run(record: dict) -> RunConfig:
