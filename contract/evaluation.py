@@ -44,7 +44,7 @@ class Evaluator:
             raise RuntimeError(f"system {ctx.config.system!r} gives no weights to evaluate (--eval-every): "
                                "it must pass run_steps a weights function")
         self.ctx, self.weights = ctx, weights
-        self.group = dist.new_group(list(range(ctx.world_size))) if ctx.world_size > 1 else None
+        self.group = dist.new_group(list(range(ctx.world_size)), timeout=ctx.op_timeout) if ctx.world_size > 1 else None
         self.sent = SentBytes()
         self.eval_bytes = 0  # sent by the evals themselves, subtracted
         self.step_spans: list[tuple[float, float]] = []  # this rank's steps since the last eval: start, end

@@ -14,6 +14,7 @@ message.
 """
 from __future__ import annotations
 
+import datetime
 from typing import Iterable
 
 import torch
@@ -22,11 +23,13 @@ import torch.distributed as dist
 Link = tuple[int, int]  # (source, destination) global ranks
 
 
-def link_groups(links: Iterable[Link], device: torch.device) -> dict[Link, dist.ProcessGroup]:
+def link_groups(links: Iterable[Link], device: torch.device,
+                timeout: datetime.timedelta | None = None) -> dict[Link, dist.ProcessGroup]:
     """A two-rank process group of its own for each link (source, destination), opened by one message
     on ``device`` (see the module docstring); returns those this rank is an end of. Collective over the
     world: every rank passes the same links (the whole world's), and every rank creates every group,
-    in one order (a group's other ranks only count it). No links (one process): no process group needed."""
+    in one order (a group's other ranks only count it). No links (one process): no process group needed.
+    ``timeout``: each operation's (``Context.op_timeout``; None: the backend's default)."""
     links = sorted(set(links))
     if not links:
         return {}
@@ -35,7 +38,7 @@ def link_groups(links: Iterable[Link], device: torch.device) -> dict[Link, dist.
     for src, dst in links:
         if src == dst:
             raise ValueError(f"a link needs two ranks, got {src} -> {dst}")
-        group = dist.new_group([src, dst])
+        group = dist.new_group([src, dst], timeout=timeout)
         if me == src:
             dist.send(torch.zeros(1, device=device), dst, group=group)
         elif me == dst:

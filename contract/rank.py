@@ -5,6 +5,7 @@ held-out eval between steps (``contract.evaluation``), and ``--target-loss`` end
 """
 from __future__ import annotations
 
+import datetime
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from contract.config import RunConfig
 from contract.evaluation import Evaluator, Weights
+from contract.groups import op_timeout
 from contract.links import link_groups
 from workload.data import TokenSource
 from workload.model import GPT, build_gpt
@@ -91,6 +93,12 @@ class Context:
     def build_stage(self, spec: StageSpec) -> GPT:
         return build_stage(self.config.model, spec, self.config.seed, self.device)
 
+    @property
+    def op_timeout(self) -> datetime.timedelta:
+        """How long one operation of this run may wait: give it to every process group a system makes
+        (``contract.groups``; ``dist.new_group`` would give NCCL's 10 minutes)."""
+        return datetime.timedelta(seconds=op_timeout(self.backend, self.config.timeout))
+
     def synchronize(self) -> None:
         """Wait until every GPU this process uses has finished the work queued on its current stream.
         Not the whole device (``torch.cuda.synchronize``): that waits for every stream, NCCL's too, and
@@ -121,7 +129,7 @@ class StepBarrier:
         self.ctx, self.uses = ctx, uses
         n = ctx.world_size
         rounds = _powers_below(n)
-        self.links = link_groups(((r, (r + k) % n) for r in range(n) for k in rounds), ctx.device)
+        self.links = link_groups(((r, (r + k) % n) for r in range(n) for k in rounds), ctx.device, ctx.op_timeout)
         self.peers = [((ctx.rank + k) % n, (ctx.rank - k) % n) for k in rounds]  # (to, from) per round
         self.token = torch.zeros(1, device=ctx.device)
         self.ahead = ctx.device.type == "cpu"  # gloo: post the next use's receives ahead; NCCL: at the use

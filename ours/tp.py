@@ -22,6 +22,8 @@ pipeline links join the same tp_rank of adjacent stages, DP joins the same (stag
 """
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -116,15 +118,15 @@ def gather_full(tensors: dict[str, torch.Tensor], tp: int, group: dist.ProcessGr
     return out
 
 
-def tp_groups(pp: int, tp: int, dp: int, rank: int) -> dist.ProcessGroup | None:
+def tp_groups(pp: int, tp: int, dp: int, rank: int, timeout: datetime.timedelta | None = None) -> dist.ProcessGroup | None:
     """The process group of this rank's stage (its T ranks) for the TP collectives; every rank creates
-    every stage's group, in one order. None with T = 1."""
+    every stage's group, in one order (``timeout``: each operation's). None with T = 1."""
     if tp == 1:
         return None
     mine = None
     for d in range(dp):
         for s in range(pp):
-            g = dist.new_group([rank_of(d, s, t, pp, tp) for t in range(tp)])
+            g = dist.new_group([rank_of(d, s, t, pp, tp) for t in range(tp)], timeout=timeout)
             if coords(rank, pp, tp)[:2] == (d, s):
                 mine = g
     return mine

@@ -117,14 +117,14 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     if dp > 1:
         for s in range(pp):
             for t in range(tp):
-                g = dist.new_group([rank_of(d, s, t, pp, tp) for d in range(dp)])
+                g = dist.new_group([rank_of(d, s, t, pp, tp) for d in range(dp)], timeout=ctx.op_timeout)
                 if (s, t) == (pp_rank, tp_rank):
                     group = g
-    tp_group = tp_groups(pp, tp, dp, ctx.rank)
+    tp_group = tp_groups(pp, tp, dp, ctx.rank, ctx.op_timeout)
     for g in (tp_group, group):  # NCCL creates a group's communicator at its first collective (it blocks the
         if g is not None:        # host and allocates on the GPU): here, before any receive is posted
             dist.all_reduce(torch.zeros(1, device=ctx.device), group=g)
-    links = link_groups(pipeline_links(pp, dp, tp) + dp_links(pp, dp, tp), ctx.device)
+    links = link_groups(pipeline_links(pp, dp, tp) + dp_links(pp, dp, tp), ctx.device, ctx.op_timeout)
 
     wire = getattr(torch, WIRE_DTYPES[options.wire_dtype])
 

@@ -22,7 +22,7 @@ results/measured-here/gpu-check-<gpu>.md), the runs' records beside it (FILE.jso
 The summary is written after every check, so a check script stopped part-way (a device lease's end)
 keeps the rows it had. Each run is bounded by ``--run-timeout`` (a hang costs that, not the lease),
 under which NCCL's watchdog ends a hung run first and its row names the operation that never came
-(``runners.worker.op_timeout``). ``--jobs J`` runs J one-rank checks at once (on one GPU their step
+(``contract.groups.op_timeout``). ``--jobs J`` runs J one-rank checks at once (on one GPU their step
 times then share it: the rows say so; --verify is what they check).
 
 Without a GPU it says so and exits 0 once its arguments are judged (``--device cpu`` runs the same
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="the summary (markdown; default results/measured-here/"
                                                 "gpu-check-<gpu>.md), the records beside it (.jsonl)")
     ap.add_argument("--only", action="append", choices=CHECKS, default=[], help="only this check (repeatable)")
+    ap.add_argument("--case", action="append", choices=list(SHARED), default=[],
+                    help="of the shared check, only this run (repeatable; default all)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps of each run (default 3)")
     ap.add_argument("--run-timeout", type=float, default=240.0,
                     help="seconds each run may take before it is stopped and its row fails (default 240)")
@@ -235,9 +237,12 @@ class Nodes:
         return (json.loads(lines[-1]) if len(lines) > before else None), tail
 
 
-def shared_lines(nodes: Nodes, settings: Settings, records: Path, report: "Report") -> dict[str, dict]:
+def shared_lines(nodes: Nodes, settings: Settings, records: Path, report: "Report",
+                 cases: Sequence[str] = ()) -> dict[str, dict]:
     recs = {}
     for label, args in SHARED.items():
+        if cases and label not in cases:
+            continue
         check = f"shared GPU: {label}"
         if nodes.executor is None:
             report.add(Line(check, None, nodes.why or "no nodes"))
@@ -416,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with Nodes(NODES, sys.stdout) as nodes:
                     shared_recs, shaped_recs = {}, {}
                     if "shared" in only:
-                        shared_recs = shared_lines(nodes, settings, records, report)
+                        shared_recs = shared_lines(nodes, settings, records, report, args.case)
                     if only & {"shaped", "figures"}:  # the figures are read off these runs (and the shared ones)
                         got_line, shaped_recs = shaped_line(nodes, settings, records)
                         if "shaped" in only:

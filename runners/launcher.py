@@ -147,7 +147,7 @@ def _signal_name(signum: int) -> str:
 
 def nccl_watchdog(log_tail: str) -> str:
     """'; NCCL's watchdog: <its line>' where a rank's NCCL watchdog ended it for an operation that
-    waited past the process group's timeout (``runners.worker.op_timeout``), else ''."""
+    waited past the process group's timeout (``contract.groups.op_timeout``), else ''."""
     line = next((l for l in log_tail.splitlines() if "Watchdog caught collective operation timeout" in l), None)
     return f"; NCCL's watchdog: {line.strip()[:600]}" if line else ""
 

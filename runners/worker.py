@@ -34,9 +34,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from contract import RunConfig  # noqa: E402
+from contract.groups import op_timeout  # noqa: E402
 from contract.rank import Context  # noqa: E402
 from runners import nccl_rules  # noqa: E402
 from runners.cores import rank_cores  # noqa: E402
+from runners.cuda_warmup import warm_up  # noqa: E402
+from runners.hang_stacks import stacks_if_still_running  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
 from workload.cpu_peak import cpu_peak_tflops  # noqa: E402
@@ -90,15 +93,6 @@ def hardware_peak(devices: tuple[torch.device, ...], cfg: RunConfig) -> tuple[fl
     return sum(measured) / len(measured), f"measured-matmul:{precision}", name
 
 
-def op_timeout(backend: str, run_timeout: float) -> float:
-    """Seconds one collective or point-to-point operation may wait. gloo: the run's whole timeout (a
-    hang there ends as the launcher's ``timeout``, naming each rank's pending operations under
-    ``--p2p-semantics nccl``). NCCL: 0.8 of it, so that its watchdog ends a hung run first and names
-    the operation it waited on (``WorkNCCL(SeqNum=.., OpType=..)``, in the record's error) instead of
-    a bare timeout: on a GPU nothing else can say which message never came."""
-    return max(60.0, run_timeout) if backend != "nccl" else max(30.0, 0.8 * run_timeout)
-
-
 def is_oom(exc: BaseException) -> bool:
     text = str(exc).lower()
     return (isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
@@ -113,6 +107,7 @@ def main(run_dir: Path) -> int:
     try:
         spec = get_system(config["system"])
         cfg = RunConfig.from_dict(config, spec.options)
+        stacks = stacks_if_still_running(cfg.timeout, rank)  # a hang's stacks, before anything ends it
         devices, backend = pick_devices(cfg.device, local_rank, spec.devices_per_process(cfg))
         device = devices[0]
         if device.type == "cpu":
@@ -120,6 +115,7 @@ def main(run_dir: Path) -> int:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=op_timeout(backend, cfg.timeout)))
         if cfg.p2p_semantics == "nccl":  # gloo under NCCL's rules (a no-op where the backend is NCCL)
             nccl_rules.install(rank, device, run_dir)
+        warm_up(devices, (compute_dtype(cfg.precision),))  # CUDA's handles before any receive is posted
         torch.manual_seed(cfg.seed)
         peak, peak_source, device_name = hardware_peak(devices, cfg)
         ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg,
@@ -144,6 +140,7 @@ def main(run_dir: Path) -> int:
             tmp.rename(run_dir / "result.json")
         dist.barrier()
         dist.destroy_process_group()
+        stacks.cancel()
         return 0
     except BaseException as exc:  # recorded for the launcher, then the rank dies and torchrun stops the rest
         status = "oom" if is_oom(exc) else "error"

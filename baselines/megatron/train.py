@@ -41,6 +41,7 @@ On CPU, ``baselines.megatron_cpu_shim`` is installed before megatron is imported
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
@@ -220,7 +221,9 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         raise ValueError(f"megatron: vocab size {m.vocab_size} must divide by --tp {cfg.tp} (no vocab padding)")
     cuda = ctx.device.type == "cuda"
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-                                 virtual_pipeline_model_parallel_size=cfg.options.virtual_pp if cfg.options.virtual_pp > 1 else None)
+                                 virtual_pipeline_model_parallel_size=cfg.options.virtual_pp if cfg.options.virtual_pp > 1 else None,
+                                 # its groups' operation timeout, in whole minutes (its default: 30)
+                                 distributed_timeout_minutes=math.ceil(ctx.op_timeout.total_seconds() / 60))
     try:
         return _train(cfg, ctx, cuda)
     finally:

@@ -88,7 +88,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
             device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
             next_rank=None if spec.is_last else ctx.rank + 1, tracer=Tracer(ctx.rank, enabled=False),
             precision=cfg.precision, recompute=cfg.recompute, schedule=o.schedule,
-            links=link_groups(pipeline_links(P, D), ctx.device))
+            links=link_groups(pipeline_links(P, D), ctx.device, ctx.op_timeout))
         extra.update(slices=list(slices), slicing=source, n_batch_slices=cfg.n_micro_batches)
 
         def forward_backward(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
@@ -111,7 +111,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     average = None  # under --verify: every stage's replicas, to average the last gradients
     if cfg.verify and D > 1:
         for s in range(P):
-            g = dist.new_group([d * P + s for d in range(D)])
+            g = dist.new_group([d * P + s for d in range(D)], timeout=ctx.op_timeout)
             if s == pp_rank:
                 average = g
 

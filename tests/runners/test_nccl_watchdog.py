@@ -3,7 +3,7 @@ operation that never completed (on a GPU nothing else can say which message neve
 from __future__ import annotations
 
 from runners.launcher import collect
-from runners.worker import op_timeout
+from contract.groups import op_timeout
 
 WATCHDOG = ("[rank1]:[E1126 11:52:10.1 ProcessGroupNCCL.cpp:632] [PG ID 2 PG GUID 3 Rank 1] Watchdog caught "
             "collective operation timeout: WorkNCCL(SeqNum=7, OpType=RECV, NumelIn=512, NumelOut=512, "
