@@ -35,7 +35,7 @@ import pandas as pd
 import quality_report
 from contract.config import VOLATILE_FIELDS, RunConfig
 from contract.estimate import INTERVAL_RULE, estimate, no_difference, ratio_interval, separated
-from contract.records import predictions_path, read_predictions, read_records, record_files
+from contract.records import layout_words, predictions_path, read_predictions, read_records, record_files
 from contract.registry import read_options
 
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
@@ -62,11 +62,6 @@ def load_records(paths: list[str]) -> list[dict]:
                 rec["prediction"] = predicted[rec["run_id"]]
         records += found
     return records
-
-
-def layout_label(layout: dict) -> str:
-    parts = [f"{k[0].upper()}-{layout[k]}" for k in ("tp", "pp", "dp") if layout.get(k, 1) > 1]
-    return " ".join(parts) or "1 device"
 
 
 def network_setting(r: dict) -> dict:
@@ -175,7 +170,7 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "steps": f"{c.get('steps', '?')} measured steps after {c.get('warmup', '?')} warm-up",
             "rest": _rest_of_identity(r),
             "mb": r["micro_batch_size"],
-            "layout": layout_label(r["layout"]),
+            "layout": layout_words(r["layout"]),
             "dp": r["layout"].get("dp", 1),
             "network": r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else ""),
             "setting": setting["label"],

@@ -23,6 +23,15 @@ import torch.distributed as dist
 Link = tuple[int, int]  # (source, destination) global ranks
 
 
+def posts_ahead(device: torch.device) -> bool:
+    """Whether a link's receives are posted ahead of their use (a step or a use ahead) on ``device``.
+    gloo (CPU) moves a message only once its receive is posted: ahead. NCCL (CUDA): at the use; a
+    receive posted ahead is an NCCL kernel spinning on the GPU until its message comes, across the
+    optimizer step and the step's end, and CUDA promises no progress of one stream beside another's
+    spinning kernel (NVIDIA/nccl #783, #1766)."""
+    return device.type == "cpu"
+
+
 def link_groups(links: Iterable[Link], device: torch.device,
                 timeout: datetime.timedelta | None = None) -> dict[Link, dist.ProcessGroup]:
     """A two-rank process group of its own for each link (source, destination), opened by one message

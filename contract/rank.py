@@ -17,7 +17,7 @@ import torch.distributed as dist
 from contract.config import RunConfig
 from contract.evaluation import Evaluator, Weights
 from contract.groups import op_timeout
-from contract.links import link_groups
+from contract.links import link_groups, posts_ahead
 from workload.data import TokenSource
 from workload.model import GPT, build_gpt
 from workload.partition import StageSpec, build_stage
@@ -132,7 +132,7 @@ class StepBarrier:
         self.links = link_groups(((r, (r + k) % n) for r in range(n) for k in rounds), ctx.device, ctx.op_timeout)
         self.peers = [((ctx.rank + k) % n, (ctx.rank - k) % n) for k in rounds]  # (to, from) per round
         self.token = torch.zeros(1, device=ctx.device)
-        self.ahead = ctx.device.type == "cpu"  # gloo: post the next use's receives ahead; NCCL: at the use
+        self.ahead = posts_ahead(ctx.device)  # gloo: the next use's receives ahead; NCCL: at the use
         self._posted = self._post() if self.ahead else None
 
     def _post(self) -> list[tuple[torch.Tensor, Any]] | None:

@@ -33,6 +33,12 @@ TEXTS = ("label", "role", "error", "details", "key", "run_id", "timestamp")
 PREDICTIONS_SUFFIX = ".predictions.json"
 
 
+def layout_words(layout: dict) -> str:
+    """A record's layout as the report and the simulator's cases write it: 'T-2', 'P-2 D-2', '1 device'."""
+    parts = [f"{k[0].upper()}-{layout[k]}" for k in ("tp", "pp", "dp") if layout.get(k, 1) > 1]
+    return " ".join(parts) or "1 device"
+
+
 def finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

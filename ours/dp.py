@@ -49,7 +49,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from contract.links import Link
+from contract.links import Link, posts_ahead
 from ours.tp import rank_of
 from ours.trace import Tracer
 from workload.training import OptimizerConfig, make_optimizer
@@ -257,9 +257,9 @@ class PointToPointSync:
         self._recvs = recvs
 
     def post_ahead(self) -> None:
-        """``post_receives`` a step ahead, on gloo only (see ``ours.engine.StageEngine.post_ahead``);
-        on CUDA ``step`` posts them."""
-        if self._grad and self._grad[0].device.type == "cpu":
+        """``post_receives`` a step ahead where receives are posted ahead (``contract.links.posts_ahead``:
+        gloo); on CUDA ``step`` posts them."""
+        if self._grad and posts_ahead(self._grad[0].device):
             self.post_receives()
 
     def grads_ready(self, params: list[torch.nn.Parameter]) -> None:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from contract.links import Link
+from contract.links import Link, posts_ahead
 from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
 from ours.schedule import unit_order
 from ours.tp import COLUMN_PARALLEL, CopyToTP, ReduceFromTP, VocabParallelCrossEntropy, rank_of, shard_start
@@ -276,11 +276,9 @@ class StageEngine:
         self._posted = (fwd, bwd)
 
     def post_ahead(self) -> None:
-        """Post the coming step's receives now where that helps: gloo moves a message only once its
-        receive is posted. On CUDA the step posts its own when it begins (``post_receives``): a
-        receive posted ahead is an NCCL kernel spinning on the GPU across the optimizer step and the
-        step's end, and CUDA promises no progress of one stream beside another's spinning kernel."""
-        if self.device.type == "cpu":
+        """Post the coming step's receives now where receives are posted ahead (``contract.links.posts_ahead``:
+        gloo); on CUDA the step posts its own when it begins (``post_receives``)."""
+        if posts_ahead(self.device):
             self.post_receives()
 
     def _send(self, t: torch.Tensor, dst: int, sends: list) -> None:

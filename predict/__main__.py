@@ -234,11 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         return predict_run(argv)
     p = argparse.ArgumentParser(prog="python -m predict", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    q = sub.add_parser("calibrate", help="this host and code version's calibration (about 6 minutes on 2 cores)")
+    q = sub.add_parser("calibrate", help="this host and code version's calibration (about 13 minutes on 2 cores)")
     q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
     q.add_argument("--warmup", type=int, default=1)
-    q.add_argument("--repeats", type=int, default=2, help="runs of each calibration config (every ok record "
-                   "in calibration-runs.jsonl is fitted)")
+    q.add_argument("--repeats", type=int, default=3, help="runs of each calibration config, round-robin (each "
+                   "config's median record in calibration-runs.jsonl is fitted)")
     q.set_defaults(fn=_calibrate)
     q = sub.add_parser("validate", help="recorded runs predicted against measured, by case")
     q.add_argument("records", nargs="*", default=["results/local.jsonl"],

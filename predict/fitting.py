@@ -15,8 +15,6 @@ from predict.compute import GpuCompute, Overheads
 from predict.step_time import predict
 from predict.run_spec import RunSpec
 
-PARAMS = ("step", "unit", "unit_layer", "dp", "compute", "tp")
-
 
 def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
     """argmin ||A x - y|| with x >= 0, by trying every active set (a handful of unknowns)."""

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from contract import ConfigError, RunConfig
-from contract.records import predictions_path, read_records
+from contract.records import layout_words, predictions_path, read_records
 from predict.fitting import fit_overheads
 from predict.compute import CpuCompute, Overheads
 from predict.from_config import NotModelled, config_of_record, single_link, spec_from_config, spec_from_record
@@ -319,11 +319,27 @@ def recorded_runs(runs, path: Path) -> list[tuple[LocalRun, dict, float]]:
 QUIET_CORES = 2.0  # this host's cores, as the simulator sees them when nothing else runs
 
 
+def median_runs(measured: list[tuple[LocalRun, dict, float]]) -> list[tuple[LocalRun, dict, float]]:
+    """One row per calibration run out of its repetitions (``recorded_runs``): the record of its median
+    step time (the lower middle one of an even count) and the median of their background loads. A
+    moment the host ran slow then moves one repetition, not the fit."""
+    by_run: dict[LocalRun, list[tuple[dict, float]]] = {}
+    for r, rec, bg in measured:
+        by_run.setdefault(r, []).append((rec, bg))
+    out = []
+    for r, reps in by_run.items():
+        ordered = sorted(reps, key=lambda x: x[0]["median_step_time"])
+        out.append((r, ordered[(len(ordered) - 1) // 2][0], statistics.median(bg for _, bg in reps)))
+    return out
+
+
 def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, directory: Path | None = None,
-                   repeats: int = 2, log=print) -> Calibration:
-    """Profile the shapes, run the calibration set without emulated delay (``repeats`` more times each),
-    fit the overheads to every recorded repetition, each simulated with the background load measured
-    while it ran (``predict.host_load``): two cores shared with that many other processes. Everything
+                   repeats: int = 3, log=print) -> Calibration:
+    """Profile the shapes, run the calibration set without emulated delay ``repeats`` times, round-robin
+    (every run once, then again: a slow spell of the host falls on one repetition of several runs,
+    not on every repetition of one), fit the overheads to each run's median repetition
+    (``median_runs``), simulated with the background load measured while it ran
+    (``predict.host_load``): two cores shared with that many other processes. Everything
     goes to this host's and code version's directory (``calibration_dir``), with the host's speed
     (``speed_probe``, the best of one probe before and one after)."""
     from predict.host_load import cores_with_background
@@ -339,12 +355,13 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
         if fits else (50e-6, 2e9)
     log(f"calibration: loopback latency {loopback[0] * 1e6:.0f} us, {loopback[1] / 1e9:.2f} GB/s")
     out = directory / "calibration-runs.jsonl"
-    for r in runs:
-        for _ in range(repeats):
+    for i in range(repeats):
+        for r in runs:
             rec, background, took = run_and_read(r, out, steps, warmup)
             bg = "-" if background is None else f"{background:.1f}"
-            log(f"  {r.name}: {rec['median_step_time'] if rec else 'failed'} (background load {bg}; {took:.0f} s)")
-    measured = recorded_runs(runs, out)
+            log(f"  [{i + 1}/{repeats}] {r.name}: {rec['median_step_time'] if rec else 'failed'} "
+                f"(background load {bg}; {took:.0f} s)")
+    measured = median_runs(recorded_runs(runs, out))
     cores = (1.0, QUIET_CORES)
     link = local_link("none", loopback)
     overhead: dict = {}
@@ -427,12 +444,6 @@ def case_of(record: dict) -> str:
     """The case a record's prediction is validated as: its system as the report labels it, its layout
     and its sequence length (e.g. 'ours allreduce P-2 D-2 s256'); its batch and network vary within."""
     return f"{record.get('label') or record['system']} {layout_words(record.get('layout') or {})} s{record.get('seq_len')}"
-
-
-def layout_words(layout: dict) -> str:
-    """A layout as the report writes it: 'T-2', 'P-2 D-2', '1 device'."""
-    parts = [f"{k[0].upper()}-{layout[k]}" for k in ("tp", "pp", "dp") if layout.get(k, 1) > 1]
-    return " ".join(parts) or "1 device"
 
 
 def config_as_run(record: dict) -> RunConfig:

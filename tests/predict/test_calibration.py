@@ -210,3 +210,15 @@ def test_a_matrix_whose_links_differ_is_not_modelled(tmp_path, capsys):
     append_record(tmp_path / "r.jsonl", rec)
     assert predict_records(tmp_path / "r.jsonl") == {}
     assert f"run {rec.run_id} (ours): not predicted: --network two-region.json: a per-link matrix" in capsys.readouterr().out
+
+
+def test_a_calibration_run_is_fitted_by_its_median_repetition():
+    from predict.this_machine import LocalRun, median_runs
+
+    a, b = LocalRun("torch_pipe", "tiny", batch=2), LocalRun("ours", "tiny", n_slices=4)
+    rec = lambda t, i: {"median_step_time": t, "run_id": i}  # noqa: E731
+    measured = [(a, rec(0.030, "a1"), 0.1), (b, rec(0.050, "b1"), 0.0), (a, rec(0.045, "a2"), 1.5),
+                (b, rec(0.052, "b2"), 0.2), (a, rec(0.029, "a3"), 0.3)]
+    rows = {r: (x["run_id"], bg) for r, x, bg in median_runs(measured)}
+    assert rows[a] == ("a1", 0.3)  # the slow spell (a2, busy) moves neither the time nor the load
+    assert rows[b] == ("b1", 0.1)  # an even count: the lower middle record, the loads' median
