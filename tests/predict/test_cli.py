@@ -201,3 +201,28 @@ def test_an_auto_run_is_predicted_with_the_slices_it_used():
     rec = json.loads(build_record(cfg, spec, "ok", None, None, {}).to_json())
     rec["options"]["slices"] = [32, 32, 32, 32]
     assert config_as_run(rec).options.token_slices(128) == (32, 32, 32, 32)
+
+
+def test_repetitions_of_an_auto_run_are_each_predicted_with_the_slices_they_kept(tmp_path, monkeypatch):
+    """predict-check of 1126: ours' auto kept K=1, 2 and 4 in three launches of one run; the validation
+    predicted all three with the last one's K."""
+    import json
+
+    from predict import this_machine as local
+    from runners.record import build_record
+    from runners.request import parse_request
+
+    cal = _calibrated(tmp_path, monkeypatch)
+    cfg, spec = parse_request(RUN[:-2])  # --n-slices auto
+    recs = []
+    for slices in ([32, 32, 32, 32], [64, 64]):
+        rec = json.loads(build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu", "device_name": "cpu"}).to_json())
+        rec["options"]["slices"] = slices
+        rec["median_step_time"] = local.predict_here(local.config_as_run(rec), None, cal).step_time  # as predicted
+        recs.append(rec)
+    assert recs[0]["key"] == recs[1]["key"] and recs[0]["median_step_time"] != recs[1]["median_step_time"]
+    records = tmp_path / "runs.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    local.validate_records([records], directory=tmp_path, log=lambda line: None)
+    (row,) = json.loads((tmp_path / "validation.json").read_text())["rows"]
+    assert row["runs"] == 2 and row["error"] == pytest.approx(0, abs=1e-9)
