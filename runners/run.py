@@ -136,7 +136,7 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
     result = launch(cfg, world, placement)
     verification = None
     try:
-        if cfg.verify:
+        if cfg.verify and placement.node_rank == 0:  # node 0 has the ranks' results; another node has none to compare
             ref, how = reference_result(reference_config(cfg))
             try:
                 verification = replace(compare(result, ref, verify_tolerance(cfg, spec.half_weights)), reference=how)

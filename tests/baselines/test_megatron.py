@@ -1,5 +1,5 @@
 """megatron-core tensor, pipeline and data parallelism, through the real run command on gloo ranks, under
-NCCL's rules (--p2p-semantics nccl) but for dp2 on plain gloo."""
+NCCL's rules (--p2p-semantics nccl)."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,10 @@ from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
 pytestmark = pytest.mark.multiprocess
 
-# T-2 alone: inside T-2 x P-2 below, and with sequence parallelism (for time)
+# T-2 alone: inside T-2 x P-2 below, and with sequence parallelism; D-2: with the distributed optimizer
+# below (for time)
 LAYOUTS = {
     "pp2": ["--pp", "2", *NCCL_RULES],
-    "dp2": ["--dp", "2"],
 }
 
 
