@@ -50,10 +50,12 @@ def uniform_slices(seq_len: int, k: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class OursOptions(SystemOptions):
-    n_slices: int | str = option("auto", "K equal token slices, or 'auto': the slicing the simulator chose for the "
-                                 "layout (python -m predict plan), else the planner's optimal slicing where a "
-                                 "fitted latency model covers the shape, else K equal slices of >= 128 tokens "
-                                 "(at most 4 per stage, never 1)", parse=slice_count, metavar="K|auto")
+    n_slices: int | str = option("auto", "K equal token slices, or 'auto': one slice at P=1; else the K of 1, 2, 4, "
+                                 "8, 16 whose steps ran fastest in a search before the first step (ours.plan.tune), "
+                                 "started from the slicing the simulator chose for the layout (python -m predict "
+                                 "plan), else the planner's optimal slicing where a fitted latency model covers the "
+                                 "shape, else K equal slices of >= 128 tokens (at most 4 per stage, never 1)",
+                                 parse=slice_count, metavar="K|auto")
     slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",
                                             parse=slice_lengths, metavar="L1,L2,...")
     schedule: str = option("1f1b", "the order of the units' forwards and backwards (ours.schedule): 1f1b over batch "

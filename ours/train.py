@@ -139,7 +139,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
 
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    if options.auto and cfg.model.seq_len > 1:
+    if options.auto and cfg.pp > 1 and cfg.model.seq_len > 1:  # one stage: one slice (ours.plan.auto)
         tuning = tune_slices(slices, make_engine, params, ctx, dp_rank)
         planned = f"K={len(slices)} by {slicing_source.split(' ')[0]}"
         slices, slicing_source = uniform_slices(cfg.model.seq_len, tuning.k), f"{tuning.describe()}; started near {planned}"

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from contract import ConfigError
 
@@ -114,8 +115,17 @@ def visible_entries(count: int, env: dict[str, str] | None = None) -> tuple[str,
     return tuple(e.strip() for e in value.split(",") if e.strip())[:count]
 
 
+def nvidia_driver_present() -> bool:
+    """Whether this machine has an NVIDIA driver loaded (its device nodes or /proc entry): without one
+    CUDA cannot be available, which the run command then knows without importing torch (a second and
+    a half of a core before every launch)."""
+    return Path("/proc/driver/nvidia").exists() or Path("/dev/nvidiactl").exists()
+
+
 def local_gpus() -> Gpus:
     """This machine's GPUs as torch sees them (none where CUDA is not available)."""
+    if not nvidia_driver_present():
+        return Gpus()
     import torch
 
     if not torch.cuda.is_available():

@@ -18,8 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from contract import RunConfig
 from contract.registry import get_system
@@ -28,9 +27,11 @@ from network_emulation.signals import stop_process
 from runners import services
 from runners.devices import agent_devices, visible_entries
 from runners.lifetime import DirectoryWatchdog, die_with_parent, oom_kills, owner_alive, owner_tag
-from runners.nccl_rules import pending_summary
 from runners.output import Pump
 from runners.request import Placement
+
+if TYPE_CHECKING:  # the run command imports torch only where it needs it: a run's gradients, its GPUs
+    import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_DIR_PREFIX = "pipebench-run-"  # + the run command's owner tag: a directory whose owner died is removed
@@ -163,9 +164,13 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
     ranks = json.loads(result_path.read_text())["ranks"] if result_path.exists() else None
     grads: dict[str, torch.Tensor] = {}
     for path in sorted(run_dir.glob("grads-rank*.pt"), key=lambda p: int(p.stem.removeprefix("grads-rank"))):
+        import torch
+
         for name, g in torch.load(path).items():
             grads.setdefault(name, g)
     if timed_out:
+        from runners.nccl_rules import pending_summary
+
         pending = pending_summary(run_dir)  # what each rank waited for, where NCCL's rules were followed
         error = f"timed out after {timeout:g} s" + (f"; pending operations: {pending}" if pending else "")
         return LaunchResult("timeout", error, ranks, grads, run_dir)
@@ -226,6 +231,8 @@ def emulated_gpus(cfg: RunConfig, world: int) -> list[dict[str, str]]:
     all of them on cuda:0 (NCCL: "Duplicate GPU detected")."""
     if not (cfg.hardware or "").startswith("cuda"):
         return [{} for _ in range(world)]
+    import torch
+
     per = get_system(cfg.system).devices_per_process(cfg)
     visible = visible_entries(torch.cuda.device_count())
     return [{"CUDA_VISIBLE_DEVICES": v} for v in agent_devices(visible, world, per)]

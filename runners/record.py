@@ -111,7 +111,7 @@ def merged_losses(ranks: list[dict]) -> list[float]:
 def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | None, ranks: list[dict] | None,
                  environment: dict[str, Any], verify: dict[str, Any] | None = None) -> RunRecord:
     from workload.flops import flops_per_token
-    from workload.model import count_params
+    from workload.configs import count_params
 
     assert status in STATUSES, status
     m = cfg.model
@@ -182,10 +182,10 @@ def device_count(ranks: list[dict]) -> int:
 def host_environment(hardware: str | None = None) -> dict[str, Any]:
     """The launching host's view, kept for failed runs; the ranks' own report replaces the device fields.
     ``hardware``: the run's (RunConfig.hardware), "cpu" or "cuda:<GPU model>"."""
-    import torch
+    from importlib.metadata import version  # torch's own, without importing it
 
     kind, _, name = (hardware or "cpu").partition(":")
-    return {"torch_version": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+    return {"torch_version": version("torch"), "python": platform.python_version(), "platform": platform.platform(),
             "launcher_host": platform.node(), "device_kind": kind, "device_name": name or kind}
 
 

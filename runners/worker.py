@@ -43,7 +43,8 @@ from runners.hang_stacks import stacks_if_still_running  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
 from workload.cpu_peak import cpu_peak_tflops  # noqa: E402
-from workload.flops import gpu_peak_tflops, measure_matmul_tflops  # noqa: E402
+from workload.flops import gpu_peak_tflops  # noqa: E402
+from workload.matmul_peak import measure_matmul_tflops  # noqa: E402
 from workload.training import compute_dtype  # noqa: E402
 
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from contract.registry import systems
 
 REPO = Path(__file__).resolve().parent.parent
@@ -194,3 +196,21 @@ def test_every_name_imported_from_the_suite_exists():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_run_command_launches_without_importing_torch():
+    """torch costs the run command a second and a half of a core before every launch (the ranks and
+    torchrun import their own): on a machine without an NVIDIA driver it judges the request, picks the
+    devices, launches and builds the record without it. Only --verify (the reference) and a GPU need it."""
+    from runners.devices import nvidia_driver_present
+
+    if nvidia_driver_present():
+        pytest.skip("a GPU machine: the run command imports torch to read its GPUs")
+    code = ("import sys, runners.run, runners.launcher, runners.record, runners.sweep\n"
+            "from runners.devices import local_gpus\n"
+            "from runners.record import host_environment\n"
+            "assert local_gpus().count == 0 and host_environment()['torch_version']\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,5 +1,8 @@
 """``--n-slices auto`` (ours' default): the token slicing of a run, chosen before it starts.
 
+- One stage (``pp`` = 1, tensor or data parallel only): one slice. Slicing pays only to fill a pipeline;
+  with nothing to fill it only adds per-slice costs (the main job's T-2 of 2026-11-26: K=1 0.73 s,
+  the K=4 its search kept 0.93 s), so there is nothing to choose or time.
 - A slicing chosen by simulation for the run's layout (pipeline stages, layers, batch, micro-batch),
   where one was written for the layer shape: ``<device>-h..-s..-v..-simulated.json`` in the plan
   directory, by ``python -m predict plan``. The simulator (predict) runs ours' program
@@ -118,6 +121,8 @@ def write_simulated_choices(path: Path, choices: list[SimulatedChoice]) -> None:
 def auto_slicing(config, device) -> AutoSlicing:
     """The slicing for ``config`` (K = config.pp stages, batch slice = config.micro_batch_size)."""
     m = config.model
+    if config.pp == 1:
+        return AutoSlicing((m.seq_len,), "one stage (P=1): no pipeline to fill, one slice")
     if not os.environ.get("OURS_PLAN_MODEL"):  # an explicit latency model file: the formula with it
         simulated = simulated_choices_path(m, device)
         chosen = next((c for c in read_simulated_choices(simulated) if c.fits(config)), None)

@@ -34,6 +34,14 @@ def test_without_a_fitted_model_the_rule_of_thumb_never_gives_one_slice(tmp_path
     assert rule_of_thumb(2048, 12) == (128,) * 16 and rule_of_thumb(3, 2) == (2, 1) and rule_of_thumb(2, 1) == (1, 1)
 
 
+def test_one_stage_takes_one_slice_whatever_the_planner_has(tmp_path, monkeypatch):
+    monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
+    _toy_model(128).save(tmp_path / "cpu-h128-a4-s128-v512.json")
+    chosen = auto_slicing(_config(pp=1), torch.device("cpu"))
+    assert chosen.slices == (128,) and chosen.source.startswith("one stage (P=1)")
+    assert len(auto_slicing(_config(pp=2), torch.device("cpu")).slices) > 1
+
+
 def test_a_model_fitted_at_a_longer_sequence_covers_shorter_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
     monkeypatch.delenv("OURS_PLAN_MODEL", raising=False)
