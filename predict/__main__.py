@@ -7,6 +7,7 @@
                                             # beside its records (X.predictions.json) for the report's cells
     python -m predict calibrate     # this host and code version: profiles, stall probe, runs without delay,
                                     # overheads, the host's speed (results/predict/calibrations/<host>-<code>/)
+    python -m predict calibrate --refit   # the kept calibration runs fitted again (a change to the fit)
     python -m predict validate [RECORDS.jsonl ...]   # recorded runs (default: the main job's,
                                     # results/local.jsonl) predicted against measured, by case; the report
                                     # shows predictions only for the cases this finds modelled
@@ -32,9 +33,12 @@ from predict.this_machine import RESULTS
 
 
 def _calibrate(args) -> int:
-    from predict.this_machine import calibrate_here
+    from predict.this_machine import calibrate_here, refit_here
 
-    calibrate_here(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    if args.refit:
+        refit_here()
+    else:
+        calibrate_here(steps=args.steps, warmup=args.warmup, repeats=args.repeats)
     return 0
 
 
@@ -239,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--warmup", type=int, default=1)
     q.add_argument("--repeats", type=int, default=3, help="runs of each calibration config, round-robin (each "
                    "config's median record in calibration-runs.jsonl is fitted)")
+    q.add_argument("--refit", action="store_true", help="run nothing: fit this host and code version's kept "
+                   "calibration runs again (after a change to the fit itself)")
     q.set_defaults(fn=_calibrate)
     q = sub.add_parser("validate", help="recorded runs predicted against measured, by case")
     q.add_argument("records", nargs="*", default=["results/local.jsonl"],

@@ -4,7 +4,8 @@ This machine is shared: other processes compete for its cores. ``watch_run`` run
 samples, every ``period`` seconds, how many threads on the host are runnable (``/proc/loadavg``) and not
 the run's own (its process tree's threads, this sampler's); rank 0's "step k/N" lines mark the measured
 steps, and the mean over them is the run's background load: B threads that keep competing for the cores. With c quiet cores, k computing
-ranks then get ``cores_with_background(c, B)[k - 1]`` cores' worth between them (processor sharing).
+ranks then get ``cores_with_background(c, B)[k - 1]`` cores' worth between them (processor sharing,
+less what the host loses switching where the k outnumber the cores).
 """
 from __future__ import annotations
 
@@ -73,10 +74,12 @@ def others_runnable(mine: set[int]) -> int:
     return running - _running_threads(mine)
 
 
-def cores_with_background(cores: float, background: float, n: int = 8) -> tuple[float, ...]:
-    """Cores' worth k = 1..n computing processes get when ``background`` others compete for ``cores``."""
-    return tuple(min(float(k), cores * k / (k + background)) if k + background > cores else float(k)
-                 for k in range(1, n + 1))
+def cores_with_background(cores: float, background: float, n: int = 8, crowded: float = 1.0) -> tuple[float, ...]:
+    """Cores' worth k = 1..n computing processes get when ``background`` others compete for ``cores``;
+    where the k themselves outnumber the cores, ``crowded`` of that (the time the host loses switching
+    between more processes than it has cores: fitted by the calibration, 1 = none lost)."""
+    return tuple((min(float(k), cores * k / (k + background)) if k + background > cores else float(k))
+                 * (crowded if k > cores else 1.0) for k in range(1, n + 1))
 
 
 def watch_run(argv: list[str], cwd: Path, timeout: float = 900, period: float = 0.02) -> tuple[int, float | None]:

@@ -122,7 +122,7 @@ def auto_slicing(config, device) -> AutoSlicing:
     """The slicing for ``config`` (K = config.pp stages, batch slice = config.micro_batch_size)."""
     m = config.model
     if config.pp == 1:
-        return AutoSlicing((m.seq_len,), "one stage (P=1): no pipeline to fill, one slice")
+        return AutoSlicing((m.seq_len,), "rule (one stage, P=1: no pipeline to fill, one slice)")
     if not os.environ.get("OURS_PLAN_MODEL"):  # an explicit latency model file: the formula with it
         simulated = simulated_choices_path(m, device)
         chosen = next((c for c in read_simulated_choices(simulated) if c.fits(config)), None)

@@ -38,7 +38,10 @@ def test_one_stage_takes_one_slice_whatever_the_planner_has(tmp_path, monkeypatc
     monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
     _toy_model(128).save(tmp_path / "cpu-h128-a4-s128-v512.json")
     chosen = auto_slicing(_config(pp=1), torch.device("cpu"))
-    assert chosen.slices == (128,) and chosen.source.startswith("one stage (P=1)")
+    assert chosen.slices == (128,) and chosen.source.startswith("rule (one stage")
+    from ours import describe_slicing
+
+    assert describe_slicing({"n_slices": "auto", "slices": [128], "slicing": chosen.source}) == "auto, rule: K=1 (128)"
     assert len(auto_slicing(_config(pp=2), torch.device("cpu")).slices) > 1
 
 

@@ -222,3 +222,46 @@ def test_a_calibration_run_is_fitted_by_its_median_repetition():
     rows = {r: (x["run_id"], bg) for r, x, bg in median_runs(measured)}
     assert rows[a] == ("a1", 0.3)  # the slow spell (a2, busy) moves neither the time nor the load
     assert rows[b] == ("b1", 0.1)  # an even count: the lower middle record, the loads' median
+
+
+def test_calibration_fit_recovers_what_made_its_runs(tmp_path):
+    """``fit_calibration`` on runs simulated from known overheads, both pipelines' math factors and the
+    share of the cores four ranks on two cores keep: it finds them again, and every run within 2 %."""
+    from contract.registry import get_system
+    from predict.from_config import spec_from_config
+    from predict.host_load import cores_with_background
+    from predict.this_machine import LocalRun, fit_calibration, shape_key
+    from runners.record import build_record
+    from runners.request import build_parser, config_from_args
+    from workload.configs import get_model_config
+
+    truth = {"torch_pipe": Overheads(step=0.004, unit=0.002, compute=1.2),
+             "ours": Overheads(step=0.01, unit_layer=2e-4, dp=0.003, compute=1.15)}
+    crowded = 0.8
+    runs = (LocalRun("torch_pipe", "tiny", batch=2), LocalRun("torch_pipe", "tiny", batch=4, micro=2),
+            LocalRun("torch_pipe", "tiny", batch=8, seq=64),
+            LocalRun("ours", "tiny", n_slices=1), LocalRun("ours", "tiny", n_slices=4),
+            LocalRun("ours", "tiny", batch=4, seq=64, n_slices=2),
+            LocalRun("ours", "tiny", dp=2, n_slices=4, dp_mode="central_ps"),
+            LocalRun("ours", "tiny", batch=8, seq=64, dp=2, n_slices=2, dp_mode="allreduce"))
+    prof = synthetic_profile()
+    for m in [r.shape() for r in runs] + [get_model_config("cpu-small")]:
+        (tmp_path / f"profile-{shape_key(m)}.json").write_text(json.dumps(prof))
+    (tmp_path / "stall-probe.json").write_text(json.dumps({"stall_bytes": 0.0, "message_latency": None}))
+    link = local_link("none", (1e-4, 1e9))
+    with open(tmp_path / "calibration-runs.jsonl", "w") as out:
+        for r in runs:
+            args = build_parser().parse_args(r.argv(tmp_path / "x.jsonl", 2, 1)[3:])
+            cfg = config_from_args(args, get_system(r.system))
+            t = predict(spec_from_config(cfg, link), CpuCompute(prof, truth),
+                        cores_with_background(2.0, 0.0, crowded=crowded)).step_time
+            rec = build_record(cfg, get_system(r.system), "ok", None, None, {})
+            rec.median_step_time = t
+            out.write(rec.to_json() + "\n")
+    cal = fit_calibration(runs, tmp_path, speed=0.1, log=lambda *_: None)
+    assert cal.cores[:4] == pytest.approx((1.0, 2.0, 2.0 * crowded, 2.0 * crowded))
+    assert cal.overhead["torch_pipe"].compute == pytest.approx(1.2, rel=0.03)
+    assert cal.overhead["ours"].compute == pytest.approx(1.15, rel=0.03)
+    assert cal.overhead["ours"].dp == pytest.approx(0.003, rel=0.1)
+    assert max(abs(row["error"]) for row in cal.runs) < 0.02
+    assert json.loads((tmp_path / "calibration.json").read_text())["cores"][2] == pytest.approx(2.0 * crowded)
