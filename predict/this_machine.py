@@ -363,9 +363,7 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
         log(f"calibration: the earlier calibration's runs moved aside (calibration-runs-{stamp}.jsonl)")
     speed = speed_probe()
     log(f"calibration into {directory}: host speed probe {speed * 1e3:.1f} GFLOP/s")
-    shapes = {shape_key(m): m for m in [r.shape() for r in runs] + list(PROFILED)}
-    for m in shapes.values():
-        load_profile(m, directory)
+    profiles_of(runs, directory)  # measured now, before the runs
     for i in range(repeats):
         for r in runs:
             rec, background, took = run_and_read(r, out, steps, warmup)
@@ -382,12 +380,19 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
 # the profile's: torch_pipe's plain blocks, and ours' slices with their key/value context, each
 # fitted with their overheads, the cpu-small runs giving the factor its leverage over the tiny ones
 # (ours' was fixed at 1 until 2026-11-27: its cpu-small runs at 256 and 1024 tokens then ran 15-30 %
-# slower than predicted). The four-rank runs come last (``fit_crowded``).
+# slower than predicted). The four-rank runs come last (``fit_calibration``: ``crowded``).
 FIT_STAGES = (("torch_pipe", ("step", "unit", "compute"), lambda r: r.dp == 1 and r.tp == 1),
               ("ours", ("step", "unit_layer", "compute"), lambda r: r.dp == 1 and r.tp == 1),
               ("ours", ("tp",), lambda r: r.tp > 1),
               ("megatron", ("step", "tp"), lambda r: r.tp > 1))
 CROWDED_GRID = tuple(round(1.0 - 0.02 * i, 2) for i in range(26))  # 1.0 .. 0.5
+
+
+def profiles_of(runs, directory: Path) -> dict[str, dict]:
+    """The profile of each shape the calibration needs (its runs' and ``PROFILED``), by ``shape_key``;
+    measured where ``directory`` has none yet (``load_profile``)."""
+    shapes = {shape_key(m): m for m in [r.shape() for r in runs] + list(PROFILED)}
+    return {k: load_profile(m, directory) for k, m in shapes.items()}
 
 
 def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibration:
@@ -400,8 +405,7 @@ def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibrati
     (``python -m predict calibrate --refit`` fits kept runs again)."""
     from predict.host_load import cores_with_background
 
-    shapes = {shape_key(m): m for m in [r.shape() for r in runs] + list(PROFILED)}
-    profiles = {k: load_profile(m, directory) for k, m in shapes.items()}
+    profiles = profiles_of(runs, directory)
     fits = [p["p2p_fit"] for p in profiles.values() if p.get("p2p_fit")]
     loopback = (statistics.median(f["latency"] for f in fits), statistics.median(f["bandwidth"] for f in fits)) \
         if fits else (50e-6, 2e9)
@@ -423,13 +427,11 @@ def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibrati
             overhead[system], rep = fit_overheads(system, sel, None, params)
             report += rep
     crowded = 1.0
-    many = rows(lambda r: r.system == "ours" and r.dp > 1)
-    if many:
-        def fit_at(e: float):
-            return fit_overheads("ours", rows(lambda r: r.system == "ours" and r.dp > 1, e), None, ("dp",))
-
-        crowded = min(CROWDED_GRID, key=lambda e: sum(row["error"] ** 2 for row in fit_at(e)[1]))
-        overhead["ours"], rep = fit_at(crowded)
+    if any(r.system == "ours" and r.dp > 1 for r, _, _ in measured):
+        at = {e: fit_overheads("ours", rows(lambda r: r.system == "ours" and r.dp > 1, e), None, ("dp",))
+              for e in CROWDED_GRID}
+        crowded = min(at, key=lambda e: sum(row["error"] ** 2 for row in at[e][1]))
+        overhead["ours"], rep = at[crowded]
         report += rep
         log(f"calibration: {len(rep)} runs of more ranks than cores keep {crowded:.2f} of the cores' worth")
     for row in report:
