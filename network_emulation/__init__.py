@@ -9,14 +9,12 @@
   shaped by netem when the kernel has it, else by tbf plus a userspace nfnetlink_queue delayer;
   torn down on exit, on signals, and (after SIGKILL) by the next start or ``cleanup_stale()``.
 - ``probe``: measured one-way delay and TCP bandwidth between two hosts of a cluster.
-- ``nodes``: ``VirtualNodes(n, directory)``, virtual nodes with their own sshd, host name and
-  /etc/hosts, reachable over ssh with DIR/ssh_config; owned by a process, reaped like the virtual
-  cluster's namespaces. Command line: ``python -m network_emulation.nodes {up,status,down}``.
 - ``ssh_shaping``: ``SshShapingSession``, the cluster mode's shaping over ssh, netem where a node
   has it, else tbf plus the delayer on the node (shaping_agent.py runs there); probes over ssh.
 
 Command line: ``python -m network_emulation {apply,clear,show,probe,cleanup} --help``.
-Needs root, iproute2, (for the fallback) iptables and (for virtual nodes) openssh-server.
+Needs root, iproute2 and (for the fallback) iptables. Virtual nodes with sshd and Slurm are tools
+(``tools.nodes``, ``tools.slurm_nodes``).
 """
 
 from .netem import NetemSession, NotRootError, netem_limit, tbf_burst
@@ -28,16 +26,7 @@ from .virtual_cluster import VirtualCluster, VirtualHost, cleanup_stale
 
 __all__ = [
     "PROFILES", "SEED_PROFILES", "LinkMeasurement", "LinkSpec", "MatrixProfile", "NetemSession", "NotRootError",
-    "Profile", "ProfileError", "SshShapingSession", "UniformProfile", "VirtualCluster", "VirtualHost", "VirtualNodes",
+    "Profile", "ProfileError", "SshShapingSession", "UniformProfile", "VirtualCluster", "VirtualHost",
     "cleanup_stale", "load_matrix", "matrix_profile", "netem_limit", "parse_profile", "probe_over_ssh", "tbf_burst",
 ]
 
-
-def __getattr__(name: str) -> object:
-    """``VirtualNodes`` loads on first use, so that ``python -m network_emulation.nodes`` does not find
-    its module imported already by the package."""
-    if name == "VirtualNodes":
-        from . import nodes
-
-        return getattr(nodes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -121,7 +121,7 @@ def cleanup_stale(log: TextIO | None = sys.stderr) -> list[str]:
 @dataclass(frozen=True)
 class VirtualHost:
     """A host in a network namespace of its own: a virtual cluster's, or a virtual node
-    (``network_emulation.nodes``, which also has a host name: its ssh name)."""
+    (``tools.nodes``, which also has a host name: its ssh name)."""
 
     index: int
     namespace: str

@@ -93,7 +93,7 @@ fi
 
 status=0
 if [ -n "$rehearse" ]; then
-  "$PY" -m runners.rehearse "$rehearse" ${slurm:+--slurm} ${sweep:+--sweep "$sweep"} ${slots[@]+"${slots[@]}"} \
+  "$PY" -m tools.rehearse "$rehearse" ${slurm:+--slurm} ${sweep:+--sweep "$sweep"} ${slots[@]+"${slots[@]}"} \
     ${extra[@]+"${extra[@]}"} || status=$?
 elif [ -n "$slurm" ]; then
   "$PY" -m runners.sweep "${sweep:-sweeps/gpt3-xl-cluster.toml}" --slurm --plots results/plots \

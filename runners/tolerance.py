@@ -9,7 +9,7 @@ rounds in proportion to magnitude, so its tolerances bound each gradient element
 fraction of the largest |gradient| of its parameter in the reference.
 
 Each tolerance is derived (``derive``) from the spread measured over many seeds
-(``python -m runners.verify_spread``; ``results/measured-here/verify-spread.jsonl`` and ``.md``), by
+(``python -m tools.verify_spread``; ``results/measured-here/verify-spread.jsonl`` and ``.md``), by
 one rule: twice the largest difference any run of the policy showed, rounded up to 1, 2 or 5 x 10^k.
 ``TOLERANCES`` holds the result and ``tests/runners/test_verify.py`` checks that it still follows
 from the kept measurements.
@@ -81,7 +81,7 @@ def round_up(x: float) -> float:
 
 
 def derivation_runs(policy: str, rows: list[dict]) -> list[dict]:
-    """Of ``runners.verify_spread``'s rows, those a policy's tolerance is derived from: the policy's
+    """Of ``tools.verify_spread``'s rows, those a policy's tolerance is derived from: the policy's
     verified runs at ``DERIVED_AT_STEPS`` steps and ``DERIVED_TOKENS`` tokens per micro-batch."""
     return [r for r in rows if r["class"] == policy and r["steps"] == DERIVED_AT_STEPS
             and r["tokens"] == DERIVED_TOKENS and r["status"] == "ok" and r.get("max_rel_grad_diff") is not None]

@@ -82,7 +82,7 @@ if [ "$(id -u)" = 0 ] && { ! command -v ip >/dev/null || ! command -v iptables >
       || echo "setup: could not install iproute2/iptables; network emulation tests will be skipped" >&2
   fi
 fi
-# Virtual nodes (network_emulation.nodes) run their own sshd: install openssh-server if missing. The nodes
+# Virtual nodes (tools.nodes) run their own sshd: install openssh-server if missing. The nodes
 # never use /etc/ssh; where systemd runs, the machine-wide sshd the package would start is stopped again, so
 # the machine is left as it was (without systemd the package starts no daemon).
 if [ "$(id -u)" = 0 ] && ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ]; then
@@ -95,7 +95,7 @@ if [ "$(id -u)" = 0 ] && ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ]
     fi
   fi
 fi
-# Slurm on virtual nodes (run_all.sh --rehearse N --slurm, network_emulation.slurm_nodes): Debian's slurm-wlm
+# Slurm on virtual nodes (run_all.sh --rehearse N --slurm, tools.slurm_nodes): Debian's slurm-wlm
 # (slurmctld, slurmd, slurm-client) and munge, if missing. Without systemd the packages start no daemon; where
 # systemd runs, the machine-wide daemons they would start are stopped again (the rehearsal runs its own).
 if [ "$(id -u)" = 0 ] && ! { command -v slurmctld && command -v slurmd && command -v srun && command -v munged; } >/dev/null; then

@@ -1,8 +1,10 @@
 """The suite's import graph, every module of every package (module level and inside functions): no
 cycle anywhere, and the layers (``LAYERS``): the workload imports nothing of the suite, the contract
 only the workload, a system only the contract, the workload and its own package, the report only the
-contract and the workload, the harness (``runners``) never the simulator, the benchmarks or the report;
-and every name imported from the suite exists."""
+contract and the workload, the harness (``runners``) never the simulator, the benchmarks, the report or
+the tools; the tools (``tools``: the GPU check, the verification spread, rehearsals, virtual nodes) stand
+above the harness, and nothing of the suite but themselves imports them; and every name imported from
+the suite exists."""
 from __future__ import annotations
 
 import ast
@@ -17,7 +19,7 @@ import pytest
 from contract.registry import systems
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict", "bench")
+PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict", "bench", "tools")
 # part -> (what its modules may import, or None: anything but what the second set names)
 LAYERS: dict[str, tuple[set[str] | None, set[str]]] = {
     "workload": ({"workload"}, set()),
@@ -25,8 +27,10 @@ LAYERS: dict[str, tuple[set[str] | None, set[str]]] = {
     "network_emulation": ({"network_emulation"}, set()),
     "report": ({"report", "quality_report", "contract", "workload"}, set()),
     "quality_report": ({"quality_report", "contract", "workload"}, set()),  # the report's time-to-quality part
-    "runners": (None, {"predict", "bench", "report", "quality_report"}),  # the harness: a run never calls the simulator
+    "runners": (None, {"predict", "bench", "report", "quality_report", "tools"}),  # the harness: a run never calls the simulator
 }
+# parts every other part keeps clear of: only they themselves import them (the tests aside)
+TOP = ("tools",)
 
 
 def suite_modules() -> dict[str, Path]:
@@ -150,6 +154,8 @@ def layering_violations(g: dict[str, set[str]], system_pkgs: list[str]) -> list[
             allowed = [system, *(p for p in system_pkgs if system.startswith(p + ".")), "contract", "workload"]
             bad += [f"{name} imports {m}" for m in sorted(reached) if _part(m, allowed) is None]
             continue
+        bad += [f"{name} imports {m}" for m in sorted(reached)
+                if m.split(".")[0] in TOP and m.split(".")[0] != name.split(".")[0]]
         rule = LAYERS.get(name.split(".")[0])
         if rule is None:
             continue
@@ -188,6 +194,11 @@ def test_the_layering_fails_on_the_wrong_way_imports_the_house_removed():
     # and the run command calling the simulator
     run = {**g, "runners.run": g["runners.run"] | {"predict.this_machine"}}
     assert "runners.run imports predict.this_machine" in layering_violations(run, systems_)
+    # the harness, or the simulator, reaching for a tool (the rehearsal lived in runners/)
+    tool = {**g, "runners.sweep.__main__": g["runners.sweep.__main__"] | {"tools.rehearse"},
+            "predict.gloo_stall": g["predict.gloo_stall"] | {"tools.nodes"}}
+    found = layering_violations(tool, systems_)
+    assert "runners.sweep.__main__ imports tools.rehearse" in found and "predict.gloo_stall imports tools.nodes" in found
 
 
 def test_every_name_imported_from_the_suite_exists():

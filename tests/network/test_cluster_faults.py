@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from network_emulation import VirtualNodes
+from tools.nodes import VirtualNodes
 
 from ._node_checks import needs_sshd, shaping_left
 from .conftest import REPO, needs_root

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from network_emulation import PROFILES, SshShapingSession, matrix_profile, parse_profile
-from network_emulation import node_ssh
+from tools import node_ssh
 from network_emulation.probe import RTT_HALF, SHARED_CLOCK, summarize
 from network_emulation.shaping_agent import Agent, PlanError, check_plan
 from network_emulation.ssh_shaping import QUEUE_BASE, plan_for
@@ -111,7 +111,7 @@ def test_one_way_delay_method() -> None:
 def test_nodes_cli_bad_requests() -> None:
     for args in (["up", "--nodes", "0"], ["up", "--nodes", "2", "--dir", "/tmp/a b"],
                  ["up", "--nodes", "2", "--subnet", "10.88"]):
-        p = subprocess.run([sys.executable, "-m", "network_emulation.nodes", *args], cwd=REPO, capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "tools.nodes", *args], cwd=REPO, capture_output=True,
                            text=True, timeout=60)
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (args, p.stderr)
-        assert p.stderr.startswith("network_emulation.nodes: ")
+        assert p.stderr.startswith("tools.nodes: ")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from network_emulation import VirtualNodes
+from tools.nodes import VirtualNodes
 
 from ._node_checks import live_processes, namespaces_of, needs_sshd, netns_inodes, processes_in
 from .conftest import REPO, needs_root, root_links
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.network, needs_root, needs_sshd]
 
 
 def nodes_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "network_emulation.nodes", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tools.nodes", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from network_emulation import VirtualNodes
-from network_emulation.slurm_nodes import SlurmOnNodes
+from tools.nodes import VirtualNodes
+from tools.slurm_nodes import SlurmOnNodes
 
 from ._node_checks import live_processes, needs_slurm, needs_sshd, shaping_left
 from .conftest import REPO, needs_root, root_links

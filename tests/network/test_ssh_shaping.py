@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from network_emulation import LinkMeasurement, SshShapingSession, VirtualNodes, parse_profile
+from network_emulation import LinkMeasurement, SshShapingSession, parse_profile
+from tools.nodes import VirtualNodes
 from network_emulation.probe import SHARED_CLOCK
 
 from ._node_checks import needs_sshd, shaping_left

@@ -114,7 +114,7 @@ HALF = {
 
 
 # torch_pipe and fairscale_fsdp run the reference's autocast, op for op: fp16 takes that path and adds the
-# loss scaling, so their bf16 runs are left to runners.verify_spread (every system, every policy, many seeds)
+# loss scaling, so their bf16 runs are left to tools.verify_spread (every system, every policy, many seeds)
 RUNS = [(system, "fp16") for system in HALF] + [("ours", "bf16"), ("megatron-pp2", "bf16")]
 
 
@@ -137,7 +137,7 @@ def test_every_policys_tolerance_follows_from_the_kept_measurements():
     """runners.tolerance's docstring: each policy's tolerance in force is the rule's (``derive``) over the
     kept verify-spread runs; a new measurement beyond it, or a hand-edited tolerance, fails here."""
     from runners.tolerance import TOLERANCES, derivation_runs, derive
-    from runners.verify_spread import KEEP, load
+    from tools.verify_spread import KEEP, load
 
     rows = load(KEEP)
     for policy, tolerance in TOLERANCES.items():

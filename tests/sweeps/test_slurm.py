@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from network_emulation.slurm_nodes import gres_conf, slurm_conf, task_prolog
+from tools.slurm_nodes import gres_conf, slurm_conf, task_prolog
 from network_emulation.slurm_step import srun_argv
 from runners.sweep.hostfile import DoesNotFit
 from runners.sweep.plan import SweepError, load_sweep

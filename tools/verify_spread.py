@@ -1,5 +1,6 @@
-"""verify-spread: how far each system's ``--verify`` lands from the reference under each precision
-policy, over many seeds: the distribution that ``runners.tolerance`` derives its tolerances from.
+"""How far each system's --verify lands from the reference per precision policy, over many seeds.
+
+The distribution that ``runners.tolerance`` derives its tolerances from.
 
 Every case (a system and layout on the tiny test model: 4 layers, hidden 64, 4 heads, sequence 32,
 vocabulary 128; batch 4 per pipeline, micro-batch 1) runs the real run command with ``--verify`` once
@@ -11,9 +12,9 @@ already there is not run again, so the measurement goes in chunks (``--budget`` 
 under the shared CPU lock) and resumes where it stopped. The reference of a (seed, policy, global
 batch) is trained once and shared by every case (``runners.reference_cache``).
 
-    python -m runners.verify_spread run --precision bf16 fp16 --seeds 0-23 --budget 240
-    python -m runners.verify_spread run --precision bf16 --cases "megatron P-2" --steps 1 2 4 8 --seeds 0-3
-    python -m runners.verify_spread summary           (the tables, and the tolerance each policy's rule gives)
+    python -m tools.verify_spread run --precision bf16 fp16 --seeds 0-23 --budget 240
+    python -m tools.verify_spread run --precision bf16 --cases "megatron P-2" --steps 1 2 4 8 --seeds 0-3
+    python -m tools.verify_spread summary           (the tables, and the tolerance each policy's rule gives)
 
 ``summary`` prints, per policy class and case, the runs, the median and the maximum of each
 difference, and the tolerance that ``runners.tolerance.derive`` gives over the class's runs at the
@@ -158,7 +159,7 @@ def summary(opts: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runners.verify_spread", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.verify_spread", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the cases' --verify at many seeds (resumable)")
     r.add_argument("--precision", nargs="+", default=["fp32", "bf16", "fp16"], choices=["fp32", "bf16", "fp16"])

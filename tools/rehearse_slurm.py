@@ -1,10 +1,10 @@
 """Rehearse the Slurm launcher on one machine: a real Slurm on virtual nodes, the sweep submitted to it.
 
-    python -m runners.rehearse N --slurm [--sweep FILE] [--out FILE] [--dir DIR] [--nproc-per-node S] ...
+    python -m tools.rehearse N --slurm [--sweep FILE] [--out FILE] [--dir DIR] [--nproc-per-node S] ...
     (runners/run_all.sh --rehearse N --slurm ...)
 
-1. N virtual nodes come up (``network_emulation.nodes``), then Slurm on them
-   (``network_emulation.slurm_nodes``): munged and slurmd on every node, slurmctld on node01, each
+1. N virtual nodes come up (``tools.nodes``), then Slurm on them
+   (``tools.slurm_nodes``): munged and slurmd on every node, slurmctld on node01, each
    node with S GPUs (generic resources; default 1, as the ssh rehearsal's ``slots=1``);
 2. on node01, the cluster's login node, over ssh, exactly what a user types there:
    ``runners/run_all.sh --sweep FILE --scale-down --out OUT --iface eth0 --slurm-submit --nodes=N
@@ -81,8 +81,8 @@ def submit_argv(args: argparse.Namespace, out: Path) -> list[str]:
 
 def rehearse_slurm(args: argparse.Namespace, out: Path) -> int:
     """Nodes, Slurm, the sweep submitted and followed; everything down again. The job's exit status."""
-    from network_emulation.nodes import VirtualNodes
-    from network_emulation.slurm_nodes import SlurmOnNodes
+    from tools.nodes import VirtualNodes
+    from tools.slurm_nodes import SlurmOnNodes
 
     directory = args.dir.absolute()
     t0 = time.monotonic()

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from runners.gpu_check import Line, Report, barrier_line, memory_line, slug, verify_line
+from tools.gpu_check import Line, Report, barrier_line, memory_line, slug, verify_line
 from tests.conftest import REPO
 
 

@@ -55,7 +55,7 @@ def sshd_config(directory: Path, node: NodeAddress, port: int = 22) -> str:
     """One node's sshd configuration: its own host key, the set's authorized key, no PAM, keys only."""
     d = node_dir(directory, node.name)
     return "\n".join([
-        f"# sshd of virtual node {node.name} (written by network_emulation.nodes; removed by down)",
+        f"# sshd of virtual node {node.name} (written by tools.nodes; removed by down)",
         f"ListenAddress {node.address}:{port}",
         f"HostKey {d / 'ssh_host_ed25519_key'}",
         f"AuthorizedKeysFile {directory / 'authorized_keys'}",

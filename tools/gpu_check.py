@@ -1,6 +1,6 @@
 """The checks that prove the CUDA path on one machine with one GPU (scripts/gpu_check.sh).
 
-    python -m runners.gpu_check [--out FILE.md] [--only CHECK]... [--steps N] [--run-timeout S] [--jobs J]
+    python -m tools.gpu_check [--out FILE.md] [--only CHECK]... [--steps N] [--run-timeout S] [--jobs J]
                                 [--device cuda|cpu]
 
 Each check is one line (a row) of a markdown summary, written to FILE.md (default
@@ -189,7 +189,7 @@ def one_rank_lines(settings: Settings, jobs: int, records: Path, report: "Report
 
 
 class Nodes:
-    """Virtual nodes (network_emulation.nodes) and a cluster executor over them, or why there are none."""
+    """Virtual nodes (tools.nodes) and a cluster executor over them, or why there are none."""
 
     def __init__(self, count: int, log) -> None:
         self.count, self.log = count, log
@@ -198,7 +198,7 @@ class Nodes:
         self.why: str | None = None
 
     def __enter__(self) -> Nodes:
-        from network_emulation.nodes import NodesError, VirtualNodes
+        from tools.nodes import NodesError, VirtualNodes
         from runners.sweep.cluster import ClusterExecutor, parse_hostfile
 
         if os.geteuid() != 0:

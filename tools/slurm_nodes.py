@@ -43,8 +43,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from . import netem
-from .signals import Guarded, signals_deferred
+from network_emulation import netem
+from network_emulation.signals import Guarded, signals_deferred
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
@@ -74,7 +74,7 @@ def slurm_conf(directory: Path, nodes: Sequence[tuple[str, str]], gpus_per_node:
     """slurm.conf for ``nodes`` ((name, address), the first runs slurmctld), everything under ``directory``."""
     controller, address = nodes[0]
     lines = [
-        f"# Slurm on {len(nodes)} virtual node(s) (written by network_emulation.slurm_nodes; removed when it stops)",
+        f"# Slurm on {len(nodes)} virtual node(s) (written by tools.slurm_nodes; removed when it stops)",
         "ClusterName=pipebench",
         f"SlurmctldHost={controller}({address})",
         "SlurmUser=root",
@@ -124,7 +124,7 @@ def gres_conf(directory: Path, gpus_per_node: int) -> str:
 
 
 class SlurmOnNodes(Guarded):
-    """Slurm on the started virtual nodes ``vn`` (a ``network_emulation.nodes.VirtualNodes``); a context
+    """Slurm on the started virtual nodes ``vn`` (a ``tools.nodes.VirtualNodes``); a context
     manager. After ``start()``: ``controller`` (the first node's name), ``directory``, and
     ``submit_argv(argv)`` (runs ``argv`` on the controller, the cluster's login node)."""
 

@@ -1,10 +1,10 @@
 """Rehearse a cluster on one machine: the cluster sweep, scaled down, over real ssh on virtual nodes.
 
-    python -m runners.rehearse N [--slurm] [--sweep FILE] [--out FILE] [--dir DIR] [--nproc-per-node S]
+    python -m tools.rehearse N [--slurm] [--sweep FILE] [--out FILE] [--dir DIR] [--nproc-per-node S]
                                  [--only SYSTEM] [--retry-failed] [--no-report]
     (runners/run_all.sh --rehearse N [--slurm] [--sweep FILE] ...)
 
-1. N virtual nodes come up (``network_emulation.nodes``: one network namespace, sshd, host name
+1. N virtual nodes come up (``tools.nodes``: one network namespace, sshd, host name
    and /etc/hosts each; DIR/hostfile with ``slots=1`` per node and DIR/ssh_config);
 2. the nodes are set up as a real cluster's are (``runners.sweep.setup_nodes``): the suite is
    copied to DIR/<node>/suite on every node; its .venv is a link to this interpreter's venv (the
@@ -16,7 +16,7 @@
 4. the nodes go down: at the end, on a failure, on Ctrl-C or SIGTERM (SIGKILL leaves them to the
    next ``up``, rehearsal or ``python -m network_emulation cleanup``).
 
-With ``--slurm`` the launcher rehearsed is Slurm instead (``runners.rehearse_slurm``): slurmctld and
+With ``--slurm`` the launcher rehearsed is Slurm instead (``tools.rehearse_slurm``): slurmctld and
 slurmd on the nodes, the sweep submitted with sbatch on node01 and run with srun.
 
 The default sweep is the seed's GPT-3 XL cluster sweep on 12 nodes or more; on fewer, whose nodes
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from network_emulation.netem import NotRootError
 from network_emulation.signals import Terminated, signals_raise
-from runners.rehearse_slurm import rehearse_slurm
+from tools.rehearse_slurm import rehearse_slurm
 from runners.sweep import __main__ as sweep_command
 from runners.sweep.plan import SweepError, load_sweep
 from runners.sweep.scale import scale_down
@@ -49,7 +49,7 @@ IFACE = "eth0"  # the virtual nodes' interface
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m runners.rehearse", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.rehearse", description=__doc__.split("\n\n")[0])
     ap.add_argument("nodes", type=int, help="number of virtual nodes")
     ap.add_argument("--sweep", default=None,
                     help=f"the cluster sweep to rehearse (default {DEFAULT_SWEEP}; on fewer than 12 nodes "
@@ -87,7 +87,7 @@ def sweep_argv(args: argparse.Namespace, hostfile: Path, ssh_config: Path, remot
 
 
 def rehearse(args: argparse.Namespace) -> int:
-    from network_emulation.nodes import VirtualNodes
+    from tools.nodes import VirtualNodes
 
     sweep = load_sweep(args.sweep, scale_down)  # a bad sweep file stops here, before any node is up
     out = Path(args.out or f"results/{sweep.name}.jsonl").absolute()
@@ -114,7 +114,7 @@ def rehearse(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    from network_emulation.nodes import NodesError
+    from tools.nodes import NodesError
 
     args.sweep = args.sweep or default_sweep(args.nodes)
     try:
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SetupError as e:
         print(f"{ap.prog}: setting up the nodes failed on {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # the nodes did not come up (network_emulation.nodes names the node)
+    except RuntimeError as e:  # the nodes did not come up (tools.nodes names the node)
         print(f"{ap.prog}: {e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated) as e:

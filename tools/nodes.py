@@ -1,5 +1,6 @@
-"""Virtual nodes: N network namespaces on one bridge, each running its own sshd, so that the suite's
-cluster mode can run over real ssh on one machine.
+"""Virtual nodes on one machine: N network namespaces on one bridge, each with its own sshd.
+
+The suite's cluster mode runs over real ssh on them.
 
     node k   netns nemu-<pid>.<start>-vnodes-nodeKK   eth0 <subnet>.k/24, host name nodeKK, sshd :22
         └── veth ── pk ── br0 in the switch netns nemu-<pid>.<start>-vnodes-switch
@@ -20,9 +21,9 @@ by ``down``, by any VirtualCluster start and by ``python -m network_emulation cl
 use: ``with VirtualNodes(n, directory) as nodes:`` (owned by the current process). From the
 command line, ``up`` starts a small keeper process that owns the nodes until ``down`` (SIGTERM).
 
-    python -m network_emulation.nodes up --nodes 4 [--dir DIR] [--subnet 10.88.0]
-    python -m network_emulation.nodes status [--dir DIR]
-    python -m network_emulation.nodes down [--dir DIR]
+    python -m tools.nodes up --nodes 4 [--dir DIR] [--subnet 10.88.0]
+    python -m tools.nodes status [--dir DIR]
+    python -m tools.nodes down [--dir DIR]
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import netem, node_ssh
-from .signals import Guarded, Terminated, signals_deferred, signals_raise, stop_process
-from .virtual_cluster import (PREFIX, TCP_MEM_MAX, VirtualHost, _run, _start_time, cleanup_stale, destroy_namespace,
-                              list_namespaces)
+from network_emulation import netem
+from network_emulation.signals import Guarded, Terminated, signals_deferred, signals_raise, stop_process
+from network_emulation.virtual_cluster import (PREFIX, TCP_MEM_MAX, VirtualHost, _run, _start_time, cleanup_stale,
+                                              destroy_namespace, list_namespaces)
+from tools import node_ssh
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "pipebench-nodes"
@@ -168,7 +170,7 @@ class VirtualNodes(Guarded):
         previous = read_state(self.directory)
         if previous and _alive(previous["owner"]["pid"], previous["owner"]["start"]):
             raise NodesError(f"virtual nodes are already up in {self.directory} (owner pid {previous['owner']['pid']}): "
-                             f"run 'python -m network_emulation.nodes down --dir {self.directory}' first")
+                             f"run 'python -m tools.nodes down --dir {self.directory}' first")
         if self.switch_namespace in list_namespaces():
             raise NodesError("this process already owns a set of virtual nodes")
         used = subnets_in_use()
@@ -355,7 +357,7 @@ def _is_keeper(pid: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"network_emulation.nodes" in argv and b"keep" in argv
+    return b"tools.nodes" in argv and b"keep" in argv
 
 
 # ---------------------------------------------------------------------- the keeper
@@ -420,7 +422,7 @@ def up(n_nodes: int, directory: Path, subnet: str | None, out: TextIO = sys.stdo
     with signals_raise():
         with open(directory / "keeper.log", "ab") as log:
             keeper = subprocess.Popen(
-                [sys.executable, "-m", "network_emulation.nodes", "keep", "--nodes", str(n_nodes),
+                [sys.executable, "-m", "tools.nodes", "keep", "--nodes", str(n_nodes),
                  "--dir", str(directory), *(["--subnet", subnet] if subnet else [])],
                 cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
         try:
@@ -438,7 +440,7 @@ def up(n_nodes: int, directory: Path, subnet: str | None, out: TextIO = sys.stdo
           f"  try:        ssh -F {directory / 'ssh_config'} {names[0]} hostname\n"
           f"  cluster:    runners/run_all.sh --hostfile {directory / 'hostfile'} "
           f"--ssh-config {directory / 'ssh_config'} ...\n"
-          f"  stop:       python -m network_emulation.nodes down --dir {directory}", file=out)
+          f"  stop:       python -m tools.nodes down --dir {directory}", file=out)
     return 0
 
 
@@ -507,7 +509,7 @@ def _keepers_of(directory: Path) -> list[tuple[int, int]]:
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"network_emulation.nodes" in argv and b"keep" in argv and b"--dir" in argv and \
+        if b"tools.nodes" in argv and b"keep" in argv and b"--dir" in argv and \
                 argv[argv.index(b"--dir") + 1] == os.fsencode(directory):
             start = _start_time(int(d.name))
             if start is not None:
@@ -537,7 +539,7 @@ def status(directory: Path, out: TextIO = sys.stdout) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m network_emulation.nodes", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.nodes", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
 
     def dir_arg(p: argparse.ArgumentParser) -> None:
@@ -572,10 +574,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return status(directory)
         return keep(args.nodes, directory, args.subnet)
     except (NodesError, netem.NotRootError, FileNotFoundError) as e:
-        print(f"network_emulation.nodes: {e}", file=sys.stderr)
+        print(f"tools.nodes: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        print(f"network_emulation.nodes: {e}", file=sys.stderr)
+        print(f"tools.nodes: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
