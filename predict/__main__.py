@@ -6,17 +6,18 @@
     python -m predict records RECORDS.jsonl ...   # this machine's prediction of every recorded CPU run, kept
                                             # beside its records (X.predictions.json) for the report's cells
     python -m predict calibrate     # this host and code version: profiles, stall probe, runs without delay,
-                                    # overheads, the host's speed (results/predict/calibrations/<host>-<code>/)
+                                    # overheads, the host's speed (predict/calibration/<host>-<code>/)
     python -m predict calibrate --refit   # the kept calibration runs fitted again (a change to the fit)
     python -m predict validate [RECORDS.jsonl ...]   # recorded runs (default: the main job's,
                                     # results/local.jsonl) predicted against measured, by case; the report
                                     # shows predictions only for the cases this finds modelled
+                                    # (predict/calibration/validation.json; --name N: results/predict/N)
     python -m predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
     python -m predict plan-check [EVALUATION.json]   # the planner's evaluation: formula vs simulator
     python -m predict plan --model cpu-small --pp 2 --batch-size 1 2 4   # ours' slicings chosen by
                                             # simulation, written where ``--n-slices auto`` finds them
 
-Without --device-file a run is predicted for this machine (its calibration in results/predict and a
+Without --device-file a run is predicted for this machine (its calibration in predict/calibration and a
 profile of the model's shape); with one, for that GPU (NCCL; links from the network profile, one
 message in flight per link and direction, as the seed's GPipe; ``--network none``: NVLink).
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from contract.records import predictions_path
 
-from predict.this_machine import RESULTS
+REPORTS = Path(__file__).resolve().parents[1] / "results" / "predict"  # what the checks write
 
 
 def _calibrate(args) -> int:
@@ -51,7 +52,8 @@ def _validate(args) -> int:
               f"runners/run_all.sh)", file=sys.stderr)
         return 2
     try:
-        validate_records([Path(p) for p in args.records], name=args.name)
+        validate_records([Path(p) for p in args.records], name=args.name,
+                         out=None if args.name == "validation" else REPORTS)
     except FileNotFoundError as exc:
         print(f"python -m predict validate: error: {exc}", file=sys.stderr)
         return 2
@@ -67,9 +69,9 @@ def _seed(args) -> int:
     text = markdown(res, fp16)
     print(text)
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "seed-predictions.json").write_text(json.dumps(dict(fp32=res, fp16=fp16), indent=1))
-        (RESULTS / "seed-predictions.md").write_text(text)
+        REPORTS.mkdir(parents=True, exist_ok=True)
+        (REPORTS / "seed-predictions.json").write_text(json.dumps(dict(fp32=res, fp16=fp16), indent=1))
+        (REPORTS / "seed-predictions.md").write_text(text)
     return 0
 
 
@@ -79,9 +81,9 @@ def _plan_check(args) -> int:
     res = check_evaluation(args.evaluation)
     text = markdown(res)
     print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "plan-check.md").write_text(text)
-    (RESULTS / "plan-check.json").write_text(json.dumps(res, indent=1))
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    (REPORTS / "plan-check.md").write_text(text)
+    (REPORTS / "plan-check.json").write_text(json.dumps(res, indent=1))
     return 0
 
 
@@ -249,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("validate", help="recorded runs predicted against measured, by case")
     q.add_argument("records", nargs="*", default=["results/local.jsonl"],
                    help="records files (default: the main job's, results/local.jsonl)")
-    q.add_argument("--name", default="validation", help="results/predict/NAME.{md,json} (default validation: the "
-                   "one the report's predictions are gated by; another name for a check that gates nothing)")
+    q.add_argument("--name", default="validation", help="default validation: predict/calibration/validation.{md,json}, "
+                   "the one the report's predictions are gated by; another name: results/predict/NAME.{md,json}, a "
+                   "check that gates nothing")
     q.set_defaults(fn=_validate)
     q = sub.add_parser("seed")
     q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")

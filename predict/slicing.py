@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from predict.this_machine import RESULTS, Calibration, load_calibration, load_profile
+from predict.this_machine import CALIBRATIONS, Calibration, load_calibration, load_profile
 from predict.compute import CpuCompute
 from predict.step_time import predict
 from predict.run_spec import RunSpec
@@ -26,18 +26,18 @@ def ours_spec(model, pp: int, batch: int, micro: int, slices, cal: Calibration) 
                    slices=tuple(int(s) for s in slices))
 
 
-def compute_for(model, cal: Calibration, directory: Path = RESULTS) -> CpuCompute:
-    return CpuCompute(load_profile(model, directory, batch_slices=(1,)), dict(cal.overhead))
+def compute_for(model, cal: Calibration) -> CpuCompute:
+    return CpuCompute(load_profile(model, cal.directory, batch_slices=(1,)), dict(cal.overhead))
 
 
-def check_evaluation(path: str | Path, cal: Calibration | None = None, directory: Path = RESULTS,
+def check_evaluation(path: str | Path, cal: Calibration | None = None, directory: Path = CALIBRATIONS,
                      cores: tuple | None = None) -> dict:
     """Simulated predictions of every row of a ``python -m bench plan-evaluation`` result, raw (nothing fitted to its
     measurements), against the formula's raw predictions stored in it."""
     ev = json.loads(Path(path).read_text())
     cal = cal or load_calibration(directory)
     model = get_model_config(ev["model"]).with_overrides(n_layer=ev["n_layer"], seq_len=ev["seq_len"])
-    cm = compute_for(model, cal, directory)
+    cm = compute_for(model, cal)
     rows = []
     for r in ev["rows"]:
         if r.get("measured") is None:
@@ -65,7 +65,7 @@ def markdown(res: dict) -> str:
 
 
 def choose_slicing(lm, model, pp: int, batch: int, micro: int, cal: Calibration | None = None,
-                   granularities=(8, 16, 32, 64), ks=(1, 2, 4, 8, 16), directory: Path = RESULTS,
+                   granularities=(8, 16, 32, 64), ks=(1, 2, 4, 8, 16), directory: Path = CALIBRATIONS,
                    cores: tuple | None = None) -> tuple[tuple[int, ...], float, list, tuple[int, ...]]:
     """The slicing with the shortest simulated step among the formula's optimum at each granularity (and
     at ``--n-slices auto``'s own) and the uniform slicings: (slices, simulated seconds, every candidate
@@ -75,7 +75,7 @@ def choose_slicing(lm, model, pp: int, batch: int, micro: int, cal: Calibration 
     from ours.plan.planner import plan
 
     cal = cal or load_calibration(directory)
-    cm = compute_for(model, cal, directory)
+    cm = compute_for(model, cal)
     cands = {uniform_slices(model.seq_len, k) for k in ks if k <= model.seq_len}
     formula = {}
     for g in {*granularities, default_granularity(model.seq_len)}:

@@ -2,8 +2,9 @@
 runs (predicted against measured), and the predictions the report shows.
 
     calibrate_here(): profile each model shape, run the calibration set with ``--network none`` and
-        fit every system's overheads; kept per host and per code version (``calibration_dir``), with a
-        probe of the host's speed while it was made;
+        fit every system's overheads; kept per host and per code version (``calibration_dir``) beside
+        this code, in ``predict/calibration/`` (``CALIBRATIONS``), with a probe of the host's speed while
+        it was made;
     validate_records(): every ok CPU run of records files (the main job's: sweeps/local.toml) predicted
         against its measured median over repetitions, grouped into cases (``case_of``: system, layout,
         sequence); a case is modelled where its median error is <= 10 % and each error within 20 %;
@@ -40,7 +41,7 @@ from contract.registry import read_options
 from workload.configs import ModelConfig, get_model_config
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "results" / "predict"
+CALIBRATIONS = Path(__file__).resolve().parent / "calibration"  # what the simulator reads: calibrations, validation
 # The code a calibration is of: what the ranks run and what the simulator makes of it. Any change to
 # these files is another code version, whose runs the calibration has not seen.
 CODE = ("workload", "contract", "baselines", "ours", "runners/worker.py", "runners/launcher.py",
@@ -71,10 +72,17 @@ def code_version(root: Path = REPO) -> str:
     return source_digest(root, CODE)[:12]
 
 
-def calibration_dir(directory: Path = RESULTS) -> Path:
-    """Where this host's calibration of this code version is kept: ``calibrations/<host>-<code>/``."""
+def calibration_dir(directory: Path = CALIBRATIONS) -> Path:
+    """Where this host's calibration of this code version is kept: ``<directory>/<host>-<code>/``."""
     host = re.sub(r"[^A-Za-z0-9.]+", "-", f"{platform.node()}-{os.cpu_count()}c").strip("-")
-    return directory / "calibrations" / f"{host}-{code_version()}"
+    return directory / f"{host}-{code_version()}"
+
+
+def latest_calibration(directory: Path = CALIBRATIONS) -> Path | None:
+    """The newest calibration kept in ``directory`` (of any host and code version), or None."""
+    kept = [(json.loads(p.read_text()).get("identity", {}).get("when", ""), p.parent)
+            for p in directory.glob("*/calibration.json")]
+    return max(kept)[1] if kept else None
 
 
 SPEED_TRIALS = 12  # the probe's trials: one trial alone reads 10-25 % low in a slow second of this host
@@ -190,7 +198,7 @@ def shape_key(m: ModelConfig) -> str:
     return f"h{m.n_embd}-a{m.n_head}-s{m.seq_len}-v{m.vocab_size}"
 
 
-def find_profile(m: ModelConfig, directory: Path = RESULTS) -> dict:
+def find_profile(m: ModelConfig, directory: Path) -> dict:
     """A profile that covers shape ``m``: its own, else the shortest one of a longer sequence with the
     same hidden size, heads and vocabulary (its (b, l, c) points hold every shorter slice and context).
     FileNotFoundError if none."""
@@ -204,7 +212,7 @@ def find_profile(m: ModelConfig, directory: Path = RESULTS) -> dict:
     return json.loads(longer[0].read_text())
 
 
-def load_profile(m: ModelConfig, directory: Path = RESULTS, make: bool = True, p2p: bool = True,
+def load_profile(m: ModelConfig, directory: Path, make: bool = True, p2p: bool = True,
                  batch_slices: tuple[int, ...] = (1, 2)) -> dict:
     """The profile of shape ``m`` (cached as profile-<shape>.json; measured if missing and ``make``)."""
     path = directory / f"profile-{shape_key(m)}.json"
@@ -235,14 +243,14 @@ class Calibration:
     message_latency: float | None = None
     # which host and code version it is of, when it was made, the host's speed then (``speed_probe``)
     identity: dict = field(default_factory=dict)
-    directory: Path = RESULTS  # where its profiles are (not kept in the file: where the file was read)
+    directory: Path = CALIBRATIONS  # where its profiles are (not kept in the file: where the file was read)
 
     @property
     def name(self) -> str:
         """How a prediction names the calibration it used."""
         i = self.identity or {}
         if not i.get("code"):
-            return "calibration of an unknown host and code version (results/predict/calibration.json)"
+            return f"calibration of an unknown host and code version ({self.directory})"
         return f"calibration of {i['host']}, code {i['code']}, {i.get('when', '?')}"
 
     def compute(self, m: ModelConfig, directory: Path | None = None) -> CpuCompute:
@@ -255,7 +263,7 @@ class Calibration:
                     message_latency=self.message_latency, runs=list(self.runs))
 
     @classmethod
-    def from_json(cls, d: dict, directory: Path = RESULTS) -> "Calibration":
+    def from_json(cls, d: dict, directory: Path) -> "Calibration":
         return cls({k: Overheads(**v) for k, v in d["overhead"].items()}, tuple(d["loopback"]), tuple(d["cores"]),
                    tuple(d.get("runs") or ()), d.get("stall_bytes"), d.get("message_latency"),
                    d.get("identity") or {}, directory)
@@ -264,7 +272,7 @@ class Calibration:
         return local_link(network, self.loopback, probed, self.stall_bytes, self.message_latency, matrix)
 
 
-def load_stall(directory: Path = RESULTS, make: bool = True, log=print) -> tuple[float | None, float | None]:
+def load_stall(directory: Path, make: bool = True, log=print) -> tuple[float | None, float | None]:
     """The emulated links' per-message stall and gloo's latency per message over them
     (``message_probe``), cached as stall-probe.json; (None, None) when not probed and not ``make``."""
     path = directory / "stall-probe.json"
@@ -460,17 +468,18 @@ def refit_here(directory: Path | None = None, log=print) -> Calibration:
     return fit_calibration(CALIBRATION_RUNS, directory, speed, log=log)
 
 
-def load_calibration(directory: Path = RESULTS, strict: bool = False) -> Calibration:
+def load_calibration(directory: Path = CALIBRATIONS, strict: bool = False) -> Calibration:
     """This host's calibration of this code version (``calibration_dir``). Where there is none:
-    ``strict``, FileNotFoundError (one line); else the calibration kept at ``directory`` itself (of
-    an unknown host and code version, as ``Calibration.name`` then says)."""
+    ``strict``, FileNotFoundError (one line); else the newest calibration kept in ``directory`` (of
+    another host or code version, as ``Calibration.name`` then says)."""
     own = calibration_dir(directory)
     if (own / "calibration.json").is_file():
         return Calibration.from_json(json.loads((own / "calibration.json").read_text()), own)
-    if strict:
+    other = None if strict else latest_calibration(directory)
+    if other is None:
         raise FileNotFoundError(f"no calibration of this host ({platform.node()}) and code version "
-                                f"({code_version()}) in {own.parent}: python -m predict calibrate")
-    return Calibration.from_json(json.loads((directory / "calibration.json").read_text()), directory)
+                                f"({code_version()}) in {directory}: python -m predict calibrate")
+    return Calibration.from_json(json.loads((other / "calibration.json").read_text()), other)
 
 
 def predict_here(cfg: RunConfig, probed: dict | None = None, cal: Calibration | None = None) -> Prediction:
@@ -518,7 +527,7 @@ def _cpu_ok(rec: dict) -> bool:
     return rec.get("status") == "ok" and env.get("device_kind") == "cpu" and bool(rec.get("config"))
 
 
-def predict_records(path: Path, directory: Path = RESULTS, log=print) -> dict[str, dict]:
+def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> dict[str, dict]:
     """The report's predictions of the ok CPU runs recorded in ``path``, by run id, kept beside it
     (``contract.records.predictions_path``): a prediction (``record_prediction``, over the link the run's
     probe measured; it names its calibration) only with this host's and code version's calibration
@@ -572,7 +581,7 @@ def predict_records(path: Path, directory: Path = RESULTS, log=print) -> dict[st
     return {k: v for k, v in kept.items() if "step_time" in v}
 
 
-def modelled_cases(cal: Calibration, directory: Path = RESULTS) -> dict[str, dict]:
+def modelled_cases(cal: Calibration, directory: Path = CALIBRATIONS) -> dict[str, dict]:
     """The cases ``validate_records`` judged with ``cal`` (none where the validation kept in
     ``directory`` is of another calibration): {case: {"median", "max", "modelled", ...}}."""
     path = directory / "validation.json"
@@ -585,14 +594,15 @@ def modelled_cases(cal: Calibration, directory: Path = RESULTS) -> dict[str, dic
     return v.get("cases") or {}
 
 
-def validate_records(paths: list[Path], directory: Path = RESULTS, log=print, name: str = "validation") -> dict:
+def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=print, name: str = "validation",
+                     out: Path | None = None) -> dict:
     """Every ok CPU run of ``paths`` predicted with this host's and code version's calibration, against
     its measured median over repetitions (records of one run, its identity key, combined by
     ``contract.estimate``), the prediction the median of each repetition's (as it ran: ours' ``auto``
     with the slices that launch kept, over the link its probe measured); the errors grouped by case (``case_of``), each case modelled where its
     median absolute error is <= ``MODELLED_MEDIAN`` and every error within ``MODELLED_MAX``. Written to
-    ``directory``/``name``.json (``validation.json`` is what ``predict_records`` reads) and .md.
-    FileNotFoundError without a calibration."""
+    ``out``/``name``.json (default ``directory``: its ``validation.json`` is what ``predict_records``
+    reads) and .md. FileNotFoundError without a calibration."""
     from contract.estimate import estimate
 
     cal = load_calibration(directory, strict=True)
@@ -634,10 +644,11 @@ def validate_records(paths: list[Path], directory: Path = RESULTS, log=print, na
                     modelled=bool(e) and statistics.median(e) <= MODELLED_MEDIAN and max(e) <= MODELLED_MAX)
     result = dict(kind="predict.validation", calibration=cal.identity, records=[str(p) for p in paths],
                   bounds=dict(median=MODELLED_MEDIAN, max=MODELLED_MAX), rows=rows, cases=cases)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}.json").write_text(json.dumps(result, indent=1))
+    out = out or directory
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     text = validation_table(result, cal)
-    (directory / f"{name}.md").write_text(text + "\n")
+    (out / f"{name}.md").write_text(text + "\n")
     log(text)
     return result
 

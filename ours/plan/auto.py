@@ -11,7 +11,7 @@
   the uniform slicings and keeps the fastest. ours reads its choice as data; it imports nothing of it.
 - Else, with a fitted latency model for the layer shape, the planner's optimal slicing. A model is found
   as the file named by ``$OURS_PLAN_MODEL``, or in the plan directory (``$OURS_PLAN_DIR``, default
-  ``results/plan`` under the repository) as ``<device>-h<hidden>-a<heads>-s<seq>-v<vocab>.json``,
+  ``ours/plan/fitted``) as ``<device>-h<hidden>-a<heads>-s<seq>-v<vocab>.json``,
   written by ``python -m ours.plan fit``; a model profiled at a longer sequence covers shorter ones
   (its measurements hold every slice length and context up to its own sequence).
 - Without one, a rule of thumb (``rule_of_thumb``): K equal slices of at least 128 tokens, at most
@@ -30,7 +30,6 @@ from ours.plan.latency import LatencyModel
 from ours.plan.planner import plan
 from workload.configs import ModelConfig
 
-REPO = Path(__file__).resolve().parents[2]
 MIN_SLICE_TOKENS = 128  # below this a slice's fixed costs dominate (measured on cpu-small: 64 tokens cost 2/3 of 128)
 MAX_SLICES_PER_STAGE = 4
 
@@ -42,7 +41,7 @@ class AutoSlicing:
 
 
 def plan_dir() -> Path:
-    return Path(os.environ.get("OURS_PLAN_DIR") or REPO / "results" / "plan")
+    return Path(os.environ.get("OURS_PLAN_DIR") or Path(__file__).resolve().parent / "fitted")
 
 
 def cache_key(model: ModelConfig, device) -> str:

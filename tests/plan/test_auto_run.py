@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multiprocess
 
 def test_ours_tunes_its_slicing_by_default_and_stays_exact(out_file):
     """--n-slices left out: the ranks time a few K equal slices, starting near the planner's slicing
-    (the fitted cpu-small model in results/plan), and keep the fastest, recorded with every K they
+    (the fitted cpu-small model in ours/plan/fitted), and keep the fastest, recorded with every K they
     timed; the timing steps leave nothing behind (--verify against the reference passes)."""
     proc = run_cli("--system", "ours", "--model", "cpu-small", "--num-layers", "2", "--seq-length", "256", "--pp", "2",
                    "--batch-size", "2", "--micro-batch-size", "1", "--steps", "1", "--warmup", "0", "--verify",

@@ -85,8 +85,8 @@ def _records(tmp_path, medians=(0.5, 0.5, 0.5)):
 
 
 def _calibrated(tmp_path, monkeypatch, speed=0.05):
-    """A calibration of this host and code version under tmp_path (the committed one's overheads and
-    the tiny model's profile), made at ``speed``; the speed probe answers ``speed`` too."""
+    """A calibration of this host and code version under tmp_path (the newest committed one's overheads
+    and the tiny model's profile), made at ``speed``; the speed probe answers ``speed`` too."""
     import json
     import shutil
 
@@ -94,10 +94,11 @@ def _calibrated(tmp_path, monkeypatch, speed=0.05):
 
     own = local.calibration_dir(tmp_path)
     own.mkdir(parents=True)
-    cal = json.loads((REPO / "results/predict/calibration.json").read_text())
+    kept = local.latest_calibration()
+    cal = json.loads((kept / "calibration.json").read_text())
     cal["identity"] = {"host": local.host_name(), "code": local.code_version(), "when": "now", "speed_tflops": speed}
     (own / "calibration.json").write_text(json.dumps(cal))
-    shutil.copy(REPO / "results/predict/profile-h128-a4-s128-v512.json", own)
+    shutil.copy(kept / "profile-h128-a4-s128-v512.json", own)
     monkeypatch.setattr(local, "speed_probe", lambda: speed)
     return local.load_calibration(tmp_path, strict=True)
 

@@ -13,7 +13,7 @@ from predict.__main__ import main
 from workload.configs import get_model_config
 
 REPO = Path(__file__).resolve().parents[2]
-LATENCY_MODEL = REPO / "results" / "plan" / "cpu-h512-a8-s1024-v1024.json"
+LATENCY_MODEL = REPO / "ours" / "plan" / "fitted" / "cpu-h512-a8-s1024-v1024.json"
 
 
 def test_plan_writes_the_simulated_best_that_auto_then_uses(tmp_path, monkeypatch, capsys):
