@@ -12,7 +12,7 @@ Reads only RunRecords (JSON lines; a line that is not a record is skipped with a
 - network tables, for runs under emulation: rows = the network settings (fastest to slowest), columns =
   system and layout (DP degree);
 - time to quality, for runs with eval points (``--eval-every``): per network setting, wall time and tokens
-  to a held-out loss, bytes sent per token, which wins (``quality_report``);
+  to a held-out loss, bytes sent per token, which wins; plots of held-out loss against wall time;
 - every run (tokens/s, MFU, peak memory per rank, sync times, the choices a system made) and the failures.
 Each table is headed once by what is fixed in it. A table holds the runs of exactly one configuration
 apart from its axes, so a cell never mixes runs of different configs. The records of one run (its
@@ -32,7 +32,6 @@ from pathlib import Path
 
 import pandas as pd
 
-import quality_report
 from contract.config import VOLATILE_FIELDS, RunConfig
 from contract.estimate import INTERVAL_RULE, estimate, no_difference, ratio_interval, separated
 from contract.records import layout_words, predictions_path, read_predictions, read_records, record_files
@@ -442,9 +441,196 @@ def render(records: list[dict], target: float | None = None) -> str:
         parts += ["## Layouts (no network emulation)", *lay]
     if net:
         parts += ["## Networks (emulated)", *net]
-    parts.append(quality_report.render(records, target, network_row))  # runs with eval points: time to a loss
+    parts.append(quality_section(records, target))  # runs with eval points: time to a loss
     parts += [all_runs(df), failures(df)]
     return "\n\n".join(p for p in parts if p) + "\n"
+
+
+# Time to quality: runs with eval points (``--eval-every``, ``contract.evaluation``) racing to a held-out
+# loss. A run's target is its ``--target-loss``; the report's ``--target`` stands in for runs recorded
+# without one. Time and tokens are read at eval points, so they are as fine as ``--eval-every``.
+
+
+def _quality_group(r: dict) -> str:
+    """What a time-to-quality table's runs share: model, global batch, data, precision, optimizer."""
+    c = r.get("config") or {}
+    shape = r["model_shape"]
+    opt = c.get("optimizer") or {}
+    corpus = (r.get("environment") or {}).get("corpus") or {}
+    data = c.get("data") or "synthetic"
+    if corpus.get("sha256"):
+        data += f" (sha256 {corpus['sha256'][:12]})"
+    return (f"model {r['model']} (L{shape['n_layer']} h{shape['n_embd']} a{shape['n_head']} s{shape['seq_len']}); "
+            f"global batch {r['global_batch_size']}; data {data}; {r.get('precision', 'fp32')}; "
+            f"{opt.get('kind', 'adam')} lr {opt.get('lr', 0):g}")
+
+
+def quality_frame(records: list[dict], target: float | None = None) -> pd.DataFrame:
+    """One row per ok run with eval points and a target: its repetition group (runs that differ only in
+    ``--seed``), column, network setting, target and what it reached (the newest record of a repetition)."""
+    rows = []
+    for r in records:
+        evals = r.get("evals") or []
+        c = r.get("config") or {}
+        goal = c.get("target_loss") if c.get("target_loss") is not None else target
+        if r.get("status") != "ok" or not evals or goal is None:
+            continue
+        ident = json.loads(r["key"]) if r.get("key") else dict(c)
+        ident.pop("seed", None)
+        hit = next((e for e in evals if e["loss"] <= goal), None)
+        last = evals[-1]
+        setting, label, order = network_row(r)
+        rows.append({
+            "repetitions": json.dumps(ident, sort_keys=True), "timestamp": r.get("timestamp", ""),
+            "seed": c.get("seed", 0), "group": _quality_group(r), "target": goal,
+            "column": f"{r.get('label') or r['system']} {layout_words(r['layout'])}",
+            "network": setting, "network_label": label, "order": order, "network_name": r["network"],
+            "reached": hit is not None, "steps": last["step"],
+            "time": hit["wall_time"] if hit else None, "tokens": hit["tokens"] if hit else None,
+            "bytes_per_token": sum(last["bytes_sent"]) / last["tokens"] if last["tokens"] else None,
+            "evals": evals,
+        })
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    return (df.sort_values("timestamp", kind="stable").drop_duplicates(["repetitions", "seed"], keep="last")
+            .reset_index(drop=True))
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.1f} s" if t >= 10 else f"{t:.2f} s"
+
+
+def quality_cell(runs: pd.DataFrame) -> str:
+    """One column's runs at one network setting: the time to the target (``estimate``: median ± its
+    interval) and the median tokens, or "not reached in N steps"."""
+    reached = runs[runs["reached"]]
+    n = len(runs)
+    if reached.empty:
+        return f"not reached in {int(runs['steps'].max())} steps" + (f" ({n} runs)" if n > 1 else "")
+    est = estimate(reached["time"])
+    tokens = statistics.median(reached["tokens"])
+    text = f"{_seconds(est.median)} {est.plus_minus()}, {f'{tokens / 1000:.1f}k' if tokens >= 1000 else f'{tokens:.0f}'} tokens"
+    return text + (f" ({len(reached)}/{n} reached)" if len(reached) < n else "")
+
+
+def _quality_axes(g: pd.DataFrame) -> tuple[list[str], list[str]]:
+    """(network settings, fastest to slowest; columns, in recorded order)."""
+    return (list(g.sort_values("order", kind="stable")["network"].unique()),
+            list(g.sort_values("timestamp", kind="stable")["column"].unique()))
+
+
+def _quality_table(g: pd.DataFrame, value) -> str:
+    nets, cols = _quality_axes(g)
+    labels = dict(zip(g["network"], g["network_label"]))
+    rows = []
+    for net in nets:
+        at = g[g["network"] == net]
+        rows.append([labels[net]] + [value(at[at["column"] == col]) if (at["column"] == col).any() else ""
+                                     for col in cols])
+    return pd.DataFrame(rows, columns=["Network setting", *cols]).to_markdown(index=False, tablefmt="github",
+                                                                               disable_numparse=True)
+
+
+def _bytes_cell(runs: pd.DataFrame) -> str:
+    values = runs["bytes_per_token"].dropna()
+    if values.empty:
+        return ""
+    med = statistics.median(values)
+    return f"{med:,.0f}" if med >= 10 else f"{med:.2f}"
+
+
+def _to_target(est, column: str) -> str:
+    return f"`{column}` {_seconds(est.median)} {est.plus_minus()}"
+
+
+def quality_winners(g: pd.DataFrame) -> list[str]:
+    """Per network setting: the fastest column to the target among those that reached it in every run,
+    against the next, claimed only where their intervals separate (``contract.estimate``)."""
+    lines = []
+    for net in _quality_axes(g)[0]:
+        at = g[g["network"] == net]
+        label = at["network_label"].iloc[0]
+        done = sorted(((estimate(runs["time"]), col) for col, runs in at.groupby("column") if runs["reached"].all()),
+                      key=lambda ec: ec[0].median)
+        if not done:
+            lines.append(f"- {label}: no column reached the target in every run")
+            continue
+        (best, col) = done[0]
+        text = f"- {label}: {_to_target(best, col)}"
+        if len(done) > 1:
+            other, ocol = done[1]
+            if separated(best, other):
+                ratio, low, high = ratio_interval(other, best)
+                text += f", **{ratio:.2f}x** ({low:.2f}-{high:.2f}x) faster than {_to_target(other, ocol)}"
+            else:
+                text += f" against {_to_target(other, ocol)}: {no_difference(best, other)}"
+        missed = [c for c, runs in at.groupby("column") if not runs["reached"].all()]
+        if missed:
+            text += "; not reached in every run: " + ", ".join(f"`{c}`" for c in missed)
+        lines.append(text)
+    return lines
+
+
+def quality_section(records: list[dict], target: float | None = None) -> str:
+    """The time-to-quality section ("" if no record has eval points and a target)."""
+    df = quality_frame(records, target)
+    if df.empty:
+        return ""
+    parts = ["## Time to quality"]
+    for (group, goal), g in df.groupby(["group", "target"], sort=False):
+        parts += [f"### Held-out loss {goal:g}: {group}",
+                  f"Cells: training wall time to the first eval at or below the target (the {INTERVAL_RULE}; "
+                  "repetitions: runs that differ only in seed) and the median tokens; the time leaves out the "
+                  "harness's timing barriers and the evals.",
+                  _quality_table(g, quality_cell),
+                  "Which wins (only where the intervals separate):\n\n" + "\n".join(quality_winners(g)),
+                  f"#### Bytes sent per token: {group}",
+                  "Every rank's TCP payload bytes, summed, over the tokens trained, at the last eval (median over "
+                  "runs).",
+                  _quality_table(g, _bytes_cell)]
+    return "\n\n".join(parts)
+
+
+def plot_quality(records: list[dict], directory: Path, target: float | None = None) -> list[Path]:
+    """Held-out loss against training wall time: one picture per group and network setting, one line
+    per run, the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = quality_frame(records, target)
+    paths: list[Path] = []
+    if df.empty:
+        return paths
+    for gi, ((group, goal), g) in enumerate(df.groupby(["group", "target"], sort=False)):
+        nets, cols = _quality_axes(g)
+        colors = {col: f"C{i % 10}" for i, col in enumerate(cols)}
+        for net in nets:
+            at = g[g["network"] == net]
+            fig, ax = plt.subplots(figsize=(8, 4.8))
+            for col in cols:
+                for k, (_, run) in enumerate(at[at["column"] == col].iterrows()):
+                    ev = run["evals"]
+                    ax.plot([e["wall_time"] for e in ev], [e["loss"] for e in ev], color=colors[col], marker=".",
+                            alpha=0.85, label=col if k == 0 else None)
+            ax.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"target {goal:g}")
+            ax.set_xscale("symlog", linthresh=1.0)  # runs seconds and minutes apart on one axis; linear below 1 s
+            ax.set_xlim(left=0)
+            ax.set_xlabel("training wall time (s, log above 1 s; timing barriers and evals left out)")
+            ax.set_ylabel("held-out loss")
+            ax.set_title(f"{at['network_label'].iloc[0]}\n{group}", fontsize=8)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            directory.mkdir(parents=True, exist_ok=True)
+            stem = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in Path(at["network_name"].iloc[0]).stem)
+            path = directory / f"quality-{gi}-{stem}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            paths.append(path)
+    return paths
 
 
 def plot_networks(df: pd.DataFrame, directory: Path) -> list[Path]:
@@ -533,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
     if args.plots:
-        quality = quality_report.plot(records, Path(args.plots), args.target, network_row)
+        quality = plot_quality(records, Path(args.plots), args.target)
         for p in plot_networks(to_frame(records), Path(args.plots)) + quality:
             print(f"plot: {p}", file=sys.stderr)
     return 0

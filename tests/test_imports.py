@@ -25,16 +25,15 @@ LAYERS: dict[str, tuple[set[str] | None, set[str]]] = {
     "workload": ({"workload"}, set()),
     "contract": ({"contract", "workload"}, set()),
     "network_emulation": ({"network_emulation"}, set()),
-    "report": ({"report", "quality_report", "contract", "workload"}, set()),
-    "quality_report": ({"quality_report", "contract", "workload"}, set()),  # the report's time-to-quality part
-    "runners": (None, {"predict", "bench", "report", "quality_report", "tools"}),  # the harness: a run never calls the simulator
+    "report": ({"report", "contract", "workload"}, set()),
+    "runners": (None, {"predict", "bench", "report", "tools"}),  # the harness: a run never calls the simulator
 }
 # parts every other part keeps clear of: only they themselves import them (the tests aside)
 TOP = ("tools",)
 
 
 def suite_modules() -> dict[str, Path]:
-    mods = {"report": REPO / "report.py", "quality_report": REPO / "quality_report.py"}
+    mods = {"report": REPO / "report.py"}
     for pkg in PACKAGES:
         for path in (REPO / pkg).rglob("*.py"):
             parts = path.relative_to(REPO).with_suffix("").parts
@@ -177,7 +176,7 @@ def test_every_module_keeps_to_its_layer():
     g = graph()
     assert system_packages() == ["baselines.fairscale_fsdp", "baselines.megatron", "baselines.reference",
                                  "baselines.torch_pipe", "ours", "ours.diloco"]
-    assert {m.split(".")[0] for m in g} >= set(PACKAGES) | {"report", "quality_report"}
+    assert {m.split(".")[0] for m in g} >= set(PACKAGES) | {"report"}
     assert layering_violations(g, system_packages()) == []
 
 

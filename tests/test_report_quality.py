@@ -1,9 +1,8 @@
-"""The time-to-quality section of the report, from records with eval points."""
+"""The time-to-quality section of the report (``report.quality_section``), from records with eval points."""
 from __future__ import annotations
 
 from contract import RunConfig
-from quality_report import plot, render
-from report import network_row
+from report import plot_quality, quality_section
 from runners.record import build_record
 from contract.registry import get_system
 from workload.configs import get_model_config
@@ -31,24 +30,36 @@ def test_time_to_quality_table_winner_and_bytes(tmp_path):
         recs.append(_rec("ours", "d50-1g", seed, [5.6, 4.0, 3.4, 3.2], 2.0 + jitter, 1000, dp_mode="sharded_ps"))
         recs.append(_rec("diloco", "d50-1g", seed, [5.6, 4.2, 3.6, 3.4], 0.5 + jitter, 100, inner_steps=4))
         recs.append(_rec("torch_pipe", "d50-1g", seed, [5.6, 4.0, 3.6, 3.6], 3.0, 2000))
-    text = render(recs, network=network_row)
+    text = quality_section(recs)
     row, per_token = [line for line in text.splitlines() if line.startswith("| delay 50ms")]  # time, bytes
     header = next(line for line in text.splitlines() if line.startswith("| Network setting"))
     cols = [c.strip() for c in header.split("|")[2:-1]]
     assert cols == ["ours sharded_ps P-2 D-2", "diloco H=4 P-2 D-2", "torch_pipe gpipe P-2 D-2"]
     cells = [c.strip() for c in row.split("|")[2:-1]]
-    assert cells[0] == "4.20 s, 4.1k tokens [4.00-4.40 s] (2 runs)"  # reached 3.4 at the second eval: 2 x 2.0-2.2 s
-    assert cells[1] == "1.80 s, 6.1k tokens [1.50-2.10 s] (2 runs)"  # the third eval: 3 x 0.5-0.7 s
+    assert cells[0] == "4.20 s ±5 %, 4.1k tokens"  # reached 3.4 at the second eval: 2 x 2.0-2.2 s (min-max)
+    assert cells[1] == "1.80 s ±17 %, 6.1k tokens"  # the third eval: 3 x 0.5-0.7 s
     assert cells[2] == "not reached in 12 steps (2 runs)"
     win = next(line for line in text.splitlines() if line.startswith("- delay 50ms"))
-    assert "`diloco H=4 P-2 D-2` 1.80 s (n=2), **2.33x** faster than `ours sharded_ps P-2 D-2`" in win
-    assert "ratio over the extremes 1.90-2.93x" in win and "`torch_pipe gpipe P-2 D-2`" in win
+    # the intervals (1.50-2.10 s, 4.00-4.40 s) separate: the ratio of medians and its range over them
+    assert "`diloco H=4 P-2 D-2` 1.80 s ±17 %, **2.33x** (1.90-2.93x) faster than `ours sharded_ps P-2 D-2` 4.20 s" in win
+    assert "not reached in every run: `torch_pipe gpipe P-2 D-2`" in win
     assert [c.strip() for c in per_token.split("|")[2:-1]] == ["1.95", "0.20", "3.91"]  # 4 ranks' bytes / tokens
-    assert [p.name for p in plot(recs, tmp_path, network=network_row)] == ["quality-0-d50-1g.png"]
+    assert [p.name for p in plot_quality(recs, tmp_path)] == ["quality-0-d50-1g.png"]
 
 
 def test_runs_without_evals_or_target_are_left_out():
     rec = _rec("ours", "none", 0, [5.6, 3.0], 1.0, 10)
     rec["config"]["target_loss"] = None
-    assert render([rec], network=network_row) == ""
-    assert "| none (no emulation)" in render([rec], target=4.0, network=network_row)
+    assert quality_section([rec]) == ""
+    assert "| none (no emulation)" in quality_section([rec], target=4.0)
+
+
+def test_a_winner_is_claimed_only_where_the_intervals_separate():
+    recs = [_rec("ours", "d10-1g", seed, [5.6, 4.0, 3.4], 1.0 + 0.6 * seed, 10, dp_mode="sharded_ps") for seed in (0, 1)]
+    recs += [_rec("diloco", "d10-1g", seed, [5.6, 4.0, 3.4], 1.2 + 0.6 * seed, 10, inner_steps=4) for seed in (0, 1)]
+    (win,) = [line for line in quality_section(recs).splitlines() if line.startswith("- delay 10ms")]
+    assert "faster" not in win and "no difference beyond noise" in win, win
+    single = quality_section([_rec("ours", "d10-1g", 0, [5.6, 3.4], 1.0, 10), _rec("torch_pipe", "d10-1g", 0,
+                                                                                    [5.6, 3.4], 3.0, 10)])
+    (win,) = [line for line in single.splitlines() if line.startswith("- delay 10ms")]
+    assert "a single run has no interval" in win, win
