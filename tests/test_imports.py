@@ -3,7 +3,8 @@ cycle anywhere, and the layers (``LAYERS``): the workload imports nothing of the
 only the workload, a system only the contract, the workload and its own package, the report only the
 contract and the workload, the harness (``runners``) never the simulator, the benchmarks, the report or
 the tools; the tools (``tools``: the GPU check, the verification spread, rehearsals, virtual nodes) stand
-above the harness, and nothing of the suite but themselves imports them; and every name imported from
+above the harness, and nothing of the suite but themselves imports them (nor the command, ``pipebench``,
+which runs the modules' mains); and every name imported from
 the suite exists."""
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ LAYERS: dict[str, tuple[set[str] | None, set[str]]] = {
     "runners": (None, {"predict", "bench", "report", "tools"}),  # the harness: a run never calls the simulator
 }
 # parts every other part keeps clear of: only they themselves import them (the tests aside)
-TOP = ("tools",)
+TOP = ("tools", "pipebench")
 
 
 def suite_modules() -> dict[str, Path]:
-    mods = {"report": REPO / "report.py"}
+    mods = {"report": REPO / "report.py", "pipebench": REPO / "pipebench.py"}
     for pkg in PACKAGES:
         for path in (REPO / pkg).rglob("*.py"):
             parts = path.relative_to(REPO).with_suffix("").parts
@@ -176,7 +177,7 @@ def test_every_module_keeps_to_its_layer():
     g = graph()
     assert system_packages() == ["baselines.fairscale_fsdp", "baselines.megatron", "baselines.reference",
                                  "baselines.torch_pipe", "ours", "ours.diloco"]
-    assert {m.split(".")[0] for m in g} >= set(PACKAGES) | {"report"}
+    assert {m.split(".")[0] for m in g} >= set(PACKAGES) | {"report", "pipebench"}
     assert layering_violations(g, system_packages()) == []
 
 
@@ -216,7 +217,7 @@ def test_the_run_command_launches_without_importing_torch():
 
     if nvidia_driver_present():
         pytest.skip("a GPU machine: the run command imports torch to read its GPUs")
-    code = ("import sys, runners.run, runners.launcher, runners.record, runners.sweep\n"
+    code = ("import sys, pipebench, runners.run, runners.launcher, runners.record, runners.sweep\n"
             "from runners.devices import local_gpus\n"
             "from runners.record import host_environment\n"
             "assert local_gpus().count == 0 and host_environment()['torch_version']\n"
