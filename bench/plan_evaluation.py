@@ -3,10 +3,11 @@
     python -m bench plan-evaluation --model cpu-small --pp 2 --batch-size 1 --micro-batch-size 1
 
 Each slicing is run through the run command (a subprocess, records to a JSON-lines file); its
-measured median step time is compared with the latency model's prediction of the whole step.
+measured median step time is compared with the latency model's prediction of the whole step (TeraPipe's
+formula over this CPU's compute model, ``ours.plan``, plus the head, the embeddings and the optimizer).
 
 Two predictions are reported:
-- ``raw``: the model as fitted (pipeline formula + head + optimizer + the model's own constant);
+- ``raw``: the model as it is (pipeline formula + head + embeddings + optimizer);
 - ``loo``: plus a per-step constant calibrated on the *other* runs (leave-one-out median of their
   measured - raw residuals), so that no run's own measurement enters its prediction.
 """
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ours import uniform_slices
-from ours.plan.auto import cache_key, fitted_model_path, plan_dir
-from ours.plan.latency import LatencyModel
-from ours.plan.planner import plan
+from ours.plan.auto import cache_key, profile_path
+from ours.plan.latency import StageLink
+from ours.plan.planner import pipeline_time, plan
 from runners.invoke import run_command
+from workload.compute import ComputeModel, CpuCompute, stage_params
 from workload.configs import MODEL_CONFIGS, get_model_config
 from contract.estimate import estimate
 
@@ -54,13 +56,24 @@ def run_case(model: str, case: Case, *, pp: int, batch_size: int, micro: int, st
                 step_times=rec.get("step_times"))
 
 
-def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: int, batch_size: int, micro: int,
+def step_parts(cm: ComputeModel, cfg, slices, micro: int, batch_size: int, pp: int, link: StageLink | None) -> dict:
+    """The whole step as the formula sees it: the pipeline, the last stage's head and loss, the first
+    stage's embeddings and its optimizer step (the first stage finishes last)."""
+    tokens = batch_size * cfg.seq_len
+    pipe = pipeline_time(cm, cfg, slices, b=micro, batch_size=batch_size, n_stages=pp, link=link)
+    head = cm.head_forward(tokens) + cm.head_backward_input(tokens) + cm.head_wgrad(tokens)
+    embed = cm.embed(tokens)
+    opt = cm.optimizer(stage_params(cfg, cfg.n_layer // pp, True, pp == 1))
+    return dict(total=pipe + head + embed + opt, pipeline=pipe, head=head, embed=embed, optimizer=opt)
+
+
+def evaluate(cm: ComputeModel, *, model: str, n_layer: int, seq_len: int, pp: int, batch_size: int, micro: int,
              ks: list[int], steps: int, warmup: int, out_dir: Path, granularity: int = 8, rounds: int = 1,
-             extra: list[str] | None = None, timeout: float = 1800, log=print) -> dict:
+             extra: list[str] | None = None, timeout: float = 1800, log=print, link: StageLink | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     runs_file = out_dir / "runs.jsonl"
-    best = plan(lm, n_layer=n_layer, n_stages=pp, batch_size=batch_size, seq_len=seq_len, granularity=granularity,
-                batch_slices=[micro])
+    cfg = get_model_config(model).with_overrides(n_layer=n_layer, seq_len=seq_len)
+    best = plan(cm, cfg, n_stages=pp, batch_size=batch_size, granularity=granularity, batch_slices=[micro], link=link)
     log(f"optimal: {best.summary()}")
     cs = cases(seq_len, ks, best.slices)
     measured: dict[str, list[float]] = {c.name: [] for c in cs}
@@ -80,7 +93,7 @@ def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: in
                 f"({time.perf_counter() - t:.0f} s){'' if res['status'] == 'ok' else ' ' + str(res['error'])[:300]}")
     rows = []
     for c in cs:
-        pred = lm.step_time(c.slices, micro, batch_size, n_layer, pp)
+        pred = step_parts(cm, cfg, c.slices, micro, batch_size, pp, link)
         m = estimate(measured[c.name]).median if measured[c.name] else None  # the report's statistics
         rows.append(dict(name=c.name, n_slices=len(c.slices), slices=list(c.slices), status=status.get(c.name),
                          predicted_pipeline=pred["pipeline"], predicted_raw=pred["total"], parts=pred, measured=m,
@@ -89,8 +102,7 @@ def evaluate(lm: LatencyModel, *, model: str, n_layer: int, seq_len: int, pp: in
     summary = calibrate(rows)
     result = dict(kind="ours.plan.evaluation", model=model, n_layer=n_layer, seq_len=seq_len, pp=pp,
                   batch_size=batch_size, micro_batch_size=micro, steps=steps, warmup=warmup, rounds=rounds,
-                  granularity=granularity, optimal=best.to_dict(), rows=rows, summary=summary,
-                  latency_model_meta=lm.meta)
+                  granularity=granularity, optimal=best.to_dict(), rows=rows, summary=summary)
     (out_dir / "evaluation.json").write_text(json.dumps(result, indent=1))
     (out_dir / "evaluation.md").write_text(markdown(result))
     return result
@@ -175,7 +187,7 @@ def fill_parser(q: argparse.ArgumentParser) -> None:
     q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
     q.add_argument("--num-layers", dest="n_layer", type=int, default=None)
     q.add_argument("--seq-length", dest="seq_len", type=int, default=None)
-    q.add_argument("--latency-model", default=None, help="a fitted model JSON (default: the one --n-slices auto uses)")
+    q.add_argument("--profile", default=None, help="this CPU's profile (default: the one --n-slices auto uses)")
     q.add_argument("--pp", type=int, required=True, help="pipeline stages")
     q.add_argument("--batch-size", type=int, required=True)
     q.add_argument("--micro-batch-size", type=int, default=1)
@@ -190,21 +202,25 @@ def fill_parser(q: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Evaluate the fitted latency model of the layout's shape; the table, and its files under --out-dir."""
+    """Evaluate the planner on this CPU's profile of the layout's shape; the table, and its files under --out-dir."""
     cfg = get_model_config(args.model).with_overrides(n_layer=args.n_layer, seq_len=args.seq_len)
-    path = Path(args.latency_model) if args.latency_model else fitted_model_path(cfg, "cpu")
+    path = Path(args.profile) if args.profile else profile_path(cfg, "cpu")
     if path is None or not path.exists():
-        print(f"python -m bench plan-evaluation: error: no fitted latency model for {cache_key(cfg, 'cpu')} "
-              "(python -m ours.plan profile, then fit; or give --latency-model)", file=sys.stderr)
+        print(f"python -m bench plan-evaluation: error: no profile for {cache_key(cfg, 'cpu')} "
+              "(python -m ours.plan profile; or give --profile)", file=sys.stderr)
         return 2
+    prof = json.loads(path.read_text())
+    fit = prof.get("p2p_fit") or {}
+    link = StageLink(fit["latency"], fit["bandwidth"]) if fit else None
     ks = args.ks or [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= cfg.seq_len // 8]
-    out_dir = Path(args.out_dir or plan_dir() / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}-b{args.micro_batch_size}")
+    out_dir = Path(args.out_dir or Path("results") / "plan" / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}"
+                   f"-b{args.micro_batch_size}")
     extra = [a for flag, v in (("--num-layers", args.n_layer), ("--seq-length", args.seq_len),
                                ("--network", args.network)) if v for a in (flag, str(v))]
-    res = evaluate(LatencyModel.load(path), model=args.model, n_layer=cfg.n_layer, seq_len=cfg.seq_len, pp=args.pp,
+    res = evaluate(CpuCompute(prof), model=args.model, n_layer=cfg.n_layer, seq_len=cfg.seq_len, pp=args.pp,
                    batch_size=args.batch_size, micro=args.micro_batch_size, ks=ks, steps=args.steps,
                    warmup=args.warmup, out_dir=out_dir, granularity=args.granularity, rounds=args.rounds,
-                   extra=extra, log=lambda s: print(s, flush=True))
+                   extra=extra, log=lambda s: print(s, flush=True), link=link)
     print(markdown(res))
     print(f"-> {out_dir}/evaluation.md, evaluation.json")
     return 0

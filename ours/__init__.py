@@ -25,13 +25,13 @@ WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --wi
 
 
 def slice_count(text: str) -> int | str:
-    """--n-slices: a positive integer or 'auto'."""
-    if text == "auto":
+    """--n-slices: a positive integer, 'auto' or 'search'."""
+    if text in ("auto", "search"):
         return text
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--n-slices takes an integer or 'auto', got {text!r}") from None
+        raise ValueError(f"--n-slices takes an integer, 'auto' or 'search', got {text!r}") from None
 
 
 def slice_lengths(text: str) -> tuple[int, ...]:
@@ -50,12 +50,11 @@ def uniform_slices(seq_len: int, k: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class OursOptions(SystemOptions):
-    n_slices: int | str = option("auto", "K equal token slices, or 'auto': one slice at P=1; else the K of 1, 2, 4, "
-                                 "8, 16 whose steps ran fastest in a search before the first step (ours.plan.tune), "
-                                 "started from the slicing the simulator chose for the layout (python -m predict "
-                                 "plan), else the planner's optimal slicing where a fitted latency model covers the "
-                                 "shape, else K equal slices of >= 128 tokens (at most 4 per stage, never 1)",
-                                 parse=slice_count, metavar="K|auto")
+    n_slices: int | str = option("auto", "K equal token slices; 'auto': the planner's optimal slicing for the run "
+                                 "(TeraPipe's formula over the device's compute model: ours.plan.auto); 'search': "
+                                 "time steps of K = 1, 2, 4, 8, 16 before the first step, starting near the "
+                                 "planner's K, and keep the fastest (ours.plan.tune)",
+                                 parse=slice_count, metavar="K|auto|search")
     slices: tuple[int, ...] | None = option(None, "explicit token slice lengths, e.g. 256,256,512",
                                             parse=slice_lengths, metavar="L1,L2,...")
     schedule: str = option("1f1b", "the order of the units' forwards and backwards (ours.schedule): 1f1b over batch "
@@ -77,7 +76,7 @@ class OursOptions(SystemOptions):
         return super().from_dict({"schedule": "gpipe", **values})
 
     def __post_init__(self) -> None:
-        if self.slices is not None and self.n_slices == "auto":  # one canonical form of an explicit slicing
+        if self.slices is not None and self.n_slices in ("auto", "search"):  # one form of an explicit slicing
             object.__setattr__(self, "n_slices", len(self.slices))
 
     def lossy(self) -> str | None:
@@ -85,14 +84,19 @@ class OursOptions(SystemOptions):
 
     @property
     def auto(self) -> bool:
-        return self.n_slices == "auto"
+        """The slicing is chosen at run time (by the planner, and with 'search' timed after it)."""
+        return self.n_slices in ("auto", "search")
+
+    @property
+    def search(self) -> bool:
+        return self.n_slices == "search"
 
     def token_slices(self, seq_len: int) -> tuple[int, ...]:
         """The slicing when it is fixed by the options (explicit, or K equal slices); not for 'auto'."""
         if self.slices is not None:
             return self.slices
         if self.auto:
-            raise ValueError("the 'auto' slicing is chosen by the planner at run time")
+            raise ValueError(f"the {self.n_slices!r} slicing is chosen at run time")
         return uniform_slices(seq_len, self.n_slices)
 
     def check(self, config: RunConfig) -> None:
@@ -158,7 +162,8 @@ def describe_slicing(options: dict[str, Any]) -> str:
     parts.append(run)
     text = ",".join(f"{s}x{n}" if n > 1 else str(s) for s, n in parts)
     source = str(options.get("slicing", ""))
-    how = f"auto, {source.split(' ')[0].rstrip(':')}: " if options.get("n_slices") == "auto" and source else ""
+    how = f"{options.get('n_slices')}, {source.split(' ')[0].rstrip(':')}: " if options.get("n_slices") in (
+        "auto", "search") and source else ""
     return f"{how}K={len(slices)} ({text})"
 
 

@@ -28,7 +28,7 @@ from workload.training import LOSS_SCALING
 
 def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[tuple[int, ...], str]:
     """The token slicing every rank uses and how it was chosen: explicit / K equal slices, or
-    ``auto`` (rank 0 decides: the planner, or the rule of thumb; see ``ours.plan.auto``)."""
+    ``auto`` / ``search`` (rank 0 decides: the planner; see ``ours.plan.auto``)."""
     options: OursOptions = cfg.options
     if not options.auto:
         return options.token_slices(cfg.model.seq_len), "given"
@@ -42,7 +42,7 @@ def resolve_slices(cfg: RunConfig, ctx: Context) -> tuple[tuple[int, ...], str]:
 
 def tune_slices(planned: tuple[int, ...], make_engine, params: list[torch.nn.Parameter], ctx: Context,
                 dp_rank: int) -> Tuning:
-    """``--n-slices auto``: time a step of K equal slices for a few K, starting near the planner's
+    """``--n-slices search``: time a step of K equal slices for a few K, starting near the planner's
     ``planned`` slicing, and keep the fastest (``ours.plan.tune``). Every rank times the same steps; a
     step's time is the slowest rank's (an all-reduce, which every rank then agrees on). The steps
     leave nothing behind: no optimizer step, gradients dropped."""
@@ -139,7 +139,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
 
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    if options.auto and cfg.pp > 1 and cfg.model.seq_len > 1:  # one stage: one slice (ours.plan.auto)
+    if options.search and cfg.pp > 1 and cfg.model.seq_len > 1:  # one stage: one slice (nothing to fill)
         tuning = tune_slices(slices, make_engine, params, ctx, dp_rank)
         planned = f"K={len(slices)} by {slicing_source.split(' ')[0]}"
         slices, slicing_source = uniform_slices(cfg.model.seq_len, tuning.k), f"{tuning.describe()}; started near {planned}"

@@ -1,8 +1,12 @@
 """python -m predict: a run's step time without running it, and the simulator's calibration and checks.
 
+    python -m predict scenario FILE.toml [--json]   # a run on a GPU cluster, described whole
+                                            # (predict.scenario: model, cluster, run): step time, parts, memory
+    python -m predict validate-seed [--json] [--out DIR] [--calibrate]   # every cell of the seed's GPT-3 XL
+                                            # tables predicted; the V100's calibration cells named, not scored
     python -m predict --system ours --model cpu-small --pp 2 ... [--network d10-1g]
-                              [--device-file predict/devices/v100.json]   # one run: the run command's flags
-    python -m predict sweep SWEEP_FILE [--device-file FILE]   # the predicted report tables of a sweep
+                              [--device-file "V100 SXM2 16GB"]   # one run: the run command's flags
+    python -m predict sweep SWEEP_FILE [--device-file NAME]   # the predicted report tables of a sweep
     python -m predict records RECORDS.jsonl ...   # this machine's prediction of every recorded CPU run, kept
                                             # beside its records (X.predictions.json) for the report's cells
     python -m predict calibrate     # this host and code version: profiles, stall probe, runs without delay,
@@ -12,14 +16,11 @@
                                     # results/local.jsonl) predicted against measured, by case; the report
                                     # shows predictions only for the cases this finds modelled
                                     # (predict/calibration/validation.json; --name N: results/predict/N)
-    python -m predict seed          # the V100 device file from the seed's default GPipe row; the seed tables
-    python -m predict plan-check [EVALUATION.json]   # the planner's evaluation: formula vs simulator
-    python -m predict plan --model cpu-small --pp 2 --batch-size 1 2 4   # ours' slicings chosen by
-                                            # simulation, written where ``--n-slices auto`` finds them
+    python -m predict plan-check [EVALUATION.json] [--out DIR]   # the planner's evaluation: formula vs simulator
 
 Without --device-file a run is predicted for this machine (its calibration in predict/calibration and a
-profile of the model's shape); with one, for that GPU (NCCL; links from the network profile, one
-message in flight per link and direction, as the seed's GPipe; ``--network none``: NVLink).
+profile of the model's shape); with one (a device file's name or path: workload/devices), for that GPU,
+every rank on a node of its own, NCCL over the network profile's link (``--network none``: NVLink).
 """
 from __future__ import annotations
 
@@ -60,18 +61,40 @@ def _validate(args) -> int:
     return 0
 
 
-def _seed(args) -> int:
-    from predict.seed_tables import calibrate_seed, fp16_check, markdown, predict_seed
+def _write(out: str | None, stem: str, text: str, data) -> None:
+    """A check's report, where one is asked for (``--out DIR``): DIR/STEM.md and DIR/STEM.json."""
+    if out is None:
+        return
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{stem}.md").write_text(text)
+    (d / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    print(f"written: {d / stem}.md, .json", file=sys.stderr)
 
-    dev = calibrate_seed("fp32", write=not args.no_write)
-    res = predict_seed(dev)
-    fp16 = fp16_check()
-    text = markdown(res, fp16)
-    print(text)
-    if not args.no_write:
-        REPORTS.mkdir(parents=True, exist_ok=True)
-        (REPORTS / "seed-predictions.json").write_text(json.dumps(dict(fp32=res, fp16=fp16), indent=1))
-        (REPORTS / "seed-predictions.md").write_text(text)
+
+def _validate_seed(args) -> int:
+    from predict.seed_tables import calibrate, markdown, validate
+
+    if args.calibrate:
+        fitted = calibrate(write=True)
+        print("V100 SXM2 device files calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
+              file=sys.stderr)
+    res = validate()
+    text = markdown(res)
+    print(json.dumps(res["summary"]) if args.json else text)
+    _write(args.out, "seed-validation", text, res)
+    return 0
+
+
+def _scenario(args) -> int:
+    from predict.scenario import ScenarioError, line, load, predict_scenario
+
+    try:
+        res = predict_scenario(load(args.file))
+    except ScenarioError as exc:
+        print(f"python -m predict scenario: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(res) if args.json else line(res))
     return 0
 
 
@@ -81,15 +104,13 @@ def _plan_check(args) -> int:
     res = check_evaluation(args.evaluation)
     text = markdown(res)
     print(text)
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    (REPORTS / "plan-check.md").write_text(text)
-    (REPORTS / "plan-check.json").write_text(json.dumps(res, indent=1))
+    _write(args.out, "plan-check", text, res)
     return 0
 
 
 def _target(device_file: str | None, cfg, in_flight: int | None):
     """(compute model, link, cores, transport) of a prediction: this machine, or a GPU's device file."""
-    from predict.compute import CpuCompute, load_device
+    from workload.compute import CpuCompute, gpu_compute
     from predict.this_machine import find_profile, load_calibration
 
     if device_file is None:
@@ -97,13 +118,16 @@ def _target(device_file: str | None, cfg, in_flight: int | None):
         print(f"with the {cal.name}", file=sys.stderr)
         return (CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)),
                 cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo")
-    from predict.from_config import modelled_precision, single_link
-    from predict.seed_tables import NVLINK
+    from predict.from_config import single_link
     from predict.run_spec import Link
+    from predict.scenario import NVLINK_DELAY_MS, NVLINK_GBPS
 
+    compute = gpu_compute(device_file, cfg.model, cfg.precision)
     link = single_link(cfg.network, cfg.network_matrix)
-    link = NVLINK if link is None else Link.from_ms_gbps(link.delay_ms, link.bandwidth_gbps, in_flight)
-    return load_device(device_file, cfg.model, modelled_precision(cfg)), link, None, "nccl"
+    if link is None:
+        nvlink = NVLINK_GBPS.get(compute.device.part.split()[0], 1000.0)
+        return compute, Link.from_ms_gbps(NVLINK_DELAY_MS, nvlink, in_flight), None, "nccl"
+    return compute, Link.from_ms_gbps(link.delay_ms, link.bandwidth_gbps, in_flight), None, "nccl"
 
 
 def _predict(cfg, device_file: str | None, in_flight: int | None):
@@ -111,13 +135,16 @@ def _predict(cfg, device_file: str | None, in_flight: int | None):
     from predict.step_time import predict
 
     compute, link, cores, transport = _target(device_file, cfg, in_flight)
-    return predict(spec_from_config(cfg, link, transport), compute, cores)
+    gpu = None if device_file is None else compute
+    return predict(spec_from_config(cfg, link, transport, compute=gpu), compute, cores)
 
 
 def _target_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--device-file", default=None)
-    p.add_argument("--in-flight", type=int, default=1, help="messages in flight per link and direction (GPU links)")
+    p.add_argument("--device-file", "--gpu", dest="device_file", default=None,
+                   help="a device file's name or path (workload/devices)")
+    p.add_argument("--in-flight", type=int, default=None,
+                   help="messages in flight per link and direction on a GPU's links (default: as many as issued)")
     return p.parse_known_args(argv)
 
 
@@ -127,6 +154,7 @@ def predict_run(argv: list[str]) -> int:
     from predict.from_config import NotModelled
     from contract.registry import get_system
     from runners.request import build_parser, config_from_args, judge
+    from workload.compute import DeviceError
 
     target, rest = _target_args(argv)
     parser = build_parser()
@@ -137,7 +165,7 @@ def predict_run(argv: list[str]) -> int:
         cfg = config_from_args(args, spec)
         judge(cfg, spec)
         p = _predict(cfg, target.device_file, target.in_flight)
-    except (ConfigError, NotModelled, FileNotFoundError) as exc:
+    except (ConfigError, NotModelled, FileNotFoundError, DeviceError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     where = target.device_file or "this machine"
@@ -156,6 +184,7 @@ def predict_sweep(argv: list[str]) -> int:
     from runners.record import build_record
     from runners.request import parse_request
     from runners.sweep.plan import SweepError, load_sweep
+    from workload.compute import DeviceError
 
     target, rest = _target_args(argv)
     if len(rest) != 1:
@@ -171,7 +200,7 @@ def predict_sweep(argv: list[str]) -> int:
         cfg, spec = parse_request(run.args)
         try:
             p = _predict(cfg, target.device_file, target.in_flight)
-        except (ConfigError, NotModelled, FileNotFoundError) as exc:
+        except (ConfigError, NotModelled, FileNotFoundError, DeviceError) as exc:
             skipped.append(f"{run.label()}: {exc}")
             continue
         rec = build_record(cfg, spec, "ok", None, None,
@@ -198,38 +227,7 @@ def _records(args) -> int:
     return 0
 
 
-def _plan(args) -> int:
-    from ours.plan.auto import (SimulatedChoice, fitted_model_path, plan_dir, simulated_choices_path,
-                                write_simulated_choices)
-    from ours.plan.latency import LatencyModel
-    from predict.slicing import choose_slicing
-    from workload.configs import get_model_config
-
-    model = get_model_config(args.model)
-    lm_path = fitted_model_path(model, "cpu")
-    if lm_path is None:
-        print(f"python -m predict: error: no fitted latency model for {model.name} in {plan_dir()} "
-              "(python -m ours.plan profile, then fit)", file=sys.stderr)
-        return 2
-    lm = LatencyModel.load(lm_path)
-    choices = []
-    for batch in args.batch_size:
-        slices, seconds, timed, formula = choose_slicing(lm, model, args.pp, batch, args.micro_batch_size)
-        formula_s = dict((c, t) for t, c in timed)[formula]
-        choices.append(SimulatedChoice(n_layer=model.n_layer, pp=args.pp, batch_size=batch,
-                                       micro_batch_size=args.micro_batch_size, slices=tuple(slices),
-                                       simulated_seconds=seconds, formula_slices=tuple(formula),
-                                       formula_simulated_seconds=formula_s, candidates=len(timed)))
-        print(f"{model.name} P-{args.pp} batch {batch} micro-batch {args.micro_batch_size}: simulated best "
-              f"{len(slices)} slices {list(slices)} {seconds * 1e3:.0f} ms; the formula's optimum ({len(formula)} "
-              f"slices) simulated {formula_s * 1e3:.0f} ms; {len(timed)} candidates")
-    path = simulated_choices_path(model, "cpu")
-    write_simulated_choices(path, choices)
-    print(f"written: {path}")
-    return 0
-
-
-COMMANDS = ("calibrate", "validate", "seed", "plan-check", "plan", "sweep", "records")
+COMMANDS = ("calibrate", "validate", "validate-seed", "scenario", "plan-check", "sweep", "records")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,22 +253,25 @@ def main(argv: list[str] | None = None) -> int:
                    "the one the report's predictions are gated by; another name: results/predict/NAME.{md,json}, a "
                    "check that gates nothing")
     q.set_defaults(fn=_validate)
-    q = sub.add_parser("seed")
-    q.add_argument("--no-write", action="store_true", help="print only; leave the device file and results alone")
-    q.set_defaults(fn=_seed)
-    q = sub.add_parser("plan-check")
+    q = sub.add_parser("validate-seed", help="every cell of the seed's GPT-3 XL tables predicted (the V100's "
+                       "calibration cells named, not scored)")
+    q.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    q.add_argument("--out", default=None, help="write DIR/seed-validation.{md,json}")
+    q.add_argument("--calibrate", action="store_true", help="first refit the V100 device files' GEMM efficiency on "
+                   "their calibration cells (writes workload/devices/v100-*.json)")
+    q.set_defaults(fn=_validate_seed)
+    q = sub.add_parser("scenario", help="a run on a GPU cluster described by a scenario file (predict.scenario)")
+    q.add_argument("file", help="the scenario (TOML)")
+    q.add_argument("--json", action="store_true", help="one JSON object: step_time_s, parts, memory, status")
+    q.set_defaults(fn=_scenario)
+    q = sub.add_parser("plan-check", help="the planner's evaluation: its formula against the simulator")
     q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json")
+    q.add_argument("--out", default=None, help="write DIR/plan-check.{md,json}")
     q.set_defaults(fn=_plan_check)
     q = sub.add_parser("records", help="this machine's prediction of every recorded CPU run, kept beside its "
                        "records file for the report")
     q.add_argument("records", nargs="+", help="records files (JSON lines)")
     q.set_defaults(fn=_records)
-    q = sub.add_parser("plan", help="ours' slicing per batch chosen by simulation (used by --n-slices auto)")
-    q.add_argument("--model", default="cpu-small")
-    q.add_argument("--pp", type=int, default=2)
-    q.add_argument("--batch-size", type=int, nargs="+", default=[1, 2, 4])
-    q.add_argument("--micro-batch-size", type=int, default=1)
-    q.set_defaults(fn=_plan)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -7,9 +7,14 @@ segment pays gloo's receive-posted handshake on the emulated links:
   ``allreduce`` adds the ring allgather of the same segments;
 - ``allgather``: ring, n - 1 steps of one chunk.
 
-nccl (GPU clusters): closed forms over one link (latency a, bandwidth B), for a group that leaves
-together (``Group``): ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather (n-1)(a + S/(nB));
-chain reduce / broadcast (n-1) a + S/B (the chunks stream down the chain: every link carries S once).
+nccl (GPU clusters): NCCL's rings, message by message, the group ordered host by host (as NCCL
+builds its rings: one crossing of each host's network card per direction): all-reduce 2(n-1) steps,
+reduce-scatter and all-gather n-1, each step a chunk of S/n to the next member and one from the
+previous; reduce and broadcast a chain that streams S in ``CHAIN_PIECES`` pieces, each forwarded as it
+arrives. Every message goes over the link it crosses (NVLink inside a node, the nodes' network cards
+between them), so concurrent collectives share what they share. ``closed_form`` gives the same costs
+over one idle link: ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather (n-1)(a + S/(nB));
+chain reduce / broadcast (n-1) a + S/B; groups of more than ``MAX_RING`` ranks take it (a ``Group``).
 """
 from __future__ import annotations
 
@@ -121,13 +126,59 @@ def closed_form(op: str, n: int, nbytes: float, link: Link) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def collective(transport: str, op: str, ranks, me: int, tag, nbytes: float, link: Link, kind: str) -> list:
-    """The ops rank ``me`` runs for one collective, by transport (gloo: messages; nccl: a Group)."""
+CHAIN_PIECES = 16
+MAX_RING = 128
+
+
+def nccl_ring(op: str, ranks: tuple, me: int, tag: Hashable, nbytes: float, kind: str) -> list:
+    """Rank ``me``'s messages of one NCCL collective over ``ranks`` (in ring order)."""
+    n = len(ranks)
+    i = ranks.index(me)
+    nxt, prv = ranks[(i + 1) % n], ranks[(i - 1) % n]
+    ops: list = []
+    if op in ("allreduce", "reduce_scatter", "allgather"):
+        steps = {"allreduce": 2 * (n - 1), "reduce_scatter": n - 1, "allgather": n - 1}[op]
+        chunk = nbytes / n
+        for k in range(steps):
+            rk, sk = (tag, op, k, prv, me), (tag, op, k, me, nxt)
+            ops += [Recv(rk, prv, chunk), Send(sk, nxt, chunk), Wait((rk, sk), kind)]
+        return ops
+    if op in ("reduce", "broadcast"):  # a chain: toward ranks[0] (reduce) or away from it (broadcast)
+        chain = list(reversed(ranks)) if op == "reduce" else list(ranks)
+        j = chain.index(me)
+        frm = chain[j - 1] if j > 0 else None
+        to = chain[j + 1] if j + 1 < n else None
+        piece = nbytes / CHAIN_PIECES
+        sends = []
+        for k in range(CHAIN_PIECES):
+            if frm is not None:
+                rk = (tag, op, k, frm, me)
+                ops += [Recv(rk, frm, piece), Wait((rk,), kind)]
+            if to is not None:
+                sk = (tag, op, k, me, to)
+                ops.append(Send(sk, to, piece))
+                sends.append(sk)
+        if sends:
+            ops.append(Wait(tuple(sends), kind))
+        return ops
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def collective(transport: str, op: str, ranks, me: int, tag, nbytes: float, link: Link, kind: str,
+               host=None) -> list:
+    """The ops rank ``me`` runs for one collective, by transport (gloo: its algorithms' messages; nccl:
+    NCCL's rings over the group ordered by ``host`` (rank -> host; None: as given), or a closed-form
+    ``Group`` over ``link`` for a group larger than ``MAX_RING``)."""
     ranks = tuple(ranks)
     if len(ranks) < 2:
         return []
     if transport == "nccl":
-        return [Group((tag, op), ranks, closed_form(op, len(ranks), nbytes, link), kind)]
+        if len(ranks) > MAX_RING or host is None:
+            return [Group((tag, op), ranks, closed_form(op, len(ranks), nbytes, link), kind)]
+        order = tuple(sorted(ranks, key=lambda r: (host(r), r)))
+        if op in ("reduce", "broadcast"):  # the chain starts at the root, ranks[0]
+            order = (ranks[0],) + tuple(r for r in order if r != ranks[0])
+        return nccl_ring(op, order, me, tag, nbytes, kind)
     if op == "allreduce":
         return allreduce(ranks, me, tag, int(nbytes), kind)
     if op == "reduce_scatter":

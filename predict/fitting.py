@@ -3,15 +3,15 @@
 - CPU (this machine): each system's framework overheads (``Overheads``: per step, per micro-batch or
   unit, per data-parallel sync) by non-negative least squares of the relative error between the
   simulated and the measured median step time of runs with ``--network none``.
-- GPU: a device's efficiency (the share of its datasheet peak the layers reach) by bisection, so that
-  the simulated step of one measured row equals its step time.
+- GPU: a device's GEMM efficiency (the share of its datasheet peak large GEMMs reach) by bisection, so
+  that the simulated step of one published or measured cell equals its step time.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import replace
 
-from predict.compute import GpuCompute, Overheads
+from workload.compute import GpuCompute, Overheads
 from predict.step_time import predict
 from predict.run_spec import RunSpec
 
@@ -93,11 +93,13 @@ def fit_overheads(system: str, runs: list[tuple], cores: float | None,
     return fitted, report
 
 
-def fit_efficiency(spec: RunSpec, device: GpuCompute, measured: float, lo: float = 0.02, hi: float = 1.0,
+def fit_efficiency(spec: RunSpec, compute: GpuCompute, measured: float, lo: float = 0.05, hi: float = 1.0,
                    tol: float = 1e-4) -> float:
-    """The efficiency at which the simulated step of ``spec`` on ``device`` takes ``measured`` seconds."""
+    """The GEMM efficiency (e_max of ``compute``'s precision) at which the simulated step of ``spec``
+    takes ``measured`` seconds: a device file's calibration on one cell."""
     def t(eff):
-        return predict(spec, device.with_efficiency(eff)).step_time
+        dev = compute.device.with_gemm(compute.precision, eff)
+        return predict(spec, compute.with_device(dev)).step_time
 
     if t(hi) > measured:
         raise ValueError(f"even at efficiency {hi:.2f} the predicted step ({t(hi):.2f} s) exceeds {measured:.2f} s")

@@ -7,6 +7,9 @@ from predict.run_spec import SYSTEMS, Link, RunSpec
 from contract.registry import get_system
 
 
+CALIBRATED = ("torch_pipe", "megatron", "ours")  # the systems this machine's calibration fits
+
+
 class NotModelled(ValueError):
     """A run the simulator has no program for (a system or an option it does not model)."""
 
@@ -22,17 +25,23 @@ def single_link(network: str, matrix: dict | None = None) -> LinkSpec | None:
     return classes[0][2] if classes else None
 
 
-def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo") -> RunSpec:
-    """RunSpec of a RunConfig over ``link``; ours' 'auto' slicing is resolved as the run would resolve it."""
-    if cfg.system not in SYSTEMS:
-        raise NotModelled(f"the simulator has no program for {cfg.system} (it models {', '.join(SYSTEMS)})")
+def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", compute=None) -> RunSpec:
+    """RunSpec of a RunConfig over ``link``; ours' 'auto' slicing is resolved as the run would resolve it
+    (``compute``: the GPU's compute model, for a run on a GPU; None: this machine's)."""
+    systems = SYSTEMS if compute is not None else CALIBRATED
+    if cfg.system not in systems:
+        raise NotModelled(f"the simulator has no program for {cfg.system} {'on a GPU' if compute else 'here'} "
+                          f"(it models {', '.join(systems)})")
     o = cfg.options
     schedule, virtual_pp, slices, dp_mode = "gpipe", 1, None, "allreduce"
     if cfg.system == "ours":
+        if o.search:
+            raise NotModelled("--n-slices search keeps the K its timed steps ran fastest: nothing to predict "
+                              "before the run")
         if o.auto:
             from ours.plan.auto import auto_slicing
 
-            slices = auto_slicing(cfg, "cuda" if transport == "nccl" else "cpu").slices
+            slices = auto_slicing(cfg, "cpu", cm=compute, link=link if compute is not None else None).slices
         else:
             slices = tuple(o.token_slices(cfg.model.seq_len))
         dp_mode, schedule = o.dp_mode, o.schedule
@@ -41,6 +50,8 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo") -> Run
                               "first forwards run during this one)")
     else:
         schedule, virtual_pp = o.schedule, o.virtual_pp
+    if compute is None and cfg.precision != "fp32":
+        raise NotModelled(f"--precision {cfg.precision} on this machine: its calibration is of fp32 runs")
     try:
         return RunSpec(system=cfg.system, model=cfg.model, batch_size=cfg.batch_size,
                        micro_batch_size=cfg.micro_batch_size, link=link, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
@@ -52,9 +63,8 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo") -> Run
 
 
 def modelled_precision(cfg: RunConfig) -> str:
-    """The simulator's precision of a run: fp32, or 'mixed' for either half policy (bf16, fp16): it
-    models 2-byte messages and a device file's one half-precision efficiency."""
-    return "fp32" if cfg.precision == "fp32" else "mixed"
+    """The simulator's precision of a run: the run's own (fp32, bf16, fp16)."""
+    return cfg.precision
 
 
 def config_of_record(record: dict) -> RunConfig:

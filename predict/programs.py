@@ -40,11 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from predict import collectives as coll
-from predict.compute import ComputeModel, Overheads, Scaled, stage_params
-from predict.simulator import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
+from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
 from predict.run_spec import RunSpec
+from predict.placement import hosts_of
 from ours.dp import BUCKET_BYTES
 from ours.schedule import unit_order
+from workload.compute import ComputeModel, Overheads, Scaled, stage_params
 
 
 
@@ -84,7 +85,7 @@ class _Step:
         if chunk == 0:
             ops.append(Compute(cm.embed(b * l) / 3, "embed"))
         ops += self._layers("forward", L, b, l, c)
-        if chunk == self.n_chunks - 1 and self.spec.system != "ours":
+        if chunk == self.n_chunks - 1 and self.spec.system not in TOKEN_PIPELINE:
             ops.append(Compute(cm.head_forward(b * l, tp, self.width), "head"))
             ops += self._tp_comm(b * l, "head")
         return ops
@@ -93,7 +94,7 @@ class _Step:
         cm, tp, L = self.cm, self.tp, self.layers
         ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
         if chunk == self.n_chunks - 1:
-            if self.spec.system == "ours":
+            if self.spec.system in TOKEN_PIPELINE:
                 ops.append(Compute(cm.head_forward(b * l, 1, self.width), "head"))
             ops.append(Compute(cm.head_backward_input(b * l, tp, self.width) + cm.head_wgrad(b * l, tp, self.width),
                                "head"))
@@ -130,6 +131,9 @@ class _Step:
             return []
         nbytes = tokens * self.h * self.spec.activation_bytes
         link = self.net.intra_link or self.net.link
+        c = self.spec.cluster
+        if c is not None and self.tp > c.gpus_per_node:  # the group spans nodes: its ring crosses their cards
+            link = c.inter or min((l for row in c.matrix for l in row if l), key=lambda l: l.bandwidth)
         if self.net.transport == "gloo":  # gloo's ring: a receive-posted handshake per step
             a = 2 * link.latency
             t = 2 * (self.tp - 1) * (a + nbytes / (self.tp * link.bandwidth))
@@ -141,7 +145,18 @@ class _Step:
         return [Compute(self.cm.optimizer(params), "optimizer")]
 
     def act_bytes(self, b: int, l: int) -> int:
-        return b * l * self.h * self.spec.activation_bytes
+        """Bytes of b x l activations (or their gradients) one GPU sends to the next stage: on a GPU
+        cluster Megatron's tensor-parallel ranks each send 1/tp of them (its scatter-gather of the
+        pipeline's messages), ours' each the whole (``Network.copies``)."""
+        n = b * l * self.h * self.spec.activation_bytes
+        if self.net.gpu and self.spec.system == "megatron":
+            return n // self.tp
+        return n
+
+    def collective(self, op: str, group: tuple, rank: int, key: tuple, nbytes: float, kind: str) -> list:
+        """One collective of this rank's over ``group`` (NCCL: rings ordered host by host)."""
+        host = self.net.host if self.net.gpu else None
+        return coll.collective(self.net.transport, op, group, rank, key, nbytes, self.net.link, kind, host)
 
 
 def _key(step: int, *parts) -> tuple:
@@ -157,7 +172,7 @@ def _fsdp_sizes(spec: RunSpec, s: int) -> tuple[int, int]:
     if s == 0:
         root += (m.vocab_size * h + m.seq_len * h) * 4
     if s == spec.pp - 1:
-        root += (2 * h + (spec.head_classes or m.vocab_size) * h) * 4
+        root += (2 * h + (m.vocab_size if spec.head_classes is None else spec.head_classes) * h) * 4
     return block, root
 
 
@@ -185,8 +200,7 @@ class _Stage:
 
     def _coll(self, op: str, tag: tuple, nbytes: int) -> list:
         st = self.st
-        return coll.collective(st.net.transport, op, self.group, self.rank, _key(st.step, "fsdp", self.s, *tag),
-                               nbytes, st.net.link, "fsdp")
+        return st.collective(op, self.group, self.rank, _key(st.step, "fsdp", self.s, *tag), nbytes, "fsdp")
 
     def fwd(self, i: int) -> list:
         st, out = self.st, []
@@ -418,9 +432,9 @@ def megatron(st: _Step, rank: int) -> list:
         opt = st.optimizer(st.params(st.layers, s == 0, s == P - 1, st.tp))[0]
     if D > 1:
         dp_group = tuple(k * P + s for k in range(D))
-        grads = st.params(st.layers * st.V, s == 0, s == P - 1, st.tp) * 4  # fp32 grad buffers
-        ops += coll.collective(st.net.transport, "allreduce", dp_group, rank, _key(st.step, "dp", s), grads,
-                               st.net.link, "dp")
+        # the gradient buffers: fp32, or the half type's under mixed precision (Megatron's DDP)
+        grads = st.params(st.layers * st.V, s == 0, s == P - 1, st.tp) * (4 if spec.precision == "fp32" else 2)
+        ops += st.collective("allreduce", dp_group, rank, _key(st.step, "dp", s), grads, "dp")
     return ops + [opt]
 
 
@@ -432,7 +446,7 @@ def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
     then the output layer."""
     h, m = st.h, st.spec.model
     out = []
-    if first:
+    if first and m.vocab_size:
         out += [(m.vocab_size * h, -1), (m.seq_len * h, -1)]
     out += [(h, -1)] * (4 * st.layers)  # ln_1, ln_2: weight and bias
     if last:
@@ -440,7 +454,7 @@ def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
     for i, (rows, cols) in enumerate([(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)] * st.layers):
         out += [(rows * cols, i), (rows, i)]
     if last:
-        out.append(((st.width or m.vocab_size) * h, 4 * st.layers))
+        out.append(((m.vocab_size if st.width is None else st.width) * h, 4 * st.layers))
     return out
 
 
@@ -641,8 +655,8 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
             ops.append(Wait(tuple(sends)))
         return ops + st.optimizer(params)
     after = [sum(wgrad[k + 1:]) for k in range(len(wgrad))]  # work of the linears after linear k
-    if spec.dp_mode == "chain_ps":
-        return ops + _chain_ps(st, rank, sends, after, sum(wgrad))
+    if spec.dp_mode == "chain_ps" or spec.system == "gpipe":
+        return ops + _seed_dp(st, rank, sends, after, sum(wgrad), params)
     # the weight gradients, linear after linear (the fill drained the first linears first: what is left
     # belongs to the last ones); each bucket pushed as its last gradient is final
     sync = _Sync.of(st, rank)
@@ -669,34 +683,55 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
 CHAIN_BUCKET_BYTES = 25 * 10**6
 
 
-def _chain_ps(st: _Step, rank: int, sends: list, after: list[float], wgrad: float) -> list:
-    """The seed's central PS over NCCL (``dp_mode="chain_ps"``): per 25 MB bucket, once its last gradient
-    is final, a chain reduce to dp_rank 0, that rank's Adam step on the bucket, a chain broadcast of the
-    result (one NCCL stream: bucket after bucket); then the pipeline's sends are waited for."""
+def _seed_dp(st: _Step, rank: int, sends: list, after: list[float], wgrad: float, params: int) -> list:
+    """The seed's (DT-FM's) data parallelism over NCCL, per 25 MB bucket once its last gradient is
+    final, one NCCL stream (bucket after bucket): ``central_ps`` (``chain_ps``) a chain reduce to
+    dp_rank 0, that rank's Adam step on the bucket, a chain broadcast of the result; ``sharded_ps`` a
+    reduce-scatter, every rank's Adam step on its shard, an all-gather; ``allreduce`` a ring
+    all-reduce, then every rank's optimizer. Then the pipeline's sends are waited for."""
     spec = st.spec
     d, s = divmod(rank, spec.pp)
     group = tuple(j * spec.pp + s for j in range(spec.dp))
-    link = st.net.link
+    mode = "central_ps" if spec.dp_mode == "chain_ps" else spec.dp_mode
     ops: list = []
     for i, (n, at) in enumerate(_buckets(_grad_order(st, s == 0, s == spec.pp - 1), CHAIN_BUCKET_BYTES)):
         ops.append(Flush("wgrad", keep=after[at] if at >= 0 else wgrad))
-        ops.append(Group(_key(st.step, "chain", s, i, "reduce"), group,
-                         coll.closed_form("reduce", spec.dp, n * 4, link), "dp"))
-        if d == 0:
-            ops += st.optimizer(n)
-        ops.append(Group(_key(st.step, "chain", s, i, "broadcast"), group,
-                         coll.closed_form("broadcast", spec.dp, n * 4, link), "dp"))
+        key = _key(st.step, "chain", s, i)
+        if mode == "central_ps":
+            ops += st.collective("reduce", group, rank, (*key, "reduce"), n * 4, "dp")
+            if d == 0:
+                ops += st.optimizer(n)
+            ops += st.collective("broadcast", group, rank, (*key, "broadcast"), n * 4, "dp")
+        elif mode == "sharded_ps":
+            ops += st.collective("reduce_scatter", group, rank, (*key, "rs"), n * 4, "dp")
+            ops += st.optimizer(n // spec.dp)
+            ops += st.collective("allgather", group, rank, (*key, "ag"), n * 4, "dp")
+        else:
+            ops += st.collective("allreduce", group, rank, (*key, "ar"), n * 4, "dp")
     ops.append(Flush("wgrad"))
     if sends:
         ops.append(Wait(tuple(sends)))
+    if mode == "allreduce":
+        ops += st.optimizer(params)
     return ops
 
 
-BUILDERS = {"torch_pipe": torch_pipe, "megatron": megatron, "ours": ours}
-TENSOR_PARALLEL = ("megatron", "ours")  # a stage's T ranks are one simulated rank, its all-reduces in closed form
+BUILDERS = {"torch_pipe": torch_pipe, "fairscale_fsdp": torch_pipe, "megatron": megatron, "ours": ours,
+            "gpipe": ours}
+# a stage's T ranks are one simulated rank, its all-reduces in closed form
+TENSOR_PARALLEL = ("megatron", "ours", "gpipe")
+TOKEN_PIPELINE = ("ours", "gpipe")  # ours' engine (the seed's GPipe: at one token slice)
 
 
 def network_of(spec: RunSpec) -> Network:
+    tp = spec.tp if spec.system in TENSOR_PARALLEL else 1
+    c = spec.cluster
+    if c is not None:
+        matrix = None
+        if c.matrix is not None:
+            matrix = tuple(tuple(c.link(a, b) if a != b else None for b in range(c.nodes)) for a in range(c.nodes))
+        return Network(c.inter or c.intra, "nccl", c.intra, hosts=hosts_of(spec), matrix=matrix,
+                       copies=(tp,) * (spec.pp * spec.dp), gpu=True)
     per_host = spec.ranks_per_host
     if spec.system in TENSOR_PARALLEL:  # a tensor-parallel group is one simulated rank
         per_host = max(1, per_host // spec.tp)
@@ -704,29 +739,33 @@ def network_of(spec: RunSpec) -> Network:
 
 
 def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
-    """Programs of every simulated rank: ``steps`` steps, each framed by the timing barriers; Marks
-    ``start{k}`` / ``end{k}`` around step k (after the opening barrier, after the closing one). What a
-    rank posts ahead of its first step (ours' receives, the first barrier's over gloo) comes first."""
+    """Programs of every simulated rank: ``steps`` steps, each framed by the timing barriers of the run
+    command (none on a GPU cluster: a scenario's step is the training step alone); Marks ``start{k}`` /
+    ``end{k}`` around step k (after the opening barrier, after the closing one). What a rank posts ahead
+    of its first step (ours' receives, the first barrier's over gloo) comes first."""
     if spec.tp > 1 and spec.system not in TENSOR_PARALLEL:
         raise ValueError(f"{spec.system} has no tensor parallelism")
     net = network_of(spec)
+    framed = not net.gpu
     n = spec.pp * spec.dp
     world = tuple(range(n))
     uses = [("open", k) if i % 2 == 0 else ("close", k) for k in range(steps) for i in range(2)]
     programs = []
     for r in range(n):
         st = [_Step(spec, cm, net, k) for k in range(steps)]
-        ops: list = _barrier_receives(net, world, r, uses[0])
-        if spec.system == "ours":
+        ops: list = _barrier_receives(net, world, r, uses[0]) if framed else []
+        if spec.system in TOKEN_PIPELINE:
             ops += ours_receives(st[0], r)
         for k in range(steps):
-            ops += _barrier(net, world, r, uses[2 * k], uses[2 * k + 1])
+            if framed:
+                ops += _barrier(net, world, r, uses[2 * k], uses[2 * k + 1])
             ops.append(Mark(f"start{k}"))
-            if spec.system == "ours":
+            if spec.system in TOKEN_PIPELINE:
                 ops += ours(st[k], r, st[k + 1] if k + 1 < steps else None)
             else:
                 ops += BUILDERS[spec.system](st[k], r)
-            ops += _barrier(net, world, r, uses[2 * k + 1], uses[2 * k + 2] if 2 * k + 2 < len(uses) else None)
+            if framed:
+                ops += _barrier(net, world, r, uses[2 * k + 1], uses[2 * k + 2] if 2 * k + 2 < len(uses) else None)
             ops.append(Mark(f"end{k}"))
         programs.append(ops)
     procs = [spec.tp if spec.system in TENSOR_PARALLEL else 1] * n

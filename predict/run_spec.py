@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field, replace
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
 from workload.configs import ModelConfig
 
-SYSTEMS = ("torch_pipe", "megatron", "ours")
+SYSTEMS = ("torch_pipe", "megatron", "ours", "gpipe", "fairscale_fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("allreduce", "central_ps", "sharded_ps", "chain_ps")
+DP_MODES = ("allreduce", "central_ps", "sharded_ps", "chain_ps", "fsdp")
 TRANSPORTS = ("gloo", "nccl")
 
 
@@ -60,26 +61,60 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Cluster:
+    """GPUs on nodes, as a scenario's ``[cluster]`` describes them: ``gpus_per_node`` GPUs on each of
+    ``nodes`` nodes, ``intra`` between two GPUs of a node (NVLink or PCIe, each GPU its own links),
+    ``inter`` between nodes (one network card per node, shared by its GPUs' traffic), or ``matrix``:
+    per pair of nodes a link of its own (a node x node tuple of Links, None on the diagonal)."""
+
+    nodes: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link | None = None
+    matrix: tuple | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"a cluster needs nodes >= 1 and gpus_per_node >= 1, got {self.nodes} x {self.gpus_per_node}")
+        if self.nodes > 1 and self.inter is None and self.matrix is None:
+            raise ValueError("a cluster of several nodes needs the link between them (inter or matrix)")
+        if self.matrix is not None and len(self.matrix) != self.nodes:
+            raise ValueError(f"the matrix has {len(self.matrix)} rows for {self.nodes} nodes")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def link(self, a: int, b: int) -> Link:
+        """The link from node a to node b (a != b)."""
+        return self.matrix[a][b] if self.matrix is not None else self.inter
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """A run as the simulator sees it.
 
     system / schedule: which program each rank runs (torch_pipe: gpipe | 1f1b | interleaved;
         megatron: 1f1b | interleaved; ours: its token-level pipeline, its units in the order of
-        ``ours.schedule``: 1f1b | gpipe). None: ours' default (1f1b), else gpipe.
+        ``ours.schedule``: 1f1b | gpipe; gpipe: the seed's GPipe as DT-FM ran it, ours' engine at one
+        token slice with the gpipe order; fairscale_fsdp: fairscale's Pipe (GPipe) over a node's GPUs,
+        FSDP across nodes). None: ours' default (1f1b), else gpipe.
     model: the GPT shape. pp / tp / dp: pipeline stages, tensor-parallel degree, pipelines.
     batch_size: sequences per pipeline and step; micro_batch_size: sequences per micro-batch
         (ours: per batch slice). virtual_pp: model chunks per rank (interleaved).
     slices: ours' token slice lengths (sum = seq_len). dp_mode: ours' data parallelism (allreduce,
         central_ps, sharded_ps), or ``chain_ps``, the seed's (DT-FM's) central PS over NCCL, not an
         option of ours: per 25 MB bucket a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
-    precision: "fp32" or "mixed" (activations and messages in 2 bytes). recompute: activation
-        recomputation (a layer's forward runs again before its backward).
+    precision: fp32, bf16 or fp16 (the half ones mixed: activations and the baselines' messages in 2
+        bytes). recompute: activation recomputation (a layer's forward runs again before its backward).
     link: every inter-host link (hosts = ranks); intra_link: links between ranks of one host
         (Megatron's 8 GPUs of one machine), None when every rank is its own host.
     transport: "gloo" (a message's data leaves only after the receiver's notice that it posted the
         receive reached the sender; collectives as gloo's algorithms, message by message) or "nccl"
-        (data leaves once both sides posted; collectives by closed-form ring / chain costs).
+        (data leaves once both sides posted; collectives as NCCL's rings, message by message).
     ranks_per_host: ranks sharing one host (intra_link between them).
+    cluster: a GPU cluster (``Cluster``): ranks placed on its nodes as the system places them
+        (``predict.placement``), links and network cards from it (link / intra_link unused).
     head_classes: the output layer's width when it is not the vocabulary (a classification head, as the
     seed's QQP workload had), None for a language model.
     message_bytes: bytes per element of the activations and gradients sent between stages; None: what
@@ -105,20 +140,23 @@ class RunSpec:
     ranks_per_host: int = 1
     head_classes: int | None = None
     message_bytes: int | None = None
+    cluster: Cluster | None = None
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"unknown system {self.system!r}; the simulator knows {', '.join(SYSTEMS)}")
         if self.schedule is None:
-            object.__setattr__(self, "schedule", "1f1b" if self.system == "ours" else "gpipe")
-        if self.schedule not in (OURS_SCHEDULES if self.system == "ours" else SCHEDULES):
+            object.__setattr__(self, "schedule", "1f1b" if self.system in ("ours", "megatron") else "gpipe")
+        if self.precision == "mixed":
+            object.__setattr__(self, "precision", "fp16")
+        if self.schedule not in (OURS_SCHEDULES if self.system in ("ours", "gpipe") else SCHEDULES):
             raise ValueError(f"unknown schedule {self.schedule!r} for {self.system}")
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"unknown dp_mode {self.dp_mode!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}")
-        if self.precision not in ("fp32", "mixed"):
-            raise ValueError(f"precision must be fp32 or mixed, got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for name in ("pp", "tp", "dp", "batch_size", "micro_batch_size", "virtual_pp", "ranks_per_host"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -146,7 +184,7 @@ class RunSpec:
         """Bytes per element of the activations and gradients sent between stages."""
         if self.message_bytes is not None:
             return self.message_bytes
-        return 2 if self.precision == "mixed" and self.system != "ours" else 4
+        return 2 if self.precision != "fp32" and self.system != "ours" else 4
 
     def replace(self, **changes) -> "RunSpec":
         return replace(self, **changes)

@@ -1,164 +1,220 @@
-"""The seed's GPT-3 XL tables (``/work/shared/seeds/gpt3-xl-results.md``) predicted from one row.
+"""The seed's GPT-3 XL tables (``/work/shared/seeds/gpt3-xl-results.md``), every cell as a scenario, and
+``python -m predict validate-seed``: each cell predicted from the device file, the cells the V100's
+file was calibrated on named and never scored, the cells the seed marks ``??`` shown and not scored.
 
-The seed's workload, read from its own numbers: 24 layers, hidden 2048, 16 heads, sequence 2048, batch
-64 per pipeline, micro-batch 1, P-12 over 12 p3.2xlarge (one V100 each), fp32 with activation
-recompute (as its Megatron tables say). Its dataset is QQP: "parameters of a regular instance: 400 MB"
-are two layers in fp32 (100.7 M parameters = 384 MiB) and "626 MB" on the first instance adds
-28,996 x 2048 + 2048 x 2048 fp32 embeddings (BERT's cased vocabulary: 242 MiB), and its loss is "very
-light-weighted": a two-class head, not a language-model head. "Storage of a micro-batch: 16 MB" is
-1 x 2048 x 2048 activations in fp32 (16 MiB): messages between stages are fp32.
-
-The seed's GPipe (and its GPipe + central-PS rows) posts every receive ahead on its own CUDA stream and
-keeps one message in flight per link and direction (the issue's hint: from 10 to 50 ms the step grows
-by about one one-way delay per micro-batch message); that is ours' engine at K = 1 (one token slice),
-over NCCL, with in_flight = 1. Its central PS (the DP-4 rows) is DT-FM's over NCCL, not ours'
-point-to-point star: per 25 MB bucket a chain reduce to the server, its Adam step and a chain broadcast
-(``dp_mode="chain_ps"``). The device file's efficiency is fitted on the default GPipe row only
-(15.16 s); every other cell is a prediction.
+The seed's workload, read from its own numbers: 24 layers, hidden 2048, 16 heads, sequence 2048, QQP
+(a two-class head; "626 MB" on the first instance are 28,996 x 2048 + 2048 x 2048 fp32 embeddings over
+the 400 MB of two layers); "Storage of a micro-batch: 16 MB" is a 1 x 2048 x 2048 fp32 activation, what
+each GPipe stage keeps of a micro-batch under recompute. Every table ran on V100 SXM2 16 GB: GPipe
+(DT-FM's, with its central PS for DP 4) on p3.2xlarge nodes (one GPU each, the emulated network
+between them); PyTorch's Pipe on one p3.16xlarge (8 GPUs, NVLink); Megatron on one p3.16xlarge and
+on six (25 Gbit/s between them, DP 6, batch 252). The PyTorch Pipe + Fairscale table and Megatron's
+one-node fp16 table have no numbers.
 """
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
+from dataclasses import dataclass
 
-from predict.fitting import fit_efficiency
-from predict.compute import GpuCompute, load_device
-from predict.step_time import predict
-from predict.run_spec import Link, RunSpec
-from workload.configs import ModelConfig
+from predict.scenario import Scenario, parse, predict_scenario
 
-DEVICE_FILE = Path(__file__).resolve().parent / "devices" / "v100.json"
-WORKLOAD = ModelConfig("gpt3-xl (QQP)", n_layer=24, n_embd=2048, n_head=16, seq_len=2048, vocab_size=28996)
-HEAD_CLASSES = 2
+MODEL = dict(layers=24, hidden=2048, heads=16, seq_len=2048, vocab=28996, head="classifier:2")
+GPU = "V100 SXM2 16GB"
 NETWORKS = {  # the seed's labels: (one-way delay ms, Gbit/s)
     "default": (0.1, 10.0), "d1-5g": (1.0, 5.0), "d5-2g": (5.0, 2.0), "d10-1g": (10.0, 1.0), "d50-1g": (50.0, 1.0)}
+P3_16XLARGE_GBPS = 25.0  # between p3.16xlarge nodes (the seed: "25 Gbps inter-node connection")
+P3_16XLARGE_DELAY_MS = 0.05  # one-way, inside one AWS placement group: a datasheet-level guess, not fitted
+LAYOUTS = {"T-8": (8, 1), "P-8": (1, 8), "T-4 P-2": (4, 2), "T-2 P-4": (2, 4)}  # (tp, pp)
+OOM = "oom"
+UNSURE = "??"
+
 GPIPE = {"default": 15.16, "d1-5g": 15.49, "d5-2g": 16.80, "d10-1g": 22.90, "d50-1g": 29.08}
-DP4_CENTRAL_PS = {"default": 16.17, "d1-5g": 17.55, "d5-2g": 21.99, "d10-1g": 33.39}
-# Megatron, one p3.16xlarge (8 V100, NVLink), batch 64, fp32 + recompute; None = Fail (OOM)
-MEGATRON_LAYOUTS = {"T-8": (8, 1), "P-8": (1, 8), "T-4 P-2": (4, 2), "T-2 P-4": (2, 4)}  # (tp, pp)
-MEGATRON = {
+GPIPE_DP4 = {"default": 16.17, "d1-5g": 17.55, "d5-2g": 21.99, "d10-1g": 33.39}
+TORCH_PIPE = {1: 17.78, 2: 18.77, 4: OOM}  # the seed: "Fail ... due to OOM"
+MEGATRON_1NODE_FP32 = {
     1: {"T-8": 25.00, "P-8": 19.71, "T-4 P-2": 20.64, "T-2 P-4": 20.81},
     2: {"T-8": 24.18, "P-8": 21.52, "T-4 P-2": 26.72, "T-2 P-4": 21.46},
     4: {"T-8": 23.31, "P-8": 25.14, "T-4 P-2": 20.91, "T-2 P-4": 22.79},
-    8: {"T-8": 20.90, "P-8": None, "T-4 P-2": 21.67, "T-2 P-4": None},
+    8: {"T-8": 20.90, "P-8": OOM, "T-4 P-2": 21.67, "T-2 P-4": OOM},
+    16: {"T-8": OOM, "P-8": OOM, "T-4 P-2": OOM, "T-2 P-4": OOM},
 }
-# NVLink inside a p3.16xlarge: NCCL's all-reduce bus bandwidth for 16 MB messages (about 100 GB/s on
-# a DGX-1-like hybrid cube mesh) and a few microseconds per hop. A datasheet-level guess, not fitted.
-NVLINK = Link(latency=8e-6, bandwidth=100e9)
+MEGATRON_6NODE = {  # (precision, recompute) -> micro-batch -> layout -> seconds
+    ("fp32", True): {
+        1: {"T-8": 19.71, "P-8": 20.04, "T-4 P-2": 15.91, "T-2 P-4": 25.59},
+        2: {"T-8": 20.46, "P-8": 18.90, "T-4 P-2": 17.79, "T-2 P-4": 21.34},
+        3: {"T-8": 23.48, "P-8": 19.44, "T-4 P-2": 16.18, "T-2 P-4": 20.59}},
+    ("fp16", True): {
+        1: {"T-8": 9.19, "P-8": 7.58, "T-4 P-2": 5.25, "T-2 P-4": 10.86},
+        2: {"T-8": (41.06, UNSURE), "P-8": 7.47, "T-4 P-2": 12.45, "T-2 P-4": 10.33},
+        3: {"T-8": 20.68, "P-8": 6.07, "T-4 P-2": 7.33, "T-2 P-4": 8.68}},
+    ("fp16", False): {
+        1: {"T-8": 7.22, "P-8": 7.03, "T-4 P-2": 4.21, "T-2 P-4": 10.09},
+        2: {"T-8": (18.75, UNSURE), "P-8": OOM, "T-4 P-2": 6.78, "T-2 P-4": 9.06},
+        3: {"T-8": 10.18, "P-8": OOM, "T-4 P-2": 4.51, "T-2 P-4": OOM}},
+}
+# The cells the V100 device file is calibrated on (one per precision), by name: never scored.
+CALIBRATION = {"fp32": "gpipe default", "fp16": "megatron 6-node fp16 recompute mb1 T-4 P-2"}
 
 
-def network(name: str, in_flight: int | None = 1) -> Link:
-    delay, gbps = NETWORKS[name]
-    return Link.from_ms_gbps(delay, gbps, in_flight)
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the seed's tables: its name, its table, the scenario that expresses it and what the
+    seed measured (seconds, ``oom``, or a time the seed itself doubts: ``??``)."""
+
+    name: str
+    table: str
+    scenario: dict
+    seed: float | str
+    unsure: bool = False
+
+    def load(self) -> Scenario:
+        return parse(self.scenario, self.name)
 
 
-def gpipe_spec(net: str, dp: int = 1, precision: str = "fp32", system: str = "ours") -> RunSpec:
-    """The seed's GPipe row (``system="torch_pipe"``: what torch.distributed.pipelining's GPipe would do
-    on the same cluster: receives posted one at a time, right before each micro-batch)."""
-    return RunSpec(system, WORKLOAD, batch_size=64, micro_batch_size=1, link=network(net), pp=12, dp=dp,
-                   schedule="gpipe", dp_mode="chain_ps", precision=precision, recompute=True, transport="nccl",
-                   head_classes=HEAD_CLASSES, slices=(WORKLOAD.seq_len,) if system == "ours" else None)
+def _scenario(cluster: dict, **run) -> dict:
+    return dict(model=dict(MODEL), cluster=dict(gpu=GPU, **cluster), run=run)
 
 
-def megatron_spec(layout: str, micro: int) -> RunSpec:
-    tp, pp = MEGATRON_LAYOUTS[layout]
-    return RunSpec("megatron", WORKLOAD, batch_size=64, micro_batch_size=micro, link=NVLINK, pp=pp, tp=tp,
-                   schedule="1f1b", recompute=True, transport="nccl", intra_link=NVLINK, ranks_per_host=8,
-                   head_classes=HEAD_CLASSES)
+def _cell(name: str, table: str, scenario: dict, value) -> Cell:
+    if isinstance(value, tuple):
+        return Cell(name, table, scenario, value[0], unsure=True)
+    return Cell(name, table, scenario, value)
 
 
-def calibrate_seed(precision: str = "fp32", write: bool = True) -> GpuCompute:
-    """The V100's efficiency for ``precision`` fitted on the default GPipe row (15.16 s)."""
-    base = json.loads(DEVICE_FILE.read_text())
-    dev = load_device(DEVICE_FILE, WORKLOAD, precision) if precision in base["efficiency"] else GpuCompute(
-        base["device"], WORKLOAD, base["peak_tflops"], {precision: 0.5}, precision,
-        base.get("optimizer_seconds_per_param", 0.0))
-    spec = gpipe_spec("default", precision=precision)
-    if precision == "mixed":
-        spec = spec.replace(message_bytes=2)
-    eff = fit_efficiency(spec, dev, GPIPE["default"])
-    if write:
-        base["efficiency"][precision] = round(eff, 4)
-        base.setdefault("calibrated_on", {})[precision] = (
-            "the seed's default GPipe row (GPT-3 XL, QQP, P-12 over 12 p3.2xlarge, batch 64, micro-batch 1, "
-            "recompute): 15.16 s")
-        DEVICE_FILE.write_text(json.dumps(base, indent=1) + "\n")
-    return dev.with_efficiency(eff)
-
-
-def _err(pred: float, seed: float | None) -> float | None:
-    return None if seed is None else (pred - seed) / seed
-
-
-def predict_seed(device: GpuCompute | None = None) -> dict:
-    """Every predicted cell against the seed: the GPipe column, the DP-4 column and the Megatron table,
-    and (not in the seed) torch_pipe's GPipe on the same cluster."""
-    dev = device or load_device(DEVICE_FILE, WORKLOAD, "fp32")
-    out = {"efficiency": dev.efficiency["fp32"], "gpipe": [], "dp4": [], "megatron": [], "torch_pipe_gpipe": []}
-    for net, seed in GPIPE.items():
-        p = predict(gpipe_spec(net), dev)
-        out["gpipe"].append(dict(network=net, seed=seed, predicted=p.step_time, error=_err(p.step_time, seed),
-                                 parts=p.parts(), calibration=net == "default"))
-        q = predict(gpipe_spec(net, system="torch_pipe"), dev)
-        out["torch_pipe_gpipe"].append(dict(network=net, predicted=q.step_time, parts=q.parts()))
-    for net, seed in DP4_CENTRAL_PS.items():
-        p = predict(gpipe_spec(net, dp=4), dev)
-        out["dp4"].append(dict(network=net, seed=seed, predicted=p.step_time, error=_err(p.step_time, seed),
-                               parts=p.parts()))
-    for micro, row in MEGATRON.items():
-        for layout, seed in row.items():
-            p = predict(megatron_spec(layout, micro), dev)
-            out["megatron"].append(dict(micro=micro, layout=layout, seed=seed, predicted=p.step_time,
-                                        error=_err(p.step_time, seed), parts=p.parts()))
+def cells() -> list[Cell]:
+    """Every cell of the seed's tables that has a number or a failure."""
+    out = []
+    for net, t in GPIPE.items():
+        d, g = NETWORKS[net]
+        sc = _scenario(dict(nodes=12, gpus_per_node=1, inter_gbps=g, inter_delay_ms=d), system="gpipe", tp=1, pp=12,
+                       dp=1, batch=64, micro_batch=1, precision="fp32", recompute=True)
+        out.append(_cell(f"gpipe {net}", "GPipe P-12, 12 x p3.2xlarge", sc, t))
+    for net, t in GPIPE_DP4.items():
+        d, g = NETWORKS[net]
+        sc = _scenario(dict(nodes=48, gpus_per_node=1, inter_gbps=g, inter_delay_ms=d), system="gpipe", tp=1, pp=12,
+                       dp=4, batch=256, micro_batch=1, precision="fp32", recompute=True, dp_mode="central_ps")
+        out.append(_cell(f"gpipe dp4 {net}", "GPipe P-12 + central PS D-4, 48 x p3.2xlarge", sc, t))
+    for mb, t in TORCH_PIPE.items():
+        sc = _scenario(dict(nodes=1, gpus_per_node=8), system="torch_pipe", tp=1, pp=8, dp=1, batch=64,
+                       micro_batch=mb, precision="fp32", recompute=True)
+        out.append(_cell(f"torch pipe mb{mb}", "PyTorch Pipe P-8, one p3.16xlarge", sc, t))
+    for mb, row in MEGATRON_1NODE_FP32.items():
+        for layout, t in row.items():
+            tp, pp = LAYOUTS[layout]
+            sc = _scenario(dict(nodes=1, gpus_per_node=8), system="megatron", tp=tp, pp=pp, dp=1, batch=64,
+                           micro_batch=mb, precision="fp32", recompute=True)
+            out.append(_cell(f"megatron 1-node fp32 recompute mb{mb} {layout}",
+                             "Megatron, one p3.16xlarge, fp32 + recompute", sc, t))
+    for (prec, rec), rows in MEGATRON_6NODE.items():
+        label = f"{prec} {'recompute' if rec else 'no recompute'}"
+        for mb, row in rows.items():
+            for layout, t in row.items():
+                tp, pp = LAYOUTS[layout]
+                sc = _scenario(dict(nodes=6, gpus_per_node=8, inter_gbps=P3_16XLARGE_GBPS,
+                                    inter_delay_ms=P3_16XLARGE_DELAY_MS),
+                               system="megatron", tp=tp, pp=pp, dp=6, batch=252, micro_batch=mb, precision=prec,
+                               recompute=rec)
+                out.append(_cell(f"megatron 6-node {label} mb{mb} {layout}", f"Megatron, 6 x p3.16xlarge, {label}",
+                                 sc, t))
     return out
 
 
-def fp16_check() -> dict:
-    """The GPipe column had the precision been fp16 (peak 125 TFLOP/s, 2-byte messages), calibrated the
-    same way: the efficiency it implies and the column it predicts."""
-    dev = calibrate_seed("mixed", write=False)
+def calibration_cells() -> dict[str, Cell]:
+    by_name = {c.name: c for c in cells()}
+    return {prec: by_name[name] for prec, name in CALIBRATION.items()}
+
+
+def validate(device=None) -> dict:
+    """Every cell predicted (``device``: a Device to use instead of the device file's), scored where it
+    is neither a calibration cell nor one the seed doubts."""
+    calibrating = set(CALIBRATION.values())
     rows = []
-    for net, seed in GPIPE.items():
-        p = predict(gpipe_spec(net, precision="mixed").replace(message_bytes=2), dev)
-        rows.append(dict(network=net, seed=seed, predicted=p.step_time, error=_err(p.step_time, seed)))
-    return dict(efficiency=dev.efficiency["mixed"], rows=rows)
+    for cell in cells():
+        sc = cell.load()
+        if device is not None:
+            from dataclasses import replace
+
+            sc = replace(sc, device=device)
+        res = predict_scenario(sc)
+        pred = res["step_time_s"] if res["status"] == "ok" else OOM
+        row = dict(name=cell.name, table=cell.table, seed=cell.seed, predicted=pred, memory_gb=res["memory_gb"],
+                   calibration=cell.name in calibrating, unsure=cell.unsure)
+        if isinstance(cell.seed, float) and isinstance(pred, float):
+            row["error"] = (pred - cell.seed) / cell.seed
+        row["scored"] = not row["calibration"] and not cell.unsure
+        rows.append(row)
+    scored = [r for r in rows if r["scored"] and "error" in r]
+    errors = [abs(r["error"]) for r in scored]
+    oom_cells = [r for r in rows if r["seed"] == OOM]
+    ok_cells = [r for r in rows if isinstance(r["seed"], float) and not r["unsure"]]
+    summary = dict(
+        scored=len(scored), median_error=statistics.median(errors) if errors else None,
+        largest_error=max(errors) if errors else None,
+        oom_cells=len(oom_cells), oom_predicted=sum(r["predicted"] == OOM for r in oom_cells),
+        ok_predicted_oom=sum(r["predicted"] == OOM for r in ok_cells),
+        calibration=dict(CALIBRATION))
+    per_table = {}
+    for table in dict.fromkeys(r["table"] for r in rows):
+        e = [abs(r["error"]) for r in scored if r["table"] == table]
+        per_table[table] = dict(scored=len(e), median=statistics.median(e) if e else None,
+                                largest=max(e) if e else None)
+    return dict(rows=rows, summary=summary, tables=per_table)
 
 
-def markdown(res: dict, fp16: dict | None = None) -> str:
-    def pct(e):
-        return "-" if e is None else f"{e * 100:+.1f} %"
+def markdown(res: dict) -> str:
+    def val(v):
+        return "Fail (OOM)" if v == OOM else f"{v:.2f} s"
 
-    lines = [f"V100 fp32 efficiency fitted on the default GPipe row: {res['efficiency']:.3f} of 15.7 TFLOP/s.", "",
-             "### GPipe, P-12 (seed column) and torch_pipe's GPipe on the same cluster", "",
-             "| network | seed | predicted | error | torch_pipe GPipe (predicted) |", "| --- | --- | --- | --- | --- |"]
-    for r, t in zip(res["gpipe"], res["torch_pipe_gpipe"]):
-        note = " (calibration)" if r["calibration"] else ""
-        lines.append(f"| {r['network']} | {r['seed']:.2f} s | {r['predicted']:.2f} s{note} | {pct(r['error'])} | "
-                     f"{t['predicted']:.2f} s |")
-    errs = [abs(r["error"]) for r in res["gpipe"] if not r["calibration"]]
-    lines += ["", f"Rows other than the default: median absolute error {statistics.median(errs) * 100:.1f} %, "
-              f"largest {max(errs) * 100:.1f} %.", "",
-              "### GPipe + central PS, DP-4", "", "| network | seed | predicted | error | predicted DP sync |",
-              "| --- | --- | --- | --- | --- |"]
-    for r in res["dp4"]:
-        lines.append(f"| {r['network']} | {r['seed']:.2f} s | {r['predicted']:.2f} s | {pct(r['error'])} | "
-                     f"{r['parts']['dp_sync']:.2f} s |")
-    lines += ["", "### Megatron, 8 V100 (one p3.16xlarge), batch 64, fp32 + recompute", "",
-              "| micro-batch | " + " | ".join(MEGATRON_LAYOUTS) + " |", "| --- |" + " --- |" * len(MEGATRON_LAYOUTS)]
-    for micro in MEGATRON:
-        cells = []
-        for layout in MEGATRON_LAYOUTS:
-            r = next(x for x in res["megatron"] if x["micro"] == micro and x["layout"] == layout)
-            seed = "Fail" if r["seed"] is None else f"{r['seed']:.2f}"
-            cells.append(f"{r['predicted']:.2f} (seed {seed}, {pct(r['error'])})")
-        lines.append(f"| {micro} | " + " | ".join(cells) + " |")
-    merrs = [abs(r["error"]) for r in res["megatron"] if r["error"] is not None]
-    lines += ["", f"Megatron cells with a seed time: median absolute error {statistics.median(merrs) * 100:.1f} %, "
-              f"largest {max(merrs) * 100:.1f} %."]
-    if fp16:
-        lines += ["", f"### Had the GPipe table been fp16: efficiency {fp16['efficiency']:.3f} of 125 TFLOP/s", "",
-                  "| network | seed | predicted | error |", "| --- | --- | --- | --- |"]
-        for r in fp16["rows"]:
-            lines.append(f"| {r['network']} | {r['seed']:.2f} s | {r['predicted']:.2f} s | {pct(r['error'])} |")
+    lines = ["| cell | seed | predicted | error | GiB |", "| --- | --- | --- | --- | --- |"]
+    table = None
+    for r in res["rows"]:
+        if r["table"] != table:
+            table = r["table"]
+            t = res["tables"][table]
+            stat = (f"median {t['median'] * 100:.1f} %, largest {t['largest'] * 100:.1f} % over {t['scored']}"
+                    if t["scored"] else "nothing scored")
+            lines.append(f"| **{table}** ({stat}) | | | | |")
+        note = " (calibration)" if r["calibration"] else (" (?? in the seed: not scored)" if r["unsure"] else "")
+        err = f"{r['error'] * 100:+.1f} %" if "error" in r else ("right" if r["seed"] == r["predicted"] == OOM else "-")
+        if r["seed"] == OOM and r["predicted"] != OOM:
+            err = "missed: predicted to fit"
+        elif r["predicted"] == OOM and r["seed"] != OOM:
+            err = "wrong: predicted oom"
+        lines.append(f"| {r['name']}{note} | {val(r['seed'])} | {val(r['predicted'])} | {err} | {r['memory_gb']:.1f} |")
+    s = res["summary"]
+    lines += ["", f"Scored cells: {s['scored']} (not the calibration cells: "
+              f"{', '.join(f'{k}: {v}' for k, v in s['calibration'].items())}; not the seed's ?? cells). "
+              f"Median error {s['median_error'] * 100:.1f} %, largest {s['largest_error'] * 100:.1f} %. "
+              f"Fail (OOM) cells predicted oom: {s['oom_predicted']} of {s['oom_cells']}; cells that ran "
+              f"predicted oom: {s['ok_predicted_oom']}."]
     return "\n".join(lines) + "\n"
+
+
+def calibrate(write: bool = False) -> dict:
+    """The V100's GEMM efficiency per precision fitted on its one calibration cell (``CALIBRATION``),
+    fp32 first; with ``write``, into the V100 SXM2 device files (16 and 32 GB: one chip). Returns
+    {precision: efficiency}."""
+    import json
+    from dataclasses import replace
+
+    from predict.fitting import fit_efficiency
+    from predict.scenario import compute_of, spec_of
+    from workload.compute import DEVICES, find_device
+
+    device = find_device(GPU)
+    fitted = {}
+    for prec, cell in calibration_cells().items():
+        sc = replace(cell.load(), device=device)
+        eff = fit_efficiency(spec_of(sc), compute_of(sc), cell.seed)
+        fitted[prec] = round(eff, 4)
+        device = device.with_gemm(prec, fitted[prec])
+    if write:
+        for path in sorted(DEVICES.glob("v100-sxm2-*.json")):
+            d = json.loads(path.read_text())
+            for prec, eff in fitted.items():
+                d["gemm"][prec]["efficiency"] = eff
+                cell = calibration_cells()[prec]
+                d["calibrated_on"][prec] = (f"the seed's {CALIBRATION[prec]} cell ({cell.seed:.2f} s, {cell.table}): "
+                                            "python -m predict validate-seed --calibrate")
+            path.write_text(json.dumps(d, indent=1) + "\n")
+    return fitted

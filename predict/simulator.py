@@ -21,7 +21,9 @@ Messages. The data of a message becomes ready to leave at
         (gloo sends a buffer only after the receiver's "receive posted" notice has arrived),
     nccl: max(send posted, receive posted).
 It then waits for its link (one direction of one host pair): at most ``in_flight`` messages travel on
-it at once, and the sender's egress carries one message at a time at the link's bandwidth. It leaves
+it at once (None: as many as are issued), and the sender's egress carries one message at a time at the
+link's bandwidth (on a GPU cluster between hosts, the receiver's network card too, and every GPU of a
+simulated tensor-parallel group sends its copy through them: ``Network``). It leaves
 the sender (send complete) ``nbytes / bandwidth`` after it started and arrives ``latency`` after
 max(that, the link's stall for its size) (``Link.stall``: the emulated links' per-message stall).
 Messages between ranks of one host use the network's intra-host link.
@@ -103,20 +105,56 @@ Op = Compute | Send | Recv | Wait | Group | Defer | FillWait | Flush | Mark
 
 @dataclass(frozen=True)
 class Network:
-    """Who is where and how they are linked: rank r lives on host r // ranks_per_host."""
+    """Who is where and how they are linked.
+
+    Simulated rank r lives on host ``hosts[r]`` (None: r // ranks_per_host). Between two hosts a
+    message takes ``link``, or ``matrix[a][b]`` where every pair of hosts has a link of its own;
+    between ranks of one host ``intra_link`` (None: ``link``).
+
+    A GPU cluster (``gpu``): a simulated rank stands for ``copies[r]`` GPUs (a tensor-parallel group),
+    each of which sends its own copy of every message; inside a host each GPU has links of its own, so
+    the copies travel side by side, while between hosts they all cross the sender's one network card
+    and the receiver's (each carries one message at a time, both ways at once; a per-pair ``matrix``
+    gives every pair its own). Without ``gpu`` (the CPU runs), a host's messages leave through one
+    egress per destination kind (its NIC, or its internal links), one copy each."""
 
     link: Link
     transport: str = "gloo"
     intra_link: Link | None = None
     ranks_per_host: int = 1
+    hosts: tuple[int, ...] | None = None
+    matrix: tuple | None = None
+    copies: tuple[int, ...] | None = None
+    gpu: bool = False
 
     def host(self, rank: int) -> int:
-        return rank // self.ranks_per_host
+        return self.hosts[rank] if self.hosts is not None else rank // self.ranks_per_host
 
     def between(self, src: int, dst: int) -> Link:
-        if self.intra_link is not None and self.host(src) == self.host(dst):
+        a, b = self.host(src), self.host(dst)
+        if a == b and self.intra_link is not None:
             return self.intra_link
+        if self.matrix is not None and a != b:
+            return self.matrix[a][b]
         return self.link
+
+    def wire_bytes(self, src: int, dst: int, nbytes: float) -> float:
+        """Bytes that cross the sender's port for one message: every copy where the copies share a
+        network card (between hosts of a GPU cluster), one otherwise."""
+        if self.gpu and self.copies is not None and self.host(src) != self.host(dst):
+            return nbytes * self.copies[src]
+        return nbytes
+
+    def ports(self, src: int, dst: int) -> tuple[tuple, tuple | None]:
+        """(the sender's egress, the receiver's ingress or None) a message between them occupies."""
+        a, b = self.host(src), self.host(dst)
+        if not self.gpu:
+            return (a, self.intra_link is not None and a == b), None
+        if a == b:
+            return ("gpu", src, dst), None
+        if self.matrix is not None:
+            return ("pair", a, b), None
+        return ("nic out", a), ("nic in", b)
 
 
 class SimulationError(RuntimeError):
@@ -232,9 +270,8 @@ class Simulator:
         self._at(m.ready, "ready", m.key)
 
     def _egress(self, pair: tuple[int, int]) -> tuple:
-        """The sender's egress a message uses: its host's NIC, or the host's internal links."""
-        src, dst = pair
-        return (self.net.host(src), self.net.intra_link is not None and self.net.host(src) == self.net.host(dst))
+        """The sender's port a message uses (see ``Network.ports``)."""
+        return self.net.ports(*pair)[0]
 
     def _try_links_of(self, egress: tuple) -> None:
         for pair in sorted(self.egress_pairs[egress]):
@@ -243,10 +280,10 @@ class Simulator:
     def _try_link(self, pair: tuple[int, int]) -> None:
         q = self.link_queue[pair]
         link = self.net.between(*pair)
-        egress = self._egress(pair)
+        egress, ingress = self.net.ports(*pair)
         limit = link.in_flight if link.in_flight is not None else math.inf
         while q and self.in_transit[pair] < limit:
-            start = max(self.now, self.egress_free[egress])
+            start = max(self.now, self.egress_free[egress], self.egress_free[ingress] if ingress else 0.0)
             if start > self.now + 1e-15:
                 if self.retry_at.get(pair) != start:
                     self.retry_at[pair] = start
@@ -255,8 +292,10 @@ class Simulator:
             m = q.popleft()
             if not q:
                 self.egress_pairs[egress].discard(pair)
-            wire = m.nbytes / link.bandwidth
+            wire = self.net.wire_bytes(m.src, m.dst, m.nbytes) / link.bandwidth
             self.egress_free[egress] = self.now + wire
+            if ingress:
+                self.egress_free[ingress] = self.now + wire
             self.in_transit[pair] += 1
             m.sent = self.now + wire
             m.arrived = self.now + max(wire, link.stall(m.nbytes)) + link.latency

@@ -1,12 +1,10 @@
-"""Ours' slicing planner with the simulator: predictions of the planner's own evaluation, and a slicing
-chosen by simulation among the planner's candidates.
+"""Ours' slicing planner with the simulator: predictions of the planner's own evaluation.
 
 TeraPipe's formula (``ours.plan``), T = B/b sum t_i + (K - 1) max t_i plus per-step terms, leaves out
 what each slice costs beyond its math (the engine's per-slice and per-layer work, the receives and
 sends) and what the pipeline's ranks do to each other (two ranks on shared cores, the closing
 barrier); the simulator runs ours' program with those. ``check_evaluation`` predicts every row of an
-``python -m bench plan-evaluation`` result (its measured medians untouched) with both; ``choose_slicing`` simulates
-the planner's optimum at several granularities and the uniform slicings and returns the fastest.
+``python -m bench plan-evaluation`` result (its measured medians untouched) with both.
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import statistics
 from pathlib import Path
 
 from predict.this_machine import CALIBRATIONS, Calibration, load_calibration, load_profile
-from predict.compute import CpuCompute
+from workload.compute import CpuCompute
 from predict.step_time import predict
 from predict.run_spec import RunSpec
 from workload.configs import get_model_config
@@ -62,27 +60,3 @@ def markdown(res: dict) -> str:
     lines += ["", f"Median absolute error: formula {res['median_abs_error_formula'] * 100:.1f} %, simulator "
               f"{res['median_abs_error_simulated'] * 100:.1f} % (raw: nothing fitted to these measurements)."]
     return "\n".join(lines) + "\n"
-
-
-def choose_slicing(lm, model, pp: int, batch: int, micro: int, cal: Calibration | None = None,
-                   granularities=(8, 16, 32, 64), ks=(1, 2, 4, 8, 16), directory: Path = CALIBRATIONS,
-                   cores: tuple | None = None) -> tuple[tuple[int, ...], float, list, tuple[int, ...]]:
-    """The slicing with the shortest simulated step among the formula's optimum at each granularity (and
-    at ``--n-slices auto``'s own) and the uniform slicings: (slices, simulated seconds, every candidate
-    with its time, the formula's optimum at auto's granularity)."""
-    from ours import uniform_slices
-    from ours.plan.auto import default_granularity
-    from ours.plan.planner import plan
-
-    cal = cal or load_calibration(directory)
-    cm = compute_for(model, cal)
-    cands = {uniform_slices(model.seq_len, k) for k in ks if k <= model.seq_len}
-    formula = {}
-    for g in {*granularities, default_granularity(model.seq_len)}:
-        if g <= model.seq_len:
-            formula[g] = plan(lm, n_layer=model.n_layer, n_stages=pp, batch_size=batch, seq_len=model.seq_len,
-                              granularity=g, batch_slices=[micro]).slices
-    cands |= set(formula.values())
-    timed = sorted((predict(ours_spec(model, pp, batch, micro, c, cal), cm, cores or (1.0, 2.0)).step_time, c)
-                   for c in cands)
-    return timed[0][1], timed[0][0], timed, formula[default_granularity(model.seq_len)]

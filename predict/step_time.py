@@ -1,7 +1,7 @@
 """predict(spec, compute) -> Prediction: build the programs, simulate, read the timed step."""
 from __future__ import annotations
 
-from predict.compute import ComputeModel
+from workload.compute import ComputeModel
 from predict.simulator import Simulator
 from predict.programs import build
 from predict.run_spec import Prediction, RunSpec

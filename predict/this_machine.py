@@ -33,7 +33,7 @@ from pathlib import Path
 from contract import ConfigError, RunConfig
 from contract.records import layout_words, predictions_path, read_records
 from predict.fitting import fit_overheads
-from predict.compute import CpuCompute, Overheads
+from workload.compute import CpuCompute, Overheads
 from predict.from_config import NotModelled, config_of_record, single_link, spec_from_config, spec_from_record
 from predict.step_time import predict
 from predict.run_spec import Link, Prediction
@@ -45,8 +45,8 @@ CALIBRATIONS = Path(__file__).resolve().parent / "calibration"  # what the simul
 # The code a calibration is of: what the ranks run and what the simulator makes of it. Any change to
 # these files is another code version, whose runs the calibration has not seen.
 CODE = ("workload", "contract", "baselines", "ours", "runners/worker.py", "runners/launcher.py",
-        *(f"predict/{m}.py" for m in ("simulator", "programs", "compute", "collectives", "step_time", "fitting",
-                                      "run_spec", "from_config", "gloo_stall", "host_load", "machine_profile")))
+        *(f"predict/{m}.py" for m in ("simulator", "programs", "placement", "collectives", "step_time", "fitting",
+                                      "run_spec", "from_config", "gloo_stall", "host_load")))
 SPEED_BOUND = 0.10  # the host's speed may drift this far from its calibration's before predictions are refused
 MODELLED_MEDIAN, MODELLED_MAX = 0.10, 0.20  # a case is modelled where its validation errors stay within these
 
@@ -220,7 +220,7 @@ def load_profile(m: ModelConfig, directory: Path, make: bool = True, p2p: bool =
         return json.loads(path.read_text())
     if not make:
         raise FileNotFoundError(f"no profile {path}")
-    from predict.machine_profile import profile
+    from ours.plan.profile import profile
 
     prof = profile(m, batch_slices, reps=7, p2p=p2p, progress=False)
     directory.mkdir(parents=True, exist_ok=True)

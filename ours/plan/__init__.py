@@ -1,13 +1,14 @@
-"""TeraPipe's latency model and optimal token slicing (``python -m ours.plan``).
+"""TeraPipe's latency model and optimal token slicing (``python -m ours.plan``), on the one compute model
+(``workload.compute``).
 
 - ``ours.plan.solve``: the exact slicing DP over a latency table (``solve_table``, ``brute_force``);
-- ``ours.plan.latency``: the latency model t(b, l, c) + communication, its fit (``LatencyModel``, ``fit``);
-- ``ours.plan.planner``: model -> optimal (batch slice, token slicing) (``plan``);
-- ``ours.plan.profile``: the measurements; ``bench.plan_evaluation``: predicted vs measured;
+- ``ours.plan.latency``: a slice's time on a stage, t(b, l, c) + communication (``slice_time``);
+- ``ours.plan.planner``: model -> optimal (batch slice, token slicing) (``plan``, ``plan_for``);
+- ``ours.plan.layout``: T, P and the slicing of ours on a cluster, from its links;
+- ``ours.plan.profile``: this machine's profile of a layer's operations (the CPU's compute model);
 - ``ours.plan.auto``: ``auto_slicing(config, device)`` for ``--n-slices auto`` (ours' default).
 """
-from ours.plan.latency import LatencyModel, fit
-from ours.plan.planner import Plan, plan
+from ours.plan.planner import Plan, plan, plan_for
 from ours.plan.solve import Solution, brute_force, solve_table
 
-__all__ = ["LatencyModel", "fit", "Plan", "plan", "Solution", "brute_force", "solve_table"]
+__all__ = ["Plan", "plan", "plan_for", "Solution", "brute_force", "solve_table"]

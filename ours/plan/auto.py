@@ -1,47 +1,43 @@
-"""``--n-slices auto`` (ours' default): the token slicing of a run, chosen before it starts.
+"""``--n-slices auto`` (ours' default): the token slicing of a run, chosen before it starts, by one rule:
+TeraPipe's pipeline latency T = M sum_i t_i + (P - 1) max_i t_i solved exactly (``ours.plan.planner``)
+over the run's compute model (``workload.compute``), with the run's stages, layers, batch, micro-batch
+(the batch slice), tensor-parallel degree and recompute.
 
-- One stage (``pp`` = 1, tensor or data parallel only): one slice. Slicing pays only to fill a pipeline;
-  with nothing to fill it only adds per-slice costs (the main job's T-2 of 2026-11-26: K=1 0.73 s,
-  the K=4 its search kept 0.93 s), so there is nothing to choose or time.
-- A slicing chosen by simulation for the run's layout (pipeline stages, layers, batch, micro-batch),
-  where one was written for the layer shape: ``<device>-h..-s..-v..-simulated.json`` in the plan
-  directory, by ``python -m predict plan``. The simulator (predict) runs ours' program
-  over a calibration of this machine and predicts the planner's own evaluation better than TeraPipe's
-  formula (results/predict/NOTE.md); it simulates the formula's optimum at several granularities and
-  the uniform slicings and keeps the fastest. ours reads its choice as data; it imports nothing of it.
-- Else, with a fitted latency model for the layer shape, the planner's optimal slicing. A model is found
-  as the file named by ``$OURS_PLAN_MODEL``, or in the plan directory (``$OURS_PLAN_DIR``, default
-  ``ours/plan/fitted``) as ``<device>-h<hidden>-a<heads>-s<seq>-v<vocab>.json``,
-  written by ``python -m ours.plan fit``; a model profiled at a longer sequence covers shorter ones
-  (its measurements hold every slice length and context up to its own sequence).
-- Without one, a rule of thumb (``rule_of_thumb``): K equal slices of at least 128 tokens, at most
-  4 per stage, and never one slice when the sequence can be cut. Deterministic, no profiling at run time.
+The compute model of the run's device:
+- a GPU: its device file (``workload/devices``), found by the name the driver reports;
+- a CPU: this host's profile at the model's layer shape (``python -m ours.plan profile`` writes it into
+  ``ours/plan/profiles/<device>-h..-a..-s..-v...json``; a profile at a longer sequence covers shorter
+  ones), its gloo loopback as the link between stages; without one, the host's measured matmul rate as
+  a device of its own (``host_device``).
+
+With one stage there is nothing to fill: the formula's (P - 1) term is zero and every slice only adds
+its own costs, so the rule keeps one slice. The warm-up search of earlier versions (time a few K and
+keep the fastest) is the option ``--n-slices search`` (``ours.plan.tune``), recorded as such.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from ours import uniform_slices
-from ours.plan.latency import LatencyModel
-from ours.plan.planner import plan
+from ours.plan.latency import StageLink
+from ours.plan.planner import plan_for
+from workload.compute import ComputeModel, CpuCompute, Device, DeviceError, GpuCompute, default_attention, find_device
 from workload.configs import ModelConfig
 
-MIN_SLICE_TOKENS = 128  # below this a slice's fixed costs dominate (measured on cpu-small: 64 tokens cost 2/3 of 128)
-MAX_SLICES_PER_STAGE = 4
+PROFILES = Path(__file__).resolve().parent / "profiles"
 
 
 @dataclass(frozen=True)
 class AutoSlicing:
     slices: tuple[int, ...]
-    source: str  # how they were chosen: "planner (<model file>)" or "rule (<why>)"
+    source: str  # how they were chosen: "planner (<compute model>)"
 
 
-def plan_dir() -> Path:
-    return Path(os.environ.get("OURS_PLAN_DIR") or Path(__file__).resolve().parent / "fitted")
+def profile_dir() -> Path:
+    return Path(os.environ.get("OURS_PLAN_DIR") or PROFILES)
 
 
 def cache_key(model: ModelConfig, device) -> str:
@@ -49,88 +45,60 @@ def cache_key(model: ModelConfig, device) -> str:
     return f"{kind}-h{model.n_embd}-a{model.n_head}-s{model.seq_len}-v{model.vocab_size}"
 
 
-def fitted_model_path(model: ModelConfig, device) -> Path | None:
-    """The fitted latency model that covers ``model``'s layer shape on this device kind, if any:
-    the exact sequence length first, else the shortest longer one."""
-    explicit = os.environ.get("OURS_PLAN_MODEL")
-    if explicit:
-        return Path(explicit)
+def profile_path(model: ModelConfig, device) -> Path | None:
+    """The profile that covers ``model``'s layer shape on this device kind, if any: the exact sequence
+    length first, else the shortest longer one."""
     kind = str(device).split(":")[0]
     pattern = re.compile(rf"^{kind}-h{model.n_embd}-a{model.n_head}-s(\d+)-v{model.vocab_size}\.json$")
-    found = sorted((int(m.group(1)), p) for p in plan_dir().glob("*.json") if (m := pattern.match(p.name)))
+    found = sorted((int(m.group(1)), p) for p in profile_dir().glob("*.json") if (m := pattern.match(p.name)))
     longer = [(s, p) for s, p in found if s >= model.seq_len]
     return longer[0][1] if longer else None
 
 
-def default_granularity(seq_len: int) -> int:
-    """8 tokens, coarser for sequences beyond 2048 tokens (at most 256 positions)."""
-    return max(8, -(-seq_len // 256))
+def host_device(peak_tflops: float) -> Device:
+    """A CPU host as a device: its measured matmul rate (one thread per rank), a stream's bandwidth of a
+    core, and eager PyTorch's cost per operation on a CPU."""
+    return Device(name="cpu host (measured peak)", part="cpu", memory_gb=1e6, bandwidth_gbs=10.0, sms=1,
+                  gemm={"fp32": {"efficiency": 1.0, "half": 16}}, memory_efficiency=1.0, kernel_us=2.0,
+                  host_op_us=15.0, reserved_gb=0.0, peak_tflops={"fp32": peak_tflops})
 
 
-def rule_of_thumb(seq_len: int, n_stages: int) -> tuple[int, ...]:
-    """K equal slices: as many as keep slices at 128 tokens or more, at most 4 per stage, at least 2."""
-    k = max(2, min(seq_len // MIN_SLICE_TOKENS, MAX_SLICES_PER_STAGE * n_stages))
-    return uniform_slices(seq_len, min(k, seq_len))
-
-
-@dataclass(frozen=True)
-class SimulatedChoice:
-    """One layout's slicing chosen by simulation, and what the formula's optimum would cost there."""
-
-    n_layer: int
-    pp: int
-    batch_size: int
-    micro_batch_size: int
-    slices: tuple[int, ...]
-    simulated_seconds: float
-    formula_slices: tuple[int, ...]
-    formula_simulated_seconds: float
-    candidates: int
-
-    def fits(self, config) -> bool:
-        return (self.n_layer, self.pp, self.batch_size, self.micro_batch_size) == (
-            config.model.n_layer, config.pp, config.batch_size, config.micro_batch_size) and \
-            sum(self.slices) == config.model.seq_len
-
-
-def simulated_choices_path(model: ModelConfig, device) -> Path:
-    return plan_dir() / f"{cache_key(model, device)}-simulated.json"
-
-
-def read_simulated_choices(path: Path) -> list[SimulatedChoice]:
-    if not path.is_file():
-        return []
-    rows = json.loads(path.read_text())["choices"]
-    return [SimulatedChoice(**{**r, "slices": tuple(r["slices"]), "formula_slices": tuple(r["formula_slices"])})
-            for r in rows]
-
-
-def write_simulated_choices(path: Path, choices: list[SimulatedChoice]) -> None:
-    """Add (or replace, per layout) ``choices`` in the file at ``path``."""
-    key = lambda c: (c.n_layer, c.pp, c.batch_size, c.micro_batch_size)  # noqa: E731
-    kept = {key(c): c for c in read_simulated_choices(path)}
-    kept.update({key(c): c for c in choices})
-    rows = [asdict(c) for _, c in sorted(kept.items())]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(kind="ours.plan.simulated_choices", choices=rows), indent=1))
-    tmp.replace(path)
-
-
-def auto_slicing(config, device) -> AutoSlicing:
-    """The slicing for ``config`` (K = config.pp stages, batch slice = config.micro_batch_size)."""
+def compute_model(config, device) -> tuple[ComputeModel, StageLink | None, str]:
+    """(compute model, link between stages, its name) of ``config``'s run on ``device`` (a torch.device,
+    or "cpu" / "cuda")."""
     m = config.model
-    if config.pp == 1:
-        return AutoSlicing((m.seq_len,), "rule (one stage, P=1: no pipeline to fill, one slice)")
-    if not os.environ.get("OURS_PLAN_MODEL"):  # an explicit latency model file: the formula with it
-        simulated = simulated_choices_path(m, device)
-        chosen = next((c for c in read_simulated_choices(simulated) if c.fits(config)), None)
-        if chosen is not None:
-            return AutoSlicing(chosen.slices, f"simulator ({simulated.name})")
-    path = fitted_model_path(m, device)
-    if path is None:
-        return AutoSlicing(rule_of_thumb(m.seq_len, config.pp), f"rule (no fitted latency model for {cache_key(m, device)})")
-    p = plan(LatencyModel.load(path), n_layer=m.n_layer, n_stages=config.pp, batch_size=config.batch_size,
-             seq_len=m.seq_len, granularity=default_granularity(m.seq_len), batch_slices=[config.micro_batch_size])
-    assert sum(p.slices) == m.seq_len
-    return AutoSlicing(tuple(int(x) for x in p.slices), f"planner ({path.name})")
+    kind = str(device).split(":")[0]
+    if kind == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+        try:
+            dev = find_device(name)
+        except DeviceError:
+            from workload.matmul_peak import measure_matmul_tflops
+
+            dev = host_device(measure_matmul_tflops(torch.device(device)))
+        return GpuCompute(dev, m, config.precision, default_attention(dev)), None, dev.name
+    path = profile_path(m, kind)
+    if path is not None:
+        prof = json.loads(path.read_text())
+        fit = prof.get("p2p_fit") or {}
+        link = StageLink(fit.get("latency", 0.0), fit.get("bandwidth", float("inf"))) if fit else None
+        return CpuCompute(prof), link, f"profile {path.name}"
+    from workload.cpu_peak import cpu_peak_tflops
+
+    peak = cpu_peak_tflops(m, config.micro_batch_size)
+    return GpuCompute(host_device(peak), m, "fp32", "flash"), None, f"this host's measured peak ({peak:.3f} TFLOP/s)"
+
+
+def auto_slicing(config, device, cm: ComputeModel | None = None, link=None) -> AutoSlicing:
+    """The slicing for ``config`` (P = config.pp stages, batch slice = config.micro_batch_size); ``cm``
+    and ``link``: a compute model and stage link to use instead of the device's."""
+    name = "given compute model"
+    if cm is None:
+        cm, link, name = compute_model(config, device)
+    p = plan_for(cm, config.model, tp=config.tp, pp=config.pp, batch=config.batch_size,
+                 micro_batch=config.micro_batch_size, recompute=config.recompute, link=link)
+    if sum(p.slices) != config.model.seq_len:
+        raise RuntimeError(f"the planner's slices {p.slices} do not cover the sequence ({config.model.seq_len})")
+    return AutoSlicing(tuple(int(x) for x in p.slices), f"planner ({name})")

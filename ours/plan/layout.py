@@ -3,27 +3,14 @@ cluster, from the links between its devices (TeraPipe's third contribution: para
 fast links, the pipeline over the slow ones). ``python -m ours.plan layout`` prints the candidates.
 
 Every (T, P) with T x P = the devices (D = 1), T dividing the heads and the hidden size, P the layers,
-is judged by one step's predicted time, each with its optimal token slicing (``ours.plan.solve``):
-
-- **Compute** of one layer, forward and backward, for a slice of b sequences, l tokens after c tokens
-  of context: 72 b l h^2 (the four linears, x 4/3 with recompute) + 12 b l (c + l/2) h (attention)
-  FLOPs, split over the T ranks, at ``efficiency`` of the device's peak, plus a fixed ``overhead``
-  per layer and slice (kernel launches, Python: what makes thin slices dear). The last stage adds
-  the LM head (6 b l h V FLOPs, split by vocabulary over its T ranks, as ours runs it: its input's
-  gradient all-reduced, and the loss's three all-reduces of b l floats).
-- **TP all-reduces**: 2 per layer forward and 2 backward (2 more with recompute: the forward again),
-  each of b l h x bytes, as a ring over the stage's T ranks: 2(T - 1)/T x bytes / bandwidth + 2(T - 1) x
-  latency, on the slowest link of the ring.
-- **Pipeline messages**: what a stage sends of each slice (its activations to the next stage, their
-  gradients to the previous one), 2 x b l h x bytes / bandwidth on the slowest link between adjacent
-  stages (links full duplex), in every slice's time, not overlapped with compute (TeraPipe's latency
-  model adds them too); the links' latency once per direction and stage boundary (the fill and the
-  drain: 2 (P - 1) latencies), since a message's latency overlaps the other slices' work.
-- A slice's time t_i on a stage is its layers' compute and all-reduces plus its messages (the slowest
-  stage's); the step is TeraPipe's M x sum t_i + (P - 1) x max t_i (M = B / b batch slices), plus the
-  fill/drain latencies.
-- **Memory**: the weights, their gradients and Adam's two moments (16 bytes a parameter, fp32) of the
-  fullest rank must fit the device; activations are not counted.
+is judged by one step's predicted time with its optimal token slicing (``ours.plan.planner``): a
+slice's time on a stage is its layers' forward and backward from the one compute model (the device
+file's GPU, ``workload.compute``) on 1/T of the layer, the group's all-reduces of the slice's
+activations (a ring over the slowest link inside the group), and its messages to and from the
+neighbouring stages (on the slowest link between adjacent stages); the step is TeraPipe's
+M x sum t_i + (P - 1) x max t_i. A layout that does not fit the device's memory
+(``workload.memory``: parameters, gradients, Adam, and the activations ours' 1F1B order keeps) is
+listed last with its estimate.
 
 Ranks are placed as ``ours.tp.rank_of`` numbers them (a stage's T ranks next to each other) and node
 by node (``gpus_per_node``), or on a per-link matrix: the links give each group its latency and
@@ -35,35 +22,32 @@ import math
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
-from ours.plan.solve import solve_table
+from ours.plan.latency import StageLink, ring_allreduce
+from ours.plan.planner import plan
 from ours.tp import rank_of
+from workload.compute import GpuCompute
 from workload.configs import ModelConfig
+from workload.memory import GB, rank_memory
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-ADAM_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two moments
-
-
-@dataclass(frozen=True)
-class Link:
-    latency: float  # seconds, one way
-    bandwidth: float  # bytes per second
-
-    def time(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
+Link = StageLink
 
 _UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _RATES = {"gb/s": 1e9, "mb/s": 1e6, "gbps": 1e9 / 8, "gbit/s": 1e9 / 8, "mbps": 1e6 / 8, "mbit/s": 1e6 / 8}
 
 
 def parse_link(text: str) -> Link:
-    """'5us,300GB/s' or '10ms,1Gbps': one-way latency, bandwidth (GB/s, MB/s bytes; Gbps, Mbps bits)."""
+    """'5us,300GB/s' or '10ms,1Gbps': one-way latency, bandwidth (GB/s, MB/s bytes; Gbps, Mbps bits);
+    a latency >= 0 and a bandwidth > 0, both finite (ValueError, one line, otherwise)."""
     m = re.fullmatch(r"\s*([\d.e+-]+)\s*(s|ms|us|ns)\s*,\s*([\d.e+-]+)\s*([a-zA-Z/]+)\s*", text)
     if not m or m.group(4).lower() not in _RATES:
         raise ValueError(f"a link is LATENCY,BANDWIDTH, e.g. 5us,300GB/s or 10ms,1Gbps; got {text!r}")
-    return Link(float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _RATES[m.group(4).lower()])
+    try:
+        latency, rate = float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _RATES[m.group(4).lower()]
+    except ValueError:
+        raise ValueError(f"a link is LATENCY,BANDWIDTH with numbers, e.g. 10ms,1Gbps; got {text!r}") from None
+    if not (math.isfinite(latency) and latency >= 0 and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"a link needs a latency >= 0 and a bandwidth > 0, both finite; got {text!r}")
+    return Link(latency, rate)
 
 
 @dataclass(frozen=True)
@@ -101,23 +85,15 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class Device:
-    tflops: float  # peak at the run's precision
-    memory_gb: float
-    efficiency: float = 0.5  # of the peak the layers' matmuls reach
-    overhead: float = 200e-6  # seconds per layer and slice, forward and backward
-
-
-@dataclass(frozen=True)
 class Candidate:
     tp: int
     pp: int
     batch_slice: int
     slices: tuple[int, ...]
     step: float  # predicted seconds, inf where it does not fit
-    compute: float  # of the step: the slices' compute on the slowest stage
-    tp_comm: float  # the all-reduces on the critical path
-    p2p: float  # pipeline messages (bandwidth) and fill/drain latencies
+    compute: float  # of the step: the slices' compute on a stage
+    tp_comm: float  # the all-reduces
+    p2p: float  # pipeline messages
     bubble: float  # (P - 1) x max t_i
     memory_gb: float
     fits: bool
@@ -138,65 +114,41 @@ def layouts(n_devices: int, model: ModelConfig) -> list[tuple[int, int]]:
     return out
 
 
-def memory_gb(model: ModelConfig, tp: int, pp: int) -> float:
-    """The fullest rank's weights, gradients and Adam moments: a stage's layers over T, its
-    embeddings (first stage) replicated on its T ranks, the LM head (last stage) split over them."""
-    h, V, S = model.n_embd, model.vocab_size, model.seq_len
-    layers = model.n_layer // pp * ((12 * h * h + 9 * h) / tp + 4 * h)
-    first = (V + S) * h + (0 if pp > 1 else V * h / tp + 2 * h)
-    last = V * h / tp + 2 * h
-    return (layers + max(first, last if pp > 1 else 0)) * ADAM_BYTES_PER_PARAM / 1e9
-
-
-def evaluate(model: ModelConfig, cluster: Cluster, device: Device, tp: int, pp: int, *, batch_size: int,
-             batch_slice: int, precision: str = "fp32", recompute: bool = False, granularity: int = 64) -> Candidate:
+def evaluate(model: ModelConfig, cluster: Cluster, cm: GpuCompute, tp: int, pp: int, *, batch_size: int,
+             batch_slice: int, recompute: bool = False, granularity: int | None = None,
+             memory_gb: float | None = None) -> Candidate:
     """One layout's predicted step with its optimal token slicing (see the module docstring)."""
-    h, V, L, S = model.n_embd, model.vocab_size, model.n_layer, model.seq_len
-    nbytes = BYTES[precision]
-    flops_per_s = device.tflops * 1e12 * device.efficiency
-    b, M, lp = batch_slice, batch_size // batch_slice, L // pp
-    # the slowest ring of TP ranks and the slowest link between adjacent stages
     rings = [[rank_of(0, s, t, pp, tp) for t in range(tp)] for s in range(pp)]
     ring = cluster.slowest([(g[t], g[(t + 1) % tp]) for g in rings for t in range(tp)]) if tp > 1 else None
     hop = (cluster.slowest([(rank_of(0, s, t, pp, tp), rank_of(0, s + 1, t, pp, tp))
                             for s in range(pp - 1) for t in range(tp)]) if pp > 1 else None)
-    pos = np.asarray(list(range(0, S, granularity)) + [S], dtype=np.float64)
-    c, e = pos[:, None], pos[None, :]
-    l = np.maximum(e - c, 0.0)
-    linear = 72 * b * l * h * h * (4 / 3 if recompute else 1)
-    attention = 12 * b * l * (c + l / 2) * h
-    compute = lp * ((linear + attention) / tp / flops_per_s + device.overhead)
-    head = 6 * b * l * h * V / tp / flops_per_s  # the last stage's LM head, split by vocabulary
-
-    def ring_allreduce(n):  # seconds of one all-reduce of n bytes over the slowest ring
-        return 2 * (tp - 1) / tp * n / ring.bandwidth + 2 * (tp - 1) * ring.latency
-
-    allreduce = np.zeros_like(l)
-    if ring is not None:
-        allreduce = (4 + (2 if recompute else 0)) * lp * ring_allreduce(b * l * h * nbytes)
-        head = head + ring_allreduce(b * l * h * nbytes) + 3 * ring_allreduce(b * l * 4)
-    # a slice's messages: what a stage sends of it, its activations to the next stage and their
-    # gradients to the previous one (a middle stage's, at full duplex); the last stage, which also
-    # runs the head, is the slowest
-    messages = 2 * b * l * h * nbytes / hop.bandwidth if hop is not None else np.zeros_like(l)
-    head_part, message_part = head, messages
-    table = np.where(e > c, compute + allreduce + head_part + message_part, np.inf)
-    sol = solve_table(table, pp, M)
-    cuts = list(zip(sol.cuts[:-1], sol.cuts[1:]))
-    slices = tuple(int(pos[j] - pos[i]) for i, j in cuts)
-    parts = [(compute[i, j] + head_part[i, j], allreduce[i, j], message_part[i, j]) for i, j in cuts]
-    fill = 2 * (pp - 1) * hop.latency if hop is not None else 0.0
-    mem = memory_gb(model, tp, pp)
-    fits = mem <= device.memory_gb
-    return Candidate(tp=tp, pp=pp, batch_slice=b, slices=slices, step=sol.latency + fill if fits else math.inf,
-                     compute=M * sum(p[0] for p in parts), tp_comm=M * sum(p[1] for p in parts),
-                     p2p=M * sum(p[2] for p in parts) + fill, bubble=(pp - 1) * sol.max_slice, memory_gb=mem,
-                     fits=fits)
+    act = 4 if cm.precision == "fp32" else 2
+    p = plan(cm, model, n_stages=pp, batch_size=batch_size, tp=tp, recompute=recompute, link=hop,
+             granularity=granularity, batch_slices=[batch_slice], tp_link=ring, act_bytes=act)
+    layers, h = model.n_layer // pp, model.n_embd
+    compute = tp_comm = p2p = 0.0
+    ctx = 0
+    M = batch_size // batch_slice
+    for l in p.slices:
+        compute += M * layers * cm.layer_step(batch_slice, l, ctx, tp, recompute)
+        if ring is not None:
+            tp_comm += M * layers * (4 + (2 if recompute else 0)) * ring_allreduce(ring, tp, batch_slice * l * h * act)
+        if hop is not None:
+            p2p += M * 2 * hop.time(batch_slice * l * h * 4)
+        ctx += l
+    mem = rank_memory(model, system="ours", tp=tp, pp=pp, dp=1, micro_batch=batch_slice, n_micro=M,
+                      precision=cm.precision, recompute=recompute, schedule="1f1b", attention=cm.attention)
+    limit = memory_gb * GB if memory_gb is not None else cm.device.usable_bytes()
+    fits = mem.total <= limit
+    bubble = p.predicted_pipeline - (compute + tp_comm + p2p)
+    return Candidate(tp=tp, pp=pp, batch_slice=batch_slice, slices=p.slices,
+                     step=p.predicted_pipeline if fits else math.inf,
+                     compute=compute, tp_comm=tp_comm, p2p=p2p, bubble=bubble, memory_gb=mem.total / GB, fits=fits)
 
 
-def plan_layout(model: ModelConfig, cluster: Cluster, device: Device, *, batch_size: int,
-                batch_slice: int = 1, precision: str = "fp32", recompute: bool = False,
-                granularity: int = 64) -> list[Candidate]:
+def plan_layout(model: ModelConfig, cluster: Cluster, cm: GpuCompute, *, batch_size: int, batch_slice: int = 1,
+                recompute: bool = False, granularity: int | None = None,
+                memory_gb: float | None = None) -> list[Candidate]:
     """Every layout's candidate, fastest first (those that do not fit last)."""
     if batch_size % batch_slice:
         raise ValueError(f"batch slice {batch_slice} does not divide the batch size {batch_size}")
@@ -204,27 +156,29 @@ def plan_layout(model: ModelConfig, cluster: Cluster, device: Device, *, batch_s
     if not found:
         raise ValueError(f"no T x P = {cluster.n_devices} divides the model ({model.n_head} heads, hidden "
                          f"{model.n_embd}, {model.n_layer} layers)")
-    cands = [evaluate(model, cluster, device, tp, pp, batch_size=batch_size, batch_slice=batch_slice,
-                      precision=precision, recompute=recompute, granularity=granularity) for tp, pp in found]
-    return sorted(cands, key=lambda c: (not c.fits, c.step, c.tp))
+    cands = [evaluate(model, cluster, cm, tp, pp, batch_size=batch_size, batch_slice=batch_slice, recompute=recompute,
+                      granularity=granularity, memory_gb=memory_gb) for tp, pp in found]
+    return sorted(cands, key=lambda c: (not c.fits, c.step if c.fits else c.memory_gb, c.tp))
 
 
 def why(c: Candidate) -> str:
     """The candidate's step in its parts, or why it cannot run."""
     if not c.fits:
-        return f"does not fit: {c.memory_gb:.1f} GB of weights, gradients and Adam state"
+        return f"does not fit: {c.memory_gb:.1f} GiB of weights, gradients, Adam state and activations"
     parts = [("compute", c.compute), ("TP all-reduce", c.tp_comm), ("pipeline messages", c.p2p), ("bubble", c.bubble)]
     return ", ".join(f"{name} {t:.2f} s" for name, t in parts if t > 0)
 
 
 def describe(cands: list[Candidate]) -> str:
-    """The candidates as a table, then the choice."""
+    """The candidates as a table, then the choice (or that nothing fits)."""
     from tabulate import tabulate
 
-    rows = [[c.label, len(c.slices), _slicing(c.slices), f"{c.step:.2f}" if c.fits else "-", f"{c.memory_gb:.1f}", why(c)]
-            for c in cands]
+    rows = [[c.label, len(c.slices), _slicing(c.slices), f"{c.step:.2f}" if c.fits else "-", f"{c.memory_gb:.1f}",
+             why(c)] for c in cands]
+    table = tabulate(rows, headers=["layout", "K", "slices", "step s", "GiB", "why"], tablefmt="github")
     best = cands[0]
-    table = tabulate(rows, headers=["layout", "K", "slices", "step s", "GB", "why"], tablefmt="github")
+    if not best.fits:
+        return f"{table}\n\nno layout fits the devices' memory"
     return f"{table}\n\nchosen: {best.label}, K={len(best.slices)} token slices ({_slicing(best.slices)}), " \
            f"predicted step {best.step:.2f} s"
 

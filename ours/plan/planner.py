@@ -1,12 +1,16 @@
-"""From a fitted latency model to the optimal (batch slice, token slicing) of a pipeline."""
+"""The optimal (batch slice, token slicing) of a pipeline, from the compute model: TeraPipe's
+latency model (``ours.plan.latency``) tabled over slice boundaries and solved exactly
+(``ours.plan.solve``)."""
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import asdict, dataclass
 
-from ours.plan.latency import LatencyModel
-from ours.plan.solve import solve_table
+from ours.plan.latency import BYTES_PER_ELEMENT, StageLink, slice_table, slice_time
+from ours.plan.solve import pipeline_latency, solve_table
+from workload.compute import ComputeModel
+from workload.configs import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -17,7 +21,6 @@ class Plan:
     batch_size: int
     granularity: int
     predicted_pipeline: float  # T = (B/b) * sum t_i + (K - 1) * max t_i, seconds
-    predicted_step: float  # the whole training step (pipeline + head + optimizer + constant)
     solve_seconds: float
     candidates: int
     evaluated: int
@@ -30,22 +33,42 @@ class Plan:
     def summary(self) -> str:
         s = ",".join(map(str, self.slices))
         return (f"K={self.n_stages} B={self.batch_size} b={self.batch_slice} g={self.granularity}: "
-                f"{len(self.slices)} slices [{s}] predicted pipeline {self.predicted_pipeline * 1e3:.1f} ms, "
-                f"step {self.predicted_step * 1e3:.1f} ms (solved in {self.solve_seconds:.3f} s)")
+                f"{len(self.slices)} slices [{s}] predicted pipeline {self.predicted_pipeline * 1e3:.1f} ms "
+                f"(solved in {self.solve_seconds:.3f} s)")
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan(model: LatencyModel, *, n_layer: int, n_stages: int, batch_size: int, seq_len: int | None = None,
-         granularity: int = 8, batch_slices: list[int] | None = None) -> Plan:
-    """The slicing minimising the pipeline latency over token slicings at ``granularity`` and batch
-    slice sizes ``batch_slices`` (default: every divisor of ``batch_size``)."""
-    seq_len = seq_len or model.seq_len
-    if n_layer % n_stages:
-        raise ValueError(f"{n_layer} layers do not divide into {n_stages} stages")
-    if granularity < 1:
+def default_granularity(seq_len: int) -> int:
+    """Slice boundaries every 8 tokens, coarser from 512 tokens on (at most 64 positions)."""
+    return max(8, -(-seq_len // 64))
+
+
+def pipeline_time(cm: ComputeModel, model: ModelConfig, slices, *, b: int, batch_size: int, n_stages: int, tp: int = 1,
+                  recompute: bool = False, link: StageLink | None = None,
+                  element_bytes: int = BYTES_PER_ELEMENT) -> float:
+    """T of a given slicing (``ours.plan.solve.pipeline_latency`` over its slices' t)."""
+    ctx = 0
+    times = []
+    for l in slices:
+        times.append(slice_time(cm, model.n_embd, b, int(l), ctx, layers=model.n_layer // n_stages,
+                                n_stages=n_stages, tp=tp, recompute=recompute, link=link, element_bytes=element_bytes))
+        ctx += int(l)
+    return pipeline_latency(times, n_stages, batch_size // b)
+
+
+def plan(cm: ComputeModel, model: ModelConfig, *, n_stages: int, batch_size: int, tp: int = 1, recompute: bool = False,
+         link: StageLink | None = None, granularity: int | None = None, batch_slices: list[int] | None = None,
+         element_bytes: int = BYTES_PER_ELEMENT, tp_link: StageLink | None = None, act_bytes: int = 4) -> Plan:
+    """The slicing minimising the pipeline latency over token slicings at ``granularity`` and batch slice
+    sizes ``batch_slices`` (default: every divisor of ``batch_size``)."""
+    seq_len = model.seq_len
+    if model.n_layer % n_stages:
+        raise ValueError(f"{model.n_layer} layers do not divide into {n_stages} stages")
+    g = granularity or default_granularity(seq_len)
+    if g < 1:
         raise ValueError("granularity must be >= 1")
     bs = batch_slices or divisors(batch_size)
     for b in bs:
@@ -55,20 +78,32 @@ def plan(model: LatencyModel, *, n_layer: int, n_stages: int, batch_size: int, s
     best = None  # (T, b, solution, pos)
     cand = ev = 0
     for b in sorted(bs):
-        pos, table = model.table(b, seq_len, granularity, n_layer // n_stages, n_stages)
-        sol = solve_table(table, n_stages, batch_size // b, upper_bound=best[0] if best else math.inf,
-                          fill_factor=model.fill_factor)
+        pos, table = slice_table(cm, model.n_embd, seq_len, g, b, layers=model.n_layer // n_stages, n_stages=n_stages,
+                                 tp=tp, recompute=recompute, link=link, element_bytes=element_bytes, tp_link=tp_link,
+                                 act_bytes=act_bytes)
+        sol = solve_table(table, n_stages, batch_size // b, upper_bound=best[0] if best else math.inf)
         if sol is None:
             continue
         cand += sol.candidates
         ev += sol.evaluated
         if best is None or sol.latency < best[0]:
             best = (sol.latency, b, sol, pos)
-    elapsed = time.perf_counter() - start
     if best is None:
         raise ValueError("no feasible slicing")
     T, b, sol, pos = best
     slices = tuple(int(pos[e] - pos[s]) for s, e in zip(sol.cuts[:-1], sol.cuts[1:]))
-    step = model.step_time(slices, b, batch_size, n_layer, n_stages)["total"]
-    return Plan(slices=slices, batch_slice=b, n_stages=n_stages, batch_size=batch_size, granularity=granularity,
-                predicted_pipeline=float(T), predicted_step=float(step), solve_seconds=elapsed, candidates=cand, evaluated=ev)
+    return Plan(slices=slices, batch_slice=b, n_stages=n_stages, batch_size=batch_size, granularity=g,
+                predicted_pipeline=float(T), solve_seconds=time.perf_counter() - start, candidates=cand, evaluated=ev)
+
+
+def plan_for(cm: ComputeModel, model: ModelConfig, *, tp: int, pp: int, batch: int, micro_batch: int,
+             recompute: bool = False, link=None, element_bytes: int = BYTES_PER_ELEMENT, tp_link=None) -> Plan:
+    """ours' slicing for a run: batch slices of ``micro_batch`` sequences, P stages; ``link`` / ``tp_link``:
+    anything with ``latency`` (s) and ``bandwidth`` (bytes/s), between stages and inside a stage's
+    tensor-parallel group (None: free)."""
+    def stage(x):
+        return StageLink(x.latency, x.bandwidth) if x is not None else None
+
+    act = 4 if getattr(cm, "precision", "fp32") == "fp32" else 2
+    return plan(cm, model, n_stages=pp, batch_size=batch, tp=tp, recompute=recompute, link=stage(link),
+                batch_slices=[micro_batch], element_bytes=element_bytes, tp_link=stage(tp_link), act_bytes=act)

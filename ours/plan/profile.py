@@ -1,19 +1,18 @@
-"""Measure what the latency model needs, on this device, with one thread.
+"""This machine's profile: one thread, one process, the operations a training step is made of, at a
+model's shape. ``workload.compute.CpuCompute`` reads it: the CPU's compute model, for ours' planner
+(``python -m ours.plan profile`` writes it where ``--n-slices auto`` finds it) and for the simulator's
+calibration (``python -m predict calibrate``).
 
-- One transformer layer, forward + backward, on a slice of b sequences and l tokens after c tokens
-  of context: the slice's queries attend to the cached keys/values of the context plus its own
-  (causal, bottom-right aligned), and the cached keys/values are leaves that receive gradients, as
-  in the token pipeline. Every l at the granularity with c = 0; a coarser (l, c) grid with c > 0.
-- Point-to-point latency against message size: two gloo processes, send/recv ping-pong (one way =
-  round trip / 2), under whatever network emulation is active.
-- The per-step work outside the pipeline: head + loss per token, embeddings per token, the
-  optimizer per parameter.
+- one transformer layer on b sequences x l tokens after c tokens of context (cached keys and values
+  as leaves that receive gradients, as in ours' token slices): forward, backward with weight gradients,
+  backward without (the input gradients only; weight gradients = the difference);
+- the head (ln_f + lm_head + cross-entropy) per token: forward, backward with and without the
+  lm_head's weight gradient; the embeddings per token; one Adam step per parameter (as the runs:
+  foreach=False);
+- a gloo message between two local processes (a ping-pong), fitted to latency + bytes / bandwidth.
 
-Each point is the minimum (``--stat median`` for the median) of a few repetitions after a warm-up:
-on a machine shared with other work, contention only ever slows a measurement down; the fit also
-drops outliers, and ``fit`` can merge several profiles (the fastest of each point).
-
-The profile is a JSON dict: device, model shape, torch version, and lists of measurements.
+Every point is the minimum of a few repetitions (contention on a shared machine only slows a
+measurement down). The result is a JSON dict (``kind: ours.plan.profile``).
 """
 from __future__ import annotations
 
@@ -21,40 +20,20 @@ import datetime
 import json
 import os
 import platform
-import random
 import socket
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ours.plan.latency import fit_comm
 from ours.plan.ping_pong import ping_pong
 from workload.configs import ModelConfig
 from workload.model import Block, block_forward, merge_heads, split_heads
-
-
-@dataclass(frozen=True)
-class ProfileGrid:
-    batch_slices: tuple[int, ...] = (1, 2)
-    granularity: int = 8  # c = 0: every l at this granularity
-    context_step: int = 128  # c > 0: l and c multiples of this, c + l <= seq_len
-    reps: int = 2  # cpu-small, b in (1, 2): about 2.5 min on an idle core
-    stat: str = "min"  # of the reps: min (robust to bursts of contention on a shared machine) or median
-    warmup: int = 0  # per point, after one warm-up of the whole bench
-    p2p_sizes: tuple[int, ...] = tuple(2 ** k for k in range(10, 24, 2))  # 1 KiB .. 4 MiB
-    p2p_reps: int = 10
-    p2p: bool = True
-
-    @staticmethod
-    def quick(batch_slices: tuple[int, ...] = (1,), seq_len: int = 1024) -> "ProfileGrid":
-        g = max(8, seq_len // 16)
-        return ProfileGrid(batch_slices=batch_slices, granularity=g, context_step=max(g, seq_len // 4), reps=2,
-                           warmup=0, p2p_sizes=tuple(2 ** k for k in range(10, 23, 4)), p2p_reps=5)
 
 
 def context_attention(kc: torch.Tensor, vc: torch.Tensor, n_head: int):
@@ -68,48 +47,6 @@ def context_attention(kc: torch.Tensor, vc: torch.Tensor, n_head: int):
         return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
     return attention
-
-
-class LayerBench:
-    """One Block and the tensors of a slice; ``time(b, l, c)`` is one forward + backward."""
-
-    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0):
-        torch.manual_seed(seed)
-        self.cfg = cfg
-        self.device = torch.device(device)
-        self.block = Block(cfg).to(self.device)
-
-    def run(self, b: int, l: int, c: int, weight_grads: bool = True) -> None:
-        cfg, dev = self.cfg, self.device
-        for p in self.block.parameters():
-            p.requires_grad_(weight_grads)
-        H, D = cfg.n_head, cfg.head_dim
-        x = torch.randn(b, l, cfg.n_embd, device=dev, requires_grad=True)
-        attention = None  # c = 0: the block's own causal attention
-        if c > 0:  # the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
-            kc = torch.randn(b, H, c, D, device=dev, requires_grad=True)
-            vc = torch.randn(b, H, c, D, device=dev, requires_grad=True)
-            attention = context_attention(kc, vc, H)
-        out = block_forward(self.block, x, attention)
-        out.backward(torch.ones_like(out))
-        for p in self.block.parameters():
-            p.grad = None
-
-    def time(self, b: int, l: int, c: int, reps: int, warmup: int, weight_grads: bool = True,
-             stat: str = "min") -> float:
-        return _median_time(lambda: self.run(b, l, c, weight_grads), reps, warmup, self.device, stat)
-
-    def fill_factor(self, reps: int = 3) -> tuple[float, list[dict]]:
-        """The share of a slice's forward + backward that is not weight gradients: the token
-        pipeline computes weight gradients once per step after the last backward, so the fill and
-        drain of the pipeline, (K - 1) * max t_i, are made of forward + input-gradient work only."""
-        pts = []
-        L = self.cfg.seq_len
-        for l in sorted({max(8, L // 8), max(8, L // 4), max(8, L // 2)}):
-            full = self.time(1, l, 0, reps, 1)
-            nowg = self.time(1, l, 0, reps, 1, weight_grads=False)
-            pts.append(dict(l=l, full=full, no_weight_grads=nowg))
-        return statistics.median(p["no_weight_grads"] / p["full"] for p in pts), pts
 
 
 def _sync(device: torch.device) -> None:
@@ -128,20 +65,6 @@ def _median_time(fn, reps: int, warmup: int, device: torch.device, stat: str = "
         _sync(device)
         times.append(time.perf_counter() - t)
     return min(times) if stat == "min" else statistics.median(times)
-
-
-def layer_grid(seq_len: int, grid: ProfileGrid) -> list[tuple[int, int, int]]:
-    pts = []
-    for b in grid.batch_slices:
-        ls = list(range(grid.granularity, seq_len + 1, grid.granularity))
-        if not ls or ls[-1] != seq_len:
-            ls.append(seq_len)
-        pts += [(b, l, 0) for l in ls]
-        st = grid.context_step
-        for c in range(st, seq_len, st):
-            for l in range(st, seq_len - c + 1, st):
-                pts.append((b, l, c))
-    return pts
 
 
 def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dict:
@@ -176,9 +99,8 @@ def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dic
     t_head = _median_time(head_step, reps, 1, device)
     t_embed = _median_time(embed_step, reps, 1, device)
     t_opt = _median_time(opt.step, reps, 2, device)
-    fill, fill_pts = LayerBench(cfg, device).fill_factor(reps)
     return dict(head_per_token=t_head / L, embed_per_token=t_embed / L, optimizer_per_param=t_opt / n_params,
-                fill_factor=fill, fill_points=fill_pts, head_seconds=t_head, embed_seconds=t_embed, optimizer_seconds=t_opt, optimizer_params=n_params)
+                head_seconds=t_head, embed_seconds=t_embed, optimizer_seconds=t_opt, optimizer_params=n_params)
 
 
 # --- point-to-point ---------------------------------------------------------------------------
@@ -218,68 +140,137 @@ def measure_p2p(sizes: list[int], reps: int) -> list[dict]:
         return json.loads(Path(out).read_text())
 
 
-# --- the whole profile ------------------------------------------------------------------------
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+def grid(seq_len: int, batch_slices: tuple[int, ...] = (1,)) -> list[tuple[int, int, int]]:
+    """(b, l, c): l over the sequence at c = 0 (fine at the small end, where slicing lives), and a
+    coarse set of slices after 1/4, 1/2 and 3/4 of the sequence."""
+    step = max(8, seq_len // 16)
+    ls = sorted({l for l in (8, 16, 32) if l < step} | set(range(step, seq_len + 1, step)) | {seq_len})
+    pts = [(b, l, 0) for b in batch_slices for l in ls]
+    for b in batch_slices:
+        for c in (seq_len // 4, seq_len // 2, 3 * seq_len // 4):
+            for l in sorted({step, 2 * step, seq_len // 4}):
+                if c > 0 and c + l <= seq_len:
+                    pts.append((b, l, c))
+    return pts
 
 
-def profile(cfg: ModelConfig, grid: ProfileGrid = ProfileGrid(), device: torch.device | str = "cpu",
-            progress: bool = True, threads: int = 1) -> dict:
-    device = torch.device(device)
+class LayerTimer:
+    """One Block with the shared model's layer math, timed phase by phase."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        torch.manual_seed(seed)
+        self.cfg = cfg
+        self.block = Block(cfg)
+
+    def once(self, b: int, l: int, c: int, weight_grads: bool) -> tuple[float, float]:
+        """(forward seconds, backward seconds) of one pass."""
+        cfg, blk = self.cfg, self.block
+        for p in blk.parameters():
+            p.requires_grad_(weight_grads)
+        H, D = cfg.n_head, cfg.head_dim
+        x = torch.randn(b, l, cfg.n_embd, requires_grad=True)
+        kc = torch.randn(b, H, c, D, requires_grad=True) if c else None
+        vc = torch.randn(b, H, c, D, requires_grad=True) if c else None
+        grad = torch.ones(b, l, cfg.n_embd)
+        # c > 0: the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
+        attention = context_attention(kc, vc, H) if c else None
+        t0 = time.perf_counter()
+        out = block_forward(blk, x, attention)
+        t1 = time.perf_counter()
+        out.backward(grad)
+        t2 = time.perf_counter()
+        for p in blk.parameters():
+            p.grad = None
+        return t1 - t0, t2 - t1
+
+    def point(self, b: int, l: int, c: int, reps: int) -> dict:
+        self.once(b, l, c, True)
+        fwd, full, bin_ = [], [], []
+        for _ in range(reps):
+            f, bw = self.once(b, l, c, True)
+            fwd.append(f)
+            full.append(bw)
+            f2, bw2 = self.once(b, l, c, False)
+            fwd.append(f2)
+            bin_.append(bw2)
+        fwd_t, full_t, bin_t = min(fwd), min(full), min(bin_)
+        return dict(b=b, l=l, c=c, fwd=fwd_t, bwd_full=full_t, bwd_in=min(bin_t, full_t),
+                    wgrad=max(0.0, full_t - bin_t))
+
+
+def head_rates(cfg: ModelConfig, reps: int = 3, tokens: int | None = None) -> dict:
+    """Per token: head forward, backward with and without the lm_head weight gradient."""
+    torch.manual_seed(0)
+    h, V = cfg.n_embd, cfg.vocab_size
+    n = tokens or cfg.seq_len
+    ln_f = torch.nn.LayerNorm(h)
+    head = torch.nn.Linear(h, V, bias=False)
+
+    def once(weight_grads: bool) -> tuple[float, float]:
+        for p in (*ln_f.parameters(), *head.parameters()):
+            p.requires_grad_(weight_grads)
+        x = torch.randn(1, n, h, requires_grad=True)
+        y = torch.randint(0, V, (1, n))
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(head(ln_f(x)).reshape(-1, V).float(), y.reshape(-1), reduction="sum")
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        ln_f.weight.grad = ln_f.bias.grad = head.weight.grad = None
+        return t1 - t0, t2 - t1
+
+    once(True)
+    full = [once(True) for _ in range(reps)]
+    nowg = [once(False) for _ in range(reps)]
+    fwd = min(min(f for f, _ in full), min(f for f, _ in nowg))
+    b_full, b_in = min(b for _, b in full), min(b for _, b in nowg)
+    return dict(fwd_per_token=fwd / n, bwd_in_per_token=min(b_in, b_full) / n,
+                wgrad_per_token=max(0.0, b_full - b_in) / n)
+
+
+def fit_p2p(points: list[dict]) -> dict:
+    """latency + bytes / bandwidth by least squares over the ping-pong's one-way times."""
+
+    if not points:
+        return {}
+    a, bw = fit_comm([p["bytes"] for p in points], [p["t"] for p in points])
+    return dict(latency=a, bandwidth=bw if bw != float("inf") else 1e12)
+
+
+def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 3, p2p: bool = True,
+            progress: bool = True) -> dict:
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
     try:
-        bench = LayerBench(cfg, device)
-        pts = layer_grid(cfg.seq_len, grid)
+        timer = LayerTimer(cfg)
+        pts = grid(cfg.seq_len, batch_slices)
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(pts) + (len(grid.p2p_sizes) if grid.p2p else 0) + 1, desc="profile", unit="pt")
-        started = time.perf_counter()
-        bench.time(max(grid.batch_slices), min(cfg.seq_len, 256), 0, 1, 2)  # warm the allocator and kernels
+            bar = tqdm(total=len(pts) + 2, desc=f"profile {cfg.name}", unit="pt")
         layer = []
-        order = random.Random(0).sample(range(len(pts)), len(pts))  # spread drifting load over the grid
-        for i in order:
-            b, l, c = pts[i]
-            layer.append(dict(b=b, l=l, c=c, t=bench.time(b, l, c, grid.reps, grid.warmup, stat=grid.stat)))
+        for b, l, c in pts:
+            layer.append(timer.point(b, l, c, reps))
             if bar:
                 bar.update()
-        errors = {}
-        try:  # a failure here must not lose the layer measurements
-            overhead = overhead_rates(cfg, device)
-        except Exception as exc:  # noqa: BLE001
-            overhead, errors["overhead"] = {}, f"{type(exc).__name__}: {exc}"
+        head = head_rates(cfg, reps)
+        rates = overhead_rates(cfg, torch.device("cpu"), reps)
         if bar:
             bar.update()
-        p2p = []
-        if grid.p2p:
-            try:
-                p2p = measure_p2p(list(grid.p2p_sizes), grid.p2p_reps)
-            except Exception as exc:  # noqa: BLE001
-                errors["p2p"] = f"{type(exc).__name__}: {exc}"
-            if bar:
-                bar.update(len(grid.p2p_sizes))
+        p2p_points = measure_p2p([2 ** k for k in range(10, 23, 3)], 8) if p2p else []
         if bar:
+            bar.update()
             bar.close()
     finally:
         torch.set_num_threads(prev_threads)
     return dict(
         kind="ours.plan.profile",
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=device.type, device_name=device_name(device), torch=torch.__version__, threads=threads,
-        hostname=socket.gethostname(),
-        model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head, seq_len=cfg.seq_len,
-                   vocab_size=cfg.vocab_size),
-        granularity=grid.granularity, grid=dict(batch_slices=list(grid.batch_slices), context_step=grid.context_step,
-                                                reps=grid.reps, warmup=grid.warmup, stat=grid.stat),
-        layer=sorted(layer, key=lambda p: (p["b"], p["c"], p["l"])), p2p=p2p, overhead=overhead, errors=errors, seconds=time.perf_counter() - started,
-    )
+        hostname=socket.gethostname(), cpu=platform.processor() or platform.machine(), torch=torch.__version__,
+        threads=1, model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                               seq_len=cfg.seq_len, vocab_size=cfg.vocab_size),
+        layer=layer, head=head, embed_per_token=rates["embed_per_token"],
+        optimizer_per_param=rates["optimizer_per_param"], p2p=p2p_points, p2p_fit=fit_p2p(p2p_points),
+        seconds=time.perf_counter() - started)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from predict.fitting import fit_efficiency, fit_overheads
-from predict.compute import CpuCompute, GpuCompute, Overheads, Table3, load_device
+from workload.compute import CpuCompute, Overheads, Table3, gpu_compute
 from predict.from_config import spec_from_config
 from predict.this_machine import local_link
 from predict.step_time import predict
@@ -107,10 +107,11 @@ def test_a_tensor_parallel_calibration_run_is_its_own_layout():
 
 
 def test_efficiency_round_trip():
-    dev = GpuCompute("gpu", TOY, {"fp32": 10.0, "fp16": 80.0}, {"fp32": 0.4})
+    dev = gpu_compute("V100 SXM2 16GB", TOY, "fp32")
+    dev = dev.with_device(dev.device.with_gemm("fp32", 0.4))
     spec = RunSpec("ours", TOY, 8, 1, Link.from_ms_gbps(0.1, 10, 1), pp=2, slices=(64,), transport="nccl")
     measured = predict(spec, dev).step_time
-    assert fit_efficiency(spec, dev.with_efficiency(0.9), measured) == pytest.approx(0.4, rel=1e-3)
+    assert fit_efficiency(spec, dev.with_device(dev.device.with_gemm("fp32", 0.9)), measured) == pytest.approx(0.4, rel=1e-3)
 
 
 def test_spec_from_a_run_config():
@@ -160,27 +161,19 @@ def test_calibration_records_are_matched_by_their_system_options():
     assert not matches(LocalRun("torch_pipe", "tiny", schedule="1f1b"), record("torch_pipe", schedule="gpipe"))
 
 
-def test_seed_gpipe_column_from_the_default_row():
-    """The V100 device file is fitted on the default row only; the other four rows within 15 %."""
-    from predict.seed_tables import DEVICE_FILE, GPIPE, WORKLOAD, gpipe_spec
-
-    dev = load_device(DEVICE_FILE, WORKLOAD, "fp32")
-    assert json.loads(DEVICE_FILE.read_text())["calibrated_on"]["fp32"]
-    assert predict(gpipe_spec("default"), dev).step_time == pytest.approx(GPIPE["default"], rel=0.005)
-    for net, seed in GPIPE.items():
-        if net != "default":
-            assert predict(gpipe_spec(net), dev).step_time == pytest.approx(seed, rel=0.15), net
-
-
 def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_path, monkeypatch):
     from predict.from_config import NotModelled
     from predict.this_machine import record_prediction
     from runners.request import parse_request
 
-    monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))  # no fitted model: the rule of thumb
     cfg = lambda *a: parse_request(["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", *a])[0]
     link = Link.from_ms_gbps(0.1, 10)
-    assert spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices == (64, 64)
+    auto = spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices  # the planner, this CPU's profile
+    assert sum(auto) == 128 and len(auto) > 1
+    with pytest.raises(NotModelled, match="search"):
+        spec_from_config(cfg("--system", "ours", "--pp", "2", "--n-slices", "search"), link)
+    with pytest.raises(NotModelled, match="fp32"):
+        spec_from_config(cfg("--system", "ours", "--pp", "2", "--precision", "bf16"), link)
     with pytest.raises(NotModelled):
         spec_from_config(cfg("--system", "fairscale_fsdp"), link)
     with pytest.raises(NotModelled, match="--prefetch"):

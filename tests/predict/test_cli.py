@@ -25,8 +25,14 @@ def test_one_run_from_the_run_commands_flags():
     assert line.startswith("predicted step ") and "exposed comm" in line and "bubble" in line
     gpu = predict_cli("--system", "torch_pipe", "--model", "gpt3-xl", "--pp", "12", "--batch-size", "64",
                       "--micro-batch-size", "1", "--recompute", "--network", "d10-1g",
-                      "--device-file", "predict/devices/v100.json")
-    assert gpu.returncode == 0 and "v100.json" in gpu.stdout, gpu.stderr
+                      "--device-file", "V100 SXM2 16GB")
+    assert gpu.returncode == 0 and "V100 SXM2 16GB" in gpu.stdout, gpu.stderr
+    for precision in ("bf16", "fp16"):
+        half = predict_cli("--system", "megatron", "--model", "gpt3-xl", "--tp", "2", "--batch-size", "8",
+                           "--micro-batch-size", "1", "--precision", precision, "--gpu", "A100 SXM4 80GB")
+        assert half.returncode == 0 and "predicted step" in half.stdout, half.stderr
+    unknown = predict_cli(*RUN, "--gpu", "nonesuch")
+    assert unknown.returncode == 2 and "no device file for 'nonesuch'" in unknown.stderr
     bad = predict_cli("--system", "fairscale_fsdp", "--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1")
     assert bad.returncode == 2 and "no program for fairscale_fsdp" in bad.stderr
     foreign = predict_cli("--system", "torch_pipe", "--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1",

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from predict.compute import ComputeModel, Overheads
+from workload.compute import ComputeModel, Overheads
 from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Simulator, Wait
 from predict.step_time import predict
 from predict.run_spec import Link, RunSpec

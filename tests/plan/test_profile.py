@@ -1,8 +1,8 @@
-"""The simulator's CPU profile (``predict.machine_profile``) runs: the layer over the grid of slices
+"""This CPU's profile (``ours.plan.profile``) runs: the layer over the grid of slices
 (with cached context), the head and the per-step rates; it had rotted unseen behind a stale import."""
 from __future__ import annotations
 
-from predict.machine_profile import grid, profile
+from ours.plan.profile import grid, profile
 from workload.configs import get_model_config
 
 

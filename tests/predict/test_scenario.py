@@ -1,0 +1,134 @@
+"""Scenario files (``python -m predict scenario``): every device, precision and system predicted; a bad
+file one line and exit 2; the cluster: placement, shared network cards, messages in flight, per-link
+matrices, memory and oom."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from predict.placement import hosts_of
+from predict.scenario import SYSTEMS, ScenarioError, load, parse, predict_scenario, spec_of
+from workload.compute import device_names
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = REPO / "predict" / "scenarios"
+SMALL = dict(model=dict(layers=8, hidden=1024, heads=16, seq_len=512, vocab=32000),
+             cluster=dict(gpu="A100 SXM4 80GB", nodes=2, gpus_per_node=4, inter_gbps=100, inter_delay_ms=0.01),
+             run=dict(system="megatron", tp=2, pp=2, dp=2, batch=16, micro_batch=2, precision="bf16"))
+
+
+def scenario(**changes) -> dict:
+    d = copy.deepcopy(SMALL)
+    for key, value in changes.items():
+        section, name = key.split("__")
+        if value is None:
+            d[section].pop(name, None)
+        else:
+            d[section][name] = value
+    return d
+
+
+@pytest.mark.parametrize("gpu", device_names())
+def test_every_device_precision_and_system_is_predicted(gpu):
+    for system in SYSTEMS:
+        for precision in ("fp32", "bf16", "fp16"):
+            tp = 1 if system in ("torch_pipe", "fairscale_fsdp") else 2
+            sc = scenario(cluster__gpu=gpu, run__system=system, run__tp=tp, run__precision=precision, run__dp_mode=None)
+            res = predict_scenario(parse(sc, f"{system}-{precision}"))
+            assert res["status"] == "ok" and res["step_time_s"] > 0, res
+            parts = res["parts"]
+            assert set(parts) >= {"compute", "bubble", "messages", "dp_sync", "optimizer"}
+            assert sum(parts.values()) == pytest.approx(res["step_time_s"], rel=1e-3)
+
+
+def test_a_bad_scenario_names_what_is_wrong():
+    cases = {
+        "run__batch": (None, "[run] batch is missing"),
+        "model__heads": (None, "[model] heads is missing"),
+        "cluster__gpu": ("B200", "no device file for 'B200'"),
+        "run__precision": ("fp8", "precision must be fp32, bf16 or fp16"),
+        "run__tp": (3, "tp 3 does not divide"),
+        "run__pp": (8, "needs 32 GPUs"),
+        "run__schedule": ("zbv", "is not one of megatron's"),
+        "run__n_slices": (4, "n_slices is ours'"),
+        "cluster__inter_gbps": (None, "inter_delay_ms given without inter_gbps"),
+        "model__head": ("softmax", "head must be"),
+        "run__recompute": ("yes", "must be true or false"),
+        "cluster__inter_delay_ms": (-1, "must be >= 0"),
+        "run__extra": (1, "unknown key extra"),
+    }
+    for key, (value, message) in cases.items():
+        with pytest.raises(ScenarioError) as exc:
+            parse(scenario(**{key: value}))
+        assert message in str(exc.value) and "\n" not in str(exc.value), (key, exc.value)
+
+
+def test_the_command_prints_json_or_one_line_and_exit_2(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "predict", "scenario", *a], cwd=REPO,  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    p = run(str(SCENARIOS / "seed-gpipe-default.toml"), "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert res["step_time_s"] == pytest.approx(15.16, rel=0.01) and res["status"] == "ok"
+    for text in ("[model]\nlayers = 2\n", "not toml [", ""):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        p = run(str(bad))
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    p = run(str(tmp_path / "none.toml"))
+    assert p.returncode == 2 and "no such scenario file" in p.stderr
+
+
+def test_a_run_that_cannot_fit_is_oom_with_its_estimate():
+    d = scenario(model__layers=96, model__hidden=12288, model__heads=96, model__seq_len=2048, model__vocab=50257,
+                 cluster__gpu="V100 SXM2 16GB", cluster__nodes=1, cluster__gpus_per_node=1, run__tp=1, run__pp=1,
+                 run__dp=1, run__batch=1, run__micro_batch=1, run__precision="fp16", cluster__inter_gbps=None,
+                 cluster__inter_delay_ms=None)
+    res = predict_scenario(parse(d))
+    assert res["status"] == "oom" and res["step_time_s"] is None and res["memory_gb"] > 1000
+
+
+def test_ranks_are_placed_as_each_system_places_them():
+    mega = spec_of(parse(scenario(cluster__nodes=2, cluster__gpus_per_node=4)))
+    ours = spec_of(parse(scenario(run__system="ours", run__n_slices=1, run__dp_mode="allreduce")))
+    # megatron: T innermost, then D, then P: stage 0's two replicas fill node 0, stage 1's node 1
+    assert hosts_of(mega) == (0, 1, 0, 1)  # simulated rank d * P + s
+    # ours: T innermost, then the stages, then the replicas: each pipeline on a node of its own
+    assert hosts_of(ours) == (0, 0, 1, 1)
+
+
+def test_gpus_of_a_node_share_its_network_card():
+    """Megatron T-1 P-1 D-8 on one node of 8 against 8 nodes of 1: the same all-reduce, but each node's
+    card carries every ring crossing it; on 2 nodes of 4 the 8 GPUs' rings cross two cards."""
+    base = dict(run__tp=1, run__pp=1, run__dp=8, run__batch=8, run__micro_batch=1, cluster__inter_gbps=10,
+                run__precision="fp32")
+    spread = predict_scenario(parse(scenario(cluster__nodes=8, cluster__gpus_per_node=1, **base)))
+    packed = predict_scenario(parse(scenario(cluster__nodes=2, cluster__gpus_per_node=4, **base)))
+    one = predict_scenario(parse(scenario(cluster__nodes=1, cluster__gpus_per_node=8, cluster__inter_gbps=None,
+                                          cluster__inter_delay_ms=None, **{k: v for k, v in base.items()
+                                                                            if not k.startswith("cluster")})))
+    assert one["parts"]["dp_sync"] < packed["parts"]["dp_sync"]
+    assert spread["parts"]["dp_sync"] > 0 and packed["parts"]["dp_sync"] > 0
+
+
+def test_a_gpipe_sender_streams_its_micro_batches():
+    """Between 10 ms and 50 ms at 1 Gbit/s a stage's 64 messages are in flight together: the step grows
+    by a few delays (the pipeline's fill), not by one delay per micro-batch."""
+    sc = load(SCENARIOS / "seed-gpipe-default.toml")
+    d = copy.deepcopy(sc.source)
+    t = {}
+    for delay in (10, 50):
+        d["cluster"].update(inter_gbps=1, inter_delay_ms=delay)
+        t[delay] = predict_scenario(parse(d))["step_time_s"]
+    assert 0 < t[50] - t[10] < 0.25 * 128 * 0.04  # the fill and drain's 2 x 11 hops, not 128 messages x 40 ms
+
+
+def test_two_sites_of_a_per_link_matrix_are_predicted():
+    for system in ("ours", "gpipe"):
+        res = predict_scenario(load(SCENARIOS / f"two-sites-gpt3-xl-{system}.toml"))
+        assert res["status"] == "ok" and res["parts"]["dp_sync"] > 1.0  # 67 ms / 0.79 Gbit/s between the sites

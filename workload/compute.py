@@ -1,0 +1,691 @@
+"""How long the operations of a GPT layer take on a device: the one compute model.
+
+The simulator (``predict``), ours' latency model and slicing planner (``ours.plan``) and
+``--n-slices auto`` ask this module, and nothing else computes an operation's time. Every model
+answers the same questions, in seconds of one rank:
+
+- ``layer_forward(b, l, c, tp)``: one transformer layer's forward on b sequences of l tokens that
+  attend to c earlier tokens (a token slice after c tokens of context; c = 0: a whole sequence), on
+  one of tp tensor-parallel ranks;
+- ``layer_backward_input(b, l, c, tp)`` / ``layer_wgrad(b, l, tp)``: its backward, split into the
+  input gradients and the weight gradients (ours defers the latter);
+- ``head_forward / head_backward_input / head_wgrad(tokens, tp, width)``: ln_f, the output layer
+  (``width`` outputs; None: the vocabulary) and the loss;
+- ``embed(tokens)``: the embeddings' forward and backward; ``optimizer(params)``: one optimizer step;
+- ``overheads(system)``: a framework's own time per step and per unit (``Overheads``).
+
+Two kinds:
+
+- ``GpuCompute``: a GPU from its device file (``workload/devices/*.json``), operation by operation.
+  A GEMM of (M, N, K) takes max(2MNK / (peak x e), bytes / (bandwidth x e_mem)) plus a kernel's fixed
+  cost, with e = e_max x the best tile shape's use of the SMs (its padding and its last wave) x
+  K / (K + k_half): a thin token slice under-fills the GPU and reads the whole weight for few tokens.
+  Attention over a slice and its context is the slice's queries against c + l keys (materialised scores and softmax, or one fused kernel), the
+  memory-bound operations (layer norms, GELU, softmax, residual adds, the optimizer) move their
+  bytes at the memory bandwidth, and a phase takes at least the host's time to issue its kernels
+  (eager PyTorch: ``host_op_us`` each). Forward, backward, and the forward again under recompute.
+- ``CpuCompute``: this machine, from a profile of its operations at the model's shape
+  (``ours.plan.profile``): measured tables, interpolated.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from workload.configs import ModelConfig
+from workload.flops import GPU_PEAK_TFLOPS, gpu_model
+
+DEVICES = Path(__file__).resolve().parent / "devices"
+PRECISIONS = ("fp32", "bf16", "fp16")
+ATTENTION = ("flash", "materialized")
+OPTIMIZERS = ("single", "fused")
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Framework time outside the modelled math, per rank (seconds).
+
+    step: once per step (zero_grad, schedule set-up, loss bookkeeping, the barrier's own cost);
+    unit: per micro-batch (ours: per batch slice x token slice) and stage, half in its forward and
+    half in its backward; unit_layer: the same per layer of the stage; dp: per data-parallel
+    synchronisation (flattening, copying, the collectives' own bookkeeping); compute: the factor the
+    system's own kernels take over the modelled ones on the layers', head's and embeddings' math (1: as
+    modelled); tp: the factor a tensor-parallel rank's math takes over 1/tp of the modelled math."""
+
+    step: float = 0.0
+    unit: float = 0.0
+    unit_layer: float = 0.0
+    dp: float = 0.0
+    compute: float = 1.0
+    tp: float = 1.0
+
+    def per_unit(self, layers: int) -> float:
+        return self.unit + self.unit_layer * layers
+
+
+class ComputeModel:
+    """The interface every compute model implements (seconds of one rank)."""
+
+    name = "compute"
+
+    def layer_forward(self, b: int, l: int, c: int, tp: int = 1) -> float: ...
+    def layer_backward_input(self, b: int, l: int, c: int, tp: int = 1) -> float: ...
+    def layer_wgrad(self, b: int, l: int, tp: int = 1) -> float: ...
+    def head_forward(self, tokens: int, tp: int = 1, width: int | None = None) -> float: ...
+    def head_backward_input(self, tokens: int, tp: int = 1, width: int | None = None) -> float: ...
+    def head_wgrad(self, tokens: int, tp: int = 1, width: int | None = None) -> float: ...
+    def embed(self, tokens: int) -> float: ...
+    def optimizer(self, params: int) -> float: ...
+    def overheads(self, system: str) -> Overheads: ...
+
+    def layer_backward(self, b: int, l: int, c: int, tp: int = 1) -> float:
+        return self.layer_backward_input(b, l, c, tp) + self.layer_wgrad(b, l, tp)
+
+    def layer_step(self, b: int, l: int, c: int, tp: int = 1, recompute: bool = False) -> float:
+        """One layer's forward and backward on a slice (the forward twice under recompute): TeraPipe's
+        t(l, ctx) per layer."""
+        f = self.layer_forward(b, l, c, tp)
+        return f * (2 if recompute else 1) + self.layer_backward(b, l, c, tp)
+
+
+class Scaled(ComputeModel):
+    """``base`` with its layers', head's and embeddings' math scaled by ``factor`` (the optimizer and the
+    overheads as they are)."""
+
+    def __init__(self, base: ComputeModel, factor: float):
+        self.base, self.factor, self.name = base, factor, base.name
+
+    def layer_forward(self, b, l, c, tp=1):
+        return self.base.layer_forward(b, l, c, tp) * self.factor
+
+    def layer_backward_input(self, b, l, c, tp=1):
+        return self.base.layer_backward_input(b, l, c, tp) * self.factor
+
+    def layer_wgrad(self, b, l, tp=1):
+        return self.base.layer_wgrad(b, l, tp) * self.factor
+
+    def head_forward(self, tokens, tp=1, width=None):
+        return self.base.head_forward(tokens, tp, width) * self.factor
+
+    def head_backward_input(self, tokens, tp=1, width=None):
+        return self.base.head_backward_input(tokens, tp, width) * self.factor
+
+    def head_wgrad(self, tokens, tp=1, width=None):
+        return self.base.head_wgrad(tokens, tp, width) * self.factor
+
+    def embed(self, tokens):
+        return self.base.embed(tokens) * self.factor
+
+    def optimizer(self, params):
+        return self.base.optimizer(params)
+
+    def overheads(self, system):
+        return self.base.overheads(system)
+
+
+# ---- GPUs: device files ------------------------------------------------------------------------------
+class DeviceError(ValueError):
+    """A device file that cannot be read or used (one line, for the command line)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU as its device file describes it.
+
+    part: the model in ``workload.flops.GPU_PEAK_TFLOPS`` whose dense datasheet peaks it has;
+    memory_gb / bandwidth_gbs: memory (GiB) and its bandwidth (GB/s, datasheet); sms: streaming
+    multiprocessors; gemm: per precision, ``efficiency`` (e_max, the share of the dense peak a large
+    GEMM reaches) and ``half`` (the depth K at which a GEMM's main loop reaches half of that);
+    memory_efficiency: the share of the bandwidth a memory-bound kernel moves; kernel_us: a kernel's fixed cost on the GPU; host_op_us: the host's cost to issue one
+    operation (eager PyTorch); reserved_gb: memory no tensor can have (CUDA context, library
+    workspaces); calibrated_on: per precision, the one published or measured cell its efficiency was
+    fitted on (none: a prior); sources: where each number comes from; measured: what
+    ``scripts/gpu_profile.sh`` measured on such a GPU (None where none was had)."""
+
+    name: str
+    part: str
+    memory_gb: float
+    bandwidth_gbs: float
+    sms: int
+    gemm: dict
+    memory_efficiency: float = 0.8
+    kernel_us: float = 4.0
+    host_op_us: float = 8.0
+    reserved_gb: float = 0.75
+    calibrated_on: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
+    measured: dict | None = None
+    path: str = ""
+    peak_tflops: dict | None = None
+
+    def peak_flops(self, precision: str) -> float:
+        """The dense datasheet peak (FLOP/s) that ``precision``'s GEMMs run at (``peak_tflops``: measured
+        peaks instead, a CPU host's): a part without half units for it (V100's bf16) runs them at its
+        fp32 rate."""
+        peaks = self.peak_tflops or GPU_PEAK_TFLOPS[self.part]
+        return (peaks.get(precision) or peaks["fp32"]) * 1e12
+
+    def gemm_curve(self, precision: str) -> tuple[float, float]:
+        g = self.gemm.get(precision) or self.gemm.get("fp16" if precision == "bf16" else "fp32")
+        if not g:
+            raise DeviceError(f"device file {self.path}: no GEMM efficiency for {precision}")
+        return float(g["efficiency"]), float(g.get("half", 32.0))
+
+    def usable_bytes(self) -> float:
+        return (self.memory_gb - self.reserved_gb) * 2**30
+
+    def with_gemm(self, precision: str, efficiency: float, half: float | None = None) -> "Device":
+        e, h = self.gemm_curve(precision)
+        gemm = {**self.gemm, precision: {"efficiency": efficiency, "half": h if half is None else half}}
+        return Device(**{**asdict(self), "gemm": gemm})
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("path")
+        return {"kind": "workload.device", **d}
+
+
+_REQUIRED = ("name", "part", "memory_gb", "bandwidth_gbs", "sms", "gemm")
+
+
+def read_device(path: str | Path) -> Device:
+    """A device file; DeviceError (one line) for a missing, unreadable or incomplete one."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DeviceError(f"no such device file: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DeviceError(f"device file {path} is not readable JSON ({exc})") from None
+    if not isinstance(d, dict):
+        raise DeviceError(f"device file {path} holds no JSON object")
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise DeviceError(f"device file {path} lacks {', '.join(missing)}")
+    if d["part"] not in GPU_PEAK_TFLOPS:
+        raise DeviceError(f"device file {path}: unknown part {d['part']!r} (known: {', '.join(GPU_PEAK_TFLOPS)})")
+    fields = {k: v for k, v in d.items() if k in Device.__dataclass_fields__ and k != "path"}
+    try:
+        dev = Device(**fields, path=str(path))
+    except TypeError as exc:
+        raise DeviceError(f"device file {path}: {exc}") from None
+    for p in PRECISIONS:
+        e, h = dev.gemm_curve(p) if (dev.gemm.get(p) or dev.gemm.get("fp32")) else (None, None)
+        if e is not None and not (0 < e <= 1 and h > 0):
+            raise DeviceError(f"device file {path}: GEMM efficiency for {p} must lie in (0, 1], got {e}")
+    return dev
+
+
+def device_files() -> list[Path]:
+    return sorted(DEVICES.glob("*.json"))
+
+
+@lru_cache(maxsize=None)
+def _devices() -> tuple[Device, ...]:
+    return tuple(read_device(p) for p in device_files())
+
+
+def device_names() -> list[str]:
+    return [d.name for d in _devices()]
+
+
+def find_device(name: str) -> Device:
+    """A device file by the GPU's name ("V100 SXM2 16GB", case and spaces aside), by its file's stem
+    ("v100-sxm2-16gb"), by a path, or by what torch.cuda.get_device_name says ("Tesla V100-SXM2-16GB")."""
+    if name.endswith(".json") or "/" in name:
+        return read_device(name)
+    key = " ".join(name.lower().replace("-", " ").replace("_", " ").split())
+    for d in _devices():
+        if key in (" ".join(d.name.lower().replace("-", " ").split()), Path(d.path).stem.replace("-", " ")):
+            return d
+    part = gpu_model(name)
+    if part is not None:
+        gb = [int(t[:-2]) for t in name.replace("-", " ").split() if t.upper().endswith("GB") and t[:-2].isdigit()]
+        same = [d for d in _devices() if d.part == part]
+        exact = [d for d in same if gb and round(d.memory_gb) == gb[0]]
+        if exact or same:
+            return (exact or same)[0]
+    raise DeviceError(f"no device file for {name!r}; known: {', '.join(device_names())}")
+
+
+# ---- GPUs: the operations of a layer ---------------------------------------------------------------
+def _s(x: float, half: float) -> float:
+    return x / (x + half)
+
+
+# cuBLAS's choice of output tiles, as (rows, columns, the tile's own share of the peak, tiles an SM runs at
+# once): big tiles run closest to the peak but leave SMs idle on small outputs; the best choice wins.
+TILES = ((256, 128, 1.0, 1), (128, 128, 0.95, 1), (128, 64, 0.85, 2), (64, 64, 0.7, 4))
+
+
+def tile_efficiency(m: float, n: float, k: float, batch: float, sms: int, k_half: float) -> float:
+    """The share of the peak ``batch`` GEMMs of (m x k) @ (k x n) can reach on ``sms`` SMs: per tile
+    shape, the padding of the last tile row and column, the last wave's idle SMs and the depth each
+    tile's main loop runs (K / (K + k_half)); split-K where the output has too few tiles to fill the
+    SMs (K cut into up to 8 parts of at least 256, each part a tile of its own, 5 % for summing them);
+    the best choice, as cuBLAS's heuristics pick."""
+    best = 0.0
+    for tm, tn, rel, per_sm in TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        pad = m * n * batch / (tiles * tm * tn)
+        slots = sms * per_sm
+        for split in (1, 2, 4, 8):
+            if split > 1 and k / split < 256:
+                break
+            t = tiles * split
+            wave = t / (math.ceil(t / slots) * slots)
+            depth = _s(k / split, k_half)
+            best = max(best, rel * pad * wave * depth * (1.0 if split == 1 else 0.95))
+    return best
+
+
+@dataclass(frozen=True)
+class GpuCompute(ComputeModel):
+    """A GPU from its device file, operation by operation (see the module docstring).
+
+    precision: fp32, or bf16 / fp16 (mixed: GEMMs and activations in the half type, weight gradients
+    accumulated and the optimizer run in fp32); attention: ``flash`` (one fused kernel, causal blocks
+    skipped) or ``materialized`` (scores written out, a softmax and a dropout pass over them, as the
+    V100-era stacks ran); optimizer: ``single`` (torch's Adam, a few kernels per parameter tensor) or
+    ``fused`` (one multi-tensor kernel, apex's as Megatron runs it); overhead: per-system Overheads."""
+
+    device: Device
+    model: ModelConfig
+    precision: str = "fp32"
+    attention: str = "flash"
+    optimizer_kind: str = "single"
+    overhead: dict = field(default_factory=dict)
+    name = "gpu"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.attention not in ATTENTION:
+            raise DeviceError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if self.optimizer_kind not in OPTIMIZERS:
+            raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer_kind!r}")
+
+    # -- primitives ------------------------------------------------------------------------------
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1, out_bytes: float | None = None,
+             accumulate: bool = False) -> float:
+        """Seconds of ``batch`` GEMMs of (m x k) @ (k x n) on the GPU: the slower of its math and its
+        bytes (inputs in the activation type, the output in ``out_bytes`` per element, read back too
+        where it ``accumulate``s), plus one kernel's fixed cost."""
+        if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+            return 0.0
+        dev = self.device
+        e_max, half = dev.gemm_curve(self.precision)
+        eff = e_max * tile_efficiency(m, n, k, batch, dev.sms, half)
+        math_s = 2.0 * m * n * k * batch / (dev.peak_flops(self.precision) * eff)
+        ob = self.act_bytes if out_bytes is None else out_bytes
+        nbytes = batch * ((m * k + k * n) * self.act_bytes + m * n * ob * (2 if accumulate else 1))
+        return max(math_s, nbytes / (dev.bandwidth_gbs * 1e9 * dev.memory_efficiency)) + dev.kernel_us * 1e-6
+
+    def memory(self, nbytes: float, kernels: int = 1) -> float:
+        """Seconds of memory-bound kernels moving ``nbytes`` in all."""
+        dev = self.device
+        return nbytes / (dev.bandwidth_gbs * 1e9 * dev.memory_efficiency) + kernels * dev.kernel_us * 1e-6
+
+    def phase(self, ops: list[tuple[str, float, int]]) -> float:
+        """A phase's seconds: its kernels one after another on the GPU, or the host's time to issue
+        them where that is longer (a thin slice's many small kernels)."""
+        gpu = sum(t for _, t, _ in ops)
+        kernels = sum(k for _, _, k in ops)
+        return max(gpu, kernels * self.device.host_op_us * 1e-6)
+
+    # -- a layer ---------------------------------------------------------------------------------
+    def layer_ops(self, kind: str, b: int, l: int, c: int, tp: int = 1) -> list[tuple[str, float, int]]:
+        """(operation, GPU seconds, kernels) of one layer's ``kind`` (forward, backward_input, wgrad)
+        on b x l tokens after c, on one of tp tensor-parallel ranks."""
+        m, h = self.model, self.model.n_embd
+        T, a = b * l, self.act_bytes
+        heads = max(1, m.n_head // tp)
+        hd = m.head_dim
+        ht = h / tp  # this rank's share of the heads' width and of the MLP's (x 4)
+        keys = c + l  # the keys each query of the slice is scored against
+        mem, gemm = self.memory, self.gemm
+        mat = self.attention == "materialized"
+        if kind == "forward":
+            ops = [("ln_1", mem(2 * T * h * a), 1), ("qkv", gemm(T, 3 * ht, h), 1),
+                   ("split heads", mem(2 * T * 3 * ht * a), 1)]
+            if mat:
+                s = b * heads * l * keys  # score elements
+                ops += [("scores", gemm(l, keys, hd, b * heads), 1),
+                        ("softmax", mem(2 * s * a), 1),
+                        ("attention dropout", mem(2 * s * a + s), 1),
+                        ("context", gemm(l, hd, keys, b * heads), 1)]
+            else:
+                ops.append(("attention", self._flash(b, l, c, heads, hd, 1.0), 1))
+            ops += [("merge heads", mem(2 * T * ht * a), 1), ("proj", gemm(T, h, ht), 1),
+                    ("residual", mem(3 * T * h * a), 1), ("ln_2", mem(2 * T * h * a), 1),
+                    ("fc", gemm(T, 4 * ht, h), 1), ("gelu", mem(2 * T * 4 * ht * a), 1),
+                    ("fc proj", gemm(T, h, 4 * ht), 1), ("residual", mem(3 * T * h * a), 1)]
+            return ops
+        if kind == "backward_input":
+            ops = [("residual", mem(2 * T * h * a), 1), ("fc proj dgrad", gemm(T, 4 * ht, h), 1),
+                   ("gelu", mem(3 * T * 4 * ht * a), 1), ("fc dgrad", gemm(T, h, 4 * ht), 1),
+                   ("ln_2", mem(5 * T * h * a), 2), ("proj dgrad", gemm(T, ht, h), 1),
+                   ("merge heads", mem(2 * T * ht * a), 1)]
+            if mat:
+                s = b * heads * l * keys
+                ops += [("attention dropout", mem(2 * s * a + s), 1),
+                        ("context dgrad", gemm(l, keys, hd, b * heads), 1),
+                        ("value grad", gemm(keys, hd, l, b * heads), 1),
+                        ("softmax", mem(3 * s * a), 1),
+                        ("query grad", gemm(l, hd, keys, b * heads), 1),
+                        ("key grad", gemm(keys, hd, l, b * heads), 1)]
+            else:
+                ops.append(("attention", self._flash(b, l, c, heads, hd, 2.5), 2))
+            if c:  # the context's key and value gradients, accumulated for the earlier slices
+                ops.append(("context kv grad", mem(3 * b * c * 2 * ht * 4), 1))
+            ops += [("split heads", mem(2 * T * 3 * ht * a), 1), ("qkv dgrad", gemm(T, h, 3 * ht), 1),
+                    ("ln_1", mem(5 * T * h * a), 2)]
+            return ops
+        if kind == "wgrad":  # each linear's weight gradient over the slice's tokens, summed in fp32
+            ops = []
+            for name, n_in, n_out in (("qkv", h, 3 * ht), ("proj", ht, h), ("fc", h, 4 * ht), ("fc proj", 4 * ht, h)):
+                ops += [(f"{name} wgrad", gemm(n_in, n_out, T, out_bytes=4, accumulate=True), 1),
+                        (f"{name} bias grad", mem(T * n_out * a + 8 * n_out), 1)]
+            return ops
+        raise ValueError(f"unknown layer phase {kind!r}")
+
+    def _flash(self, b: int, l: int, c: int, heads: int, hd: int, factor: float) -> float:
+        """A fused attention kernel: the slice's queries against its c + l keys (the causal square's
+        masked half skipped), ``factor`` times the forward's math (2.5 for the backward, which
+        recomputes the scores), its bytes those of q, k, v and the output."""
+        e_max, half = self.device.gemm_curve(self.precision)
+        eff = e_max * tile_efficiency(l, hd, c + l, b * heads, self.device.sms, half)
+        flops = factor * 4.0 * b * heads * l * (c + l / 2) * hd
+        nbytes = factor * b * heads * hd * (2 * l + 2 * (c + l)) * self.act_bytes
+        t = max(flops / (self.device.peak_flops(self.precision) * eff),
+                nbytes / (self.device.bandwidth_gbs * 1e9 * self.device.memory_efficiency))
+        return t + self.device.kernel_us * 1e-6
+
+    def _cached(self, key: tuple, fn) -> float:
+        cache = self.__dict__.setdefault("_times", {})
+        if key not in cache:
+            cache[key] = fn()
+        return cache[key]
+
+    def layer_forward(self, b, l, c, tp=1):
+        return self._cached(("f", b, l, c, tp), lambda: self.phase(self.layer_ops("forward", b, l, c, tp)))
+
+    def layer_backward_input(self, b, l, c, tp=1):
+        return self._cached(("b", b, l, c, tp), lambda: self.phase(self.layer_ops("backward_input", b, l, c, tp)))
+
+    def layer_wgrad(self, b, l, tp=1):
+        return self._cached(("w", b, l, tp), lambda: self.phase(self.layer_ops("wgrad", b, l, 0, tp)))
+
+    # -- the head, the embeddings, the optimizer -------------------------------------------------
+    def head_ops(self, kind: str, tokens: int, tp: int = 1, width: int | None = None) -> list[tuple[str, float, int]]:
+        h, a = self.model.n_embd, self.act_bytes
+        v = (self.model.vocab_size if width is None else width) / tp
+        if v == 0:
+            return []
+        if kind == "forward":  # ln_f, the logits, the loss on fp32 logits (a cast, log-softmax, the pick)
+            return [("ln_f", self.memory(2 * tokens * h * a), 1), ("logits", self.gemm(tokens, v, h), 1),
+                    ("loss", self.memory(tokens * v * (a + 4 * 3)), 3)]
+        if kind == "backward_input":
+            return [("loss", self.memory(tokens * v * (4 * 2 + 2 * a)), 2),
+                    ("logits dgrad", self.gemm(tokens, h, v), 1),
+                    ("ln_f", self.memory(5 * tokens * h * a), 2)]
+        if kind == "wgrad":
+            return [("logits wgrad", self.gemm(h, v, tokens, out_bytes=4, accumulate=True), 1)]
+        raise ValueError(f"unknown head phase {kind!r}")
+
+    def head_forward(self, tokens, tp=1, width=None):
+        return self._cached(("hf", tokens, tp, width), lambda: self.phase(self.head_ops("forward", tokens, tp, width)))
+
+    def head_backward_input(self, tokens, tp=1, width=None):
+        return self._cached(("hb", tokens, tp, width),
+                            lambda: self.phase(self.head_ops("backward_input", tokens, tp, width)))
+
+    def head_wgrad(self, tokens, tp=1, width=None):
+        return self._cached(("hw", tokens, tp, width), lambda: self.phase(self.head_ops("wgrad", tokens, tp, width)))
+
+    def embed(self, tokens):
+        """Token and position embeddings: the gather and sum forward; backward a dense gradient of the
+        whole table (zeroed, then the tokens' rows added: eager PyTorch's embedding backward)."""
+        m, a = self.model, self.act_bytes
+        if not m.vocab_size:
+            return 0.0
+        fwd = [("embed", self.memory(tokens * m.n_embd * (3 * a)), 2)]
+        table = (m.vocab_size + m.seq_len) * m.n_embd * 4 * 2
+        bwd = [("embed grad", self.memory(table + 2 * tokens * m.n_embd * 4), 3)]
+        return self.phase(fwd) + self.phase(bwd)
+
+    def optimizer(self, params):
+        """Adam over ``params`` parameters: fused, 28 bytes a parameter (weight, gradient and two
+        moments read, three written), 4 more to keep the half copy in mixed precision; torch's
+        single-tensor Adam makes about seven passes more (72 bytes) in a few kernels per tensor."""
+        per = 28 if self.optimizer_kind == "fused" else 72
+        if self.precision != "fp32":
+            per += 4
+        kernels = 2 if self.optimizer_kind == "fused" else max(1, int(7 * params / 4e6))
+        return self.memory(params * per, kernels)
+
+    def overheads(self, system):
+        return self.overhead.get(system, Overheads())
+
+    def with_device(self, device: Device) -> "GpuCompute":
+        return GpuCompute(device, self.model, self.precision, self.attention, self.optimizer_kind, self.overhead)
+
+
+def gpu_compute(device: str | Device, model: ModelConfig, precision: str = "fp32", attention: str | None = None,
+                optimizer: str = "single") -> GpuCompute:
+    """A GpuCompute from a device file (by name or path); ``attention`` None: the era's kernels
+    (``default_attention``)."""
+    dev = device if isinstance(device, Device) else find_device(device)
+    return GpuCompute(dev, model, precision, attention or default_attention(dev), optimizer)
+
+
+def default_attention(device: Device) -> str:
+    """The attention kernels a stack ran on this GPU: materialised scores on V100s (the fused kernels of
+    today need sm80), one fused kernel from A100 on."""
+    return "materialized" if device.part.startswith("V100") else "flash"
+
+
+# ---- this machine: a profile of one thread -----------------------------------------------------------
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise linear; linear extrapolation beyond the ends (clamped at 0)."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0] if xs[0] else ys[0]
+    if x <= xs[0]:
+        y = ys[0] + (ys[1] - ys[0]) * (x - xs[0]) / (xs[1] - xs[0])
+        return max(y, ys[0] * x / xs[0] if xs[0] else 0.0, 0.0)
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return max(0.0, ys[-1] + (ys[-1] - ys[-2]) * (x - xs[-1]) / (xs[-1] - xs[-2]))
+
+
+def local_prediction(x: list[float], y: list[float], i: int, half: int = 3) -> float:
+    """y at x[i] from its neighbours only: the median of the lines through every pair of them within
+    ``half`` positions (exact on locally linear data, robust to a few outliers nearby)."""
+    n = len(y)
+    nb = [j for j in range(max(0, i - half), min(n, i + half + 1)) if j != i]
+    preds = sorted(y[j] + (y[k] - y[j]) * (x[i] - x[j]) / (x[k] - x[j])
+                   for a, j in enumerate(nb) for k in nb[a + 1:] if x[k] != x[j])
+    if not preds:
+        return float(y[i])
+    mid = len(preds) // 2
+    return preds[mid] if len(preds) % 2 else (preds[mid - 1] + preds[mid]) / 2
+
+
+def clean_outliers(x: list[float], y: list[float], tol: float = 0.25, half: int = 3) -> tuple[list[float], list[bool]]:
+    """Measurements on a shared machine have bursts of contention: a point more than ``tol`` off the
+    prediction of its neighbours (``local_prediction``) is replaced by interpolation of the kept ones.
+    Returns (cleaned y, which points were dropped)."""
+    x, y = [float(v) for v in x], [float(v) for v in y]
+    if len(y) < 4:
+        return y, [False] * len(y)
+    pred = [local_prediction(x, y, i, half) for i in range(len(y))]
+    bad = [abs(y[i] - pred[i]) > tol * abs(pred[i]) for i in range(len(y))]
+    if sum(bad) > len(y) // 2:
+        return y, [False] * len(y)
+    kx = [x[i] for i in range(len(y)) if not bad[i]]
+    ky = [y[i] for i in range(len(y)) if not bad[i]]
+    out = [(_interp_clamped(x[i], kx, ky) if bad[i] else y[i]) for i in range(len(y))]
+    return out, bad
+
+
+def _interp_clamped(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise linear, extrapolated linearly above the grid and clamped below it."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] + (ys[-1] - ys[-2]) * (x - xs[-1]) / (xs[-1] - xs[-2])
+    return _interp(x, xs, ys)
+
+
+def isotonic(y: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to y in least squares (pool adjacent violators)."""
+    vals: list[float] = []
+    wts: list[float] = []
+    lens: list[int] = []
+    for v in y:
+        vals.append(float(v)), wts.append(1.0), lens.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            w = wts[-2] + wts[-1]
+            v2 = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / w
+            n = lens[-2] + lens[-1]
+            vals[-2:], wts[-2:], lens[-2:] = [v2], [w], [n]
+    return [v for v, n in zip(vals, lens) for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Table3:
+    """t(b, l, c) from measurements on a grid: per b (nearest profiled b, scaled linearly), piecewise
+    linear in l at c = 0 plus a term linear in c and l*c fitted to the points with c > 0."""
+
+    points: tuple  # (b, l, c, t)
+
+    def __call__(self, b: int, l: int, c: int) -> float:
+        bs = sorted({p[0] for p in self.points})
+        bb = min(bs, key=lambda x: (abs(x - b), x))
+        zero = sorted((p[1], p[3]) for p in self.points if p[0] == bb and p[2] == 0)
+        t0 = _interp(l, [z[0] for z in zero], [z[1] for z in zero])
+        if c > 0:
+            kc, klc = self._context_terms(bb)
+            t0 += max(0.0, kc * c + klc * l * c)
+        return t0 * b / bb
+
+    def _context_terms(self, bb: int) -> tuple[float, float]:
+        """Least squares of t(l, c) - t(l, 0) = kc c + klc l c over the points with c > 0 (>= 0)."""
+        zero = sorted((p[1], p[3]) for p in self.points if p[0] == bb and p[2] == 0)
+        xs, ys = [z[0] for z in zero], [z[1] for z in zero]
+        rows = [(p[2], p[1] * p[2], p[3] - _interp(p[1], xs, ys)) for p in self.points if p[0] == bb and p[2] > 0]
+        if not rows:
+            return 0.0, 0.0
+        s11 = sum(a * a for a, _, _ in rows)
+        s12 = sum(a * b for a, b, _ in rows)
+        s22 = sum(b * b for _, b, _ in rows)
+        y1 = sum(a * y for a, _, y in rows)
+        y2 = sum(b * y for _, b, y in rows)
+        det = s11 * s22 - s12 * s12
+        if abs(det) < 1e-30:
+            return max(0.0, y1 / s11 if s11 else 0.0), 0.0
+        kc, klc = (y1 * s22 - y2 * s12) / det, (s11 * y2 - s12 * y1) / det
+        if kc < 0 or klc < 0:  # one term alone, the better non-negative one
+            a = max(0.0, y1 / s11) if s11 else 0.0
+            bq = max(0.0, y2 / s22) if s22 else 0.0
+            ea = sum((y - a * u) ** 2 for u, _, y in rows)
+            eb = sum((y - bq * v) ** 2 for _, v, y in rows)
+            return (a, 0.0) if ea <= eb else (0.0, bq)
+        return kc, klc
+
+
+@dataclass(frozen=True)
+class CpuCompute(ComputeModel):
+    """This machine, one thread per rank, from a profile (``ours.plan.profile``) and calibrated
+    overheads per system. Tensor parallelism divides the math by tp (an estimate; not profiled)."""
+
+    profile: dict
+    overhead: dict = field(default_factory=dict)  # system -> Overheads
+    name = "cpu"
+
+    def _table(self, key: str) -> Table3:
+        """The profile's points of one quantity; at c = 0 cleaned of contention outliers (points more
+        than 25 % off what their neighbours predict) and made non-decreasing in l, so that a
+        measurement slowed by contention does not make a longer slice look cheaper."""
+        cache = self.__dict__.setdefault("_tables", {})
+        if key not in cache:
+            pts = [(p["b"], p["l"], p["c"], p[key]) for p in self.profile["layer"]]
+            out = [q for q in pts if q[2] > 0]
+            for b in sorted({q[0] for q in pts}):
+                row = sorted(q for q in pts if q[0] == b and q[2] == 0)
+                ys, _ = clean_outliers([q[1] for q in row], [q[3] for q in row])
+                out += [(b, l, 0, float(t)) for (_, l, _, _), t in zip(row, isotonic(ys))]
+            cache[key] = Table3(tuple(out))
+        return cache[key]
+
+    def layer_forward(self, b, l, c, tp=1):
+        return self._table("fwd")(b, l, c) / tp
+
+    def layer_backward_input(self, b, l, c, tp=1):
+        return self._table("bwd_in")(b, l, c) / tp
+
+    def layer_wgrad(self, b, l, tp=1):
+        return max(0.0, self._table("wgrad")(b, l, 0)) / tp
+
+    def _head(self, key: str, tokens: int, tp: int, width: int | None) -> float:
+        scale = (width / self.profile["model"]["vocab_size"]) if width else 1.0
+        return self.profile["head"][key] * tokens * scale / tp
+
+    def head_forward(self, tokens, tp=1, width=None):
+        return self._head("fwd_per_token", tokens, tp, width)
+
+    def head_backward_input(self, tokens, tp=1, width=None):
+        return self._head("bwd_in_per_token", tokens, tp, width)
+
+    def head_wgrad(self, tokens, tp=1, width=None):
+        return self._head("wgrad_per_token", tokens, tp, width)
+
+    def embed(self, tokens):
+        return self.profile["embed_per_token"] * tokens
+
+    def optimizer(self, params):
+        return self.profile["optimizer_per_param"] * params
+
+    def overheads(self, system):
+        return self.overhead.get(system, Overheads())
+
+    def with_overheads(self, system: str, o: Overheads) -> "CpuCompute":
+        return CpuCompute(self.profile, {**self.overhead, system: o})
+
+    def loopback(self) -> tuple[float, float]:
+        """(latency s, bandwidth B/s) of a gloo message between two local processes, from the profile."""
+        p = self.profile.get("p2p_fit") or {}
+        return p.get("latency", 50e-6), p.get("bandwidth", 2e9)
+
+    def to_json(self) -> dict:
+        return {"profile": self.profile, "overhead": {k: asdict(v) for k, v in self.overhead.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CpuCompute":
+        return cls(d["profile"], {k: Overheads(**v) for k, v in (d.get("overhead") or {}).items()})
+
+
+# ---- what a stage holds ------------------------------------------------------------------------------
+def stage_params(model: ModelConfig, layers: int, first: bool, last: bool, tp: int = 1,
+                 head: int | None = None) -> int:
+    """Parameters a stage (or one tensor-parallel rank of it) holds; ``head``: the output layer's width
+    (None: the vocabulary; 0: none)."""
+    h = model.n_embd
+    n = layers * (12 * h * h + 13 * h) // tp
+    if first and model.vocab_size:  # vocabulary 0: no embeddings
+        n += (model.vocab_size * h) // tp + model.seq_len * h
+    if last:
+        n += 2 * h + ((model.vocab_size if head is None else head) * h) // tp
+    return n
+
+
+def fmt_seconds(t: float) -> str:
+    return "inf" if math.isinf(t) else f"{t:.4g} s"

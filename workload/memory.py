@@ -1,0 +1,128 @@
+"""Memory of one GPU of a run: parameters, gradients, optimizer state and the activations its schedule
+keeps, for the fullest stage. The simulator predicts ``oom`` where this exceeds what a device can hold
+(``workload.compute.Device.usable_bytes``); ours' layout planner drops such layouts.
+
+Parameters, per parameter of the rank (``workload.compute.stage_params``):
+- fp32: weights 4 B, gradients 4 B, Adam's two moments 8 B;
+- mixed precision, Megatron and the seed's GPipe: half weights 2 B, half gradients 2 B, fp32 master
+  weights and moments 12 B (ZeRO's accounting); torch's autocast (torch_pipe, fairscale, ours): fp32
+  weights and gradients and the moments (16 B) plus the half copies of the weights a step casts (2 B);
+- sharded: FSDP (torch_pipe and fairscale at D > 1) keeps 1/D of all of it, plus one layer gathered
+  whole; Megatron's distributed optimizer 1/D of the master weights and moments; ours' central PS keeps
+  the optimizer on dp_rank 0 only (the fullest rank), its sharded PS 1/D of it on each.
+
+Activations of one layer for one micro-batch of b sequences of s tokens, hidden h, a bytes an element
+(2 under mixed precision, else 4), t tensor-parallel ranks (Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models", 2022, generalised to a): s b h a (4 + 12 / t) for the
+inputs the linears, norms and GELU keep, 2 s b h for the two dropout masks where dropout runs, and
+for materialised attention (2a + 1) n s^2 b / t (softmax output, dropout mask and output; fused
+attention keeps its output's log-sum-exp only). Under full recompute a layer keeps its input (s b h
+a) and the backward holds one layer's activations again (Megatron, ours), or a stage keeps its input
+and recomputes its layers together (torch's Pipe, fairscale's and the seed's GPipe; torch's Pipe keeps
+the last micro-batch whole, checkpoint="except_last", but its backward runs first and frees them before
+any other micro-batch is recomputed). A layer's backward also holds the gradients of its activations
+(one layer's activations more). A stage keeps them for the micro-batches
+its schedule has in flight: GPipe all of them, 1F1B P - stage (the first stage P), Megatron's
+interleaved schedule its warm-up, ours (token slices) the batch slices its order holds. The last
+stage adds the logits of the micro-batches whose loss it keeps (fp32 for the loss).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from workload.compute import stage_params
+from workload.configs import ModelConfig
+
+GB = 2**30
+STAGE_CHECKPOINT = ("torch_pipe", "fairscale_fsdp", "gpipe")  # recompute a stage (a Pipe partition) whole
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes of one GPU, by what holds them."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    stage: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in asdict(self).items() if k != "stage")
+        return f"{self.total / GB:.1f} GiB (stage {self.stage}: {parts})"
+
+
+def layer_activations(model: ModelConfig, b: int, s: int, a: int, tp: int, attention: str, dropout: bool) -> float:
+    """Bytes one layer keeps for its backward, for b sequences of s tokens (see the module docstring)."""
+    h = model.n_embd
+    out = s * b * h * a * (4 + 12 / tp)
+    if dropout:
+        out += 2 * s * b * h
+    if attention == "materialized":
+        out += (2 * a + (1 if dropout else 0)) * model.n_head * s * s * b / tp
+    else:
+        out += 4 * model.n_head * s * b / tp
+    return out
+
+
+def in_flight(system: str, schedule: str, stage: int, pp: int, n_micro: int, virtual_pp: int = 1) -> float:
+    """Micro-batches' worth of a stage's layers the schedule keeps at its peak."""
+    if schedule == "gpipe":
+        return n_micro
+    if schedule == "interleaved" and virtual_pp > 1:
+        rounds = n_micro // max(1, n_micro // pp)
+        warm = min(n_micro * virtual_pp, (pp - stage - 1) * 2 + (virtual_pp - 1) * rounds + 1)
+        return warm / virtual_pp
+    return min(n_micro, pp - stage)
+
+
+def param_bytes(system: str, precision: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter, unsharded."""
+    if precision == "fp32":
+        return 4, 4, 8
+    if system in ("megatron", "gpipe"):
+        return 2, 2, 12
+    return 6, 4, 8
+
+
+def rank_memory(model: ModelConfig, *, system: str, tp: int, pp: int, dp: int, micro_batch: int, n_micro: int,
+                precision: str, recompute: bool, schedule: str, attention: str, dropout: bool = False,
+                dp_mode: str = "allreduce", head: int | None = None, virtual_pp: int = 1,
+                distributed_optimizer: bool = False) -> Memory:
+    """The fullest GPU of the run (see the module docstring)."""
+    a = 4 if precision == "fp32" else 2
+    layers = model.n_layer // pp
+    s = model.seq_len
+    w, g, o = param_bytes(system, precision)
+    best = None
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        n = stage_params(model, layers, first, last, tp, head)
+        fw, fg, fo = w, g, o
+        if dp > 1 and dp_mode == "fsdp":
+            fw, fg, fo = w / dp, g / dp, o / dp
+        elif dp > 1 and (distributed_optimizer or dp_mode == "sharded_ps"):
+            fo = o / dp
+        weights = n * fw + (stage_params(model, 1, False, False, tp) * w if dp > 1 and dp_mode == "fsdp" else 0)
+        act_layer = layer_activations(model, micro_batch, s, a, tp, attention, dropout)
+        held = in_flight(system, schedule, stage, pp, n_micro, virtual_pp)
+        checkpoint = s * micro_batch * model.n_embd * a
+        if not recompute:
+            acts = held * layers * act_layer
+        elif system in STAGE_CHECKPOINT:  # the stage's input kept, the stage recomputed whole
+            acts = held * checkpoint + layers * act_layer
+        else:  # each layer's input kept, one layer recomputed at a time
+            acts = held * layers * checkpoint + act_layer
+        acts += act_layer  # the gradients of one layer's activations, alive during its backward
+        if last and head != 0:
+            width = head or model.vocab_size
+            kept = held if (system in ("torch_pipe", "fairscale_fsdp") and schedule == "gpipe") else 1
+            acts += kept * micro_batch * s * width / tp * (a + 4)
+        m = Memory(weights, n * fg, n * fo, acts, stage)
+        if best is None or m.total > best.total:
+            best = m
+    return best
