@@ -393,6 +393,32 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
             f"separate.\n\n" + "\n".join(lines))
 
 
+def provenance(records: list[dict]) -> tuple[str, list[str]]:
+    """What produced the records, as they say it (``runners.record.provenance``): the code's commits (a
+    dirty tree marked), and the library versions; and the warnings, one line each, where the records
+    differ in commit or versions, or where some say neither or came from a dirty tree."""
+    def count(values: list[str]) -> str:
+        seen: dict[str, int] = {}
+        for v in values:
+            seen[v] = seen.get(v, 0) + 1
+        return ", ".join(f"{v} ({n} record{'s' if n != 1 else ''})" for v, n in seen.items())
+
+    envs = [r.get("environment") or {} for r in records]
+    commits = [f"commit {str(e['git_commit'])[:12]}" + (" (dirty)" if e.get("git_dirty") else "") if e.get("git_commit")
+               else "no commit recorded" for e in envs]
+    versions = [", ".join(f"{k} {v}" for k, v in e["versions"].items()) if isinstance(e.get("versions"), dict)
+                else "no versions recorded" for e in envs]
+    warnings = []
+    if len(set(commits)) > 1:
+        warnings.append(f"the records come from {len(set(commits))} commits: {count(commits)}")
+    elif any(c.endswith(" dirty") for c in commits):
+        warnings.append("the records come from a tree whose tracked files differed from its commit")
+    if len(set(versions)) > 1:
+        warnings.append(f"the records come from {len(set(versions))} sets of versions: {count(versions)}")
+    text = f"Made by: {count(commits)}; with {count(versions)}."
+    return text + "".join(f"\n\n**Warning**: {w}." for w in warnings), warnings
+
+
 def _busy_range(shares: list[float]) -> str:
     """The ranks' busy shares (CPU time over step time, CPU runs) as their range: how much of a step they computed."""
     if not shares:
@@ -435,7 +461,7 @@ def render(records: list[dict], target: float | None = None) -> str:
     if df.empty:
         return "No run records found.\n"
     layouts, networks = _tables(df, emulated=False), _tables(df, emulated=True)
-    parts = ["# Results", summary(layouts, networks)]
+    parts = ["# Results", provenance(records)[0], summary(layouts, networks)]
     net, lay = network_tables(networks), layout_tables(layouts)
     if lay:
         parts += ["## Layouts (no network emulation)", *lay]
@@ -713,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python report.py: error: {bad}", file=sys.stderr)
         return 2
     records = load_records(args.inputs)
+    for warning in provenance(records)[1]:
+        print(f"report.py: warning: {warning}", file=sys.stderr)
     text = render(records, args.target)
     print(text)
     if args.out:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import functools
 import json
 import math
 import os
 import platform
 import stat
 import statistics
+import subprocess
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -126,7 +128,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
         global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size, seq_len=m.seq_len,
         precision=cfg.precision, recompute=cfg.recompute, network=cfg.network,
         network_setting=network_setting(cfg), status=status, error=error,
-        options=options, details=spec.run_details(options), environment=dict(environment), verify=verify,
+        options=options, details=spec.run_details(options), environment={**provenance(), **environment}, verify=verify,
         config=cfg.to_dict(), key=cfg.key())
     if not ranks:
         return rec
@@ -187,6 +189,38 @@ def host_environment(hardware: str | None = None) -> dict[str, Any]:
     kind, _, name = (hardware or "cpu").partition(":")
     return {"torch_version": version("torch"), "python": platform.python_version(), "platform": platform.platform(),
             "launcher_host": platform.node(), "device_kind": kind, "device_name": name or kind}
+
+
+LIBRARIES = ("torch", "megatron-core", "fairscale", "torchft")  # the distributions the systems train with
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def provenance() -> dict[str, Any]:
+    """What produced a record: ``git_commit`` of the code (None outside a git checkout), ``git_dirty``
+    (tracked files differ from it; ``results/``, what the suite writes, aside) and ``git_changed`` (those
+    files, at most 20), ``versions`` of Python and of ``LIBRARIES`` (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", "-C", str(_ROOT), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return p.stdout if p.returncode == 0 else None
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results") if commit else None
+    paths = [line[3:] for line in (changed or "").splitlines()]
+    return {"git_commit": commit.strip() if commit else None, "git_dirty": bool(paths) if changed is not None else None,
+            "git_changed": paths[:20],
+            "versions": {"python": platform.python_version(), **{name: installed(name) for name in LIBRARIES}}}
 
 
 def append_record(path: str | Path, record: RunRecord) -> None:

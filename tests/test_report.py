@@ -345,3 +345,16 @@ def test_cpu_and_gpu_records_of_one_config_are_different_runs():
     on_cpu = next(t for t in tables if "hardware: cpu;" in t)
     on_gpu = next(t for t in tables if "hardware: cuda: NVIDIA H100 80GB HBM3;" in t)
     assert "0.300 s" in on_cpu and "0.010 s" not in on_cpu and "0.010 s" in on_gpu and "0.300 s" not in on_gpu
+
+
+def test_the_report_prints_the_commits_of_its_records_and_warns_where_they_differ():
+    recs = _reps()
+    text = render(recs)
+    commit = recs[0]["environment"]["git_commit"]
+    assert f"Made by: commit {commit[:12]}" in text and "torch 2.13" in text
+    recs[0]["environment"] = {**recs[0]["environment"], "git_commit": "f" * 40, "git_dirty": True}
+    recs[1]["environment"] = {k: v for k, v in recs[1]["environment"].items() if k not in ("git_commit", "versions")}
+    text = render(recs)
+    assert "**Warning**: the records come from 3 commits: " in text
+    assert "commit ffffffffffff (dirty) (1 record)" in text and "no commit recorded (1 record)" in text
+    assert "**Warning**: the records come from 2 sets of versions" in text

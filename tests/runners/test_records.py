@@ -152,3 +152,36 @@ def test_one_writer_of_a_records_file_at_a_time(tmp_path):
         os.close(fd)
     os.close(hold_records(out))  # released with its holder
     assert not out.exists()
+
+
+def test_every_record_says_what_produced_it(tmp_path, monkeypatch, request):
+    """The code's commit, whether tracked files outside results/ differed from it, and the versions."""
+    import subprocess
+
+    rec = json.loads(build_record(_cfg(), TORCH_PIPE, "error", "x", None, {}).to_json())
+    env = rec["environment"]
+    assert len(env["git_commit"]) == 40 and isinstance(env["git_dirty"], bool)
+    assert set(env["versions"]) == {"python", "torch", "megatron-core", "fairscale", "torchft"}
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    (tmp_path / "results").mkdir()
+    for name in ("code.py", "results/r.jsonl"):
+        (tmp_path / name).write_text("1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "x")
+    monkeypatch.setattr(record_mod, "_ROOT", tmp_path)
+    request.addfinalizer(record_mod.provenance.cache_clear)
+    seen = []
+    for change in (None, "results/r.jsonl", "code.py"):
+        if change:
+            (tmp_path / change).write_text("2\n")
+        record_mod.provenance.cache_clear()
+        seen.append((record_mod.provenance()["git_dirty"], record_mod.provenance()["git_changed"]))
+    assert seen == [(False, []), (False, []), (True, ["code.py"])]
+    monkeypatch.setattr(record_mod, "_ROOT", tmp_path.parent / "nowhere")
+    record_mod.provenance.cache_clear()
+    assert record_mod.provenance()["git_commit"] is None and record_mod.provenance()["git_dirty"] is None

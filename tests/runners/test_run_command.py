@@ -28,6 +28,9 @@ def test_torch_pipe_matches_reference(layout, out_file):
     assert len(rec["step_times"]) == 3 and len(rec["losses"]) == 3
     assert rec["median_step_time"] > 0 and rec["tokens_per_s"] > 0 and rec["mfu"] > 0
     assert rec["environment"]["torch_version"] and rec["environment"]["device_kind"] == "cpu"
+    env = rec["environment"]  # provenance: the code's commit, whether it was dirty, the libraries' versions
+    assert len(env["git_commit"]) == 40 and isinstance(env["git_dirty"], bool)
+    assert all(env["versions"][name] for name in ("python", "torch", "megatron-core", "fairscale", "torchft"))
     assert rec["peak_source"].startswith("model-ops:fp32")  # the CPU peak: the model's own GEMMs (workload.cpu_peak)
     assert len(rec["peak_memory_bytes"]) == rec["environment"]["device_count"]
     assert len(rec["busy_fraction"]) == rec["environment"]["device_count"]
