@@ -532,8 +532,9 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
     (``contract.records.predictions_path``): a prediction (``record_prediction``, over the link the run's
     probe measured; it names its calibration) only with this host's and code version's calibration
     (``load_calibration(strict=True)``), while the host's speed is within ``SPEED_BOUND`` of it, and for
-    a case its validation found modelled (``validate_records``); every other run gets
-    {"not_modelled": why}. Where the calibration is missing or the host's speed has moved, one line
+    a case its validation found modelled (``validate_records``) on runs other than this one (a run the
+    validation scored gets none: a prediction is never shown beside a run it was judged on); every other
+    run gets {"not_modelled": why}. Where the calibration is missing or the host's speed has moved, one line
     says so. An earlier file of predictions is replaced. Returns the predictions made."""
     records = [r for r in read_records(path) if _cpu_ok(r)]
     why_not = None
@@ -562,6 +563,10 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
         if why_not:
             kept[rec["run_id"]] = {"not_modelled": why_not}
             continue
+        if verdict is not None and verdict["modelled"] and rec["run_id"] in verdict.get("run_ids", ()):
+            kept[rec["run_id"]] = {"not_modelled": f"{case}: its validation scored this very run; a prediction "
+                                                   "is shown only beside runs it was not validated on"}
+            continue
         if verdict is None or not verdict["modelled"]:
             if verdict is None:
                 why = "not validated on this calibration's runs"
@@ -581,6 +586,17 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
     return {k: v for k, v in kept.items() if "step_time" in v}
 
 
+def calibration_run_ids(cal: Calibration) -> set[str]:
+    """The run ids of the records ``cal`` was fitted on (its directory's calibration runs, kept or moved
+    aside)."""
+    ids: set[str] = set()
+    for path in sorted(cal.directory.glob("calibration-runs*.jsonl")):
+        if path.name.endswith("-loads.jsonl"):
+            continue
+        ids |= {r["run_id"] for r in read_records(path) if r.get("run_id")}
+    return ids
+
+
 def modelled_cases(cal: Calibration, directory: Path = CALIBRATIONS) -> dict[str, dict]:
     """The cases ``validate_records`` judged with ``cal`` (none where the validation kept in
     ``directory`` is of another calibration): {case: {"median", "max", "modelled", ...}}."""
@@ -596,7 +612,8 @@ def modelled_cases(cal: Calibration, directory: Path = CALIBRATIONS) -> dict[str
 
 def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=print, name: str = "validation",
                      out: Path | None = None) -> dict:
-    """Every ok CPU run of ``paths`` predicted with this host's and code version's calibration, against
+    """Every ok CPU run of ``paths`` but the calibration's own runs predicted with this host's and code
+    version's calibration, against
     its measured median over repetitions (records of one run, its identity key, combined by
     ``contract.estimate``), the prediction the median of each repetition's (as it ran: ours' ``auto``
     with the slices that launch kept, over the link its probe measured); the errors grouped by case (``case_of``), each case modelled where its
@@ -609,11 +626,20 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
     moved = speed_moved(cal)
     if moved:
         log(f"warning: {moved}")
+    calibrating = calibration_run_ids(cal)
     by_key: dict[str, list[dict]] = {}
+    skipped = 0
     for path in paths:
         for rec in read_records(path):
-            if _cpu_ok(rec):
-                by_key.setdefault(rec.get("key") or rec["run_id"], []).append(rec)
+            if not _cpu_ok(rec):
+                continue
+            if rec["run_id"] in calibrating:  # what the calibration was fitted on is never scored
+                skipped += 1
+                continue
+            by_key.setdefault(rec.get("key") or rec["run_id"], []).append(rec)
+    if skipped:
+        log(f"validation: {skipped} run(s) of the calibration itself left out (a prediction is scored only on "
+            "runs it was not fitted on)")
     rows = []
     for key, recs in by_key.items():
         rec = recs[-1]
@@ -630,12 +656,13 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
         rows.append(dict(case=case_of(rec), network=(rec.get("network_setting") or {}).get("label", rec["network"]),
                          batch=rec["batch_size"], measured=measured.median, spread=measured.spread, runs=measured.n,
                          predicted=predicted, error=(predicted - measured.median) / measured.median,
-                         details=rec.get("details") or ""))
+                         details=rec.get("details") or "", run_ids=[r["run_id"] for r in recs]))
     cases: dict[str, dict] = {}
     for row in rows:
-        cases.setdefault(row["case"], {"errors": []})
+        cases.setdefault(row["case"], {"errors": [], "run_ids": []})
         if row["error"] is not None:
             cases[row["case"]]["errors"].append(row["error"])
+            cases[row["case"]]["run_ids"] += row["run_ids"]
         else:
             cases[row["case"]].setdefault("why", row["why"])
     for case in cases.values():

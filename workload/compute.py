@@ -252,6 +252,12 @@ def find_device(name: str) -> Device:
 
 
 # ---- GPUs: the operations of a layer ---------------------------------------------------------------
+# A fused attention kernel's share of a GEMM's efficiency on the same tiles (its softmax, masking and
+# rescaling between the two products): FlashAttention-2 reports 50-73 % of A100's dense peak where
+# cuBLAS's GEMMs reach 80-90 %. A prior until scripts/gpu_profile.sh's attention grid says otherwise.
+FLASH_SHARE = 0.75
+
+
 def _s(x: float, half: float) -> float:
     return x / (x + half)
 
@@ -401,7 +407,7 @@ class GpuCompute(ComputeModel):
         masked half skipped), ``factor`` times the forward's math (2.5 for the backward, which
         recomputes the scores), its bytes those of q, k, v and the output."""
         e_max, half = self.device.gemm_curve(self.precision)
-        eff = e_max * tile_efficiency(l, hd, c + l, b * heads, self.device.sms, half)
+        eff = FLASH_SHARE * e_max * tile_efficiency(l, hd, c + l, b * heads, self.device.sms, half)
         flops = factor * 4.0 * b * heads * l * (c + l / 2) * hd
         nbytes = factor * b * heads * hd * (2 * l + 2 * (c + l)) * self.act_bytes
         t = max(flops / (self.device.peak_flops(self.precision) * eff),

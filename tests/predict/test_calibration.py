@@ -258,3 +258,34 @@ def test_calibration_fit_recovers_what_made_its_runs(tmp_path):
     assert cal.overhead["ours"].dp == pytest.approx(0.003, rel=0.1)
     assert max(abs(row["error"]) for row in cal.runs) < 0.02
     assert json.loads((tmp_path / "calibration.json").read_text())["cores"][2] == pytest.approx(2.0 * crowded)
+
+
+def test_a_prediction_is_never_shown_beside_a_run_its_validation_scored(tmp_path, monkeypatch):
+    """Two runs of one case: the validation scored the first; the report's predictions (``predict
+    records``) show one beside the second only, and the calibration's own runs are never scored."""
+    from predict import this_machine as tm
+    from runners.record import append_record, build_record
+    from runners.request import parse_request
+
+    cfg, spec = parse_request(["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2",
+                               "--micro-batch-size", "1", "--n-slices", "2"])
+    runs = []
+    for t in (0.1, 0.11):
+        rec = build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu"})
+        rec.median_step_time = t
+        append_record(tmp_path / "job.jsonl", rec)
+        runs.append(rec.run_id)
+    case = tm.case_of(json.loads((tmp_path / "job.jsonl").read_text().splitlines()[0]))
+    cal = type("Cal", (), {"identity": "x", "directory": tmp_path, "name": "a test calibration"})()
+    monkeypatch.setattr(tm, "load_calibration", lambda *a, **k: cal)
+    monkeypatch.setattr(tm, "speed_moved", lambda c: None)
+    monkeypatch.setattr(tm, "modelled_cases", lambda c, d=None: {case: dict(modelled=True, run_ids=[runs[0]],
+                                                                            median=0.01, max=0.02)})
+    monkeypatch.setattr(tm, "record_prediction", lambda cfg, probed=None, cal=None: {"step_time": 0.105})
+    kept = tm.predict_records(tmp_path / "job.jsonl", tmp_path)
+    assert set(kept) == {runs[1]}
+    shown = json.loads((tmp_path / "job.predictions.json").read_text())
+    assert "scored this very run" in shown[runs[0]]["not_modelled"]
+    # the calibration's own runs (its calibration-runs*.jsonl) are left out of a validation
+    (tmp_path / "calibration-runs.jsonl").write_text((tmp_path / "job.jsonl").read_text().splitlines()[0] + "\n")
+    assert tm.calibration_run_ids(cal) == {runs[0]}
