@@ -87,7 +87,7 @@ def compute_model(config, device) -> tuple[ComputeModel, StageLink | None, str]:
         return CpuCompute(prof), link, f"profile {path.name}"
     from workload.cpu_peak import cpu_peak_tflops
 
-    peak = cpu_peak_tflops(m, config.micro_batch_size)
+    peak, _ = cpu_peak_tflops(m, config.micro_batch_size)
     return GpuCompute(host_device(peak), m, "fp32", "flash"), None, f"this host's measured peak ({peak:.3f} TFLOP/s)"
 
 

@@ -52,7 +52,7 @@ def test_a_profile_at_a_longer_sequence_covers_shorter_ones(tmp_path, monkeypatc
 
 def test_without_a_profile_the_host_is_a_device_of_its_own(tmp_path, monkeypatch):
     monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
-    monkeypatch.setattr("workload.cpu_peak.cpu_peak_tflops", lambda m, b: 0.05)
+    monkeypatch.setattr("workload.cpu_peak.cpu_peak_tflops", lambda m, b: (0.05, "a test"))
     chosen = auto_slicing(_config(pp=2, seq_len=512), torch.device("cpu"))
     assert sum(chosen.slices) == 512 and "measured peak (0.050 TFLOP/s)" in chosen.source
     dev = host_device(0.05)
