@@ -112,7 +112,9 @@ def calibrate(rows: list[dict]) -> dict:
             r[key] = (r[pred] - r["measured"]) / r["measured"]
         if r.get("measured_min"):
             r["error_raw_min"] = (r["predicted_raw"] - r["measured_min"]) / r["measured_min"]
-    med = lambda key: statistics.median(abs(r[key]) for r in ok) if ok else None
+    def med(key):
+        return statistics.median(abs(r[key]) for r in ok) if ok else None
+
     return dict(
         median_abs_error_raw=med("error_raw"), median_abs_error_loo=med("error_loo"),
         median_abs_error_loo_scale=med("error_loo_scale"),
@@ -157,7 +159,8 @@ def markdown(res: dict) -> str:
             sl = sl[:57] + "..."
         lines.append(f"| {r['name']} | {sl} | {_ms(r['predicted_pipeline'])} | {_ms(r['predicted_raw'])} | "
                      f"{_ms(r['measured'])} | {_ms(r.get('measured_min'))} | {_pct(r.get('error_raw'))} | "
-                     f"{_pct(r.get('error_loo'))} | {_pct(r.get('error_loo_scale'))} | {_pct(r.get('error_raw_min'))} |")
+                     f"{_pct(r.get('error_loo'))} | {_pct(r.get('error_loo_scale'))} | "
+                     f"{_pct(r.get('error_raw_min'))} |")
     lines += [
         "",
         f"Median absolute prediction error: raw {_abs(s['median_abs_error_raw'])}; with a per-step constant "
@@ -198,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
               "(python -m ours.plan profile, then fit; or give --latency-model)", file=sys.stderr)
         return 2
     ks = args.ks or [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= cfg.seq_len // 8]
-    out_dir = Path(args.out_dir or plan_dir() / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}-b{args.micro_batch_size}")
+    name = f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}-b{args.micro_batch_size}"
+    out_dir = Path(args.out_dir or plan_dir() / name)
     extra = [a for flag, v in (("--num-layers", args.n_layer), ("--seq-length", args.seq_len),
                                ("--network", args.network)) if v for a in (flag, str(v))]
     res = evaluate(LatencyModel.load(path), model=args.model, n_layer=cfg.n_layer, seq_len=cfg.seq_len, pp=args.pp,

@@ -8,10 +8,9 @@ Standard library only; the same file is the script run inside each host:
 Hosts that share one kernel (virtual hosts, virtual nodes: the same boot id) share one
 clock: there the one-way delay is measured directly (the kernel's receive timestamp of the
 datagram, SO_TIMESTAMPNS, minus the client's send time). Between real hosts, whose clocks
-differ, it is reported as RTT/2 (``one_way_method`` says which). Bandwidth is TCP goodput (payload bytes) over the second half
-of the transfer, i.e. after slow start; the whole-transfer mean is kept too.
-TCP buffers are left to autotuning (the cluster raises tcp_rmem/tcp_wmem to 64 MB);
-setting SO_RCVBUF would cap them at net.core.rmem_max.
+differ, it is reported as RTT/2 (``one_way_method`` says which). Bandwidth is TCP goodput (payload bytes) over the
+second half of the transfer, i.e. after slow start; the whole-transfer mean is kept too. TCP buffers are left to
+autotuning (the cluster raises tcp_rmem/tcp_wmem to 64 MB); setting SO_RCVBUF would cap them at net.core.rmem_max.
 """
 
 from __future__ import annotations

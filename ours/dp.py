@@ -92,7 +92,8 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         off += n
 
 
-def _ordered(named: list[tuple[str, torch.nn.Parameter]], order: list[torch.nn.Parameter] | None) -> list[torch.nn.Parameter]:
+def _ordered(named: list[tuple[str, torch.nn.Parameter]],
+             order: list[torch.nn.Parameter] | None) -> list[torch.nn.Parameter]:
     """The parameters in the order their gradients become final (``order``), else in ``named``'s order."""
     params = [p for _, p in named]
     if order is None:

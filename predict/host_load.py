@@ -3,8 +3,8 @@
 This machine is shared: other processes compete for its cores. ``watch_run`` runs the run command and
 samples, every ``period`` seconds, how many threads on the host are runnable (``/proc/loadavg``) and not
 the run's own (its process tree's threads, this sampler's); rank 0's "step k/N" lines mark the measured
-steps, and the mean over them is the run's background load: B threads that keep competing for the cores. With c quiet cores, k computing
-ranks then get ``cores_with_background(c, B)[k - 1]`` cores' worth between them (processor sharing,
+steps, and the mean over them is the run's background load: B threads that keep competing for the cores. With c quiet
+cores, k computing ranks then get ``cores_with_background(c, B)[k - 1]`` cores' worth between them (processor sharing,
 less what the host loses switching where the k outnumber the cores).
 """
 from __future__ import annotations

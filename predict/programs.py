@@ -17,18 +17,17 @@
   previous step's backward, the DP sync's after the previous sync; the first step's before the first
   barrier); every unit's (batch slice x token slice) forward and backward in the order of
   ``ours.schedule`` (1F1B over batch slices, or GPipe); each receive waited like the engine waits
-  over gloo, running queued weight gradients until it arrives; the last stage computes the head and loss when a unit's backward starts; weight gradients deferred
-  (queued per linear), run while waiting for a gradient and at the end, linear after linear; sends
-  waited at the end. Data parallel (``ours.dp.PointToPointSync``), one round of point-to-point
-  messages in 4 MiB buckets of the stage's gradients in the order they become final: a bucket is
-  pushed as soon as its last gradient is (overlapping the remaining weight gradients), each range to
-  the dp_rank that reduces it; that rank waits for the D - 1 pushes and, as a server, steps its
-  range's optimizer and sends the result to every replica that does not reduce the whole bucket.
-  central PS: dp_rank 0 reduces every bucket; sharded PS: each rank 1/D of every bucket;
-  all-reduce: D = 2 a direct exchange of the buckets (each rank sums), D > 2 the sharded pattern
-  sending back averaged gradients (a reduce-scatter and an all-gather point to point), then every
-  rank's optimizer. ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours:
-  per 25 MB bucket, once final, a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
+  over gloo, running queued weight gradients until it arrives; the last stage computes the head and loss when a unit's
+  backward starts; weight gradients deferred (queued per linear), run while waiting for a gradient and at the end,
+  linear after linear; sends waited at the end. Data parallel (``ours.dp.PointToPointSync``), one round of
+  point-to-point messages in 4 MiB buckets of the stage's gradients in the order they become final: a bucket is pushed
+  as soon as its last gradient is (overlapping the remaining weight gradients), each range to the dp_rank that reduces
+  it; that rank waits for the D - 1 pushes and, as a server, steps its range's optimizer and sends the result to every
+  replica that does not reduce the whole bucket. central PS: dp_rank 0 reduces every bucket; sharded PS: each rank 1/D
+  of every bucket; all-reduce: D = 2 a direct exchange of the buckets (each rank sums), D > 2 the sharded pattern
+  sending back averaged gradients (a reduce-scatter and an all-gather point to point), then every rank's optimizer.
+  ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours: per 25 MB bucket, once final, a
+  chain reduce to dp_rank 0, its Adam step, a chain broadcast.
 
 Every step is framed like the run command times it (``contract.rank.StepBarrier``): a
 dissemination barrier (ceil(log2 n) rounds of a 1-element message to rank + 2^k, one one-way delay
@@ -385,8 +384,12 @@ def megatron(st: _Step, rank: int) -> list:
         mb, seq = spec.micro_batch_size, st.seq
         nb = st.act_bytes(mb, seq)
         prev, nxt = rank - 1, rank + 1
-        fk = lambda i, src: _key(st.step, "f", d, src, i)
-        bk = lambda i, src: _key(st.step, "b", d, src, i)
+        def fk(i, src):
+            return _key(st.step, "f", d, src, i)
+
+        def bk(i, src):
+            return _key(st.step, "b", d, src, i)
+
         ops = [Compute(st.o.step, "overhead")]
 
         def pair(sends, recvs):  # megatron's _communicate: post all, wait all

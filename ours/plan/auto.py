@@ -129,7 +129,8 @@ def auto_slicing(config, device) -> AutoSlicing:
             return AutoSlicing(chosen.slices, f"simulator ({simulated.name})")
     path = fitted_model_path(m, device)
     if path is None:
-        return AutoSlicing(rule_of_thumb(m.seq_len, config.pp), f"rule (no fitted latency model for {cache_key(m, device)})")
+        return AutoSlicing(rule_of_thumb(m.seq_len, config.pp),
+                           f"rule (no fitted latency model for {cache_key(m, device)})")
     p = plan(LatencyModel.load(path), n_layer=m.n_layer, n_stages=config.pp, batch_size=config.batch_size,
              seq_len=m.seq_len, granularity=default_granularity(m.seq_len), batch_slices=[config.micro_batch_size])
     assert sum(p.slices) == m.seq_len

@@ -221,7 +221,8 @@ def describe(cands: list[Candidate]) -> str:
     """The candidates as a table, then the choice."""
     from tabulate import tabulate
 
-    rows = [[c.label, len(c.slices), _slicing(c.slices), f"{c.step:.2f}" if c.fits else "-", f"{c.memory_gb:.1f}", why(c)]
+    rows = [[c.label, len(c.slices), _slicing(c.slices), f"{c.step:.2f}" if c.fits else "-", f"{c.memory_gb:.1f}",
+             why(c)]
             for c in cands]
     best = cands[0]
     table = tabulate(rows, headers=["layout", "K", "slices", "step s", "GB", "why"], tablefmt="github")

@@ -71,4 +71,5 @@ def plan(model: LatencyModel, *, n_layer: int, n_stages: int, batch_size: int, s
     slices = tuple(int(pos[e] - pos[s]) for s, e in zip(sol.cuts[:-1], sol.cuts[1:]))
     step = model.step_time(slices, b, batch_size, n_layer, n_stages)["total"]
     return Plan(slices=slices, batch_slice=b, n_stages=n_stages, batch_size=batch_size, granularity=granularity,
-                predicted_pipeline=float(T), predicted_step=float(step), solve_seconds=elapsed, candidates=cand, evaluated=ev)
+                predicted_pipeline=float(T), predicted_step=float(step), solve_seconds=elapsed, candidates=cand,
+                evaluated=ev)

@@ -178,7 +178,8 @@ def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dic
     t_opt = _median_time(opt.step, reps, 2, device)
     fill, fill_pts = LayerBench(cfg, device).fill_factor(reps)
     return dict(head_per_token=t_head / L, embed_per_token=t_embed / L, optimizer_per_param=t_opt / n_params,
-                fill_factor=fill, fill_points=fill_pts, head_seconds=t_head, embed_seconds=t_embed, optimizer_seconds=t_opt, optimizer_params=n_params)
+                fill_factor=fill, fill_points=fill_pts, head_seconds=t_head, embed_seconds=t_embed,
+                optimizer_seconds=t_opt, optimizer_params=n_params)
 
 
 # --- point-to-point ---------------------------------------------------------------------------
@@ -281,5 +282,6 @@ def profile(cfg: ModelConfig, grid: ProfileGrid = ProfileGrid(), device: torch.d
                    vocab_size=cfg.vocab_size),
         granularity=grid.granularity, grid=dict(batch_slices=list(grid.batch_slices), context_step=grid.context_step,
                                                 reps=grid.reps, warmup=grid.warmup, stat=grid.stat),
-        layer=sorted(layer, key=lambda p: (p["b"], p["c"], p["l"])), p2p=p2p, overhead=overhead, errors=errors, seconds=time.perf_counter() - started,
+        layer=sorted(layer, key=lambda p: (p["b"], p["c"], p["l"])), p2p=p2p, overhead=overhead, errors=errors,
+                seconds=time.perf_counter() - started,
     )

@@ -1,6 +1,7 @@
 """The sweep's command line.
 
-    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down] [--repeats N]
+    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down]
+                                       [--repeats N]
                                        [--hostfile FILE [--ssh-config FILE] [--iface IFACE] [--nproc-per-node N] ...]
                                        [--slurm [--iface IFACE] [--nproc-per-node N] ...]   (inside a Slurm allocation)
     python -m runners.sweep --networks PROFILE... [--out FILE] [--dry-run] -- RUN_ARGS...   (netem_sweep.sh)

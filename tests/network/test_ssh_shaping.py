@@ -85,7 +85,8 @@ def test_d10_1g_measured_over_ssh_then_nothing_left(nodes: VirtualNodes) -> None
         assert abs(m.one_way_delay_ms - 10) <= DELAY_TOLERANCE_MS, m
         assert low <= m.bandwidth_gbps <= 1.10, m
         back = probe_until(s, 1, 0, lambda r: abs(r.one_way_delay_ms - 10) <= 0.5, duration_s=0)
-        assert abs(back.one_way_delay_ms - 10) <= DELAY_TOLERANCE_MS + 0.2, back                 # the other direction is delayed too
+        # the other direction is delayed too
+        assert abs(back.one_way_delay_ms - 10) <= DELAY_TOLERANCE_MS + 0.2, back
         assert s.describe()["hosts"][1] == {"host": "node02", "hostname": "node02", "iface": "eth0",
                                             "address": nodes.nodes[1].address, "backend": s.backends["node02"]}
     assert left(nodes) == {}

@@ -1,4 +1,5 @@
-"""auto_slicing: the planner with a fitted model that covers the shape, else the rule of thumb; the CLI end to end on a small shape."""
+"""auto_slicing: the planner with a fitted model that covers the shape, else the rule of thumb; the CLI end to end on
+a small shape."""
 from __future__ import annotations
 
 import json
@@ -99,8 +100,10 @@ def test_auto_slicing_uses_explicit_model_file(tmp_path, monkeypatch):
 @pytest.mark.multiprocess  # the profile's point-to-point part starts two gloo processes
 def test_cli_profile_fit_solve(tmp_path):
     env = {"OURS_PLAN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "ours.plan", *a], cwd=REPO, capture_output=True, text=True,
-                                    timeout=300, env=env)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "ours.plan", *a], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env=env)
+
     prof = tmp_path / "prof.json"
     p = run("profile", "--model", "tiny", "--seq-len", "64", "--quick", "--no-progress", "--out", str(prof))
     assert p.returncode == 0, p.stderr

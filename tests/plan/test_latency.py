@@ -18,7 +18,9 @@ def t0(b, l):
 
 def synthetic_profile(noise=0.005, seed=0, seq_len=512, g=8, step=64):
     rng = np.random.default_rng(seed)
-    jitter = lambda: 1 + noise * rng.standard_normal()
+    def jitter():
+        return 1 + noise * rng.standard_normal()
+
     layer = []
     for b in (1, 2):
         for l in range(g, seq_len + 1, g):
@@ -108,7 +110,8 @@ def test_contention_outliers_are_dropped_and_profiles_merge():
     for b, l, c in [(1, 64, 256), (2, 128, 128), (1, 8, 0), (2, 496, 0)]:
         assert float(lm.layer_time(b, l, c)) == pytest.approx(float(fit(clean).layer_time(b, l, c)), rel=0.05)
     merged = merge_profiles([noisy, clean])  # per point, the fastest
-    assert [p["t"] for p in merged["layer"]] == [p["t"] for p in sorted(clean["layer"], key=lambda q: (q["b"], q["c"], q["l"]))]
+    assert [p["t"] for p in merged["layer"]] == [p["t"] for p in sorted(clean["layer"],
+                                                                        key=lambda q: (q["b"], q["c"], q["l"]))]
     y, bad = clean_outliers(np.arange(9), np.array([1, 2, 3, 4, 50, 6, 7, 8, 9.0]))
     assert bad.tolist() == [False] * 4 + [True] + [False] * 4 and y[4] == pytest.approx(5)
     assert isotonic(np.array([1, 3, 2, 4.0])).tolist() == [1, 2.5, 2.5, 4]

@@ -31,7 +31,8 @@ def test_a_per_link_matrix_is_the_tiers_it_describes_and_a_layout_that_does_not_
     # two nodes of two devices: 5 us / 300 GB/s inside, 10 ms / 1 Gbit/s between
     fast, slow = [0.005, 2400.0], [10.0, 1.0]
     pick = [[fast if i // 2 == j // 2 else slow for j in range(4)] for i in range(4)]
-    matrix = {"delay_ms": [[p[0] for p in row] for row in pick], "bandwidth_gbps": [[p[1] for p in row] for row in pick]}
+    matrix = {"delay_ms": [[p[0] for p in row] for row in pick],
+              "bandwidth_gbps": [[p[1] for p in row] for row in pick]}
     tiers = Cluster(4, gpus_per_node=2, intra=Link(5e-6, 300e9), inter=Link(10e-3, 1e9 / 8))
     a = plan_layout(XL, Cluster.from_matrix(matrix), V100, batch_size=8)
     b = plan_layout(XL, tiers, V100, batch_size=8)

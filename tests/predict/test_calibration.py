@@ -178,7 +178,9 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
     from runners.request import parse_request
 
     monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))  # no fitted model: the rule of thumb
-    cfg = lambda *a: parse_request(["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", *a])[0]
+    def cfg(*a):
+        return parse_request(["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", *a])[0]
+
     link = Link.from_ms_gbps(0.1, 10)
     assert spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices == (64, 64)
     with pytest.raises(NotModelled):
@@ -192,7 +194,6 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
 def test_a_matrix_whose_links_differ_is_not_modelled(tmp_path, capsys):
     """Issue #31, item 4: a run under a two-region matrix was predicted (0.090 s, no DP sync, against
     0.329 s measured) as if every link were its link 0 -> 1; a matrix of one kind of link is that link."""
-    from contract.registry import get_system
     from predict.from_config import NotModelled, single_link
     from predict.this_machine import predict_records
     from runners.record import append_record, build_record
@@ -209,7 +210,8 @@ def test_a_matrix_whose_links_differ_is_not_modelled(tmp_path, capsys):
     rec = build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu"})
     append_record(tmp_path / "r.jsonl", rec)
     assert predict_records(tmp_path / "r.jsonl") == {}
-    assert f"run {rec.run_id} (ours): not predicted: --network two-region.json: a per-link matrix" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"run {rec.run_id} (ours): not predicted: --network two-region.json: a per-link matrix" in said
 
 
 def test_a_calibration_run_is_fitted_by_its_median_repetition():

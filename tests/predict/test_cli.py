@@ -37,7 +37,8 @@ def test_one_run_from_the_run_commands_flags():
 def test_a_sweep_predicted_in_the_reports_shape(tmp_path):
     sweep = tmp_path / "s.toml"
     sweep.write_text('networks = ["default", "d10-1g"]\nlayouts = ["P-2"]\n'
-                     'systems = ["ours", {name = "torch_pipe", schedule = "gpipe"}, {name = "fairscale_fsdp", layouts = ["D-2"]}]\n'
+                     'systems = ["ours", {name = "torch_pipe", schedule = "gpipe"}, '
+                     '{name = "fairscale_fsdp", layouts = ["D-2"]}]\n'
                      '[fixed]\nmodel = "tiny"\nbatch_size = 2\nmicro_batch_size = 1\n')
     p = predict_cli("sweep", str(sweep))
     assert p.returncode == 0, p.stderr
@@ -163,7 +164,8 @@ def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp
     v["calibration"] = {**v["calibration"], "code": "another"}
     (tmp_path / "validation.json").write_text(json.dumps(v))
     assert local.predict_records(records, directory=tmp_path, log=said.append) == {}
-    assert "not validated on this calibration's runs" in json.loads(predictions_path(records).read_text())[lines[0].run_id]["not_modelled"]
+    kept = json.loads(predictions_path(records).read_text())
+    assert "not validated on this calibration's runs" in kept[lines[0].run_id]["not_modelled"]
 
 
 def test_a_case_whose_runs_the_validation_could_not_predict_is_not_modelled_and_says_why(tmp_path, monkeypatch):
@@ -217,7 +219,8 @@ def test_repetitions_of_an_auto_run_are_each_predicted_with_the_slices_they_kept
     cfg, spec = parse_request(RUN[:-2])  # --n-slices auto
     recs = []
     for slices in ([32, 32, 32, 32], [64, 64]):
-        rec = json.loads(build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu", "device_name": "cpu"}).to_json())
+        rec = json.loads(build_record(cfg, spec, "ok", None, None,
+                                      {"device_kind": "cpu", "device_name": "cpu"}).to_json())
         rec["options"]["slices"] = slices
         rec["median_step_time"] = local.predict_here(local.config_as_run(rec), None, cal).step_time  # as predicted
         recs.append(rec)
