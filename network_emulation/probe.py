@@ -31,6 +31,8 @@ from typing import Any
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .signals import end_by_stdin
+
 PING = struct.Struct("!IQ")  # seq, client send time (CLOCK_REALTIME ns)
 PONG = struct.Struct("!IQQ")  # seq, client send time, server receive time
 DEFAULT_PORT = 47000
@@ -298,15 +300,7 @@ def measure_with(server: Wrap, client: Wrap, address: str, *, port: int = DEFAUL
             raise RuntimeError(f"probe client failed: {out.stderr.strip().splitlines()[-1:]}")
         return summarize(json.loads(out.stdout), line[1] if len(line) > 1 else None)
     finally:
-        if srv.stdin:
-            srv.stdin.close()
-        try:
-            srv.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
-        if srv.stdout:
-            srv.stdout.close()
+        end_by_stdin(srv, 5.0)
 
 
 def measure(server_prefix: Sequence[str], client_prefix: Sequence[str], address: str, *,

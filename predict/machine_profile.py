@@ -17,7 +17,6 @@ measurement down). The result is a JSON dict (``kind: predict.machine_profile``)
 from __future__ import annotations
 
 import datetime
-import platform
 import socket
 import time
 
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from ours.plan.profile import context_attention, measure_p2p, overhead_rates
 from workload.configs import ModelConfig
+from workload.flops import cpu_name
 from workload.model import Block, block_forward
 
 
@@ -159,7 +159,7 @@ def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 
     return dict(
         kind="predict.machine_profile",
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        hostname=socket.gethostname(), cpu=platform.processor() or platform.machine(), torch=torch.__version__,
+        hostname=socket.gethostname(), cpu=cpu_name(), torch=torch.__version__,
         threads=1, model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                                seq_len=cfg.seq_len, vocab_size=cfg.vocab_size),
         layer=layer, head=head, embed_per_token=rates["embed_per_token"],

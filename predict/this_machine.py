@@ -39,6 +39,7 @@ from predict.step_time import predict
 from predict.run_spec import Link, Prediction
 from contract.registry import read_options
 from workload.configs import ModelConfig, get_model_config
+from workload.flops import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATIONS = Path(__file__).resolve().parent / "calibration"  # what the simulator reads: calibrations, validation
@@ -53,16 +54,7 @@ MODELLED_MEDIAN, MODELLED_MAX = 0.10, 0.20  # a case is modelled where its valid
 
 def host_name() -> str:
     """This host as a calibration names it: its host name, CPU model and cores."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
-               platform.machine())
-    return f"{platform.node()}, {cpu}, {os.cpu_count()} cores"
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
+    return f"{platform.node()}, {cpu_name()}, {os.cpu_count()} cores"
 
 
 def code_version(root: Path = REPO) -> str:

@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from network_emulation import netem
-from network_emulation.signals import Guarded, Terminated, signals_deferred, signals_raise, stop_process
+from network_emulation.signals import (Guarded, Terminated, cli_status, processes_where, signals_deferred,
+                                      signals_raise, stop_process)
 from network_emulation.virtual_cluster import (PREFIX, TCP_MEM_MAX, VirtualHost, _run, _start_time, cleanup_stale,
                                               destroy_namespace, list_namespaces)
 from tools import node_ssh
@@ -506,20 +507,12 @@ def down(directory: Path, out: TextIO = sys.stdout, timeout_s: float = 30.0) -> 
 
 def _keepers_of(directory: Path) -> list[tuple[int, int]]:
     """(pid, start time) of live keepers started for ``directory``."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"tools.nodes" in argv and b"keep" in argv and b"--dir" in argv and \
-                argv[argv.index(b"--dir") + 1] == os.fsencode(directory):
-            start = _start_time(int(d.name))
-            if start is not None:
-                found.append((int(d.name), start))
-    return found
+    def keeper(argv: list[bytes]) -> bool:
+        return (b"tools.nodes" in argv and b"keep" in argv and b"--dir" in argv
+                and argv[argv.index(b"--dir") + 1] == os.fsencode(directory))
+
+    started = [(pid, _start_time(pid)) for pid in processes_where(keeper)]
+    return [(pid, start) for pid, start in started if start is not None]
 
 
 def status(directory: Path, out: TextIO = sys.stdout) -> int:
@@ -569,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     directory = args.dir.absolute()
-    try:
+
+    def command() -> int:
         if args.command == "up":
             return up(args.nodes, directory, args.subnet)
         if args.command == "down":
@@ -578,14 +572,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return status(directory)
         return keep(args.nodes, directory, args.subnet)
-    except (NodesError, netem.NotRootError, FileNotFoundError) as e:
-        print(f"tools.nodes: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        print(f"tools.nodes: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+
+    return cli_status("tools.nodes", command, (NodesError, netem.NotRootError, FileNotFoundError))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -35,6 +34,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ours.plan.ping_pong import ping_pong
 from workload.configs import ModelConfig
+from workload.flops import cpu_name
 from workload.model import Block, block_forward, merge_heads, split_heads
 
 
@@ -221,15 +221,7 @@ def measure_p2p(sizes: list[int], reps: int) -> list[dict]:
 
 # --- the whole profile ------------------------------------------------------------------------
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
 def profile(cfg: ModelConfig, grid: ProfileGrid = ProfileGrid(), device: torch.device | str = "cpu",
