@@ -31,8 +31,6 @@ from typing import Any
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .signals import end_by_stdin
-
 PING = struct.Struct("!IQ")  # seq, client send time (CLOCK_REALTIME ns)
 PONG = struct.Struct("!IQQ")  # seq, client send time, server receive time
 DEFAULT_PORT = 47000
@@ -300,6 +298,8 @@ def measure_with(server: Wrap, client: Wrap, address: str, *, port: int = DEFAUL
             raise RuntimeError(f"probe client failed: {out.stderr.strip().splitlines()[-1:]}")
         return summarize(json.loads(out.stdout), line[1] if len(line) > 1 else None)
     finally:
+        from .signals import end_by_stdin  # here: this file also runs as a script on the hosts
+
         end_by_stdin(srv, 5.0)
 
 
