@@ -381,8 +381,8 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
 # per-step cost with it: Megatron has no pipeline run here). Both pipelines' math runs at a factor of
 # the profile's: torch_pipe's plain blocks, and ours' slices with their key/value context, each
 # fitted with their overheads, the cpu-small runs giving the factor its leverage over the tiny ones
-# (ours' was fixed at 1 until 2026-11-27: its cpu-small runs at 256 and 1024 tokens then ran 15-30 %
-# slower than predicted). The four-rank runs come last (``fit_calibration``: ``crowded``).
+# (ours' fixed at 1 predicts its cpu-small runs at 256 and 1024 tokens 15-30 % fast). The four-rank
+# runs come last (``fit_calibration``: ``crowded``).
 FIT_STAGES = (("torch_pipe", ("step", "unit", "compute"), lambda r: r.dp == 1 and r.tp == 1),
               ("ours", ("step", "unit_layer", "compute"), lambda r: r.dp == 1 and r.tp == 1),
               ("ours", ("tp",), lambda r: r.tp > 1),

@@ -1,7 +1,7 @@
 """Collectives (and point-to-point operations) take tensors on the run's device: NCCL refuses a CPU
 tensor ("No backend type associated with device type cpu"). On CPU over gloo every tensor is on the run's device, so
 neither the runs nor ``--p2p-semantics nccl`` can see a tensor made without one: ``ours``' ``--n-slices auto``
-all-reduced a CPU float on the first GPU it met (gpu_check, H100, 2026-11-26). This reads the sources instead: a
+all-reduced a CPU float on the first GPU it met (tools.gpu_check on an H100). This reads the sources instead: a
 collective whose tensor is made by a torch factory without ``device=`` (in the call, or in the assignment to the name it
 is given) fails here, on a laptop."""
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``--n-slices auto`` (ours' default): the token slicing of a run, chosen before it starts.
 
 - One stage (``pp`` = 1, tensor or data parallel only): one slice. Slicing pays only to fill a pipeline;
-  with nothing to fill it only adds per-slice costs (the main job's T-2 of 2026-11-26: K=1 0.73 s,
-  the K=4 its search kept 0.93 s), so there is nothing to choose or time.
+  with nothing to fill it only adds per-slice costs (the main job's T-2: K=1 0.73 s, the K=4 a search
+  kept 0.93 s), so there is nothing to choose or time.
 - A slicing chosen by simulation for the run's layout (pipeline stages, layers, batch, micro-batch),
   where one was written for the layer shape: ``<device>-h..-s..-v..-simulated.json`` in the plan
   directory, by ``python -m predict plan``. The simulator (predict) runs ours' program

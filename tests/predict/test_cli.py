@@ -169,7 +169,7 @@ def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp
 
 
 def test_a_case_whose_runs_the_validation_could_not_predict_is_not_modelled_and_says_why(tmp_path, monkeypatch):
-    """The main job of 1125: torch_pipe zbv has no program in the simulator, so its case was validated
+    """A main job's torch_pipe zbv has no program in the simulator, so its case was validated
     with no errors at all; predicting the records then failed on the missing error."""
     import json
 
@@ -207,7 +207,7 @@ def test_an_auto_run_is_predicted_with_the_slices_it_used():
 
 
 def test_repetitions_of_an_auto_run_are_each_predicted_with_the_slices_they_kept(tmp_path, monkeypatch):
-    """predict-check of 1126: ours' auto kept K=1, 2 and 4 in three launches of one run; the validation
+    """In predict-check, ours' auto kept K=1, 2 and 4 in three launches of one run; the validation
     predicted all three with the last one's K."""
     import json
 
