@@ -135,7 +135,8 @@ def _rest_of_identity(r: dict) -> str:
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         value = c[f.name]
-        if value == json.loads(json.dumps(dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default)):
+        plain = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default
+        if value == json.loads(json.dumps(plain)):
             continue
         if f.name == "optimizer":
             parts.append(f"{value.get('kind')} lr {value.get('lr'):g}")
@@ -383,7 +384,8 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
             lines += [f"  - {what}: {v}" for what, v in rows]
     for fixed, g in networks:
         g = g.sort_values("order", kind="stable")
-        rows = [(f"{r['setting'].iloc[0]}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
+        rows = [(f"{r['setting'].iloc[0]}{q}", v)
+                for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
         if rows and len(g) > 1:
             lines.append(f"- **Networks**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]
@@ -536,7 +538,8 @@ def quality_cell(runs: pd.DataFrame) -> str:
         return f"not reached in {int(runs['steps'].max())} steps" + (f" ({n} runs)" if n > 1 else "")
     est = estimate(reached["time"])
     tokens = statistics.median(reached["tokens"])
-    text = f"{_seconds(est.median)} {est.plus_minus()}, {f'{tokens / 1000:.1f}k' if tokens >= 1000 else f'{tokens:.0f}'} tokens"
+    count = f"{tokens / 1000:.1f}k" if tokens >= 1000 else f"{tokens:.0f}"
+    text = f"{_seconds(est.median)} {est.plus_minus()}, {count} tokens"
     return text + (f" ({len(reached)}/{n} reached)" if len(reached) < n else "")
 
 

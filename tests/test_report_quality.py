@@ -41,7 +41,8 @@ def test_time_to_quality_table_winner_and_bytes(tmp_path):
     assert cells[2] == "not reached in 12 steps (2 runs)"
     win = next(line for line in text.splitlines() if line.startswith("- delay 50ms"))
     # the intervals (1.50-2.10 s, 4.00-4.40 s) separate: the ratio of medians and its range over them
-    assert "`diloco H=4 P-2 D-2` 1.80 s ±17 %, **2.33x** (1.90-2.93x) faster than `ours sharded_ps P-2 D-2` 4.20 s" in win
+    assert ("`diloco H=4 P-2 D-2` 1.80 s ±17 %, **2.33x** (1.90-2.93x) faster than `ours sharded_ps P-2 D-2` 4.20 s"
+            in win)
     assert "not reached in every run: `torch_pipe gpipe P-2 D-2`" in win
     assert [c.strip() for c in per_token.split("|")[2:-1]] == ["1.95", "0.20", "3.91"]  # 4 ranks' bytes / tokens
     assert [p.name for p in plot_quality(recs, tmp_path)] == ["quality-0-d50-1g.png"]
@@ -55,7 +56,8 @@ def test_runs_without_evals_or_target_are_left_out():
 
 
 def test_a_winner_is_claimed_only_where_the_intervals_separate():
-    recs = [_rec("ours", "d10-1g", seed, [5.6, 4.0, 3.4], 1.0 + 0.6 * seed, 10, dp_mode="sharded_ps") for seed in (0, 1)]
+    recs = [_rec("ours", "d10-1g", seed, [5.6, 4.0, 3.4], 1.0 + 0.6 * seed, 10, dp_mode="sharded_ps")
+            for seed in (0, 1)]
     recs += [_rec("diloco", "d10-1g", seed, [5.6, 4.0, 3.4], 1.2 + 0.6 * seed, 10, inner_steps=4) for seed in (0, 1)]
     (win,) = [line for line in quality_section(recs).splitlines() if line.startswith("- delay 10ms")]
     assert "faster" not in win and "no difference beyond noise" in win, win

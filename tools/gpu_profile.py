@@ -164,7 +164,6 @@ def measure_layers(deadline: float) -> list[dict]:
                     out.float().sum().backward()
 
                 rows.append(dict(precision=precision, model=model, l=l, forward=cuda_time(fwd), step=cuda_time(step)))
-            del block
             torch.cuda.empty_cache()
     return rows
 
@@ -265,14 +264,16 @@ def page(name: str, fitted: dict, layers: list[dict], systems: list[dict], comma
         lines.append(f"| {p} | {e:.3f} | {h:g} | {err * 100:.1f} % |")
     if layers:
         lines += ["", "## One layer, forward and backward (measured against the fitted model)", "",
-                  "| precision | width | tokens | measured ms | predicted ms | error |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| precision | width | tokens | measured ms | predicted ms | error |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in layers:
             lines.append(f"| {r['precision']} | {r['model']} | {r['l']} | {r['step'] * 1e3:.3f} | "
                          f"{r['predicted_step'] * 1e3:.3f} | {r['error'] * 100:+.1f} % |")
     if systems:
         ref = next((r.get("step") for r in systems if r["label"] == "reference"), None)
         lines += ["", f"## Every system at one rank (GPT-3 XL width, {SYSTEM_LAYERS} layers, sequence 2048, batch "
-                  f"{SYSTEM_BATCH}, bf16)", "", "| system | status | step s | over reference | MFU | peak GiB | predicted s | error |",
+                  f"{SYSTEM_BATCH}, bf16)", "",
+                  "| system | status | step s | over reference | MFU | peak GiB | predicted s | error |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in systems:
             step = r.get("step")
@@ -280,8 +281,9 @@ def page(name: str, fitted: dict, layers: list[dict], systems: list[dict], comma
             pred = f"{r['predicted']:.3f}" if r.get("predicted") else "-"
             err = f"{r['error'] * 100:+.1f} %" if r.get("error") is not None else "-"
             mfu = f"{r['mfu'] * 100:.1f} %" if r.get("mfu") else "-"
-            lines.append(f"| {r['label']} | {r['status']} | {step:.3f} | {over} | {mfu} | {r.get('memory_gb', 0):.1f} | "
-                         f"{pred} | {err} |" if step else f"| {r['label']} | {r['status']} | - | - | - | - | - | - |")
+            lines.append(f"| {r['label']} | {r['status']} | {step:.3f} | {over} | {mfu} | "
+                         f"{r.get('memory_gb', 0):.1f} | {pred} | {err} |" if step
+                         else f"| {r['label']} | {r['status']} | - | - | - | - | - | - |")
     return "\n".join(lines) + "\n"
 
 
@@ -342,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p, (e, h, err) in fitted.items():
             d["gemm"][p] = {"efficiency": round(e, 4), "half": h}
         d["measured"] = dict(gpu=name, torch=raw["torch"], cuda=raw["cuda"], created=raw["created"],
-                             gemm_fit={p: dict(efficiency=e, half=h, median_error=err) for p, (e, h, err) in fitted.items()},
+                             gemm_fit={p: dict(efficiency=e, half=h, median_error=err)
+                                       for p, (e, h, err) in fitted.items()},
                              command="bash scripts/gpu_profile.sh", raw=str(raw_path.relative_to(REPO))
                              if raw_path.is_relative_to(REPO) else str(raw_path))
         d["sources"]["gemm"] = f"measured on {name} by scripts/gpu_profile.sh ({raw['created']})"

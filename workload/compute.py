@@ -20,10 +20,11 @@ Two kinds:
   A GEMM of (M, N, K) takes max(2MNK / (peak x e), bytes / (bandwidth x e_mem)) plus a kernel's fixed
   cost, with e = e_max x the best tile shape's use of the SMs (its padding and its last wave) x
   K / (K + k_half): a thin token slice under-fills the GPU and reads the whole weight for few tokens.
-  Attention over a slice and its context is the slice's queries against c + l keys (materialised scores and softmax, or one fused kernel), the
-  memory-bound operations (layer norms, GELU, softmax, residual adds, the optimizer) move their
-  bytes at the memory bandwidth, and a phase takes at least the host's time to issue its kernels
-  (eager PyTorch: ``host_op_us`` each). Forward, backward, and the forward again under recompute.
+  Attention over a slice and its context is the slice's queries against c + l keys (materialised scores
+  and softmax, or one fused kernel), the memory-bound operations (layer norms, GELU, softmax, residual
+  adds, the optimizer) move their bytes at the memory bandwidth, and a phase takes at least the host's
+  time to issue its kernels (eager PyTorch: ``host_op_us`` each). Forward, backward, and the forward
+  again under recompute.
 - ``CpuCompute``: this machine, from a profile of its operations at the model's shape
   (``ours.plan.profile``): measured tables, interpolated.
 """
@@ -139,11 +140,12 @@ class Device:
     memory_gb / bandwidth_gbs: memory (GiB) and its bandwidth (GB/s, datasheet); sms: streaming
     multiprocessors; gemm: per precision, ``efficiency`` (e_max, the share of the dense peak a large
     GEMM reaches) and ``half`` (the depth K at which a GEMM's main loop reaches half of that);
-    memory_efficiency: the share of the bandwidth a memory-bound kernel moves; kernel_us: a kernel's fixed cost on the GPU; host_op_us: the host's cost to issue one
-    operation (eager PyTorch); reserved_gb: memory no tensor can have (CUDA context, library
-    workspaces); calibrated_on: per precision, the one published or measured cell its efficiency was
-    fitted on (none: a prior); sources: where each number comes from; measured: what
-    ``scripts/gpu_profile.sh`` measured on such a GPU (None where none was had)."""
+    memory_efficiency: the share of the bandwidth a memory-bound kernel moves; kernel_us: a kernel's
+    fixed cost on the GPU; host_op_us: the host's cost to issue one operation (eager PyTorch);
+    reserved_gb: memory no tensor can have (CUDA context, library workspaces); calibrated_on: per
+    precision, the one published or measured cell its efficiency was fitted on (none: a prior);
+    sources: where each number comes from; measured: what ``scripts/gpu_profile.sh`` measured on such a
+    GPU (None where none was had)."""
 
     name: str
     part: str
