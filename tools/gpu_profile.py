@@ -100,21 +100,27 @@ def gemm_shapes(h: int, l: int) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def grid(deadline: float):
+    """(precision, its torch dtype, model, hidden, heads) of every width in every precision, while there is
+    time before ``deadline``."""
+    for precision in PRECISIONS:
+        for model, (h, heads) in WIDTHS.items():
+            if time.monotonic() > deadline:
+                return
+            yield precision, _dtype(precision), model, h, heads
+
+
 def measure_gemms(deadline: float) -> list[dict]:
     import torch
 
     rows = []
-    for precision in PRECISIONS:
-        dt = _dtype(precision)
-        for model, (h, _) in WIDTHS.items():
-            for l in LENGTHS:
-                for name, m, n, k in gemm_shapes(h, l):
-                    if time.monotonic() > deadline:
-                        return rows
-                    a = torch.randn(m, k, device="cuda", dtype=dt)
-                    b = torch.randn(k, n, device="cuda", dtype=dt)
-                    t = cuda_time(lambda: a @ b)
-                    rows.append(dict(precision=precision, model=model, l=l, op=name, m=m, n=n, k=k, seconds=t))
+    for precision, dt, model, h, _ in grid(deadline):
+        for l in LENGTHS:
+            for name, m, n, k in gemm_shapes(h, l):
+                a = torch.randn(m, k, device="cuda", dtype=dt)
+                b = torch.randn(k, n, device="cuda", dtype=dt)
+                t = cuda_time(lambda: a @ b)
+                rows.append(dict(precision=precision, model=model, l=l, op=name, m=m, n=n, k=k, seconds=t))
     return rows
 
 
@@ -123,19 +129,13 @@ def measure_attention(deadline: float) -> list[dict]:
     import torch.nn.functional as F
 
     rows = []
-    for precision in PRECISIONS:
-        dt = _dtype(precision)
-        for model, (h, heads) in WIDTHS.items():
-            d = h // heads
-            for c in CONTEXTS:
-                for l in LENGTHS:
-                    if c + l > 2048 or time.monotonic() > deadline:
-                        continue
-                    q = torch.randn(1, heads, l, d, device="cuda", dtype=dt)
-                    kv = torch.randn(1, heads, c + l, d, device="cuda", dtype=dt)
-                    mask = None if c == 0 else torch.ones(l, c + l, device="cuda", dtype=torch.bool).tril(c)
-                    t = cuda_time(lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, is_causal=c == 0))
-                    rows.append(dict(precision=precision, model=model, l=l, c=c, seconds=t))
+    for precision, dt, model, h, heads in grid(deadline):
+        for c, l in ((c, l) for c in CONTEXTS for l in LENGTHS if c + l <= 2048):
+            q = torch.randn(1, heads, l, h // heads, device="cuda", dtype=dt)
+            kv = torch.randn(1, heads, c + l, h // heads, device="cuda", dtype=dt)
+            mask = None if c == 0 else torch.ones(l, c + l, device="cuda", dtype=torch.bool).tril(c)
+            t = cuda_time(lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, is_causal=c == 0))
+            rows.append(dict(precision=precision, model=model, l=l, c=c, seconds=t))
     return rows
 
 
@@ -146,25 +146,20 @@ def measure_layers(deadline: float) -> list[dict]:
     from workload.model import Block, block_forward
 
     rows = []
-    for precision in PRECISIONS:
-        dt = _dtype(precision)
-        for model, (h, heads) in WIDTHS.items():
-            block = Block(ModelConfig(model, 1, h, heads, 2048, 0)).to("cuda")
-            for l in LENGTHS:
-                if time.monotonic() > deadline:
-                    return rows
-                x = torch.randn(1, l, h, device="cuda", requires_grad=True)
+    for precision, dt, model, h, heads in grid(deadline):
+        block = Block(ModelConfig(model, 1, h, heads, 2048, 0)).to("cuda")
+        for l in LENGTHS:
+            x = torch.randn(1, l, h, device="cuda", requires_grad=True)
 
-                def fwd():
-                    with torch.autocast("cuda", dtype=dt, enabled=precision != "fp32"):
-                        return block_forward(block, x)
+            def fwd():
+                with torch.autocast("cuda", dtype=dt, enabled=precision != "fp32"):
+                    return block_forward(block, x)
 
-                def step():
-                    out = fwd()
-                    out.float().sum().backward()
+            def step():
+                fwd().float().sum().backward()
 
-                rows.append(dict(precision=precision, model=model, l=l, forward=cuda_time(fwd), step=cuda_time(step)))
-            torch.cuda.empty_cache()
+            rows.append(dict(precision=precision, model=model, l=l, forward=cuda_time(fwd), step=cuda_time(step)))
+        torch.cuda.empty_cache()
     return rows
 
 
