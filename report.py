@@ -52,7 +52,7 @@ def load_records(paths: list[str]) -> list[dict]:
     beside its file (``python -m predict records``) where it has none of its own; a line that is not
     a record is skipped with a warning on stderr."""
     records = []
-    warn = lambda why: print(f"report.py: skipping {why}", file=sys.stderr)  # noqa: E731
+    warn = lambda why: print(f"report.py: {why}", file=sys.stderr)  # noqa: E731
     for f in record_files(paths):
         found = read_records(f, warn=warn)
         predicted = read_predictions(f, warn=warn)

@@ -255,7 +255,7 @@ def run(opts: argparse.Namespace) -> int:
         records = []
         for path in opts.from_records:
             try:
-                records += read_records(path, warn=lambda why: print(f"network-slope: skipping {why}", file=sys.stderr))
+                records += read_records(path, warn=lambda why: print(f"network-slope: {why}", file=sys.stderr))
                 if not Path(path).is_file():
                     raise FileNotFoundError(f"no such file: {path}")
             except OSError as exc:

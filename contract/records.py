@@ -2,10 +2,11 @@
 command), and the one way to read it, which the report, the sweep, the cluster mode, the benchmarks,
 the simulator and the tests share. Plain JSON, no torch.
 
-A line that is not JSON, or JSON that is not a record (an object without ``REQUIRED``'s fields, or
-with one of another type), is skipped; a field of a record that is malformed (a step time that is
+A line that is not UTF-8 text, not JSON, or JSON that is not a record (an object without ``REQUIRED``'s
+fields, or with one of another type), is skipped; a field of a record that is malformed (a step time that is
 NaN or text, a list of numbers holding something else, a table that is not one) is left out of it;
-``warn`` (if given) is told where and why, in one line naming the file and the line. Beside a records file
+``warn`` (if given) is told where and why, in one line naming the file and the line (after
+``WARNINGS`` lines of one file, one more line counts the rest: a binary file is not a screenful). Beside a records file
 ``X.jsonl``, ``python -m predict records X.jsonl`` writes the simulator's predictions of its runs
 (``predictions_path``: ``X.predictions.json``, by run id), which the report shows.
 """
@@ -31,6 +32,7 @@ NUMBER_LISTS = ("step_times", "peak_memory_bytes", "busy_fraction")
 TABLES = ("environment", "config", "options", "network_setting", "verify", "prediction")
 TEXTS = ("label", "role", "error", "details", "key", "run_id", "timestamp")
 PREDICTIONS_SUFFIX = ".predictions.json"
+WARNINGS = 10  # lines of one file told to ``warn`` one by one; the rest are counted
 
 
 def layout_words(layout: dict) -> str:
@@ -68,35 +70,60 @@ def _malformed_fields(rec: dict) -> list[tuple[str, Any]]:
     return bad
 
 
-def parse_records(text: str, source: str = "records", warn: Callable[[str], None] | None = None) -> list[dict]:
-    """The records in ``text`` (JSON lines), in order; a line that is not a record is skipped and
-    told to ``warn`` as '<source>:<line>: why'."""
+def parse_records(data: str | bytes, source: str = "records", warn: Callable[[str], None] | None = None) -> list[dict]:
+    """The records in ``data`` (JSON lines; bytes are decoded line by line), in order; a line that is
+    not a record is skipped and told to ``warn`` as '<source>:<line>: why'."""
     records = []
-    for n, line in enumerate(text.splitlines(), 1):
+    told = _Told(source, warn)
+    for n, line in enumerate(data.splitlines(), 1):
+        if isinstance(line, bytes):
+            try:
+                line = line.decode()
+            except UnicodeDecodeError:
+                told(n, "not UTF-8 text: line skipped")
+                continue
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            if warn:
-                warn(f"{source}:{n}: not JSON")
+            told(n, "not JSON: line skipped")
             continue
         why = _not_a_record(rec)
         if why:
-            if warn:
-                warn(f"{source}:{n}: {why}")
+            told(n, f"{why}: line skipped")
             continue
         for name, value in _malformed_fields(rec):
-            if warn:
-                kind = ("a finite number" if name in NUMBERS else "a list of finite numbers" if name in NUMBER_LISTS
-                        else "a table" if name in TABLES else "text")
-                warn(f"{source}:{n}: field {name} left out ({_shown(value)} is not {kind})")
+            kind = ("a finite number" if name in NUMBERS else "a list of finite numbers" if name in NUMBER_LISTS
+                    else "a table" if name in TABLES else "text")
+            told(n, f"field {name} left out ({_shown(value)} is not {kind})")
             del rec[name]
         _upgrade_precision(rec)
-        if rec["status"] == "ok" and rec.get("median_step_time") is None and warn:
-            warn(f"{source}:{n}: an ok record without a median_step_time (shown as such)")
+        if rec["status"] == "ok" and rec.get("median_step_time") is None:
+            told(n, "an ok record without a median_step_time (shown without a step time)")
         records.append(rec)
+    told.close()
     return records
+
+
+class _Told:
+    """``warn`` of one file's lines: the first ``WARNINGS`` one by one, then a count of the rest."""
+
+    def __init__(self, source: str, warn: Callable[[str], None] | None):
+        self.source, self.warn, self.n, self.more = source, warn, 0, 0
+
+    def __call__(self, line: int, why: str) -> None:
+        if self.warn is None:
+            return
+        self.n += 1
+        if self.n <= WARNINGS:
+            self.warn(f"{self.source}:{line}: {why}")
+        else:
+            self.more += 1
+
+    def close(self) -> None:
+        if self.more:
+            self.warn(f"{self.source}: {self.more} more warning(s) of this file not shown")
 
 
 def _upgrade_precision(rec: dict) -> None:
@@ -125,9 +152,18 @@ def _shown(value: Any) -> str:
 
 
 def read_records(path: str | Path, warn: Callable[[str], None] | None = None) -> list[dict]:
-    """The records of one file, in order (none if it does not exist)."""
+    """The records of one file, in order (none if it does not exist; none, told to ``warn``, if it
+    cannot be read)."""
     p = Path(path)
-    return parse_records(p.read_text(), str(p), warn) if p.exists() else []
+    if not p.exists():
+        return []
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        if warn:
+            warn(f"{p}: cannot be read ({exc.strerror}): skipped")
+        return []
+    return parse_records(data, str(p), warn)
 
 
 def record_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -158,14 +194,18 @@ def read_predictions(records_file: str | Path, warn: Callable[[str], None] | Non
     if not p.exists():
         return {}
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(p.read_bytes())
     except json.JSONDecodeError as e:
         if warn:
-            warn(f"{p}:{e.lineno}: not JSON")
+            warn(f"{p}:{e.lineno}: not JSON: predictions skipped")
+        return {}
+    except (UnicodeDecodeError, OSError) as e:
+        if warn:
+            warn(f"{p}: {'not UTF-8 text' if isinstance(e, UnicodeDecodeError) else e.strerror}: predictions skipped")
         return {}
     if not isinstance(d, dict):
         if warn:
-            warn(f"{p}:1: not an object of predictions by run id")
+            warn(f"{p}:1: not an object of predictions by run id: predictions skipped")
         return {}
     good = {k: v for k, v in d.items() if isinstance(v, dict)
             and (finite_number(v.get("step_time")) or isinstance(v.get("not_modelled"), str))}

@@ -12,10 +12,10 @@
     python -m predict calibrate     # this host and code version: profiles, stall probe, runs without delay,
                                     # overheads, the host's speed (predict/calibration/<host>-<code>/)
     python -m predict calibrate --refit   # the kept calibration runs fitted again (a change to the fit)
-    python -m predict validate [RECORDS.jsonl ...]   # recorded runs (default: the main job's,
-                                    # results/local.jsonl) predicted against measured, by case; the report
-                                    # shows predictions only for the cases this finds modelled
-                                    # (predict/calibration/validation.json; --name N: results/predict/N)
+    python -m predict validate [RECORDS.jsonl ...] [--name validation]   # recorded runs (default: the main
+                                    # job's, results/local.jsonl) predicted against measured, by case; kept
+                                    # only with --name: the report shows predictions only for the cases
+                                    # predict/calibration/validation.json finds modelled (--name N: results/predict/N)
     python -m predict plan-check [EVALUATION.json] [--out DIR]   # the planner's evaluation: formula vs simulator
 
 Without --device-file a run is predicted for this machine (its calibration in predict/calibration and a
@@ -45,7 +45,7 @@ def _calibrate(args) -> int:
 
 
 def _validate(args) -> int:
-    from predict.this_machine import validate_records
+    from predict.this_machine import NothingToValidate, validate_records
 
     missing = [p for p in args.records if not Path(p).is_file()]
     if missing:
@@ -54,10 +54,13 @@ def _validate(args) -> int:
         return 2
     try:
         validate_records([Path(p) for p in args.records], name=args.name,
-                         out=None if args.name == "validation" else REPORTS)
-    except FileNotFoundError as exc:
+                         out=None if args.name in (None, "validation") else REPORTS)
+    except (FileNotFoundError, NothingToValidate) as exc:
         print(f"python -m predict validate: error: {exc}", file=sys.stderr)
         return 2
+    if args.name is None:
+        print("(nothing written: --name validation keeps it as predict/calibration/validation.{md,json}, the one the "
+              "report's predictions are gated by; --name NAME as results/predict/NAME.{md,json})", file=sys.stderr)
     return 0
 
 
@@ -139,11 +142,24 @@ def _predict(cfg, device_file: str | None, in_flight: int | None):
     return predict(spec_from_config(cfg, link, transport, compute=gpu), compute, cores)
 
 
+def _in_flight(text: str) -> int:
+    """--in-flight: messages in flight per link and direction, at least one."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of messages >= 1, got {text!r}")
+    return n
+
+
 def _target_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(add_help=False)
+    from runners.request import Parser
+
+    p = Parser(prog="python -m predict", add_help=False)
     p.add_argument("--device-file", "--gpu", dest="device_file", default=None,
                    help="a device file's name or path (workload/devices)")
-    p.add_argument("--in-flight", type=int, default=None,
+    p.add_argument("--in-flight", type=_in_flight, default=None,
                    help="messages in flight per link and direction on a GPU's links (default: as many as issued)")
     return p.parse_known_args(argv)
 
@@ -249,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("validate", help="recorded runs predicted against measured, by case")
     q.add_argument("records", nargs="*", default=["results/local.jsonl"],
                    help="records files (default: the main job's, results/local.jsonl)")
-    q.add_argument("--name", default="validation", help="default validation: predict/calibration/validation.{md,json}, "
-                   "the one the report's predictions are gated by; another name: results/predict/NAME.{md,json}, a "
-                   "check that gates nothing")
+    q.add_argument("--name", default=None, help="keep it: validation as predict/calibration/validation.{md,json}, the "
+                   "one the report's predictions are gated by; another name as results/predict/NAME.{md,json}, a "
+                   "check that gates nothing (default: print it, write nothing)")
     q.set_defaults(fn=_validate)
     q = sub.add_parser("validate-seed", help="every cell of the seed's GPT-3 XL tables predicted (the V100's "
                        "calibration cells named, not scored)")

@@ -532,7 +532,7 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
     validation scored gets none: a prediction is never shown beside a run it was judged on); every other
     run gets {"not_modelled": why}. Where the calibration is missing or the host's speed has moved, one line
     says so. An earlier file of predictions is replaced. Returns the predictions made."""
-    records = [r for r in read_records(path) if _cpu_ok(r)]
+    records = [r for r in read_records(path, warn=_warn) if _cpu_ok(r)]
     why_not = None
     try:
         cal = load_calibration(directory, strict=True)
@@ -606,7 +606,11 @@ def modelled_cases(cal: Calibration, directory: Path = CALIBRATIONS) -> dict[str
     return v.get("cases") or {}
 
 
-def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=print, name: str = "validation",
+class NothingToValidate(ValueError):
+    """Records that hold no ok CPU run: a validation of them would judge no case."""
+
+
+def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=print, name: str | None = "validation",
                      out: Path | None = None) -> dict:
     """Every ok CPU run of ``paths`` but the calibration's own runs predicted with this host's and code
     version's calibration, against
@@ -615,27 +619,28 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
     with the slices that launch kept, over the link its probe measured); the errors grouped by case (``case_of``), each
     case modelled where its median absolute error is <= ``MODELLED_MEDIAN`` and every error within ``MODELLED_MAX``.
     Written to ``out``/``name``.json (default ``directory``: its ``validation.json`` is what ``predict_records`` reads)
-    and .md. FileNotFoundError without a calibration."""
+    and .md, or only logged (``name`` None). FileNotFoundError without a calibration; NothingToValidate (nothing
+    written) where ``paths`` hold no ok CPU run."""
     from contract.estimate import estimate
 
+    ok = [rec for path in paths for rec in read_records(path, warn=_warn) if _cpu_ok(rec)]
+    if not ok:
+        raise NothingToValidate(f"{', '.join(map(str, paths))}: no ok CPU run to validate")
     cal = load_calibration(directory, strict=True)
     moved = speed_moved(cal)
     if moved:
         log(f"warning: {moved}")
     calibrating = calibration_run_ids(cal)
     by_key: dict[str, list[dict]] = {}
-    skipped = 0
-    for path in paths:
-        for rec in read_records(path):
-            if not _cpu_ok(rec):
-                continue
-            if rec["run_id"] in calibrating:  # what the calibration was fitted on is never scored
-                skipped += 1
-                continue
+    for rec in ok:
+        if rec["run_id"] not in calibrating:  # what the calibration was fitted on is never scored
             by_key.setdefault(rec.get("key") or rec["run_id"], []).append(rec)
+    skipped = len(ok) - sum(map(len, by_key.values()))
     if skipped:
         log(f"validation: {skipped} run(s) of the calibration itself left out (a prediction is scored only on "
             "runs it was not fitted on)")
+    if not by_key:
+        raise NothingToValidate(f"{', '.join(map(str, paths))}: every ok CPU run is one the calibration was fitted on")
     rows = []
     for key, recs in by_key.items():
         rec = recs[-1]
@@ -668,13 +673,19 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
                     modelled=bool(e) and statistics.median(e) <= MODELLED_MEDIAN and max(e) <= MODELLED_MAX)
     result = dict(kind="predict.validation", calibration=cal.identity, records=[str(p) for p in paths],
                   bounds=dict(median=MODELLED_MEDIAN, max=MODELLED_MAX), rows=rows, cases=cases)
-    out = out or directory
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     text = validation_table(result, cal)
-    (out / f"{name}.md").write_text(text + "\n")
+    if name is not None:
+        out = out or directory
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{name}.md").write_text(text + "\n")
     log(text)
     return result
+
+
+def _warn(why: str) -> None:
+    """A records file's line that is skipped or cut (``contract.records``), told on stderr."""
+    print(f"python -m predict: {why}", file=sys.stderr)
 
 
 def validation_table(result: dict, cal: Calibration) -> str:

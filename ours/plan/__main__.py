@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -23,6 +24,54 @@ PROG = "python -m ours.plan"
 
 class PlanError(ValueError):
     """A request the planner cannot answer as asked (one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line on stderr, exit status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _number(kind, least: float, *, above: bool = False):
+    """An argparse type: a finite ``kind`` >= ``least`` (> with ``above``)."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < least or (above and value == least):
+            raise argparse.ArgumentTypeError(f"takes a finite {'whole ' if kind is int else ''}number "
+                                             f"{'>' if above else '>='} {least:g}, got {text!r}")
+        return value
+    return convert
+
+
+POSITIVE_INT, POSITIVE = _number(int, 1), _number(float, 0, above=True)
+
+
+def _link(text: str) -> str:
+    """--intra / --inter: LATENCY,BANDWIDTH, judged by ``ours.plan.layout.parse_link``; the text."""
+    from ours.plan.layout import parse_link
+
+    try:
+        parse_link(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _check_matrix(d) -> None:
+    """ValueError unless ``d`` is N x N finite delays (ms, >= 0) and bandwidths (Gbit/s, > 0 between two devices)."""
+    if not isinstance(d, dict):
+        raise ValueError("not a JSON object")
+    delay, bandwidth = d["delay_ms"], d["bandwidth_gbps"]
+    n = len(delay)
+    for name, rows, ok in (("delay_ms", delay, lambda x: x >= 0), ("bandwidth_gbps", bandwidth, lambda x: x > 0)):
+        if not n or len(rows) != n or any(not isinstance(r, list) or len(r) != n for r in rows):
+            raise ValueError(f"{name} is not {n} x {n}")
+        bad = [x for i, r in enumerate(rows) for j, x in enumerate(r)  # a device's link to itself is not used
+               if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or (i != j and not ok(x))]
+        if bad:
+            raise ValueError(f"{name} holds {bad[0]!r}")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -93,12 +142,25 @@ def cmd_layout(args) -> int:
     from workload.compute import DeviceError, gpu_compute
 
     cfg = _model(args)
+    if args.matrix:
+        try:
+            matrix = json.loads(Path(args.matrix).read_bytes())
+            _check_matrix(matrix)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise PlanError(f"--matrix {args.matrix}: not a per-link matrix {{\"delay_ms\": [[...]], "
+                            f"\"bandwidth_gbps\": [[...]]}} of finite delays >= 0 and bandwidths > 0 ({why})") from None
+    elif not args.devices:
+        raise PlanError("give --devices N (with --intra / --inter) or --matrix FILE")
+    elif args.devices > args.gpus_per_node and args.inter is None:
+        raise PlanError(f"--devices {args.devices} on nodes of --gpus-per-node {args.gpus_per_node} need --inter "
+                        "LATENCY,BANDWIDTH (the links between nodes)")
+    elif min(args.devices, args.gpus_per_node) > 1 and args.intra is None:
+        raise PlanError(f"--gpus-per-node {args.gpus_per_node} needs --intra LATENCY,BANDWIDTH (the links inside a node)")
     try:
         if args.matrix:
-            cluster = Cluster.from_matrix(json.loads(Path(args.matrix).read_text()))
+            cluster = Cluster.from_matrix(matrix)
         else:
-            if not args.devices:
-                raise PlanError("give --devices N (with --intra / --inter) or --matrix FILE")
             links = {k: parse_link(v) if v else None for k, v in (("intra", args.intra), ("inter", args.inter))}
             cluster = Cluster(n_devices=args.devices, gpus_per_node=args.gpus_per_node, **links)
         cm = gpu_compute(args.gpu, cfg, args.precision)
@@ -106,23 +168,30 @@ def cmd_layout(args) -> int:
                             recompute=args.recompute, granularity=args.granularity, memory_gb=args.memory_gb)
     except (ValueError, DeviceError, OSError) as exc:
         raise PlanError(str(exc)) from None
+    if not cands[0].fits:
+        least = min(cands, key=lambda c: c.memory_gb)
+        has = f"--memory-gb {args.memory_gb:g}" if args.memory_gb is not None else \
+            f"the {cm.device.usable_bytes() / 2**30:.1f} GiB a {cm.device.name} gives a run"
+        raise PlanError(f"no layout of {cfg.name} on {cluster.n_devices} devices fits {has}: the least a device "
+                        f"needs is {least.memory_gb:.1f} GiB of weights, gradients, Adam state and activations "
+                        f"({least.label})")
     links = "per-link matrix" if args.matrix else ", ".join(
         f"{k} {v}" for k, v in (("inside a node", args.intra), ("between nodes", args.inter)) if v)
     print(f"{cfg.name}, {cluster.n_devices} x {cm.device.name} ({cluster.gpus_per_node} a node; {links}), "
           f"batch {args.batch_size}, batch slice {args.micro_batch_size}, {args.precision}"
           f"{', recompute' if args.recompute else ''}")
     print(describe(cands))
-    return 0 if cands[0].fits else 2
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     def model_args(q):
         q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
-        q.add_argument("--n-layer", "--num-layers", dest="n_layer", type=int, default=None)
-        q.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=None)
+        q.add_argument("--n-layer", "--num-layers", dest="n_layer", type=POSITIVE_INT, default=None)
+        q.add_argument("--seq-len", "--seq-length", dest="seq_len", type=POSITIVE_INT, default=None)
 
     q = sub.add_parser("profile", help="this CPU's profile of a layer's operations (the CPU's compute model)")
     model_args(q)
@@ -151,19 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("layout", help="choose T, P and the token slicing for a cluster (ours.plan.layout)")
     model_args(q)
-    q.add_argument("--devices", type=int, default=None, help="devices in all (with --intra / --inter)")
-    q.add_argument("--gpus-per-node", type=int, default=1)
-    q.add_argument("--intra", default=None, help="the links inside a node: LATENCY,BANDWIDTH, e.g. 5us,300GB/s")
-    q.add_argument("--inter", default=None, help="the links between nodes, e.g. 10ms,1Gbps")
+    q.add_argument("--devices", type=POSITIVE_INT, default=None, help="devices in all (with --intra / --inter)")
+    q.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1)
+    q.add_argument("--intra", type=_link, default=None,
+                   help="the links inside a node: LATENCY,BANDWIDTH, e.g. 5us,300GB/s")
+    q.add_argument("--inter", type=_link, default=None, help="the links between nodes, e.g. 10ms,1Gbps")
     q.add_argument("--matrix", default=None, help='a per-link matrix {"delay_ms": [[...]], "bandwidth_gbps": [[...]]}')
     q.add_argument("--gpu", default="V100 SXM2 16GB", help="a device file's name (workload/devices)")
-    q.add_argument("--memory-gb", type=float, default=None, help="memory a device gives the run (default: the "
+    q.add_argument("--memory-gb", type=POSITIVE, default=None, help="memory a device gives the run (default: the "
                    "device file's, less what is reserved)")
-    q.add_argument("--batch-size", type=int, required=True)
-    q.add_argument("--micro-batch-size", type=int, default=1, help="the batch slice")
+    q.add_argument("--batch-size", type=POSITIVE_INT, required=True)
+    q.add_argument("--micro-batch-size", type=POSITIVE_INT, default=1, help="the batch slice")
     q.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     q.add_argument("--recompute", action="store_true")
-    q.add_argument("--granularity", type=int, default=None, help="token slice boundaries at multiples of this")
+    q.add_argument("--granularity", type=POSITIVE_INT, default=None, help="token slice boundaries at multiples of this")
     q.set_defaults(fn=cmd_layout)
     return p
 
