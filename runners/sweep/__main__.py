@@ -25,7 +25,7 @@ from network_emulation.profiles import SEED_PROFILES
 from network_emulation.signals import cli_status, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
 from runners.sweep.execute import run_sweep, select_runs
-from runners.sweep.plan import REPO, SweepError, adhoc_sweep, check_repeats, load_sweep
+from runners.sweep.plan import REPO, SweepError, adhoc_sweep, check_out, check_repeats, load_sweep, sweep_path
 from runners.sweep.scale import scale_down
 from runners.sweep.slurm import SlurmExecutor, read_allocation
 
@@ -113,6 +113,8 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
     out = Path(args.out or f"results/{sweep.name}.jsonl")
     if not out.is_absolute():
         out = Path.cwd() / out
+    check_out(out, [("sweep file", sweep_path(args.sweep) if args.sweep else None), ("--hostfile", args.hostfile),
+                    ("--ssh-config", args.ssh_config)])
     executor = None
     if args.slurm:
         executor = _slurm_executor(args)

@@ -61,14 +61,15 @@ def hardware_here(run: PlannedRun, gpus) -> str | None:
         return None
 
 
-def recorded_counts(out: str | os.PathLike, retry_failed: bool = False) -> dict[str, Counter]:
+def recorded_counts(out: str | os.PathLike, retry_failed: bool = False, warn=None) -> dict[str, Counter]:
     """How many launches of each run ``out`` already holds, for the sweep's repetitions: by its planned
     run's key (``contract.config.planned_key``), per hardware it was recorded on (None: not known), its
     ok records; a failed record counts as fully launched (``ALL_LAUNCHED``: a failure is not repeated),
-    unless ``retry_failed``. Unfit records never count (whether a run fits depends on the hostfile)."""
+    unless ``retry_failed``. Unfit records never count (whether a run fits depends on the hostfile). A line
+    that is not a record is told to ``warn``."""
     counts: dict[str, Counter] = {}
     failed: set[tuple[str, str | None]] = set()
-    for rec in read_records(out):
+    for rec in read_records(out, warn):
         try:
             key, hardware = planned_key(rec["key"])
         except (ValueError, TypeError, KeyError, AttributeError):
@@ -192,7 +193,7 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
             say(f"skip (bad combination): {r.label()}\n    {r.error}")
             outcome.invalid += 1
     planned = [r for r in planned if r.valid]
-    recorded = recorded_counts(out, retry_failed) if out else {}
+    recorded = recorded_counts(out, retry_failed, warn=lambda why: print(f"sweep: {why}", file=sys.stderr)) if out else {}
     # A run's launches are its records on the hardware it would run on: this machine's in a local sweep
     # (CPU and GPU records of one config are different runs); any in cluster mode (the nodes' hardware
     # is seen only by the run command on them).
@@ -203,19 +204,12 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
         with contextlib.suppress(ConfigError):  # GPUs that cannot be read: the run command says why
             gpus = local_gpus()
     done: Counter = Counter()
-    unique: list[PlannedRun] = []
-    seen: set[str] = set()
-    for r in planned:
-        if r.key in seen:
-            outcome.skipped += repeats
-            continue
-        seen.add(r.key)
-        unique.append(r)
+    for r in planned:  # each run planned once (``plan.refuse_bad_combinations``)
         by_hardware = recorded.get(r.key, Counter())
         hardware = {hardware_here(r, gpus), None} if gpus is not None else set(by_hardware)
         done[r.key] = min(sum(by_hardware[h] for h in hardware), ALL_LAUNCHED)
         outcome.skipped += min(done[r.key], repeats)
-    todo = repetitions(unique, repeats, done)
+    todo = repetitions(planned, repeats, done)
     if need_root_for_network and not is_root():
         emulated = [r for r in todo if r.emulated]
         if emulated:

@@ -43,7 +43,7 @@ from pathlib import Path
 from contract import ConfigError
 from network_emulation.profiles import ProfileError, parse_profile
 from contract.registry import get_system
-from runners.request import OPTION_PREFIX, build_parser, check_fits_here, config_from_args, judge
+from runners.request import OPTION_PREFIX, build_parser, check_fits_here, config_from_args, judge, same_file
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEPS_DIR = REPO / "sweeps"
@@ -292,13 +292,27 @@ def _batch_first(rest: list[str]) -> list[str]:
     return rest
 
 
+def sweep_path(path: str | os.PathLike) -> Path:
+    """The sweep file a path names: as given, else (relative, and not here) in ``SWEEPS_DIR``."""
+    p = Path(path)
+    if not p.exists() and not p.is_absolute() and (SWEEPS_DIR / p).exists():
+        p = SWEEPS_DIR / p
+    return p
+
+
+def check_out(out: str | os.PathLike, inputs: Sequence[tuple[str, str | os.PathLike | None]]) -> None:
+    """SweepError if the records file ``out`` is one of the sweep's ``inputs`` ((what, path): the sweep
+    file, the hostfile, ...): the records would be appended to it."""
+    for what, path in inputs:
+        if path is not None and Path(path).exists() and same_file(out, path):
+            raise SweepError(f"--out {out} is the {what}: the records would be appended to it (give another --out)")
+
+
 def load_sweep(path: str | os.PathLike, transform: Callable[[dict], dict] | None = None, here: bool = False) -> Sweep:
     """Read and expand a sweep file; a malformed one, or one with a bad combination, raises SweepError
     with a clear message. ``transform`` rewrites the file's contents before they are planned (e.g.
     ``scale.scale_down``); ``here``: the sweep runs on this machine (its runs must fit it)."""
-    p = Path(path)
-    if not p.exists() and not p.is_absolute() and (SWEEPS_DIR / p).exists():
-        p = SWEEPS_DIR / p
+    p = sweep_path(path)
     try:
         with open(p, "rb") as f:
             data = tomllib.load(f)
@@ -343,11 +357,21 @@ def check_repeats(value, where: str) -> int:
 
 
 def refuse_bad_combinations(sweep: Sweep, where: str) -> Sweep:
-    """The sweep, if every run in it can run; else SweepError naming the first bad one and why."""
+    """The sweep, if every run in it can run and each is planned once; else SweepError naming the first
+    bad one and why (a run planned twice, by two identical experiments say, would be launched once and
+    its second plan reported as recorded: ``repeats`` is how a run is launched again)."""
     bad = sweep.invalid_runs
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise SweepError(f"{where}: bad combination{more}: {bad[0].label()}: {bad[0].error}")
+    first: dict[str, PlannedRun] = {}
+    for run in sweep.runs:
+        if run.key in first:
+            twice = (f"in experiment {run.experiment!r}" if first[run.key].experiment == run.experiment
+                     else f"in experiments {first[run.key].experiment!r} and {run.experiment!r}")
+            raise SweepError(f"{where}: the same run planned twice {twice}: {run.label()} (plan it once; 'repeats' "
+                             "launches it again)")
+        first[run.key] = run
     return sweep
 
 

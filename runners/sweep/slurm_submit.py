@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from runners.sweep.__main__ import build_parser as sweep_parser
-from runners.sweep.plan import REPO, SweepError, load_sweep
+from runners.sweep.plan import REPO, SweepError, check_out, load_sweep, sweep_path
 from runners.sweep.scale import scale_down
 
 SUBMIT_ONLY = ("--wait", "-W")  # sbatch options about the submission itself: its command line, not the script
@@ -113,6 +113,7 @@ def prepare(argv: Sequence[str]) -> tuple[Path, list[str], str]:
     if shutil.which("sbatch") is None:
         raise SweepError("sbatch not found: --slurm-submit runs where Slurm's commands are (a cluster's login node)")
     out = Path(args.out or f"results/{sweep.name}.jsonl").absolute()
+    check_out(out, [("sweep file", sweep_path(args.sweep))])
     sweep_path = str(Path(args.sweep).absolute()) if Path(args.sweep).exists() else args.sweep
     script = out.with_suffix(".sbatch")
     script.parent.mkdir(parents=True, exist_ok=True)

@@ -481,17 +481,18 @@ def test_run_all_sh_dry_run(tmp_path):
     assert p.returncode == 2 and "needs --hostfile" in p.stderr
 
 
-def test_the_same_run_twice_in_a_sweep_runs_once(tmp_path):
-    """torch_pipe written with and without its default schedule is one run; an option of another
-    system (ours' n_slices, trace) makes the sweep file bad instead of a second identity."""
-    sweep = sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1},
-                             "layouts": ["P-2"],
-                             "systems": ["torch_pipe", {"name": "torch_pipe", "schedule": "gpipe"}]})
-    assert len(sweep.runs) == 2 and sweep.runs[0].key == sweep.runs[1].key
-    calls = []
-    res = run_sweep(sweep, tmp_path / "o.jsonl", executor=lambda r, o: calls.append(r.key) or (0, ""), probe=False,
-                    report=False, need_root_for_network=False, stream=io.StringIO())
-    assert len(calls) == 1 and res.skipped == 1
+def test_the_same_run_twice_in_a_sweep_is_refused():
+    """torch_pipe written with and without its default schedule is one run, and so are two identical
+    experiments: planned twice, the sweep file is bad (one line naming both), never one launch and a
+    second "skipped (already recorded)"; an option of another system (ours' n_slices, trace) makes the
+    sweep file bad instead of a second identity."""
+    with pytest.raises(SweepError, match="the same run planned twice in experiment 'sweep'"):
+        sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1}, "layouts": ["P-2"],
+                         "systems": ["torch_pipe", {"name": "torch_pipe", "schedule": "gpipe"}]})
+    experiment = {"name": "a", "layouts": ["1"], "systems": ["reference"]}
+    with pytest.raises(SweepError, match="the same run planned twice in experiment 'a'"):
+        sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1},
+                         "experiment": [experiment, dict(experiment)]})
     for system, message in (({"name": "torch_pipe", "n_slices": 4, "dp_mode": "sharded_ps"},
                              "--dp-mode is an option of ours, not of torch_pipe"),
                             ({"name": "torch_pipe", "trace": "t.json"},
