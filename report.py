@@ -430,7 +430,8 @@ def _busy_range(shares: list[float]) -> str:
 
 
 def all_runs(df: pd.DataFrame) -> str:
-    cols = ["system", "model", "layout", "devices", "mb", "batch", "network", "status", "runs", "median_step_time",
+    cols = ["system", "model", "precision", "layout", "devices", "mb", "batch", "network", "status", "runs",
+            "median_step_time",
             "tokens_per_s", "mfu", "peak_mem_mb", "busy", "dp_sync_time", "oversubscribed", "details"]
     t = df[cols].copy()
     t["median_step_time"] = [fmt_time(v) + (f" {e.plus_minus()}" if e is not None else "")
@@ -725,12 +726,28 @@ def check_outputs(inputs: list[str], out: str | None, plots: str | None) -> str 
     return None
 
 
+def _loss(text: str) -> float:
+    """--target: a held-out loss, finite and > 0 (as the run command's --target-loss)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"a held-out loss is a finite number > 0, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line on stderr, exit status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python report.py", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python report.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="*", default=["results"], help="record files or directories (default: results/)")
     ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     ap.add_argument("--plots", default=None, help="write network plots (PNG) into this directory")
-    ap.add_argument("--target", type=float, default=None,
+    ap.add_argument("--target", type=_loss, default=None,
                     help="the held-out loss of the time-to-quality tables, for runs recorded without --target-loss")
     args = ap.parse_args(argv)
     missing = [p for p in args.inputs if not Path(p).exists()]

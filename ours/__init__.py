@@ -127,8 +127,10 @@ class OursOptions(SystemOptions):
             raise ConfigError(f"--dp-mode {self.dp_mode} needs --dp > 1: with one pipeline there is no data "
                               "parallelism to run")
         if self.wire_dtype != "fp32" and config.pp == 1 and config.dp == 1:
-            raise ConfigError(f"--wire-dtype {self.wire_dtype} needs --pp > 1 or --dp > 1: on one device nothing "
-                              "crosses the wire")
+            raise ConfigError(f"--wire-dtype {self.wire_dtype} needs --pp > 1 or --dp > 1: it is the type of the "
+                              "pipeline's activations and gradients and of the DP push and pull"
+                              + (", not of tensor parallelism's all-reduces (they keep --precision's type)"
+                                 if config.tp > 1 else "; on one device nothing crosses the wire"))
         if self.prefetch and config.pp == 1:
             raise ConfigError("--prefetch needs --pp > 1: with one stage no later stage waits for the next step's "
                               "first forwards")

@@ -272,8 +272,9 @@ def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, 
 
 def check_writable(path: str, flag: str) -> None:
     """A file the run will append to can be written (a record file is rewritten beside itself and
-    renamed over it): it is a regular file or does not exist yet, and its directory takes a new file.
-    Tried for real: root passes every permission check but not a read-only file system."""
+    renamed over it): it is a regular file or does not exist yet, its directory takes a new file, and
+    its file system has room for it again and ``WRITE_MARGIN_BYTES``. Tried for real: root passes every
+    permission check but not a read-only file system."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{flag} {path} is a directory, not a file")
@@ -290,6 +291,15 @@ def check_writable(path: str, flag: str) -> None:
     os.unlink(probe)
     if p.exists() and not os.access(p, os.W_OK):
         raise ConfigError(f"{flag} {path}: not writable")
+    fs = os.statvfs(parent)
+    free = (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) * fs.f_frsize
+    need = (p.stat().st_size if p.exists() else 0) + WRITE_MARGIN_BYTES  # a record file is rewritten beside itself
+    if fs.f_blocks and free < need:
+        raise ConfigError(f"{flag} {path}: its file system has {free / 2**20:.1f} MiB free, and writing it needs "
+                          f"{need / 2**20:.1f} MiB (free some space, or give a file elsewhere)")
+
+
+WRITE_MARGIN_BYTES = 2**20  # free space a file the run writes needs beyond its present size (a record: kilobytes)
 
 
 # A rank's process holds this much before any model is built (torch, gloo; the peak RSS of a rank of

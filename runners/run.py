@@ -3,9 +3,9 @@
 Parse and judge the request (a bad one: one line on stderr, exit status 2, nothing written), launch
 the ranks through torchrun, optionally verify against the single-process reference, and append one
 RunRecord to --out (held for this run alone while it runs: a second run command or a sweep writing to
-it at the same time is refused). Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad
-request (or --out held by another writer), 130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no
-record is written, so a resumed sweep runs it again).
+it at the same time is refused; a record that cannot be written is printed in full on stderr). Exit status: 0 ok, 1
+a failed run, a failed verification or a record not written, 2 a bad request (or --out held by another writer), 130 /
+143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a resumed sweep runs it again).
 """
 from __future__ import annotations
 
@@ -120,11 +120,10 @@ def compare(run: LaunchResult, ref: LaunchResult, tolerance: Tolerance) -> Verif
     return Verification(loss_diff, grad_diff, rel_diff, len(run.grads), passed, reason, tol)
 
 
-def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
-            out: str | None) -> tuple[RunRecord, Verification | None]:
-    """Launch the run of ``spec`` (and the reference under --verify); append its record to ``out`` on node 0."""
+def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> tuple[RunRecord, Verification | None]:
+    """Launch the run of ``spec`` (and the reference under --verify); its record and verification."""
     from runners.launcher import launch
-    from runners.record import append_record, build_record, host_environment
+    from runners.record import build_record, host_environment
 
     world = spec.processes(cfg)
     gpus_each = spec.devices_per_process(cfg) if (cfg.hardware or "").startswith("cuda") else 1
@@ -148,20 +147,41 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement,
                               verify=verification.__dict__ if verification else None)
     finally:
         result.remove_run_dir()
-    if out and placement.node_rank == 0:
-        append_record(out, record)
     return record, verification
 
 
-def summary(rec: RunRecord) -> str:
+def keep_record(out: str, record: RunRecord, prog: str) -> bool:
+    """Append ``record`` to ``out``; where it cannot be written (a full disk, say), say why and print it
+    in full on stderr, so that nothing measured is lost. True if it was written."""
+    from runners.record import append_record
+
+    try:
+        append_record(out, record)
+    except OSError as exc:
+        print(f"{prog}: error: --out {out}: the record could not be written ({exc.strerror or exc}); here it is "
+              "in full, to append to a records file by hand:", file=sys.stderr)
+        print(record.to_json(), file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def summary(rec: RunRecord, node0: bool = True) -> str:
+    """The run in one line: its label, what it ran (precision included) and its step time, or why it has none."""
     if rec.status == "ok" and rec.median_step_time is None:
-        return f"{rec.label}: ok (this node's ranks finished; node 0 writes the record)"
+        if not node0:
+            return f"{rec.label}: ok (this node's ranks finished; node 0 writes the record)"
+        warmup, target = rec.config.get("warmup"), rec.config.get("target_loss")
+        reached = next((e for e in rec.evals if target is not None and e["loss"] <= target), None)
+        why = (f"the held-out loss reached --target-loss {target:g} at the eval after {reached['step']} steps, and "
+               f"the run ended within its {warmup} warm-up step(s) (lower --warmup to time a step)") if reached \
+            else "no step was measured"
+        return f"{rec.label}: ok, no step time: {why}"
     if rec.status != "ok":
         return f"{rec.label}: {rec.status}: {rec.error}"
     details = f" [{rec.details}]" if rec.details else ""
-    return (f"{rec.label}{details} {rec.model} pp={rec.layout['pp']} tp={rec.layout['tp']} dp={rec.layout['dp']} "
-            f"mb={rec.micro_batch_size}: median step {rec.median_step_time:.4f} s, {rec.tokens_per_s:.0f} tokens/s, "
-            f"{rec.tflops_per_device:.3f} TFLOP/s per device, MFU {rec.mfu:.1%}")
+    return (f"{rec.label}{details} {rec.model} {rec.precision} pp={rec.layout['pp']} tp={rec.layout['tp']} "
+            f"dp={rec.layout['dp']} mb={rec.micro_batch_size}: median step {rec.median_step_time:.4f} s, "
+            f"{rec.tokens_per_s:.0f} tokens/s, {rec.tflops_per_device:.3f} TFLOP/s per device, MFU {rec.mfu:.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,17 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"{parser.prog}: error: {exc}", file=sys.stderr)
             return 2
-        record, verification = execute(cfg, spec, placement, args.out)
+        record, verification = execute(cfg, spec, placement)
+        kept = not (args.out and placement.node_rank == 0) or keep_record(args.out, record, parser.prog)
     except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) \
             else (exc.code - 128 if isinstance(exc.code, int) and exc.code > 128 else signal.SIGTERM)
         print(f"{parser.prog}: interrupted by {signal.Signals(signum).name}: ranks stopped, no record written",
               file=sys.stderr)
         return 128 + signum
-    print(summary(record))
+    print(summary(record, placement.node_rank == 0))
     if verification is not None:
         print(verification.line())
-    if record.status != "ok" or (verification is not None and not verification.passed):
+    if record.status != "ok" or (verification is not None and not verification.passed) or not kept:
         return 1
     return 0
 

@@ -58,6 +58,10 @@ class DiLoCoAlgorithm(SystemOptions):
         return DiLoCoAlgorithm(**{f.name: getattr(self, f.name) for f in DiLoCoAlgorithm.declared()})
 
     def check(self, config: RunConfig) -> None:
+        self.check_algorithm(config)
+        self.check_measured(config)
+
+    def check_algorithm(self, config: RunConfig) -> None:
         H, F = self.inner_steps, self.fragments
         if H < 1:
             raise ConfigError(f"--inner-steps must be >= 1, got {H}")
@@ -82,6 +86,17 @@ class DiLoCoAlgorithm(SystemOptions):
             raise ConfigError(f"--fragments {F}: a stage of {config.model.n_layer // config.pp} layers has only "
                               f"{fewest} units (embeddings, blocks, head) to split")
 
+    def check_measured(self, config: RunConfig) -> None:
+        """The measured steps hold an outer step (a fragment's sync after every H/F inner steps)."""
+        H, F = self.inner_steps, self.fragments
+        every, w = H // F, config.warmup
+        if (w + config.steps) // every == w // every:
+            least = every * (w // every + 1) - w
+            raise ConfigError(f"--steps {config.steps} after --warmup {w}: the measured steps hold no outer step "
+                              f"(one every {every} inner steps: --inner-steps {H}"
+                              + (f" / --fragments {F}" if F > 1 else "") + f"), so nothing of DiLoCo would be "
+                              f"measured; give --steps >= {least} or a smaller --inner-steps")
+
 
 @dataclass(frozen=True)
 class DiLoCoOptions(DiLoCoAlgorithm):
@@ -103,12 +118,16 @@ class DiLoCoOptions(DiLoCoAlgorithm):
         return OursOptions(n_slices=self.n_slices, slices=self.slices, schedule=self.schedule)
 
     def check(self, config: RunConfig) -> None:
-        super().check(config)
+        if config.dp < 2:
+            raise ConfigError(f"diloco averages replicas: --dp {config.dp} has nothing to average (give --dp 2 or "
+                              "more)")
+        self.check_algorithm(config)
         if config.pp == 1 and (self.slices is not None or self.n_slices != "auto" or self.schedule != "1f1b"):
             raise ConfigError("--n-slices, --slices and --schedule set ours' pipeline inside a replica: "
                               "they need --pp > 1")
         if config.pp > 1:
             self.pipeline().check(config)
+        self.check_measured(config)
 
 
 def min_units(n_layer: int, pp: int) -> int:
@@ -121,8 +140,10 @@ def min_units(n_layer: int, pp: int) -> int:
 
 
 def label(config: RunConfig) -> str:
+    """The run's column: 'diloco H=8', 'streaming diloco H=4 F=2 tau=1'; its simulation's names
+    ``diloco_sim`` ('diloco_sim H=8'), never taken for a run of torchft."""
     o: DiLoCoAlgorithm = config.options
-    name = f"diloco H={o.inner_steps}"
+    name = f"{config.system} H={o.inner_steps}"
     if o.streaming:
         name = (f"streaming {name} F={o.fragments}" + (f" tau={o.sync_delay}" if o.sync_delay else "")
                 + (f" alpha={o.fragment_alpha:g}" if o.fragment_alpha else ""))
