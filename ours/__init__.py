@@ -170,6 +170,17 @@ def describe_slicing(options: dict[str, Any]) -> str:
     return f"{how}K={len(slices)} ({text})"
 
 
+def describe_run(options: dict[str, Any]) -> str:
+    """ours' choices from its record's options: the slicing (``describe_slicing``) and what the first
+    stage ran ahead (``--prefetch``; lowered, with 'auto', to the forwards before the first backward)."""
+    parts = [describe_slicing(options)]
+    if options.get("prefetch"):
+        asked = options.get("prefetch_asked")
+        parts.append(f"prefetch {options['prefetch']}" + (f" ({asked} asked: the forwards the first stage runs before "
+                                                          "its first backward)" if asked else ""))
+    return ", ".join(p for p in parts if p)
+
+
 SPEC = SystemSpec(
     name="ours",
     train="ours.train:train",
@@ -179,6 +190,6 @@ SPEC = SystemSpec(
     label=lambda config: " ".join(["ours"] + ([config.options.schedule] if config.options.schedule != "1f1b" else [])
                                   + ([config.options.dp_mode] if config.dp > 1 else [])
                                   + ([config.options.lossy()] if config.options.lossy() else [])),
-    details=describe_slicing,
+    details=describe_run,
     role="ours",
 )

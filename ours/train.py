@@ -186,6 +186,8 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         tracer.write(options.trace, ctx.world_size)
     m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.n_micro_batches)
     if options.prefetch:  # what the first stage could run ahead (known before launch only for a slicing given)
-        m.extra["prefetch"] = min(options.prefetch, leading_forwards(options.schedule, cfg.n_micro_batches,
-                                                                     len(slices), pp))
+        ran = min(options.prefetch, leading_forwards(options.schedule, cfg.n_micro_batches, len(slices), pp))
+        m.extra["prefetch"] = ran
+        if ran < options.prefetch:  # 'auto' chose a slicing with fewer forwards before the first backward
+            m.extra["prefetch_asked"] = options.prefetch
     return m

@@ -240,32 +240,72 @@ def _writer_lock_path(path: Path) -> Path:
 
 
 def remove_records(path: str | Path) -> None:
-    """Delete a records file and the lock files appending and writing made beside it (e.g. a temporary one)."""
+    """Delete a records file and any lock files beside it (e.g. a temporary one)."""
     path = Path(path)
     for p in (path, _lock_path(path), _writer_lock_path(path)):
         p.unlink(missing_ok=True)
 
 
+def _lock(lock: Path, blocking: bool) -> int:
+    """An exclusive flock on the file ``lock`` (made if missing), on a descriptor of its own. Whoever
+    releases a lock removes its file (``_unlock``), so one that locked a file since removed locks the
+    new one instead: the lock files do not outlive their holders (one killed outright leaves an empty
+    file, which the next holder takes and removes). BlockingIOError if held (not ``blocking``)."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                return fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _unlock(lock: Path, fd: int) -> None:
+    """Release a lock ``_lock`` took: its file removed while still held, then the descriptor closed."""
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(lock)):
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+
+
 HELD_LOCK_ENV = "PIPEBENCH_RECORDS_LOCK_FD"  # a sweep's run command: the descriptor of the lock it inherits
+_HELD: dict[int, Path] = {}  # the writer locks this process took itself (not inherited): descriptor -> file
 
 
 def hold_records(path: str | Path) -> int:
     """Hold a records file for one writer while it runs: an exclusive lock beside it that a second run
     command or sweep writing to the same file cannot take (two runs at once would each time the
     other's load). A run command started by a sweep that holds it inherits the sweep's descriptor
-    (named by ``HELD_LOCK_ENV``) and holds the lock with it. Returns the descriptor (released when
-    the process ends, however it ends); BlockingIOError if another writer holds it."""
+    (named by ``HELD_LOCK_ENV``) and holds the lock with it. Returns the descriptor, for
+    ``release_records`` (else released when the process ends, however it ends); BlockingIOError if
+    another writer holds it."""
     lock = _writer_lock_path(path)
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = _inherited(lock)
-    if fd is None:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise
+    if fd is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the sweep's own lock: held already
+        return fd
+    fd = _lock(lock, blocking=False)
+    _HELD[fd] = lock
     return fd
+
+
+def release_records(fd: int) -> None:
+    """Let go of a records file ``hold_records`` held: its lock file removed where this process took
+    the lock itself (an inherited one is the sweep's to remove)."""
+    lock = _HELD.pop(fd, None)
+    if lock is None:
+        os.close(fd)
+    else:
+        _unlock(lock, fd)
 
 
 def _inherited(lock: Path) -> int | None:
@@ -284,8 +324,8 @@ def append_line(path: str | Path, line: str) -> None:
     symlinked path is written through (its target is replaced); the file keeps its mode."""
     path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(_lock_path(path), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = _lock(_lock_path(path), blocking=True)
+    try:
         old = path.read_bytes() if path.exists() else b""
         if old and not old.endswith(b"\n"):
             old += b"\n"
@@ -306,3 +346,5 @@ def append_line(path: str | Path, line: str) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+    finally:
+        _unlock(_lock_path(path), lock)

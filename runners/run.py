@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec
 from contract.registry import get_system
-from runners.record import hold_records
+from runners.record import hold_records, release_records
 from runners.request import (Placement, build_parser, config_from_args, judge, placement_from_args,
                              resolve_devices)
 from runners.tolerance import Tolerance, relative, verify_tolerance
@@ -195,13 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
+    held = None
     if args.out and placement.node_rank == 0:
         try:
-            hold_records(args.out)  # until this process ends
+            held = hold_records(args.out)
         except BlockingIOError:
             print(f"{parser.prog}: error: --out {args.out}: another run command or sweep is writing to it now, and "
                   "each would time the other's load (wait for it to end, or give another --out)", file=sys.stderr)
             return 2
+    try:
+        return _run(cfg, spec, placement, args.out, parser.prog)
+    finally:
+        if held is not None:
+            release_records(held)
+
+
+def _run(cfg: RunConfig, spec: SystemSpec, placement: Placement, out: str | None, prog: str) -> int:
+    """The judged request run: its ranks launched, its record kept (``keep_record``); the exit status."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:
@@ -215,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = resolve_devices(cfg, spec, placement)  # the GPUs: the last judgement, once torch is imported
         except ConfigError as exc:
-            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+            print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
         record, verification = execute(cfg, spec, placement)
-        kept = not (args.out and placement.node_rank == 0) or keep_record(args.out, record, parser.prog)
+        kept = not (out and placement.node_rank == 0) or keep_record(out, record, prog)
     except (Interrupted, KeyboardInterrupt, SystemExit) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT if isinstance(exc, KeyboardInterrupt) \
             else (exc.code - 128 if isinstance(exc.code, int) and exc.code > 128 else signal.SIGTERM)
-        print(f"{parser.prog}: interrupted by {signal.Signals(signum).name}: ranks stopped, no record written",
+        print(f"{prog}: interrupted by {signal.Signals(signum).name}: ranks stopped, no record written",
               file=sys.stderr)
         return 128 + signum
     print(summary(record, placement.node_rank == 0))

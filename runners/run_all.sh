@@ -33,23 +33,28 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-hostfile="" sweep="" rehearse="" setup_nodes="" dry_run="" no_report="" out="" slurm="" submit=""
-cluster_args=() setup_args=() slots=() extra=() sbatch_args=()
+hostfile="" sweep="" rehearse="" setup_nodes="" dry_run="" no_report="" out="" slurm="" submit="" quality=""
+cluster_args=() setup_args=() slots=() extra=() sbatch_args=() given=()
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 need() { [ $# -ge 2 ] || { echo "run_all.sh: $1 needs a value" >&2; exit 2; }; }
+# a flag that names what runs is given once: a second one would silently win over the first
+once() {
+  [[ " ${given[*]:-} " != *" $1 "* ]] || { echo "run_all.sh: $1 given twice: give it once" >&2; exit 2; }
+  given+=("$1")
+}
 while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) usage; exit 0 ;;
-    --hostfile) need "$@"; hostfile=$2; shift 2 ;;
-    --sweep) need "$@"; sweep=$2; shift 2 ;;
-    --quality) sweep=sweeps/quality.toml; shift ;;
-    --rehearse) need "$@"; rehearse=$2; shift 2 ;;
+    --hostfile) need "$@"; once "$1"; hostfile=$2; shift 2 ;;
+    --sweep) need "$@"; once "$1"; sweep=$2; shift 2 ;;
+    --quality) once "$1"; quality=1; shift ;;
+    --rehearse) need "$@"; once "$1"; rehearse=$2; shift 2 ;;
     --setup-nodes) setup_nodes=1; shift ;;
     --ssh-config|--ssh-user|--remote-dir) need "$@"; cluster_args+=("$1" "$2"); setup_args+=("$1" "$2"); shift 2 ;;
     --share-venv) need "$@"; setup_args+=("$1" "$2"); shift 2 ;;
     --dry-run) dry_run=1; extra+=("$1"); shift ;;
     --no-report) no_report=1; extra+=("$1"); shift ;;
-    --out) need "$@"; out=$2; extra+=("$1" "$2"); shift 2 ;;
+    --out) need "$@"; once "$1"; out=$2; extra+=("$1" "$2"); shift 2 ;;
     --repeats) need "$@"; extra+=("$1" "$2"); shift 2 ;;
     --iface) need "$@"; cluster_args+=("$1" "$2"); shift 2 ;;
     --nproc-per-node) need "$@"; slots=("$1" "$2"); shift 2 ;;
@@ -61,7 +66,12 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+if [ -n "$quality" ]; then
+  [ -z "$sweep" ] || { echo "run_all.sh: --quality runs sweeps/quality.toml; leave out --sweep $sweep (or give --sweep alone)" >&2; exit 2; }
+  sweep=sweeps/quality.toml
+fi
 if [ -n "$rehearse" ]; then
+  [ -z "$dry_run" ] || { echo "run_all.sh: --rehearse brings nodes up and has no --dry-run (try --sweep FILE --scale-down --dry-run)" >&2; exit 2; }
   [ -z "$hostfile" ] || { echo "run_all.sh: --rehearse makes its own nodes; leave out --hostfile" >&2; exit 2; }
   for a in ${cluster_args[0]+"${cluster_args[0]}"} ${setup_args[0]+"${setup_args[0]}"}; do
     echo "run_all.sh: $a is set by --rehearse itself" >&2; exit 2

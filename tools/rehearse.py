@@ -7,8 +7,9 @@
 1. N virtual nodes come up (``tools.nodes``: one network namespace, sshd, host name
    and /etc/hosts each; DIR/hostfile with ``slots=1`` per node and DIR/ssh_config);
 2. the nodes are set up as a real cluster's are (``runners.sweep.setup_nodes``): the suite is
-   copied to DIR/<node>/suite on every node; its .venv is a link to this interpreter's venv (the
-   nodes share this machine's file system; building a venv per node takes minutes);
+   copied to DIR/<node>/suite on every node (removed when the sweep ends); its .venv is a link to
+   this interpreter's venv (the nodes share this machine's file system; building a venv per node
+   takes minutes);
 3. the sweep (default: the seed's GPT-3 XL cluster sweep) runs in cluster mode, exactly as
    ``run_all.sh --hostfile`` runs it, but ``--scale-down`` (``runners.sweep.scale``): same layouts,
    micro-batch sizes and network settings, a tiny model; runs the N nodes cannot hold are recorded
@@ -28,6 +29,8 @@ sweep file), 130 / 143 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 import sys
 import tempfile
 import time
@@ -36,9 +39,13 @@ from pathlib import Path
 
 from network_emulation.netem import NotRootError
 from network_emulation.signals import Terminated, signals_raise
+from network_emulation.ssh_shaping import for_host
 from tools.rehearse_slurm import rehearse_slurm
+from runners.request import Parser
 from runners.sweep import __main__ as sweep_command
-from runners.sweep.plan import SweepError, load_sweep
+from runners.sweep.execute import select_runs
+from runners.sweep.hostfile import DoesNotFit, Host, place
+from runners.sweep.plan import Sweep, SweepError, load_sweep
 from runners.sweep.scale import scale_down
 from runners.sweep.setup_nodes import SetupError, setup_nodes, venv_ready
 
@@ -49,7 +56,7 @@ IFACE = "eth0"  # the virtual nodes' interface
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tools.rehearse", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m tools.rehearse", description=__doc__.split("\n\n")[0])
     ap.add_argument("nodes", type=int, help="number of virtual nodes")
     ap.add_argument("--sweep", default=None,
                     help=f"the cluster sweep to rehearse (default {DEFAULT_SWEEP}; on fewer than 12 nodes "
@@ -90,6 +97,7 @@ def rehearse(args: argparse.Namespace) -> int:
     from tools.nodes import VirtualNodes
 
     sweep = load_sweep(args.sweep, scale_down)  # a bad sweep file stops here, before any node is up
+    check_fits(sweep, args.nodes, args.nproc_per_node or 1, args.only)
     out = Path(args.out or f"results/{sweep.name}.jsonl").absolute()
     venv = Path(sys.prefix)
     if sys.prefix == sys.base_prefix or not venv_ready(venv):
@@ -102,13 +110,42 @@ def rehearse(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     with VirtualNodes(args.nodes, directory, log=sys.stdout) as vn:
         print(f"rehearse: {args.nodes} virtual node(s) up in {time.monotonic() - t0:.1f} s", flush=True)
-        setup_nodes([n.name for n in vn.nodes], remote_dir=remote_dir, ssh_config=str(vn.ssh_config),
-                    share_venv=str(venv))
-        rc = sweep_command.main(sweep_argv(args, vn.hostfile, vn.ssh_config, remote_dir, out))
+        hosts = [n.name for n in vn.nodes]
+        try:
+            setup_nodes(hosts, remote_dir=remote_dir, ssh_config=str(vn.ssh_config), share_venv=str(venv))
+            rc = sweep_command.main(sweep_argv(args, vn.hostfile, vn.ssh_config, remote_dir, out))
+        finally:
+            remove_copies(remote_dir, hosts)
         t1 = time.monotonic()
     print(f"rehearse: nodes down in {time.monotonic() - t1:.1f} s; {time.monotonic() - t0:.0f} s in all "
           f"(records: {out})", flush=True)
     return rc
+
+
+def check_fits(sweep: Sweep, nodes: int, slots: int, only: Sequence[str] = ()) -> None:
+    """SweepError unless some run of ``sweep`` (of ``only``'s systems) fits ``nodes`` virtual nodes of
+    ``slots`` slots each: a rehearsal of nothing but unfit runs measures nothing."""
+    hosts = [Host(f"node{k + 1}", slots) for k in range(nodes)]
+    why = None
+    for run in select_runs(sweep, only):
+        try:
+            place(run.world, hosts, devices_per_process=run.devices_per_process, ranks_per_node=run.nproc_per_node,
+                  emulated=run.emulated)
+            return
+        except DoesNotFit as e:
+            why = why or f"{run.label()}: {e}"
+    raise SweepError(f"no run of {sweep.name} fits {nodes} virtual node(s) of {slots} slot(s) ({why}): give more "
+                     "nodes, or --nproc-per-node")
+
+
+def remove_copies(remote_dir: str, hosts: Sequence[str]) -> None:
+    """The suite's copies on the nodes removed (with their nodes' directories where that leaves them
+    empty): a rehearsal leaves nothing behind."""
+    for host in hosts:
+        copy = Path(for_host(remote_dir, host))
+        shutil.rmtree(copy, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            copy.parent.rmdir()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

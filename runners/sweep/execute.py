@@ -31,7 +31,7 @@ from contract import ConfigError
 from contract.config import planned_key
 from contract.records import read_records
 from runners.invoke import run_command
-from runners.record import HELD_LOCK_ENV, hold_records
+from runners.record import HELD_LOCK_ENV, hold_records, release_records
 from runners.sweep.hostfile import DoesNotFit
 from runners.sweep.plan import REPO, PlannedRun, Sweep, SweepError
 
@@ -113,7 +113,7 @@ def records_lock(out: Path) -> Iterator[int]:
     try:
         yield fd
     finally:
-        os.close(fd)
+        release_records(fd)
 
 
 def is_root() -> bool:

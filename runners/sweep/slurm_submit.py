@@ -13,7 +13,7 @@ a node that fails ends its run (recorded as an error naming it), not the whole s
 
 ``--wait`` (``-W``) is given to sbatch itself, not written into the script: this command then
 returns when the job has ended, with its exit status. Exit status otherwise: 0 submitted, 2 a bad
-request or a submission Slurm refused.
+request or a submission Slurm refused, 1 an sbatch that exited 0 without naming a job.
 """
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ from runners.sweep.scale import scale_down
 SUBMIT_ONLY = ("--wait", "-W")  # sbatch options about the submission itself: its command line, not the script
 DEFAULTS = ("--no-kill",)  # a failed node ends its run, not the allocation
 NOT_FOR_SUBMIT = ("hostfile", "ssh_config", "ssh_user", "networks", "dry_run")
-_SUBMITTED = re.compile(r"^(\d+)(;\S+)?$")
+# sbatch's answer naming the job: --parsable's "JOBID[;CLUSTER]", or the plain "Submitted batch job JOBID"
+# (a site's sbatch wrapper may drop --parsable)
+_SUBMITTED = re.compile(r"^(?:(\d+)(?:;\S+)?|Submitted batch job (\d+)\b.*)$")
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -133,14 +135,16 @@ def submit(script: Path, submit_only: Sequence[str], output: str, stream=sys.std
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stderr is not None
     try:
-        first = p.stdout.readline().strip()
-        m = _SUBMITTED.match(first)
-        if not m:
-            p.wait()
-            errors = [l for l in p.stderr.read().strip().splitlines() if l.strip()] or [first or f"exit {p.returncode}"]
+        job, said = job_id(p.stdout)
+        if job is None:
+            rc = p.wait()
+            errors = [l for l in p.stderr.read().strip().splitlines() if l.strip()] or said[-1:] or [f"exit {rc}"]
+            if rc == 0:
+                print(f"slurm-submit: sbatch exited 0 without naming a job ({errors[-1]}): see squeue whether it was "
+                      f"submitted; batch script: {script}", file=sys.stderr)
+                return 1
             print(f"slurm-submit: sbatch refused the job: {errors[-1]}", file=sys.stderr)
             return 2
-        job = m.group(1)
         print(f"slurm-submit: submitted batch job {job}; output: {output.replace('%j', job)}; batch script: {script}",
               file=stream, flush=True)
         if not submit_only:
@@ -158,6 +162,18 @@ def submit(script: Path, submit_only: Sequence[str], output: str, stream=sys.std
         if p.poll() is None:
             p.terminate()
             p.wait()
+
+
+def job_id(stdout) -> tuple[str | None, list[str]]:
+    """The job id sbatch names on ``stdout`` (lines read until it comes: with --wait, sbatch goes on
+    running after it), or None; and the lines read."""
+    said = []
+    for line in stdout:
+        said.append(line.strip())
+        m = _SUBMITTED.match(said[-1])
+        if m:
+            return m.group(1) or m.group(2), said
+    return None, said
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,12 +68,13 @@ def test_four_node_rehearsal_then_nothing_left(tmp_path: Path) -> None:
     assert vnode_namespaces() <= namespaces
     assert {l for l in root_links() - links if l.startswith("vn")} == set()
     assert live_processes(str(tmp_path / "nodes")) == []
-    # again: the nodes already hold this commit (nothing copied), every run is recorded (nothing run)
+    assert sorted((tmp_path / "nodes").glob("*/suite")) == []  # the nodes' copies of the suite are gone too
+    # again: every run is recorded (nothing run)
     again = rehearse(tmp_path)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert again.stdout.count("(same files): nothing to do") == 4
     assert "0 ok / 0 failed / 3 skipped" in again.stdout
     assert live_processes(str(tmp_path / "nodes")) == [] and vnode_namespaces() <= namespaces
+    assert sorted((tmp_path / "nodes").glob("*/suite")) == []
 
 
 def _triggered(moment: str, lines: list[str], directory: Path, namespaces: set[str]) -> bool:
