@@ -148,7 +148,7 @@ class ClusterExecutor:
 
     # ------------------------------------------------------------------ dry run
 
-    def print_plan(self, sweep: Sweep, runs: list[PlannedRun], out: Path, stream: IO = sys.stdout) -> int:
+    def print_plan(self, sweep: Sweep, runs: list[PlannedRun], out: Path, stream: IO | None = None) -> int:
         slots = sum(h.slots for h in self.hosts)
         print(f"sweep {sweep.name} on {len(self.hosts)} host(s) ({slots} GPU slots): {len(runs)} run(s), "
               f"records into {out}", file=stream)

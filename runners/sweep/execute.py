@@ -176,10 +176,11 @@ def select_runs(sweep: Sweep, only: Sequence[str] = ()) -> list[PlannedRun]:
 def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only: Sequence[str] = (),
               dry_run: bool = False, retry_failed: bool = False, need_root_for_network: bool = True,
               probe: bool = True, report: bool = True, plots: str | None = None, python: str = sys.executable,
-              stream: IO = sys.stdout, repeats: int | None = None) -> Outcome:
+              stream: IO | None = None, repeats: int | None = None) -> Outcome:
     """Run (or with dry_run print) the sweep's runs, ``repeats`` launches each (default: the sweep's
     own); returns the counts."""
     repeats = sweep.repeats if repeats is None else repeats
+    stream = stream or sys.stdout  # this process's stdout now (not the one when this module was imported)
     t0 = time.monotonic()
     outcome = Outcome()
     planned = select_runs(sweep, only)

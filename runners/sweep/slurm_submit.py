@@ -129,8 +129,9 @@ def prepare(argv: Sequence[str]) -> tuple[Path, list[str], str]:
     return script, submit_only, output
 
 
-def submit(script: Path, submit_only: Sequence[str], output: str, stream=sys.stdout) -> int:
+def submit(script: Path, submit_only: Sequence[str], output: str, stream=None) -> int:
     """sbatch the script; with --wait, until the job ends (its exit status)."""
+    stream = stream or sys.stdout
     p = subprocess.Popen(["sbatch", "--parsable", *submit_only, str(script)], stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stderr is not None

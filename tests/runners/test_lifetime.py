@@ -55,7 +55,7 @@ def test_a_directory_goes_with_its_owner_however_it_ends(tmp_path):
     assert owner.stdout.readline().strip() == "watched" and owned.exists()
     owner.kill()
     owner.wait()
-    assert _gone_within(owned, 5.0)
+    assert _gone_within(owned, 60.0)  # the watchdog polls 4 times a second; a crowded host may start it late
     owned.mkdir()
     watchdog = DirectoryWatchdog(owned)
     assert _watchdogs_of(owned)

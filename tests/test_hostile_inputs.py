@@ -1,0 +1,292 @@
+"""What a demanding and a hostile user tried (issue #44), table by table: every bad request refused
+before anything runs, in one line with exit status 2 and no traceback; a bad line of a records file
+skipped with a warning naming the file and the line; nothing overwritten that the command was not
+asked to write; a record that cannot be written printed in full; labels that say what ran. Each
+command's ``main`` runs in this process where it can (no training starts: every case is refused or
+only reads); run_all.sh's own flags through bash."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contract import RunConfig
+from contract.records import read_records
+from contract.registry import get_system
+from runners.record import append_record, build_record, hold_records, release_records
+from tests.conftest import REPO
+from workload.configs import get_model_config
+
+PYTHON = sys.executable
+SWEEP = """name = "s"
+[fixed]
+model = "tiny"
+batch_size = 1
+micro_batch_size = 1
+steps = 2
+warmup = 1
+[[experiment]]
+name = "a"
+layouts = ["1"]
+  [[experiment.systems]]
+  name = "reference"
+"""
+TWICE = SWEEP + SWEEP[SWEEP.index("[[experiment]]"):]
+OURS = ["--system", "ours", "--model", "cpu-small", "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1"]
+LAYOUT = ["layout", "--model", "gpt3-xl", "--batch-size", "64"]
+DILOCO = ["--system", "diloco", "--model", "tiny", "--batch-size", "1", "--micro-batch-size", "1"]
+
+
+def _main(module: str):
+    """The ``main`` of a command, imported here (report.py is a top-level module)."""
+    import importlib
+
+    return importlib.import_module(module).main
+
+
+def _exit_status(main, argv: list[str]) -> int:
+    """``main(argv)``'s exit status, whether it returns it or exits (argparse)."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+
+
+def _files(tmp_path: Path) -> dict[str, Path]:
+    sweep, twice, noeff, notjson = (tmp_path / n for n in ("S.toml", "D.toml", "noeff.json", "notjson.json"))
+    sweep.write_text(SWEEP)
+    twice.write_text(TWICE)
+    noeff.write_text(json.dumps({"device": "x", "peak_tflops": {"fp32": 1.0}}))
+    notjson.write_text("not json")
+    return {"S": sweep, "D": twice, "NOEFF": noeff, "NOTJSON": notjson}
+
+
+# (issue item, command module, argv with {NAME} for _files' paths, what the one line says)
+REFUSED = [
+    (1, "runners.sweep.__main__", ["{S}", "--out", "{S}", "--dry-run"], "is the sweep file"),
+    (4, "runners.run", [*DILOCO, "--dp", "2", "--steps", "2", "--warmup", "1"], "the measured steps hold no outer step"),
+    (4, "runners.run", [*DILOCO, "--dp", "1", "--steps", "9"], "--dp 1 has nothing to average"),
+    (5, "predict.__main__", [*OURS, "--in-flight", "0"], "--in-flight: takes a whole number of messages >= 1"),
+    (5, "predict.__main__", [*OURS, "--device-file", "{NOEFF}"], "has no efficiency for precision 'fp32'"),
+    (5, "predict.__main__", [*OURS, "--device-file", "{NOTJSON}"], "--device-file"),
+    (5, "predict.__main__", [*OURS, "--device-file", "predict/devices/v100.json", "--precision", "fp16"],
+     "has no efficiency for precision"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,0Gbps"], "bandwidth a finite rate > 0"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter=-5ms,1Gbps"], "latency is a finite time >= 0"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "nanms,infGbps"], "a link is LATENCY,BANDWIDTH"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "1e999ms,1Gbps"], "latency is a finite time"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "8", "--gpus-per-node", "8", "--intra", "fast"],
+     "a link is LATENCY,BANDWIDTH"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10,1"], "a link is LATENCY,BANDWIDTH"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "7", "--inter", "10ms,1Gbps"], "no T x P = 7 divides the model"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,1Gbps", "--gpu", "nope"],
+     "no fp32 peak for --gpu 'nope'"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,1Gbps", "--memory-gb", "0"],
+     "--memory-gb: takes a finite number > 0"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--model", "gpt3-175b", "--devices", "8", "--gpus-per-node", "8",
+                               "--intra", "5us,300GB/s"], "no layout of gpt3-175b on 8 devices fits --memory-gb 16"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12"], "need --inter"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--matrix", "{NOTJSON}"], "not a per-link matrix"),
+    (9, "tools.rehearse", ["1"], "no run of rehearsal-2-scaled fits 1 virtual node(s)"),
+    (10, "runners.sweep.__main__", ["{D}", "--dry-run"], "the same run planned twice in experiment 'a'"),
+    (13, "tools.rehearse", ["2", "--dry-run"], "unrecognized arguments: --dry-run"),
+    (15, "report", ["--target", "nan", "{S}"], "--target: a held-out loss is a finite number > 0, got 'nan'"),
+    (15, "report", ["--target", "-5", "{S}"], "--target: a held-out loss is a finite number > 0, got '-5'"),
+    (19, "runners.run", ["--system", "ours", "--model", "tiny", "--tp", "2", "--wire-dtype", "bf16", "--batch-size",
+                         "1", "--micro-batch-size", "1"], "not of tensor parallelism's all-reduces"),
+]
+
+
+@pytest.mark.parametrize("item, module, argv, says", REFUSED,
+                         ids=[f"item{c[0]}-{c[1].split('.')[0]}-{i}" for i, c in enumerate(REFUSED)])
+def test_a_bad_request_is_refused_in_one_line_before_anything_runs(tmp_path, capsys, monkeypatch, item, module,
+                                                                  argv, says):
+    files = _files(tmp_path)
+    monkeypatch.chdir(REPO)
+    before = {n: p.read_bytes() for n, p in files.items()}
+    status = _exit_status(_main(module), [a.format(**files) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and says in lines[0], err
+    assert "Traceback" not in err and {n: p.read_bytes() for n, p in files.items()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files.values())  # nothing written
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--quality", "--sweep", "sweeps/local.toml", "--dry-run"], "--quality runs sweeps/quality.toml; leave out --sweep"),
+    (["--quality", "--rehearse", "2", "--dry-run"], "--rehearse brings nodes up and has no --dry-run"),
+    (["--sweep", "sweeps/local.toml", "--sweep", "sweeps/local-dp.toml", "--dry-run"], "--sweep given twice"),
+])
+def test_run_all_refuses_flags_that_would_silently_win(flags, says):
+    """Item 13: the last of two flags naming what runs won without a word; --rehearse --dry-run
+    printed a usage of many lines."""
+    p = subprocess.run(["bash", "runners/run_all.sh", *flags], cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHON": PYTHON})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr
+
+
+def test_a_full_file_system_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+    """Item 8: --out on a full file system trained, then lost the record in two tracebacks."""
+    class Full:
+        f_bfree = f_bavail = 0
+        f_frsize, f_blocks = 4096, 1000
+
+    monkeypatch.setattr("runners.request.os.statvfs", lambda path: Full())
+    out = tmp_path / "r.jsonl"
+    status = _main("runners.run")(["--system", "reference", "--model", "tiny", "--batch-size", "1",
+                                   "--micro-batch-size", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert status == 2 and "its file system has 0.0 MiB free" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def _record(system: str = "reference", precision: str = "fp32", status: str = "ok", **fields):
+    spec = get_system(system)
+    cfg = RunConfig(system=system, model=get_model_config("tiny"), batch_size=1, micro_batch_size=1,
+                    precision=precision, **fields)
+    return build_record(cfg, spec, status, None if status == "ok" else "failed", None, {"device_kind": "cpu"})
+
+
+def test_a_record_that_cannot_be_written_is_printed_in_full(tmp_path, capsys, monkeypatch):
+    """Item 8, once the run has trained: the record goes to stderr, whole, and the run command exits 1."""
+    from runners.run import keep_record
+
+    def full(path, line):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("runners.record.append_line", full)
+    rec = _record()
+    assert not keep_record(str(tmp_path / "r.jsonl"), rec, "python -m runners.run")
+    err = capsys.readouterr().err.splitlines()
+    assert "the record could not be written (No space left on device)" in err[0]
+    assert json.loads(err[1]) == json.loads(rec.to_json())
+
+
+NOT_UTF8 = b'{"a": 1}\n\xff\xfe not text\n'
+
+
+def test_a_line_that_is_not_utf8_is_skipped_with_a_warning_by_every_reader(tmp_path, capsys, monkeypatch):
+    """Item 3: one such line crashed report.py (file and directory), the sweep (also --dry-run) and
+    predict records / validate with a UnicodeDecodeError; a binary file crashed the report too."""
+    good = _record(status="error")
+    bad = tmp_path / "runs.jsonl"
+    append_record(bad, good)
+    bad.write_bytes(bad.read_bytes() + NOT_UTF8)
+    warned = []
+    assert [r["run_id"] for r in read_records(bad, warned.append)] == [good.run_id]
+    assert warned == [f"{bad}:2: not a run record (no system, status, model, model_shape, layout, batch_size, "
+                      "micro_batch_size, network): line skipped", f"{bad}:3: not UTF-8 text: line skipped"]
+    binary = tmp_path / "ls.jsonl"
+    binary.write_bytes(Path(sys.executable).resolve().read_bytes()[:20000])
+    monkeypatch.chdir(REPO)
+    sweep = tmp_path / "S.toml"
+    sweep.write_text(SWEEP)
+    for module, argv, status in (("report", [str(bad)], 0), ("report", [str(tmp_path)], 0),
+                                 ("runners.sweep.__main__", [str(sweep), "--out", str(bad), "--dry-run"], 0),
+                                 ("predict.__main__", ["records", str(bad)], 0),
+                                 ("predict.__main__", ["validate", str(bad)], 2)):  # no ok CPU run in it
+        assert _exit_status(_main(module), argv) == status, (module, argv)
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"{bad}:3: not UTF-8 text" in err, (module, err)
+    assert _exit_status(_main("report"), [str(binary)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) <= 11 and "more warning(s) of this file not shown" in err[-1], err
+
+
+def test_validate_writes_only_when_asked_and_refuses_records_without_a_cpu_run(tmp_path, capsys, monkeypatch):
+    """Item 2: predict validate on any records file replaced the committed validation that predict
+    records reads, also from empty or GPU-only input (exit 0)."""
+    from predict.this_machine import CALIBRATIONS
+
+    kept = {p: p.read_bytes() for p in CALIBRATIONS.glob("validation.*")}
+    empty, gpu = tmp_path / "empty.jsonl", tmp_path / "gpu.jsonl"
+    empty.write_text("")
+    append_record(gpu, build_record(*_gpu_run(), "ok", None, None, {"device_kind": "cuda"}))
+    monkeypatch.chdir(REPO)
+    for records in (empty, gpu):
+        assert _exit_status(_main("predict.__main__"), ["validate", str(records)]) == 2
+        assert "no ok CPU run to validate" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in CALIBRATIONS.glob("validation.*")} == kept
+
+
+def _gpu_run():
+    spec = get_system("reference")
+    return RunConfig(system="reference", model=get_model_config("tiny"), batch_size=1, micro_batch_size=1), spec
+
+
+def test_locks_beside_the_records_go_with_their_holders(tmp_path):
+    """Item 17: an empty X.lock and X.writer.lock stayed beside every --out."""
+    out = tmp_path / "r.jsonl"
+    fd = hold_records(out)
+    with pytest.raises(BlockingIOError):
+        hold_records(out)
+    append_record(out, _record())
+    release_records(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+    release_records(hold_records(out))  # taken again once released
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
+def test_labels_and_summaries_say_what_ran():
+    """Item 11: diloco_sim was labelled diloco (one column with diloco's own runs, its options shown as
+    None); the summary line and the report's Every run table had no precision. Item 14: a run that
+    reached its target within its warm-up said 'ok (this node's ranks finished ...)' on its one node.
+    Item 16: a --prefetch that 'auto' lowered was not said."""
+    from ours import describe_run
+    from ours.diloco import DiLoCoAlgorithm
+    from report import render
+    from runners.run import summary
+
+    sim = RunConfig(system="diloco_sim", model=get_model_config("tiny"), batch_size=1, micro_batch_size=1, dp=2,
+                    options=DiLoCoAlgorithm(inner_steps=2))
+    assert get_system("diloco_sim").run_label(sim) == "diloco_sim H=2"
+    fp32, bf16 = _record(), _record(precision="bf16")
+    for rec in (fp32, bf16):
+        rec.median_step_time = rec.min_step_time = rec.max_step_time = 0.05
+        rec.tokens_per_s, rec.tflops_per_device, rec.mfu = 100.0, 0.01, 0.1
+    assert " tiny bf16 pp=1 " in summary(bf16) and " tiny fp32 pp=1 " in summary(fp32)
+    every = [line for line in render([fp32.__dict__, bf16.__dict__]).split("## Every run")[1].splitlines()
+             if line.startswith("| ")]
+    assert [[cell.strip() for cell in line.split("|")[1:4]] for line in every] == [
+        ["system", "model", "precision"], ["reference", "tiny", "fp32"], ["reference", "tiny", "bf16"]]
+    early = _record(eval_every=1, target_loss=100.0, data="stdlib", warmup=1)
+    early.evals = [{"step": 0, "tokens": 0, "wall_time": 0.0, "loss": 5.6, "bytes_sent": [0]}]
+    assert summary(early) == ("reference: ok, no step time: the held-out loss reached --target-loss 100 at the eval "
+                              "after 0 steps, and the run ended within its 1 warm-up step(s) (lower --warmup to time "
+                              "a step)")
+    assert summary(early, node0=False).endswith("ok (this node's ranks finished; node 0 writes the record)")
+    lowered = describe_run({"n_slices": "auto", "slices": [64, 64], "prefetch": 2, "prefetch_asked": 99})
+    assert lowered == "K=2 (64x2), prefetch 2 (99 asked: the forwards the first stage runs before its first backward)"
+
+
+def test_no_quality_winner_from_single_runs():
+    """Item 12: the time-to-quality section claimed '1.03x faster' from one run of each, both shown 0.05 s."""
+    from report import quality_section
+    from tests.test_report_quality import _rec
+
+    text = quality_section([_rec("ours", "d50-1g", 0, [5.6, 3.4], 0.05, 100, dp_mode="sharded_ps"),
+                            _rec("torch_pipe", "d50-1g", 0, [5.6, 3.4], 0.0515, 100)])
+    wins = text.split("Which wins")[1]
+    assert "faster" not in wins and "no claim: a single run has no interval" in wins, wins
+
+
+def test_sbatch_saying_submitted_in_plain_words_is_a_submission(tmp_path, monkeypatch, capsys):
+    """Item 18: 'Submitted batch job 4242' with exit 0 was reported 'sbatch refused the job' (exit 2)."""
+    from runners.sweep.slurm_submit import submit
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text("#!/bin/sh\necho 'Submitted batch job 4242'\n")
+    (fake / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    assert submit(tmp_path / "s.sbatch", [], str(tmp_path / "s-%j.out")) == 0
+    assert "submitted batch job 4242; output: " + str(tmp_path / "s-4242.out") in capsys.readouterr().out
+    (fake / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed' >&2\nexit 1\n")
+    assert submit(tmp_path / "s.sbatch", [], str(tmp_path / "s-%j.out")) == 2
+    assert "sbatch refused the job: sbatch: error: Batch job submission failed" in capsys.readouterr().err
