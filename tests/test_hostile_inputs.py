@@ -69,7 +69,8 @@ def _files(tmp_path: Path) -> dict[str, Path]:
 # (issue item, command module, argv with {NAME} for _files' paths, what the one line says)
 REFUSED = [
     (1, "runners.sweep.__main__", ["{S}", "--out", "{S}", "--dry-run"], "is the sweep file"),
-    (4, "runners.run", [*DILOCO, "--dp", "2", "--steps", "2", "--warmup", "1"], "the measured steps hold no outer step"),
+    (4, "runners.run", [*DILOCO, "--dp", "2", "--steps", "2", "--warmup", "1"],
+     "the measured steps hold no outer step"),
     (4, "runners.run", [*DILOCO, "--dp", "1", "--steps", "9"], "--dp 1 has nothing to average"),
     (5, "predict.__main__", [*OURS, "--in-flight", "0"], "--in-flight: takes a whole number of messages >= 1"),
     (5, "predict.__main__", [*OURS, "--device-file", "{NOEFF}"], "has no efficiency for precision 'fp32'"),
@@ -118,7 +119,8 @@ def test_a_bad_request_is_refused_in_one_line_before_anything_runs(tmp_path, cap
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--quality", "--sweep", "sweeps/local.toml", "--dry-run"], "--quality runs sweeps/quality.toml; leave out --sweep"),
+    (["--quality", "--sweep", "sweeps/local.toml", "--dry-run"],
+     "--quality runs sweeps/quality.toml; leave out --sweep"),
     (["--quality", "--rehearse", "2", "--dry-run"], "--rehearse brings nodes up and has no --dry-run"),
     (["--sweep", "sweeps/local.toml", "--sweep", "sweeps/local-dp.toml", "--dry-run"], "--sweep given twice"),
 ])

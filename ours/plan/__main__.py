@@ -69,7 +69,8 @@ def _check_matrix(d) -> None:
         if not n or len(rows) != n or any(not isinstance(r, list) or len(r) != n for r in rows):
             raise ValueError(f"{name} is not {n} x {n}")
         bad = [x for i, r in enumerate(rows) for j, x in enumerate(r)  # a device's link to itself is not used
-               if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or (i != j and not ok(x))]
+               if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+               or (i != j and not ok(x))]
         if bad:
             raise ValueError(f"{name} holds {bad[0]!r}")
 
@@ -156,7 +157,8 @@ def cmd_layout(args) -> int:
         raise PlanError(f"--devices {args.devices} on nodes of --gpus-per-node {args.gpus_per_node} need --inter "
                         "LATENCY,BANDWIDTH (the links between nodes)")
     elif min(args.devices, args.gpus_per_node) > 1 and args.intra is None:
-        raise PlanError(f"--gpus-per-node {args.gpus_per_node} needs --intra LATENCY,BANDWIDTH (the links inside a node)")
+        raise PlanError(f"--gpus-per-node {args.gpus_per_node} needs --intra LATENCY,BANDWIDTH (the links inside "
+                        "a node)")
     try:
         if args.matrix:
             cluster = Cluster.from_matrix(matrix)

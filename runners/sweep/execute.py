@@ -51,6 +51,11 @@ def recorded_keys(out: str | os.PathLike, retry_failed: bool = False) -> set[str
     return set(recorded_counts(out, retry_failed))
 
 
+def _warn(why: str) -> None:
+    """A line of the records file that is skipped or cut (``contract.records``), told on stderr."""
+    print(f"sweep: {why}", file=sys.stderr)
+
+
 def hardware_here(run: PlannedRun, gpus) -> str | None:
     """The hardware ``run`` gets on this machine (``runners.devices.judge_gpus``), None where it cannot run here."""
     from runners.devices import judge_gpus
@@ -194,7 +199,7 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
             say(f"skip (bad combination): {r.label()}\n    {r.error}")
             outcome.invalid += 1
     planned = [r for r in planned if r.valid]
-    recorded = recorded_counts(out, retry_failed, warn=lambda why: print(f"sweep: {why}", file=sys.stderr)) if out else {}
+    recorded = recorded_counts(out, retry_failed, warn=_warn) if out else {}
     # A run's launches are its records on the hardware it would run on: this machine's in a local sweep
     # (CPU and GPU records of one config are different runs); any in cluster mode (the nodes' hardware
     # is seen only by the run command on them).

@@ -116,13 +116,13 @@ def prepare(argv: Sequence[str]) -> tuple[Path, list[str], str]:
         raise SweepError("sbatch not found: --slurm-submit runs where Slurm's commands are (a cluster's login node)")
     out = Path(args.out or f"results/{sweep.name}.jsonl").absolute()
     check_out(out, [("sweep file", sweep_path(args.sweep))])
-    sweep_path = str(Path(args.sweep).absolute()) if Path(args.sweep).exists() else args.sweep
+    sweep_file = str(Path(args.sweep).absolute()) if Path(args.sweep).exists() else args.sweep
     script = out.with_suffix(".sbatch")
     script.parent.mkdir(parents=True, exist_ok=True)
     submit_only = [o for o in sbatch_options if o in SUBMIT_ONLY]
     in_script = [o for o in sbatch_options if o not in SUBMIT_ONLY]
     tmp = script.with_name(script.name + ".tmp")
-    tmp.write_text(batch_script(sweep_path, out, without_out(sweep_args[1:]), in_script, sweep.name,
+    tmp.write_text(batch_script(sweep_file, out, without_out(sweep_args[1:]), in_script, sweep.name,
                                 os.environ.get("PYTHON")))
     tmp.replace(script)
     output = output_of(in_script) or str(out.parent / (out.stem + "-slurm-%j.out"))
