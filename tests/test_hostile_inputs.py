@@ -39,6 +39,7 @@ layouts = ["1"]
 TWICE = SWEEP + SWEEP[SWEEP.index("[[experiment]]"):]
 OURS = ["--system", "ours", "--model", "cpu-small", "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1"]
 LAYOUT = ["layout", "--model", "gpt3-xl", "--batch-size", "64"]
+LINK = "a link needs a latency >= 0 and a bandwidth > 0, both finite"
 DILOCO = ["--system", "diloco", "--model", "tiny", "--batch-size", "1", "--micro-batch-size", "1"]
 
 
@@ -73,24 +74,25 @@ REFUSED = [
      "the measured steps hold no outer step"),
     (4, "runners.run", [*DILOCO, "--dp", "1", "--steps", "9"], "--dp 1 has nothing to average"),
     (5, "predict.__main__", [*OURS, "--in-flight", "0"], "--in-flight: takes a whole number of messages >= 1"),
-    (5, "predict.__main__", [*OURS, "--device-file", "{NOEFF}"], "has no efficiency for precision 'fp32'"),
-    (5, "predict.__main__", [*OURS, "--device-file", "{NOTJSON}"], "--device-file"),
-    (5, "predict.__main__", [*OURS, "--device-file", "predict/devices/v100.json", "--precision", "fp16"],
-     "has no efficiency for precision"),
-    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,0Gbps"], "bandwidth a finite rate > 0"),
-    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter=-5ms,1Gbps"], "latency is a finite time >= 0"),
+    (5, "predict.__main__", [*OURS, "--device-file", "{NOEFF}"], "noeff.json lacks name, part"),
+    (5, "predict.__main__", [*OURS, "--device-file", "{NOTJSON}"], "notjson.json is not readable JSON"),
+    (5, "predict.__main__", [*OURS, "--gpu", "nope"], "no device file for 'nope'"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,0Gbps"], LINK),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter=-5ms,1Gbps"], LINK),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "nanms,infGbps"], "a link is LATENCY,BANDWIDTH"),
-    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "1e999ms,1Gbps"], "latency is a finite time"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "1e999ms,1Gbps"], LINK),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "8", "--gpus-per-node", "8", "--intra", "fast"],
      "a link is LATENCY,BANDWIDTH"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10,1"], "a link is LATENCY,BANDWIDTH"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "7", "--inter", "10ms,1Gbps"], "no T x P = 7 divides the model"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,1Gbps", "--gpu", "nope"],
-     "no fp32 peak for --gpu 'nope'"),
+     "no device file for 'nope'"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,1Gbps", "--memory-gb", "0"],
      "--memory-gb: takes a finite number > 0"),
     (7, "ours.plan.__main__", [*LAYOUT, "--model", "gpt3-175b", "--devices", "8", "--gpus-per-node", "8",
-                               "--intra", "5us,300GB/s"], "no layout of gpt3-175b on 8 devices fits --memory-gb 16"),
+                               "--intra", "5us,300GB/s"], "no layout of gpt3-175b on 8 devices fits the 15.2 GiB"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,1Gbps", "--memory-gb", "1"],
+     "no layout of gpt3-xl on 12 devices fits --memory-gb 1: the least a device needs is"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12"], "need --inter"),
     (7, "ours.plan.__main__", [*LAYOUT, "--matrix", "{NOTJSON}"], "not a per-link matrix"),
     (9, "tools.rehearse", ["1"], "no run of rehearsal-2-scaled fits 1 virtual node(s)"),

@@ -58,7 +58,9 @@ def test_parse_link_and_the_command(capsys):
     assert "chosen: T-1 P-12" in out and "| T-2 P-6" in out
     assert main(["layout", "--model", "gpt3-175b", "--devices", "8", "--gpus-per-node", "8", "--intra",
                  "5us,300GB/s", "--batch-size", "8"]) == 2
-    assert "no layout fits" in capsys.readouterr().out
-    assert main(["layout", "--model", "gpt3-xl", "--devices", "8", "--intra", "5us,300GB/s", "--batch-size", "8",
-                 "--gpu", "nonesuch"]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and refused.err.count("\n") == 1  # one line, no table of layouts that cannot run
+    assert "no layout of gpt3-175b on 8 devices fits the 15.2 GiB a " in refused.err
+    assert main(["layout", "--model", "gpt3-xl", "--devices", "8", "--gpus-per-node", "8", "--intra", "5us,300GB/s",
+                 "--batch-size", "8", "--gpu", "nonesuch"]) == 2
     assert "no device file for 'nonesuch'" in capsys.readouterr().err
