@@ -60,7 +60,7 @@ def _validate(args) -> int:
         return 2
     if args.name is None:
         print("(nothing written: --name validation keeps it as predict/calibration/validation.{md,json}, the one the "
-              "report's predictions are gated by; --name NAME as results/predict/NAME.{md,json})", file=sys.stderr)
+              "report's predictions are gated by; another name: results/predict/NAME.{md,json})", file=sys.stderr)
     return 0
 
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("records", nargs="*", default=["results/local.jsonl"],
                    help="records files (default: the main job's, results/local.jsonl)")
     q.add_argument("--name", default=None, help="keep it: validation as predict/calibration/validation.{md,json}, the "
-                   "one the report's predictions are gated by; another name as results/predict/NAME.{md,json}, a "
+                   "one the report's predictions are gated by; another name: results/predict/NAME.{md,json}, a "
                    "check that gates nothing (default: print it, write nothing)")
     q.set_defaults(fn=_validate)
     q = sub.add_parser("validate-seed", help="every cell of the seed's GPT-3 XL tables predicted (the V100's "

@@ -75,7 +75,7 @@ REFUSED = [
     (4, "runners.run", [*DILOCO, "--dp", "1", "--steps", "9"], "--dp 1 has nothing to average"),
     (5, "predict.__main__", [*OURS, "--in-flight", "0"], "--in-flight: takes a whole number of messages >= 1"),
     (5, "predict.__main__", [*OURS, "--device-file", "{NOEFF}"], "noeff.json lacks name, part"),
-    (5, "predict.__main__", [*OURS, "--device-file", "{NOTJSON}"], "notjson.json is not readable JSON"),
+    (5, "predict.__main__", [*OURS, "--device-file", "{NOTJSON}"], "notjson.json is not valid"),
     (5, "predict.__main__", [*OURS, "--gpu", "nope"], "no device file for 'nope'"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10ms,0Gbps"], LINK),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter=-5ms,1Gbps"], LINK),
