@@ -139,6 +139,10 @@ def _predict(cfg, device_file: str | None, in_flight: int | None):
 
     compute, link, cores, transport = _target(device_file, cfg, in_flight)
     gpu = None if device_file is None else compute
+    if gpu is not None:
+        from predict.from_config import check_memory
+
+        check_memory(cfg, gpu)  # OutOfMemory: the run cannot fit its GPU
     return predict(spec_from_config(cfg, link, transport, compute=gpu), compute, cores)
 
 
@@ -167,7 +171,7 @@ def _target_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def predict_run(argv: list[str]) -> int:
     """One run from the run command's own flags: its predicted step time and breakdown."""
     from contract import ConfigError
-    from predict.from_config import NotModelled
+    from predict.from_config import NotModelled, OutOfMemory
     from contract.registry import get_system
     from runners.request import build_parser, config_from_args, judge
     from workload.compute import DeviceError
@@ -176,17 +180,23 @@ def predict_run(argv: list[str]) -> int:
     parser = build_parser()
     parser.prog = "python -m predict"
     args = parser.parse_args(rest)
+    oom = None
     try:
         spec = get_system(args.system)
         cfg = config_from_args(args, spec)
         judge(cfg, spec)
         p = _predict(cfg, target.device_file, target.in_flight)
+    except OutOfMemory as exc:
+        oom = exc
     except (ConfigError, NotModelled, FileNotFoundError, DeviceError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     where = target.device_file or "this machine"
     print(f"{cfg.system} {cfg.model.name} pp={cfg.pp} tp={cfg.tp} dp={cfg.dp} mb={cfg.micro_batch_size} "
           f"batch={cfg.batch_size} network {cfg.network} on {where}:")
+    if oom is not None:
+        print(f"predicted: {oom}")
+        return 0
     print(p.line())
     print("per rank: " + ", ".join(f"{t:.4f}" for t in p.per_rank) + " s")
     return 0
@@ -196,7 +206,7 @@ def predict_sweep(argv: list[str]) -> int:
     """The sweep file's runs predicted, shown as report.py shows measured ones."""
     from contract import ConfigError
     from report import render
-    from predict.from_config import NotModelled
+    from predict.from_config import NotModelled, OutOfMemory
     from runners.record import build_record
     from runners.request import parse_request
     from runners.sweep.plan import SweepError, load_sweep
@@ -216,6 +226,10 @@ def predict_sweep(argv: list[str]) -> int:
         cfg, spec = parse_request(run.args)
         try:
             p = _predict(cfg, target.device_file, target.in_flight)
+        except OutOfMemory as exc:  # the report's Fail (OOM) cell, as a run that did not fit would be
+            rec = build_record(cfg, spec, "oom", str(exc), None, {"device_name": target.device_file})
+            records.append(rec.__dict__)
+            continue
         except (ConfigError, NotModelled, FileNotFoundError, DeviceError) as exc:
             skipped.append(f"{run.label()}: {exc}")
             continue

@@ -62,6 +62,32 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", comput
         raise NotModelled(str(exc)) from None
 
 
+class OutOfMemory(Exception):
+    """A run on a GPU that does not fit its memory (``workload.memory``): the fullest GPU's estimate."""
+
+    def __init__(self, memory, usable: float, device: str):
+        self.memory, self.usable, self.device = memory, usable, device
+        super().__init__(f"oom: needs {memory.describe()}; a {device} holds {usable / 2**30:.1f} GiB")
+
+
+def check_memory(cfg: RunConfig, compute) -> None:
+    """OutOfMemory where ``cfg``'s fullest GPU needs more than ``compute``'s device holds."""
+    from workload.memory import rank_memory
+
+    o = cfg.options
+    schedule = getattr(o, "schedule", "1f1b")
+    dp_mode = "fsdp" if cfg.system in ("torch_pipe", "fairscale_fsdp") else getattr(o, "dp_mode", "allreduce")
+    mem = rank_memory(cfg.model, system=cfg.system, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+                      micro_batch=cfg.micro_batch_size, n_micro=cfg.batch_size // cfg.micro_batch_size,
+                      precision=cfg.precision, recompute=cfg.recompute,
+                      schedule=schedule if schedule in ("gpipe", "1f1b", "interleaved") else "1f1b",
+                      attention=compute.attention, dp_mode=dp_mode, virtual_pp=getattr(o, "virtual_pp", 1),
+                      distributed_optimizer=bool(getattr(o, "distributed_optimizer", False)))
+    usable = compute.device.usable_bytes()
+    if mem.total > usable:
+        raise OutOfMemory(mem, usable, compute.device.name)
+
+
 def modelled_precision(cfg: RunConfig) -> str:
     """The simulator's precision of a run: the run's own (fp32, bf16, fp16)."""
     return cfg.precision

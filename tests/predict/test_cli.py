@@ -240,3 +240,11 @@ def test_repetitions_of_an_auto_run_are_each_predicted_with_the_slices_they_kept
     local.validate_records([records], directory=tmp_path, log=lambda line: None)
     (row,) = json.loads((tmp_path / "validation.json").read_text())["rows"]
     assert row["runs"] == 2 and row["error"] == pytest.approx(0, abs=1e-9)
+
+
+def test_a_run_that_cannot_fit_its_gpu_is_predicted_oom():
+    """Issue #44, item 6: GPT-3 175B on one 16 GB V100 was "predicted step 241.3 s"."""
+    p = predict_cli("--system", "ours", "--model", "gpt3-175b", "--pp", "1", "--batch-size", "1",
+                    "--micro-batch-size", "1", "--gpu", "V100 SXM2 16GB")
+    assert p.returncode == 0, p.stderr
+    assert "predicted: oom: needs" in p.stdout and "predicted step" not in p.stdout and "holds 15.2 GiB" in p.stdout
