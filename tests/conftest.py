@@ -11,6 +11,29 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser):
+    parser.addoption("--tiered", action="store_true",
+                     help="run the single-process tier first and stop at its first failure, then the multi-process "
+                          "and network tests (scripts/test.sh)")
+
+
+def _slow(item) -> bool:
+    return item.get_closest_marker("multiprocess") is not None or item.get_closest_marker("network") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--tiered"):
+        items.sort(key=_slow)  # stable: each tier in its collected order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if item.config.getoption("--tiered") and report.failed and not _slow(item):
+        item.session.shouldstop = f"{item.nodeid} failed: the single-process tier stops at its first failure"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_reference_cache(tmp_path_factory):
     """--verify's reference cache (runners.reference_cache) of this test session only: the tests'

@@ -10,7 +10,7 @@ from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 pytestmark = pytest.mark.multiprocess
 
 # T-2 alone: inside T-2 x P-2 below, and with sequence parallelism; D-2: with the distributed optimizer
-# below (for time)
+# (T-2 D-2, both in one launch, below)
 LAYOUTS = {
     "pp2": ["--pp", "2", *NCCL_RULES],
 }
@@ -39,17 +39,14 @@ def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):
     assert rec["options"]["schedule"] == "interleaved" and rec["label"] == "megatron interleaved"
 
 
-@pytest.mark.parametrize("args", [
-    ["--dp", "2", "--distributed-optimizer"],
-    ["--tp", "2", "--sequence-parallel"],
-], ids=["dp2-distributed-optimizer", "tp2-sequence-parallel"])
-def test_megatron_distributed_optimizer_and_sequence_parallel_match_reference(args, out_file):
-    proc = run_cli("--system", "megatron", *TINY, *NCCL_RULES, *args, "--batch-size", "4", "--micro-batch-size", "2",
-                   "--steps", "3", "--warmup", "0", "--eval-every", "3", "--verify", "--out", str(out_file))
+def test_megatron_distributed_optimizer_and_sequence_parallel_match_reference(out_file):
+    """T-2 D-2 in one launch: the distributed optimizer shards its state over the two replicas, sequence
+    parallelism splits each tensor-parallel pair's activations along the sequence."""
+    proc = run_cli("--system", "megatron", *TINY, *NCCL_RULES, "--tp", "2", "--dp", "2", "--distributed-optimizer",
+                   "--sequence-parallel", "--batch-size", "4", "--micro-batch-size", "2", "--steps", "3",
+                   "--warmup", "0", "--eval-every", "3", "--verify", "--out", str(out_file))
     assert_verified(proc)
     (rec,) = read_records(out_file)
-    distributed = "--distributed-optimizer" in args
-    assert rec["options"]["distributed_optimizer"] is distributed
-    assert rec["options"]["sequence_parallel"] is not distributed
-    assert rec["label"] == ("megatron +distopt" if distributed else "megatron +sp")
-    assert rec["options"]["megatron_optimizer"] == ("DistributedOptimizer" if distributed else "FP32Optimizer")
+    assert rec["options"]["distributed_optimizer"] and rec["options"]["sequence_parallel"]
+    assert rec["label"] == "megatron +distopt +sp" and rec["layout"]["tp"] == 2 and rec["layout"]["dp"] == 2
+    assert rec["options"]["megatron_optimizer"] == "DistributedOptimizer"

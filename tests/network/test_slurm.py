@@ -52,10 +52,18 @@ def slurm_processes() -> set[int]:
     return found
 
 
+# rehearsal-2.toml under d10-1g alone: what Slurm adds is the launch (sbatch, srun) and the shaping through
+# srun; GPipe against the default network is compared over ssh (test_rehearsal.py) and locally
+D10_ONLY = (REPO / "sweeps" / "rehearsal-2.toml").read_text().replace('networks = ["default", "d10-1g"]',
+                                                                     'networks = ["d10-1g"]')
+
+
 def test_two_node_slurm_rehearsal_then_nothing_left(tmp_path: Path) -> None:
     namespaces, links, daemons = vnode_namespaces(), root_links(), slurm_processes()
+    sweep = tmp_path / "rehearsal-2-d10.toml"
+    sweep.write_text(D10_ONLY)
     t0 = time.monotonic()
-    p = subprocess.run(["bash", "runners/run_all.sh", "--rehearse", "2", "--slurm", "--sweep", "rehearsal-2.toml",
+    p = subprocess.run(["bash", "runners/run_all.sh", "--rehearse", "2", "--slurm", "--sweep", str(sweep),
                         "--out", str(tmp_path / "r.jsonl"), "--dir", str(tmp_path / "nodes")],
                        cwd=REPO, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHON=sys.executable))
@@ -64,21 +72,19 @@ def test_two_node_slurm_rehearsal_then_nothing_left(tmp_path: Path) -> None:
     assert "slurmctld on node01, slurmd and munged on 2 node(s)" in p.stdout
     assert "slurm-submit: submitted batch job" in p.stdout and (tmp_path / "r.sbatch").exists()  # beside the records
     records = [json.loads(l) for l in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert [r["status"] for r in records] == ["ok"] * 2, [r.get("error") for r in records]
+    assert [r["status"] for r in records] == ["ok"], [r.get("error") for r in records]
     for r in records:
         env = r["environment"]
         assert sorted(env["hostnames"]) == ["node01", "node02"], env
         assert env["cluster"]["launcher"] == "slurm" and env["cluster"]["hosts"] == ["node01", "node02"]
         assert env["network"]["measured_between"] == ["node01", "node02"]
         assert env["network"]["backend"] in ("netem", "tbf+delayer") and env["network"]["measured_link"]["samples"] > 0
-    by_net = {r["network"]: r for r in records}
-    default, d10 = by_net["default"], by_net["d10-1g"]
-    assert d10["environment"]["network"]["measured_link"]["one_way_delay_ms"] > 9.5
+    (d10,) = records
+    assert d10["network"] == "d10-1g" and d10["environment"]["network"]["measured_link"]["one_way_delay_ms"] > 9.5
     # GPipe pays at least the fill and drain of the pipeline: 2 (P - 1) one-way delays per step.
-    paid = d10["median_step_time"] - default["median_step_time"]
-    print(f"P-{P} GPipe median step: default {default['median_step_time']:.3f} s, d10-1g "
-          f"{d10['median_step_time']:.3f} s (+{paid:.3f} s; floor {2 * (P - 1) * D10_ONE_WAY_S:.3f} s)")
-    assert paid >= 2 * (P - 1) * D10_ONE_WAY_S
+    print(f"P-{P} GPipe median step under d10-1g: {d10['median_step_time']:.3f} s "
+          f"(floor {2 * (P - 1) * D10_ONE_WAY_S:.3f} s)")
+    assert d10["median_step_time"] >= 2 * (P - 1) * D10_ONE_WAY_S
     assert "| delay 10ms  bandwidth 1Gbps" in p.stdout                          # the report, from the job's output
     # nothing left: no daemon, namespace, host-side link, rank or agent
     assert slurm_processes() <= daemons

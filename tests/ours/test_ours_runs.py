@@ -67,7 +67,8 @@ def reference_evals(args: list[str]) -> list[float]:
 @pytest.mark.multiprocess
 def test_prefetch_runs_the_next_steps_first_forwards_ahead_and_verifies(tmp_path, layout, first_stages):
     """--prefetch 2: the first stage runs the next step's first two forwards once its optimizer (and,
-    with DP, the parameter server's update) has stepped; losses and gradients stay the reference's.
+    with DP, the parameter server's update) has stepped; losses and gradients stay the reference's. The
+    same launch is P-2 D-2's sharded parameter server verified under NCCL's rules, with its DP sync time.
     Planned for 4 steps, the run ends after 3: the eval after 2 reaches --target-loss, and the step
     ours has prepared ahead (its receives posted) runs without a prefetch of its own."""
     args = [*COMMON, *layout, "--steps", "4", "--eval-every", "1"]
@@ -91,7 +92,7 @@ def test_prefetch_runs_the_next_steps_first_forwards_ahead_and_verifies(tmp_path
             assert inside == ["F0.0", "F0.1"]
     assert sum(1 for e in spans if e["pid"] == 0 and e["tid"] == "forward") == 3 * 2 * 4
     rec = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
-    assert rec["options"]["prefetch"] == 2
+    assert rec["options"]["prefetch"] == 2 and rec["dp_sync_time"] is not None and rec["dp_sync_time"] > 0
 
 
 @pytest.mark.multiprocess
@@ -104,8 +105,7 @@ def test_p3_unequal_slices_with_recompute_verified(tmp_path):
 @pytest.mark.parametrize("mode,slicing,rules", [
     ("allreduce", ["--n-slices", "1"], []),
     ("central_ps", ["--slices", "12,12,8"], NCCL_RULES),
-    ("sharded_ps", ["--n-slices", "4"], NCCL_RULES),
-])
+])  # sharded_ps: the prefetch test's launch (P-2 D-2, K=4, NCCL's rules)
 @pytest.mark.multiprocess
 def test_p2_d2_data_parallel_modes_verified(tmp_path, mode, slicing, rules):
     proc = run_cli(*COMMON, *rules, "--pp", "2", "--dp", "2", "--dp-mode", mode, *slicing, "--verify",
