@@ -83,6 +83,15 @@ def torchrun_argv(nproc: int, nnodes: int, node_rank: int, master: str | None, r
     return argv + ["-m", "runners.worker", str(run_dir)]
 
 
+def single_rank_agent(run_dir: Path, env: dict[str, str] | None = None) -> Agent:
+    """One rank of one, started as torchrun starts a rank (the same worker and rendezvous variables)
+    but without torchrun, whose agent costs a second torch import and a rendezvous: ``--verify``'s
+    single-process reference."""
+    ranks = dict(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return Agent([sys.executable, "-m", "runners.worker", str(run_dir)], {**ranks, **(env or {})})
+
+
 def local_agents(world: int, placement: Placement, run_dir: Path, env: dict[str, str] | None = None) -> list[Agent]:
     if world % placement.nnodes:
         raise ValueError(f"world size {world} does not divide over {placement.nnodes} nodes")
@@ -247,12 +256,13 @@ def reap_stale_run_dirs() -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
+def launch(cfg: RunConfig, world: int, placement: Placement, single: bool = False) -> LaunchResult:
     """Launch ``world`` ranks for ``cfg`` on this node (or this node's share of a multi-node run).
 
     Under ``--network`` on one node the ranks run in a local virtual cluster; on a real cluster the
-    network is shaped by the cluster runner (on each node), not here. If the launch is interrupted,
-    its run directory is removed before the interruption goes on."""
+    network is shaped by the cluster runner (on each node), not here. ``single``: one rank on this
+    machine without torchrun (``single_rank_agent``). If the launch is interrupted, its run directory
+    is removed before the interruption goes on."""
     reap_stale_run_dirs()
     run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{owner_tag()}-"))
     watchdog = DirectoryWatchdog(run_dir)  # removes it whatever way this process ends
@@ -264,8 +274,9 @@ def launch(cfg: RunConfig, world: int, placement: Placement) -> LaunchResult:
             else:
                 with services.started(get_system(cfg.system).services, cfg, run_dir,
                                       local_services(placement)) as env:
-                    result = run_agents(local_agents(world, placement, run_dir, env), cfg.timeout, run_dir,
-                                        expect_result=placement.node_rank == 0)
+                    agents = ([single_rank_agent(run_dir, env)] if single and world == 1 and placement.nnodes == 1
+                              else local_agents(world, placement, run_dir, env))
+                    result = run_agents(agents, cfg.timeout, run_dir, expect_result=placement.node_rank == 0)
         except services.ServiceError as exc:
             result = LaunchResult("error", str(exc), None, run_dir=run_dir)
     except BaseException:

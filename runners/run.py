@@ -80,7 +80,7 @@ def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:
     kept = reference_cache.load(path)
     if kept is not None:
         return LaunchResult("ok", None, kept[0], kept[1]), "cached"
-    ref = launch(ref_cfg, 1, Placement())
+    ref = launch(ref_cfg, 1, Placement(), single=True)
     if ref.status == "ok":
         reference_cache.store(path, ref.ranks, ref.grads)
     return ref, "trained"
