@@ -96,7 +96,8 @@ class SystemSpec:
     # "torchft-lighthouse" for torchft's quorums.
     services: tuple[str, ...] = ()
     # The single-process run --verify compares against (None: the reference system on the global
-    # batch); a system that changes the optimization names a simulation of its own algorithm.
+    # batch); a system that changes the optimization names the reference's run of its math (diloco:
+    # the reference's own steps with the outer step applied to them, ``reference --diloco``).
     reference: Callable[[RunConfig], RunConfig] | None = None
 
     def load(self) -> Train:
