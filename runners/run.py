@@ -66,8 +66,9 @@ def reference_config(cfg: RunConfig) -> RunConfig:
     spec = get_system(cfg.system)
     if spec.reference is not None:
         return spec.reference(cfg)
+    half = spec.half_weights and cfg.precision != "fp32"  # judged against the reference run the same way
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
-                       network_matrix=None, p2p_semantics="gloo", options=get_system("reference").options())
+                       network_matrix=None, p2p_semantics="gloo", options=get_system("reference").options(half_weights=half))
 
 
 def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:

@@ -20,19 +20,17 @@ import torch
 from contract import RunConfig
 from contract.outer import OuterStep
 from contract.rank import Context, Measurements, StepOutput, run_steps
-from workload.model import GPT
 from workload.partition import fragment_names
 
-Step = Callable[[torch.Tensor, torch.Tensor], float]
 
-
-def train_outer(cfg: RunConfig, ctx: Context, inner_step: Callable[[RunConfig, Context, GPT], Step]) -> Measurements:
-    """``inner_step(cfg, ctx, model)``: the reference's step of one replica's model."""
+def train_outer(cfg: RunConfig, ctx: Context, inner_step: Callable) -> Measurements:
+    """``inner_step(cfg, ctx, model)``: the reference's step of one replica's model
+    (``baselines.reference.train.ReferenceStep``)."""
     o: OuterStep = cfg.options
     D, F = cfg.dp, o.fragments
     replicas = [ctx.build_model() for _ in range(D)]
     steps = [inner_step(cfg, ctx, model) for model in replicas]
-    named = [dict(model.named_parameters()) for model in replicas]
+    named = [s.weights() for s in steps]
     frags = fragment_names(cfg.model, cfg.pp, F)
     glob = {n: torch.nn.Parameter(p.detach().clone()) for n, p in named[0].items()}
     outer = [torch.optim.SGD([glob[n] for n in names], lr=o.outer_lr, momentum=o.outer_momentum,
@@ -56,7 +54,7 @@ def train_outer(cfg: RunConfig, ctx: Context, inner_step: Callable[[RunConfig, C
         losses = [steps[d](*ctx.batch(i, d)) for d in range(D)]
         if cfg.verify and not ctx.plan.more_after(i):
             for n in glob:
-                last_grads[n] = sum(named[d][n].grad for d in range(D)) / D
+                last_grads[n] = sum(s.grads()[n] for s in steps) / D
         state["local"] += 1
         f = state["outer"] % F
         if state["local"] == period - o.sync_delay:
