@@ -109,20 +109,22 @@ HALF = {
     "torch_pipe-zbv": ["--system", "torch_pipe", "--pp", "2", "--schedule", "zbv"],
     "fairscale_fsdp": ["--system", "fairscale_fsdp", "--pp", "2"],
     "ours": ["--system", "ours", "--pp", "2", "--n-slices", "2"],
+    "ours-tp2-pp2": ["--system", "ours", "--tp", "2", "--pp", "2", "--n-slices", "2"],
     "megatron-pp2": ["--system", "megatron", "--pp", "2"],
 }
 
 
 # torch_pipe and fairscale_fsdp run the reference's autocast, op for op: fp16 takes that path and adds the
 # loss scaling, so their bf16 runs are left to tools.verify_spread (every system, every policy, many seeds)
-RUNS = [(system, "fp16") for system in HALF] + [("ours", "bf16"), ("megatron-pp2", "bf16")]
+RUNS = [(system, "fp16") for system in HALF] + [("ours", "bf16"), ("ours-tp2-pp2", "bf16"), ("megatron-pp2", "bf16")]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("system, precision", RUNS, ids=[f"{s}-{p}" for s, p in RUNS])
 def test_every_system_verifies_under_the_half_policies(system, precision, out_file):
     """Against the reference under the same policy (fp16: loss scaling on every side; megatron's
-    through grad_scale_func: without it its gradients come out 2^-16 of the reference's)."""
+    through grad_scale_func: without it its gradients come out 2^-16 of the reference's; megatron
+    against the reference with half weights too). ours' tensor parallelism in its pipeline's stages too."""
     proc = run_cli(*HALF[system], *TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "2",
                    "--warmup", "0", "--precision", precision, "--verify", "--out", str(out_file))
     assert_verified(proc)
@@ -142,5 +144,5 @@ def test_every_policys_tolerance_follows_from_the_kept_measurements():
     rows = load(KEEP)
     for policy, tolerance in TOLERANCES.items():
         runs = derivation_runs(policy, rows)
-        assert len(runs) >= 30, (policy, len(runs))  # many seeds, every system of the policy
+        assert len(runs) >= 20, (policy, len(runs))  # many seeds, the reference against itself: no system
         assert derive(policy, runs) == tolerance, policy
