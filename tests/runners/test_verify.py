@@ -63,8 +63,11 @@ def test_half_tolerance_passes_rounding_and_fails_real_bugs(precision, half_weig
     # A micro-batch's share of every gradient lost (a schedule that skips one backward).
     _, dropped = _grads(4, precision, keep={0, 1, 2})
     assert not compare(_result(loss, dropped), ref, tol).passed
-    # One parameter's gradient off by 1/8 (e.g. one slice of 8 missing from a weight's gradient).
-    off = dict(grads, **{"blocks.1.attn.c_proj.weight": grads["blocks.1.attn.c_proj.weight"] * (1 - 1 / 8)})
+    # One parameter's gradient off by 1/8 (e.g. one slice of 8 missing from a weight's gradient); under bf16
+    # half weights, whose own tolerance is 2e-1 (LayerNorm gradients of ~1e-3 differ by 5 % between the
+    # reference's micro-batchings: docs/verification.md), by 1/4.
+    part = 1 / 8 if tol.grad < 1 / 8 else 1 / 4
+    off = dict(grads, **{"blocks.1.attn.c_proj.weight": grads["blocks.1.attn.c_proj.weight"] * (1 - part)})
     v = compare(_result(loss, off), ref, tol)
     assert not v.passed and v.max_rel_grad_diff > tol.grad, v.line()
     # A LayerNorm's gradient half of what it should be (a sequence-parallel all-reduce forgotten).
