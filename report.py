@@ -433,8 +433,9 @@ def _verdicts(row: pd.DataFrame) -> list[tuple[str, str]]:
             out.append((f", {kind}, {int(n)} device{'s' if n != 1 else ''}", verdict))
     other = ok[~ok["synchronous"]]
     if not other.empty:
-        out.append(("", f"{', '.join(_name(r) for _, r in other.iterrows())}: not compared by step time (its method "
-                        f"changes the optimisation: compared by time and bytes to a held-out loss, where it has evals)"))
+        out.append(("", f"{', '.join(_name(r) for _, r in other.iterrows())}: not compared by step time (its "
+                        f"method changes the optimisation: compared by time and bytes to a held-out loss, where it "
+                        f"has evals)"))
     return out
 
 

@@ -67,8 +67,9 @@ def reference_config(cfg: RunConfig) -> RunConfig:
     if spec.reference is not None:
         return spec.reference(cfg)
     half = spec.half_weights and cfg.precision != "fp32"  # judged against the reference run the same way
+    options = get_system("reference").options(half_weights=half)
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
-                       network_matrix=None, p2p_semantics="gloo", options=get_system("reference").options(half_weights=half))
+                       network_matrix=None, p2p_semantics="gloo", options=options)
 
 
 def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:

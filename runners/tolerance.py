@@ -87,7 +87,8 @@ def derivation_runs(policy: str, rows: list[dict]) -> list[dict]:
     reference cases (the reference against itself at another micro-batch size, no system) at
     ``DERIVED_AT_STEPS`` steps and ``DERIVED_TOKENS`` tokens per micro-batch."""
     return [r for r in rows if r["class"] == policy and r["case"].startswith("reference") and r["status"] == "ok"
-            and r["steps"] == DERIVED_AT_STEPS and r["tokens"] == DERIVED_TOKENS and r.get("max_rel_grad_diff") is not None]
+            and r["steps"] == DERIVED_AT_STEPS and r["tokens"] == DERIVED_TOKENS
+            and r.get("max_rel_grad_diff") is not None]
 
 
 def derive(policy: str, runs: list[dict]) -> Tolerance:

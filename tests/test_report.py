@@ -170,7 +170,8 @@ def test_the_summary_names_a_winner_only_where_the_intervals_separate():
     line = next(l for l in summary.splitlines() if "micro-batch 1" in l)
     assert "no difference beyond noise (paired: 1.04x (0.94-1.15x, min-max of 3 pairs))" in line, line
     assert "faster" not in line and "slower" not in line
-    recs = _round_robin(_reps(system="ours", pp=2, t=1.3, spread=0.05), _reps(system="torch_pipe", pp=2, t=1.0, spread=0.05))
+    recs = _round_robin(_reps(system="ours", pp=2, t=1.3, spread=0.05),
+                        _reps(system="torch_pipe", pp=2, t=1.0, spread=0.05))
     line = next(l for l in render(recs).splitlines() if "micro-batch 1" in l)
     assert "**1.30x** slower (1.30-1.30x; paired: 0.77x (0.77-0.77x, min-max of 3 pairs))" in line
 

@@ -12,8 +12,9 @@ difference, absolute and as a fraction of each parameter's largest reference gra
 case (``REFERENCE_CASES``) trains the reference at micro-batch 1 and at another micro-batch size (the
 same global batch; under the half-weights policies with ``--half-weights``) and compares the two as
 ``--verify`` would. A run already there is not run again, so the measurement goes in chunks
-(``--budget`` seconds each, e.g. under the shared CPU lock) and resumes where it stopped. The reference of a (seed, policy, global
-batch) is trained once and shared by every case (``runners.reference_cache``).
+(``--budget`` seconds each, e.g. under the shared CPU lock) and resumes where it stopped. The
+reference of a (seed, policy, global batch) is trained once and shared by every case
+(``runners.reference_cache``).
 
     python -m tools.verify_spread run --precision bf16 fp16 --cases reference --seeds 0-11 --budget 240
     python -m tools.verify_spread run --precision bf16 fp16 --seeds 0-23 --budget 240
@@ -189,8 +190,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
     out += ["", f"Each policy's tolerance by the rule (``runners.tolerance.derive``) over its reference runs (the "
                 f"reference against itself at another micro-batch size) on the tests' model ({DERIVED_TOKENS} tokens "
                 f"per micro-batch) at {DERIVED_AT_STEPS} steps, and the systems' largest differences at those steps:",
-            "", "| policy | reference runs | rel grad diff max | abs grad diff max | loss diff max | derived | in force "
-                "| systems' runs | rel grad diff max | loss diff max | beyond |",
+            "", "| policy | reference runs | rel grad diff max | abs grad diff max | loss diff max | derived "
+                "| in force | systems' runs | rel grad diff max | loss diff max | beyond |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for cls in sorted({r["class"] for r in ok}):
         rs = derivation_runs(cls, ok)

@@ -1,5 +1,6 @@
 """diloco without processes: its options and fragments, and its verification reference (the reference
-with DiLoCo's outer step, ``reference --diloco``) run in this process with the harness's evals (one rank: no process group needed)."""
+with DiLoCo's outer step, ``reference --diloco``) run in this process with the harness's evals (one
+rank: no process group needed)."""
 from __future__ import annotations
 
 import pytest
