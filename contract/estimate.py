@@ -156,9 +156,12 @@ class Paired:
         return self.ratio.has_interval and (self.ratio.low > 1 or self.ratio.high < 1)
 
     def interval(self) -> str:
-        """'1.10-1.40x, min-max of 3 pairs' (of the ratio base / other)."""
+        """'1.10-1.40x, min-max of 3 pairs: 1.10, 1.25, 1.40' (of the ratio base / other; below 8 pairs
+        each pair's ratio, in launch order)."""
         r = self.ratio
-        return f"{r.low:.2f}-{r.high:.2f}x, {'min-max' if r.method == MIN_MAX else r.method} of {r.n} pairs"
+        if r.method != MIN_MAX:
+            return f"{r.low:.2f}-{r.high:.2f}x, {r.method} of {r.n} pairs"
+        return f"{r.low:.2f}-{r.high:.2f}x, min-max of {r.n} pairs: " + ", ".join(f"{x / y:.2f}" for x, y in self.pairs)
 
     def describe(self) -> str:
         """'1.25x (1.10-1.40x, min-max of 3 pairs)'."""

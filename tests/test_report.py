@@ -129,7 +129,7 @@ def test_the_report_answers_first_and_has_no_single_cell_table():
     text = render(recs)
     assert text.index("## Summary") < text.index("### ")
     assert "ours `ours P-12` 10.00 s ±2 % against the best baseline `torch_pipe gpipe P-12` 15.16 s ±2 %: " \
-           "**1.52x** faster (1.52-1.52x, min-max of 3 pairs)" in text
+           "**1.52x** faster (1.52-1.52x, min-max of 3 pairs: 1.52, 1.52, 1.52)" in text
     for table in text.split("### ")[1:]:
         rows = [l for l in table.splitlines() if l.startswith("|")][2:]
         cells = [c for l in rows for c in l.split("|")[2:-1]]
@@ -168,12 +168,12 @@ def test_the_summary_names_a_winner_only_where_the_intervals_separate():
     ours[0], ours[2] = ours[2], ours[0]  # neighbours whose ratios straddle 1: 0.99, 1.04, 1.09
     summary = render(_round_robin(ours, pipe)).split("## Summary")[1].split("\n## ")[0]
     line = next(l for l in summary.splitlines() if "micro-batch 1" in l)
-    assert "no difference beyond noise (paired: 1.04x (0.94-1.15x, min-max of 3 pairs))" in line, line
+    assert "no difference beyond noise (paired: 1.04x (0.94-1.15x, min-max of 3 pairs: 0.94, 1.04, 1.15))" in line, line
     assert "faster" not in line and "slower" not in line
     recs = _round_robin(_reps(system="ours", pp=2, t=1.3, spread=0.05),
                         _reps(system="torch_pipe", pp=2, t=1.0, spread=0.05))
     line = next(l for l in render(recs).splitlines() if "micro-batch 1" in l)
-    assert "**1.30x** slower (1.30-1.30x; paired: 0.77x (0.77-0.77x, min-max of 3 pairs))" in line
+    assert "**1.30x** slower (1.30-1.30x; paired: 0.77x (0.77-0.77x, min-max of 3 pairs: 0.77, 0.77, 0.77))" in line
 
 
 def test_no_comparison_is_drawn_from_an_oversubscribed_run():
@@ -408,4 +408,4 @@ def test_a_sweep_of_four_repeats_claims_from_paired_launches():
     cells = text.split("### ")[1]
     assert "1.05 s ±20 %" in cells and "1.37 s ±21 %" in cells  # each run's own min-max: they overlap
     line = next(l for l in text.split("## Summary")[1].splitlines() if "pipeline, 2 devices" in l)
-    assert "**1.31x** faster (1.29-1.33x, min-max of 4 pairs)" in line, line
+    assert "**1.31x** faster (1.29-1.33x, min-max of 4 pairs: 1.30, 1.33, 1.29, 1.31)" in line, line
