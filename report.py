@@ -3,10 +3,13 @@
     python report.py [RESULTS_DIR_OR_FILES ...] [--out REPORT.md] [--plots DIR]
 
 Reads only RunRecords (JSON lines; a line that is not a record is skipped with a warning). The report:
-- a summary: per table, per row (micro-batch size, or network setting), the fastest system and ours
-  against the best baseline, each claimed only where the intervals of the repetitions separate
-  (else "no difference beyond noise (±x %)"), and no comparison at all from a run whose ranks
-  outnumbered its cores;
+- a summary: per table, per row (micro-batch size, or network setting), and per kind of parallelism
+  and device count within it (pipeline with pipeline, tensor with tensor, on as many devices: like for
+  like), ours against the best baseline and the fastest run, each ratio the median of the ratios of
+  neighbouring launches and claimed only where its interval leaves out 1 (``contract.estimate.paired``;
+  else "no difference beyond noise"); no comparison across kinds (the tables show them side by side),
+  none by step time of a method that changes the optimisation (diloco: time and bytes to a held-out
+  loss instead), and none from a run whose ranks outnumbered its cores;
 - layout tables, for runs without network emulation: rows = micro-batch size, columns = system and layout
   in the seed's notation (``T-4 P-2``), cells ``19.71 s`` or ``Fail (OOM)``;
 - network tables, for runs under emulation: rows = the network settings (fastest to slowest), columns =
@@ -33,9 +36,10 @@ from pathlib import Path
 import pandas as pd
 
 from contract.config import VOLATILE_FIELDS, RunConfig
-from contract.estimate import INTERVAL_RULE, estimate, no_difference, ratio_interval, separated
+from contract.config import ConfigError
+from contract.estimate import INTERVAL_RULE, PAIRED_RULE, estimate, no_difference, paired, ratio_interval, separated
 from contract.records import layout_words, predictions_path, read_predictions, read_records, record_files
-from contract.registry import read_options
+from contract.registry import get_system, read_options
 
 FAIL = {"oom": "Fail (OOM)", "error": "Fail (error)", "timeout": "Fail (timeout)"}
 # The fields a table's cells share, in the order its heading states them (the rest of a run's
@@ -147,7 +151,7 @@ def _rest_of_identity(r: dict) -> str:
 
 def to_frame(records: list[dict]) -> pd.DataFrame:
     rows = []
-    for r in records:
+    for i, r in enumerate(records):
         env = r.get("environment") or {}
         c = r.get("config") or {}
         shape = r["model_shape"]
@@ -157,17 +161,21 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
         rows.append({
             "key": (r.get("key") or json.dumps(c, sort_keys=True)) + " on " + hardware,
             "timestamp": r.get("timestamp", ""),
+            "launched": (r.get("timestamp", ""), i),  # when: its time, then its place in the records (ties)
             "system": r.get("label") or r["system"],
             "role": r.get("role") or "baseline",
             "options": json.dumps(options, sort_keys=True),
             "model": r["model"],
             "shape": "L{n_layer} h{n_embd} a{n_head} s{seq_len}".format(**shape),
             "hardware": hardware,
-            "devices": env.get("device_count"),
+            "devices": layout_devices(r["layout"]),
+            "kind": parallelism(r["layout"]),
+            "synchronous": synchronous(r["system"]),
             "precision": r.get("precision", "fp32"),
             "recompute": "recompute" if r.get("recompute") else "no recompute",
             "batch": f"{r['batch_size']} per pipeline",  # (global: x the DP degree)
             "steps": f"{c.get('steps', '?')} measured steps after {c.get('warmup', '?')} warm-up",
+            "measured": len(r.get("step_times") or []),  # as recorded (a run may end early: --target-loss)
             "rest": _rest_of_identity(r),
             "mb": r["micro_batch_size"],
             "layout": layout_words(r["layout"]),
@@ -210,10 +218,13 @@ def combine_repetitions(rows: list[dict]) -> list[dict]:
     for same in by_key.values():
         ok = [r for r in same if r["status"] == "ok" and r["median_step_time"] is not None]
         if not ok:
-            out.append({**same[-1], "estimate": None, "runs": 0, "failed_runs": len(same)})
+            out.append({**same[-1], "estimate": None, "runs": 0, "failed_runs": len(same), "launches": [],
+                        "measured": (same[-1]["measured"],) * 2})
             continue
         est = estimate([r["median_step_time"] for r in ok])
         row = {**ok[-1], "estimate": est, "median_step_time": est.median, "runs": len(ok),
+               "launches": [(r["launched"], r["median_step_time"]) for r in ok],
+               "measured": (min(r["measured"] for r in ok), max(r["measured"] for r in ok)),
                "failed_runs": len(same) - len(ok),
                "oversubscribed": next((r["oversubscribed"] for r in ok if r["oversubscribed"]), None)}
         for name in ("tokens_per_s", "mfu"):
@@ -248,8 +259,44 @@ def _tables(df: pd.DataFrame, emulated: bool) -> list[tuple[dict, pd.DataFrame]]
     keys = [*HEADING, "rest"] + (["mb"] if emulated else ["network"])
     out = []
     for fixed, g in part.groupby(keys, sort=False):
-        out.append((dict(zip(keys, fixed)), _columns(g, "network" if emulated else "mb")))
+        fixed = dict(zip(keys, fixed), steps=recorded_steps(g))
+        out.append((fixed, _columns(g, "network" if emulated else "mb")))
     return out
+
+
+def recorded_steps(g: pd.DataFrame) -> str:
+    """The measured steps of a table's runs as their records hold them ('17-41 measured steps (48
+    configured) after 1 warm-up'), not as configured: a run may end early."""
+    c = g.iloc[0]["steps"]  # '<configured> measured steps after <w> warm-up', the same for the table
+    configured, _, warmup = c.partition(" measured steps after ")
+    lo, hi = min(m[0] for m in g["measured"]), max(m[1] for m in g["measured"])
+    counts = f"{lo}" if lo == hi else f"{lo}-{hi}"
+    return f"{counts} measured steps" + ("" if counts == configured else f" ({configured} configured)") \
+        + f" after {warmup}"
+
+
+def layout_devices(layout: dict) -> int:
+    """The devices a layout spans, pp x tp x dp (fairscale's P-2, one process on CPU: 2)."""
+    return layout.get("pp", 1) * layout.get("tp", 1) * layout.get("dp", 1)
+
+
+KINDS = {"tp": "tensor", "pp": "pipeline", "dp": "data-parallel"}
+
+
+def parallelism(layout: dict) -> str:
+    """A layout's kind of parallelism: 'pipeline', 'tensor', 'tensor + pipeline', 'pipeline +
+    data-parallel', ...; 'one device'. Claims compare runs of one kind on as many devices."""
+    kinds = [name for dim, name in KINDS.items() if layout.get(dim, 1) > 1]
+    return " + ".join(kinds) or "one device"
+
+
+def synchronous(system: str) -> bool:
+    """False for a method that changes the optimisation (it names a reference of its own math:
+    ``SystemSpec.reference``, diloco), which a step time does not compare; True for an unknown system."""
+    try:
+        return get_system(system).reference is None
+    except ConfigError:
+        return True
 
 
 def heading(fixed: dict) -> str:
@@ -307,53 +354,64 @@ def _timed(r: pd.Series) -> str:
     return f"{_name(r)} {fmt_time(r['median_step_time'])} {r['estimate'].plus_minus()}"
 
 
-def _verdict(row: pd.DataFrame) -> str | None:
-    """One row's claims, each made only where the intervals of the repetitions separate
-    (``contract.estimate.separated``): the fastest run, and ours at its best against the best
-    baseline; runs whose ranks outnumbered their cores are left out of both, and the row says so."""
-    ok = row[(row["status"] == "ok") & (row["role"] != "reference") & row["median_step_time"].notna()]
-    if ok.empty:
-        return None
-    crowded = ok[ok["oversubscribed"].map(bool)]
-    fair = ok[~ok["oversubscribed"].map(bool)]
+def _verdict(group: pd.DataFrame) -> str | None:
+    """The claims among runs of one kind of parallelism on as many devices (``_verdicts``): ours at its
+    best against the best baseline, and the fastest run where there are more to compare, each from
+    the ratios of neighbouring launches (``contract.estimate.paired``) and claimed only where that
+    interval leaves out 1; runs whose ranks outnumbered their cores are left out, and it says so."""
+    crowded = group[group["oversubscribed"].map(bool)]
+    fair = group[~group["oversubscribed"].map(bool)]
     parts = []
-    if not fair.empty:
-        fastest = fair.loc[fair["median_step_time"].idxmin()]
-        close = [r for _, r in fair.iterrows()
-                 if r["key"] != fastest["key"] and not separated(r["estimate"], fastest["estimate"])]
-        if len(fair) == 1:
-            parts.append(f"only {_timed(fastest)} to compare")
-        elif close:
-            parts.append(f"no fastest ({no_difference(fastest['estimate'], *(r['estimate'] for r in close))}): "
-                         f"{_timed(fastest)}, " + ", ".join(_timed(r) for r in close))
-        else:
-            parts.append(f"fastest {_timed(fastest)}")
-        parts += _ours_against_best_baseline(fair)
+    if len(fair) == 1:
+        parts.append(f"only {_timed(fair.iloc[0])} to compare")
+    elif not fair.empty:
+        duel = _ours_against_best_baseline(fair)
+        if duel is None or len(fair) > 2:
+            parts.append(_fastest(fair))
+        if duel is not None:
+            parts.append(duel)
     if not crowded.empty:
         over = crowded.iloc[0]["oversubscribed"]
         parts.append(f"no comparison from {', '.join(f'`{c}`' for c in crowded['column'])}: its ranks outnumbered "
                      f"the cores they had ({describe_oversubscription(over)}), so its times measure CPU contention, "
                      f"not the system")
-    return "; ".join(parts)
+    return "; ".join(parts) or None
 
 
-def _ours_against_best_baseline(fair: pd.DataFrame) -> list[str]:
-    """Ours at its best (by median) against the best baseline: the ratio and its range where they
-    separate, else that they do not."""
+def _against(base: pd.Series, other: pd.Series) -> tuple[bool, str]:
+    """Whether ``other`` is faster than ``base`` beyond noise by their paired launches, and the words:
+    '**1.25x** faster (1.10-1.40x, min-max of 3 pairs)' or 'no difference beyond noise (paired: ...)'."""
+    p = paired(base["launches"], other["launches"])
+    if p is None or not p.ratio.has_interval:
+        return False, f"no claim: {'one pair' if p else 'no pair'} of neighbouring launches, no interval"
+    if not p.separated:
+        return False, f"no difference beyond noise (paired: {p.describe()})"
+    r = p.ratio
+    if r.median > 1:
+        return True, f"**{r.median:.2f}x** faster ({p.interval()})"
+    return False, f"**{1 / r.median:.2f}x** slower ({1 / r.high:.2f}-{1 / r.low:.2f}x; paired: {p.describe()})"
+
+
+def _fastest(fair: pd.DataFrame) -> str:
+    """The fastest run by median, claimed only where it is faster than every other by their paired launches."""
+    fastest = fair.loc[fair["median_step_time"].idxmin()]
+    others = [(r, *_against(r, fastest)) for _, r in fair.iterrows() if r["key"] != fastest["key"]]
+    if all(beyond for _, beyond, _ in others):
+        return f"fastest {_timed(fastest)}: " + ", ".join(f"{words} than {_name(r)}" for r, _, words in others)
+    return f"no fastest: {_timed(fastest)}, " + ", ".join(f"{_timed(r)} ({words})" for r, beyond, words in others
+                                                            if not beyond)
+
+
+def _ours_against_best_baseline(fair: pd.DataFrame) -> str | None:
+    """Ours at its best (by median) against the best baseline (by median), from their paired launches;
+    None without both."""
     baselines, ours = fair[fair["role"] == "baseline"], fair[fair["role"] == "ours"]
     if baselines.empty or ours.empty:
-        return []
+        return None
     best = baselines.loc[baselines["median_step_time"].idxmin()]
     mine = ours.loc[ours["median_step_time"].idxmin()]
-    if not separated(best["estimate"], mine["estimate"]):
-        return [f"ours {_timed(mine)} against the best baseline {_timed(best)}: "
-                f"{no_difference(best['estimate'], mine['estimate'])}"]
-    ratio, low, high = ratio_interval(best["estimate"], mine["estimate"])
-    if ratio > 1:
-        return [f"ours {_timed(mine)} **{ratio:.2f}x** ({low:.2f}-{high:.2f}x) faster than the best baseline "
-                f"{_timed(best)}"]
-    return [f"ours at best {_timed(mine)} **{1 / ratio:.2f}x** ({1 / high:.2f}-{1 / low:.2f}x) slower than the best "
-            f"baseline {_timed(best)}"]
+    _, words = _against(best, mine)
+    return f"ours {_timed(mine)} against the best baseline {_timed(best)}: {words}"
 
 
 def describe_oversubscription(over: dict) -> str:
@@ -364,15 +422,21 @@ def describe_oversubscription(over: dict) -> str:
 
 
 def _verdicts(row: pd.DataFrame) -> list[tuple[str, str]]:
-    """(qualifier, verdict) of one row: one verdict, or one per device count when the row's runs use
-    different numbers of devices (P-2 against P-2 D-2 is not a race)."""
+    """(qualifier, verdict) of one row: one verdict per kind of parallelism and device count (like for
+    like: P-2 against P-2, T-2 against T-2; never P-2 against T-2 or P-2 D-2), and a line for the runs
+    of a method that changes the optimisation, which no step time compares."""
     ok = row[(row["status"] == "ok") & (row["role"] != "reference") & row["median_step_time"].notna()]
-    counts = sorted(ok["devices"].dropna().unique())
-    if len(counts) <= 1:
-        groups = [("", row)]
-    else:
-        groups = [(f", {int(n)} device{'s' if n != 1 else ''}", row[row["devices"] == n]) for n in counts]
-    return [(q, v) for q, v in ((q, _verdict(g)) for q, g in groups) if v]
+    out = []
+    for (kind, n), group in ok[ok["synchronous"]].groupby(["kind", "devices"], sort=False):
+        verdict = _verdict(group)
+        if verdict:
+            out.append((f", {kind}, {int(n)} device{'s' if n != 1 else ''}", verdict))
+    other = ok[~ok["synchronous"]]
+    if not other.empty:
+        out.append(("", f"{', '.join(_name(r) for _, r in other.iterrows())}: not compared by step time (its "
+                        f"method changes the optimisation: compared by time and bytes to a held-out loss, where it "
+                        f"has evals)"))
+    return out
 
 
 def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict, pd.DataFrame]]) -> str:
@@ -391,8 +455,11 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
             lines += [f"  - {what}: {v}" for what, v in rows]
     if not lines:
         return ""
-    return (f"## Summary\n\nEvery cell and claim: the {INTERVAL_RULE}. A claim is made only where the intervals "
-            f"separate.\n\n" + "\n".join(lines))
+    return (f"## Summary\n\nLike for like: runs are compared only with runs of the same kind of parallelism on as "
+            f"many devices (pipeline with pipeline, tensor with tensor; a layout's devices: pp x tp x dp), and a "
+            f"method that changes the optimisation (diloco) never by step time; across kinds the tables show the "
+            f"runs side by side, with no claim. Every cell: the {INTERVAL_RULE}. Every claim: {PAIRED_RULE}.\n\n"
+            + "\n".join(lines))
 
 
 def provenance(records: list[dict]) -> tuple[str, list[str]]:

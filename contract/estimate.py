@@ -1,6 +1,6 @@
-"""Repetitions of one configuration combined into a median and an interval, and whether two
-configurations differ beyond that noise: the one statistics code of the report and the benchmarks.
-Plain Python, no torch.
+"""Repetitions of one configuration combined into a median and an interval, two configurations
+compared by the ratios of their neighbouring launches, and whether they differ beyond that noise: the
+one statistics code of the report and the benchmarks. No torch.
 
 A repetition is one launch of a configuration; its value is the launch's own median step time. On a
 shared host the same configuration varies by 10-15 % from launch to launch while its steps within a
@@ -13,17 +13,24 @@ The interval (``estimate``):
   at 3, 87.5 % at 4, 94 % at 5), whatever the distribution; a bootstrap of the median from so few
   values can only return the values themselves, and its percentile interval is narrower than min-max
   without being better founded.
-- **bootstrap** from ``BOOTSTRAP_FROM`` repetitions on: the 2.5th and 97.5th percentiles of the median
-  over ``RESAMPLES`` resamples with replacement (seeded: the same values always give the same interval).
+- **bootstrap** from ``BOOTSTRAP_FROM`` repetitions on: ``scipy.stats.bootstrap``'s 95 % percentile
+  interval of the median over ``RESAMPLES`` resamples (seeded: the same values always give the same
+  interval).
 - **one run**: no interval; nothing is claimed from it.
 
 Two estimates differ beyond noise (``separated``) only when both have an interval and the intervals do
 not overlap.
+
+A comparison (``paired``): a shared host drifts by a quarter within minutes, and every configuration's
+own interval carries that drift; but launches made round-robin sit side by side in time, and the ratio
+of two neighbours cancels most of it. So two configurations' launches are paired, each with its
+neighbour of the other (``neighbour_pairs``), and the comparison is the median of the per-pair ratios
+with the interval above over them (min-max below 8 pairs, the bootstrap from 8). It is a claim only
+where that interval leaves out 1.
 """
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +43,10 @@ INTERVAL_RULE = (f"median of the repetitions (each a launch's median step time) 
                  f"the repetitions below {BOOTSTRAP_FROM} (it brackets the median of the launches with "
                  f"probability 1 - 2^(1-n): 75 % at 3, 87.5 % at 4), a bootstrap 95 % interval of the median from "
                  f"{BOOTSTRAP_FROM} on; one run has none")
+PAIRED_RULE = (f"a comparison's ratio is the median of the ratios of neighbouring launches (launched round-robin, "
+               f"one pair a round), its interval the min-max of the per-pair ratios below {BOOTSTRAP_FROM} pairs, "
+               f"a bootstrap 95 % interval of their median from {BOOTSTRAP_FROM} on; a claim only where it leaves "
+               f"out 1")
 
 
 @dataclass(frozen=True)
@@ -79,11 +90,12 @@ def estimate(values: Sequence[float], bootstrap_from: int = BOOTSTRAP_FROM, resa
         return Estimate(med, med, med, 1, ONE_RUN)
     if len(v) < bootstrap_from:
         return Estimate(med, v[0], v[-1], len(v), MIN_MAX)
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(v, k=len(v))) for _ in range(resamples))
-    tail = (1 - CONFIDENCE) / 2
-    low, high = meds[int(tail * (resamples - 1))], meds[int(math.ceil((1 - tail) * (resamples - 1)))]
-    return Estimate(med, min(low, med), max(high, med), len(v), BOOTSTRAP)
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    ci = bootstrap((np.asarray(v),), np.median, n_resamples=resamples, confidence_level=CONFIDENCE,
+                   method="percentile", rng=np.random.default_rng(seed)).confidence_interval
+    return Estimate(med, min(float(ci.low), med), max(float(ci.high), med), len(v), BOOTSTRAP)
 
 
 def separated(a: Estimate, b: Estimate) -> bool:
@@ -108,3 +120,60 @@ def no_difference(*estimates: Estimate) -> str:
 def ratio_interval(base: Estimate, other: Estimate) -> tuple[float, float, float]:
     """base / other: the ratio of the medians and its range over the two intervals (low, high)."""
     return base.median / other.median, base.low / other.high, base.high / other.low
+
+
+Launch = tuple[object, float]  # (when it ran: a sortable timestamp, its value: the launch's median step time)
+
+
+def neighbour_pairs(a: Sequence[Launch], b: Sequence[Launch]) -> list[tuple[float, float]]:
+    """(a's value, b's value) of each pair of neighbouring launches: the launches of both in time order,
+    each paired with the next one if that is of the other configuration (launched round-robin: one pair
+    a round); a launch whose neighbour is of its own (the other's launch of that round failed) is left
+    out."""
+    timeline = sorted([(t, 0, v) for t, v in a] + [(t, 1, v) for t, v in b])
+    pairs, i = [], 0
+    while i + 1 < len(timeline):
+        (_, x, u), (_, y, w) = timeline[i], timeline[i + 1]
+        if x != y:
+            pairs.append((u, w) if x == 0 else (w, u))
+            i += 2
+        else:
+            i += 1
+    return pairs
+
+
+@dataclass(frozen=True)
+class Paired:
+    """``other`` against ``base`` from their neighbouring launches: ``ratio`` estimates base / other
+    (above 1: other is faster) over the per-pair ratios."""
+
+    ratio: Estimate
+    pairs: tuple[tuple[float, float], ...]  # (base, other) of each pair
+
+    @property
+    def separated(self) -> bool:
+        """Whether the ratio's interval leaves out 1 (at least two pairs)."""
+        return self.ratio.has_interval and (self.ratio.low > 1 or self.ratio.high < 1)
+
+    def interval(self) -> str:
+        """'1.10-1.40x, min-max of 3 pairs: 1.10, 1.25, 1.40' (of the ratio base / other; below 8 pairs
+        each pair's ratio, in launch order)."""
+        r = self.ratio
+        if r.method != MIN_MAX:
+            return f"{r.low:.2f}-{r.high:.2f}x, {r.method} of {r.n} pairs"
+        return f"{r.low:.2f}-{r.high:.2f}x, min-max of {r.n} pairs: " + ", ".join(f"{x / y:.2f}" for x, y in self.pairs)
+
+    def describe(self) -> str:
+        """'1.25x (1.10-1.40x, min-max of 3 pairs)'."""
+        if not self.ratio.has_interval:
+            return f"{self.ratio.median:.2f}x (1 pair: no interval)"
+        return f"{self.ratio.median:.2f}x ({self.interval()})"
+
+
+def paired(base: Sequence[Launch], other: Sequence[Launch]) -> Paired | None:
+    """``other`` against ``base`` (each its launches) from their neighbouring launches, or None where
+    no launches pair."""
+    pairs = neighbour_pairs(base, other)
+    if not pairs:
+        return None
+    return Paired(estimate([x / y for x, y in pairs]), tuple(pairs))

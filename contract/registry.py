@@ -21,7 +21,6 @@ SYSTEM_MODULES = (
     "baselines.fairscale_fsdp",
     "baselines.megatron",
     "ours.diloco",
-    "ours.diloco.reference",
 )
 PLUGINS_ENV = "PIPEBENCH_SYSTEMS"
 

@@ -96,7 +96,8 @@ class SystemSpec:
     # "torchft-lighthouse" for torchft's quorums.
     services: tuple[str, ...] = ()
     # The single-process run --verify compares against (None: the reference system on the global
-    # batch); a system that changes the optimization names a simulation of its own algorithm.
+    # batch); a system that changes the optimization names the reference's run of its math (diloco:
+    # the reference's own steps with the outer step applied to them, ``reference --diloco``).
     reference: Callable[[RunConfig], RunConfig] | None = None
 
     def load(self) -> Train:
@@ -105,6 +106,9 @@ class SystemSpec:
         return getattr(importlib.import_module(module), function)
 
     def run_label(self, config: RunConfig) -> str:
+        """The run's column; a config built without this system's options labels as its defaults."""
+        if type(config.options) is SystemOptions and self.options is not SystemOptions:
+            config = config.replace(options=self.options())
         return self.label(config) if self.label else self.name
 
     def run_details(self, options: dict[str, Any]) -> str:

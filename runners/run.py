@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from contract import ConfigError, RunConfig, SystemOptions, SystemSpec
+from contract import ConfigError, RunConfig, SystemSpec
 from contract.registry import get_system
 from runners.record import hold_records, release_records
 from runners.request import (Placement, build_parser, config_from_args, judge, placement_from_args,
@@ -62,12 +62,14 @@ class Verification:
 
 def reference_config(cfg: RunConfig) -> RunConfig:
     """The same workload on one process: same seed, data and global batch (or, for a system that
-    names one, the single-process simulation of its own algorithm)."""
+    names one, the reference run its own way: diloco's, the outer step applied to the reference's steps)."""
     spec = get_system(cfg.system)
     if spec.reference is not None:
         return spec.reference(cfg)
+    half = spec.half_weights and cfg.precision != "fp32"  # judged against the reference run the same way
+    options = get_system("reference").options(half_weights=half)
     return cfg.replace(system="reference", pp=1, tp=1, dp=1, batch_size=cfg.global_batch_size, network="none",
-                       network_matrix=None, p2p_semantics="gloo", options=SystemOptions())
+                       network_matrix=None, p2p_semantics="gloo", options=options)
 
 
 def reference_result(ref_cfg: RunConfig) -> tuple[LaunchResult, str]:

@@ -1,18 +1,20 @@
 """How close ``--verify`` wants a run to the single-process reference, per precision policy.
 
 The reference runs under the same policy as the run (``--precision``: its autocast, and fp16's loss
-scaling). A system that autocasts as the reference does (torch_pipe, fairscale_fsdp, ours) is judged
-by the policy's autocast tolerance; one that keeps half-precision weights and activations with fp32
-main parameters (``SystemSpec.half_weights``: megatron) rounds every activation and residual sum to
-the half type where the reference keeps fp32, and is judged by a tolerance of its own. Half precision
-rounds in proportion to magnitude, so its tolerances bound each gradient element's difference as a
-fraction of the largest |gradient| of its parameter in the reference.
+scaling). A system that autocasts as the reference does (torch_pipe, fairscale_fsdp, ours, diloco) is
+judged by the policy's autocast tolerance; one that keeps half-precision weights and activations with
+fp32 main parameters (``SystemSpec.half_weights``: megatron) is compared with the reference run the
+same way (``reference --half-weights``) and judged by that policy's tolerance. Half precision rounds
+in proportion to magnitude, so its tolerances bound each gradient element's difference as a fraction
+of the largest |gradient| of its parameter in the reference.
 
-Each tolerance is derived (``derive``) from the spread measured over many seeds
-(``python -m tools.verify_spread``; ``results/measured-here/verify-spread.jsonl`` and ``.md``), by
-one rule: twice the largest difference any run of the policy showed, rounded up to 1, 2 or 5 x 10^k.
-``TOLERANCES`` holds the result and ``tests/runners/test_verify.py`` checks that it still follows
-from the kept measurements.
+Each tolerance is derived (``derive``) from the reference alone, never from the systems it judges:
+the spread between reference runs that differ only in micro-batching (the same global batch of 4 at
+micro-batch 2 and 4 against 1: other accumulation orders and GEMM shapes, the same math), over many
+seeds at that policy (``python -m tools.verify_spread``; ``results/measured-here/verify-spread.jsonl``),
+by one rule: twice the largest difference, rounded up to 1, 2 or 5 x 10^k. ``TOLERANCES`` holds the
+result and ``tests/runners/test_verify.py`` checks that it still follows from the kept measurements.
+The rule and its numbers: docs/verification.md.
 """
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ TOLERANCES = {t.policy: t for t in (
     FP32_TOLERANCE,
     Tolerance("bf16 autocast", loss=5e-4, grad=5e-2, relative=True),
     Tolerance("fp16 autocast", loss=5e-5, grad=1e-2, relative=True),
-    Tolerance("bf16 weights + fp32 main params", loss=1e-3, grad=1e-1, relative=True),
-    Tolerance("fp16 weights + fp32 main params", loss=2e-4, grad=2e-2, relative=True),
+    Tolerance("bf16 weights + fp32 main params", loss=5e-4, grad=2e-1, relative=True),
+    Tolerance("fp16 weights + fp32 main params", loss=1e-4, grad=2e-2, relative=True),
 )}
 
 
@@ -82,9 +84,11 @@ def round_up(x: float) -> float:
 
 def derivation_runs(policy: str, rows: list[dict]) -> list[dict]:
     """Of ``tools.verify_spread``'s rows, those a policy's tolerance is derived from: the policy's
-    verified runs at ``DERIVED_AT_STEPS`` steps and ``DERIVED_TOKENS`` tokens per micro-batch."""
-    return [r for r in rows if r["class"] == policy and r["steps"] == DERIVED_AT_STEPS
-            and r["tokens"] == DERIVED_TOKENS and r["status"] == "ok" and r.get("max_rel_grad_diff") is not None]
+    reference cases (the reference against itself at another micro-batch size, no system) at
+    ``DERIVED_AT_STEPS`` steps and ``DERIVED_TOKENS`` tokens per micro-batch."""
+    return [r for r in rows if r["class"] == policy and r["case"].startswith("reference") and r["status"] == "ok"
+            and r["steps"] == DERIVED_AT_STEPS and r["tokens"] == DERIVED_TOKENS
+            and r.get("max_rel_grad_diff") is not None]
 
 
 def derive(policy: str, runs: list[dict]) -> Tolerance:

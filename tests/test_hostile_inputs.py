@@ -153,7 +153,7 @@ def test_a_full_file_system_is_refused_before_launch(tmp_path, capsys, monkeypat
 def _record(system: str = "reference", precision: str = "fp32", status: str = "ok", **fields):
     spec = get_system(system)
     cfg = RunConfig(system=system, model=get_model_config("tiny"), batch_size=1, micro_batch_size=1,
-                    precision=precision, **fields)
+                    precision=precision, options=spec.options(), **fields)
     return build_record(cfg, spec, status, None if status == "ok" else "failed", None, {"device_kind": "cpu"})
 
 
@@ -238,18 +238,17 @@ def test_locks_beside_the_records_go_with_their_holders(tmp_path):
 
 
 def test_labels_and_summaries_say_what_ran():
-    """Item 11: diloco_sim was labelled diloco (one column with diloco's own runs, its options shown as
-    None); the summary line and the report's Every run table had no precision. Item 14: a run that
+    """Item 11: diloco's one-process math was labelled diloco (one column with diloco's own runs, its options
+    shown as None); the summary line and the report's Every run table had no precision. Item 14: a run that
     reached its target within its warm-up said 'ok (this node's ranks finished ...)' on its one node.
     Item 16: a --prefetch that 'auto' lowered was not said."""
     from ours import describe_run
-    from ours.diloco import DiLoCoAlgorithm
     from report import render
     from runners.run import summary
 
-    sim = RunConfig(system="diloco_sim", model=get_model_config("tiny"), batch_size=1, micro_batch_size=1, dp=2,
-                    options=DiLoCoAlgorithm(inner_steps=2))
-    assert get_system("diloco_sim").run_label(sim) == "diloco_sim H=2"
+    sim = RunConfig(system="reference", model=get_model_config("tiny"), batch_size=1, micro_batch_size=1, dp=2,
+                    options=get_system("reference").options(diloco=True, inner_steps=2))
+    assert get_system("reference").run_label(sim) == "reference diloco H=2"
     fp32, bf16 = _record(), _record(precision="bf16")
     for rec in (fp32, bf16):
         rec.median_step_time = rec.min_step_time = rec.max_step_time = 0.05

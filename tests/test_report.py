@@ -37,6 +37,11 @@ def _reps(spread=0.02, **kw) -> list[dict]:
     return [_rec(t=t * f, **kw).__dict__ for f in (1 - spread, 1.0, 1 + spread)]
 
 
+def _round_robin(*runs: list[dict]) -> list[dict]:
+    """The runs' repetitions in the order a sweep launches them: one of each, round after round."""
+    return [rec for round_ in zip(*runs) for rec in round_]
+
+
 def test_layout_table_like_the_seed():
     recs = [_rec(tp=8, t=25.0), _rec(pp=8, t=19.71), _rec(tp=4, pp=2, t=20.64), _rec(tp=2, pp=4, t=20.81),
             _rec(tp=8, mb=16, status="oom"), _rec(pp=8, mb=16, status="error")]
@@ -91,8 +96,8 @@ def test_a_cell_shows_only_runs_of_its_exact_config():
     failed = [_with(_rec(pp=8, status="error"), steps=20), _with(_rec(tp=8, t=24.0), steps=20)]
     text = render(ok + failed)
     tables = text.split("### ")[1:]
-    first = next(t for t in tables if "10 measured steps" in t)
-    second = next(t for t in tables if "20 measured steps" in t)
+    first = next(t for t in tables if "3 measured steps (10 configured)" in t)  # as recorded: 3 step times
+    second = next(t for t in tables if "3 measured steps (20 configured)" in t)
     assert "19.71 s" in first and "25.00 s" in first and "Fail" not in first
     assert "Fail (error)" in second and "24.00 s" in second
 
@@ -117,15 +122,14 @@ def test_a_record_from_before_an_option_shows_the_value_it_ran_with():
 
 
 def test_the_report_answers_first_and_has_no_single_cell_table():
-    recs = [r for net, t1 in (("default", 10.0), ("d10-1g", 14.0))
-            for r in _reps(system="ours", pp=12, network=net, t=t1)]
-    recs += [r for net, t1 in (("default", 15.16), ("d10-1g", 22.9))
-             for r in _reps(system="torch_pipe", pp=12, network=net, t=t1)]
+    recs = _round_robin(*(_reps(system=system, pp=12, network=net, t=t) for net, tt in
+                          (("default", (10.0, 15.16)), ("d10-1g", (14.0, 22.9)))
+                          for system, t in zip(("ours", "torch_pipe"), tt)))
     recs += [_rec(pp=8, t=19.71).__dict__]  # alone in its table: only in the table of every run
     text = render(recs)
     assert text.index("## Summary") < text.index("### ")
-    assert "fastest `ours P-12` 10.00 s ±2 %" in text
-    assert "**1.52x** (1.46-1.58x) faster than the best baseline `torch_pipe gpipe P-12` 15.16 s ±2 %" in text
+    assert "ours `ours P-12` 10.00 s ±2 % against the best baseline `torch_pipe gpipe P-12` 15.16 s ±2 %: " \
+           "**1.52x** faster (1.52-1.52x, min-max of 3 pairs: 1.52, 1.52, 1.52)" in text
     for table in text.split("### ")[1:]:
         rows = [l for l in table.splitlines() if l.startswith("|")][2:]
         cells = [c for l in rows for c in l.split("|")[2:-1]]
@@ -134,16 +138,15 @@ def test_the_report_answers_first_and_has_no_single_cell_table():
 
 
 def test_the_summary_races_runs_of_the_same_device_count():
-    recs = (_reps(system="ours", pp=2, network="d10-1g", t=0.6)
-            + _reps(system="torch_pipe", pp=2, network="d10-1g", t=0.8)
-            + _reps(system="ours", pp=2, dp=2, network="d10-1g", t=1.5)
-            + _reps(system="torch_pipe", pp=2, dp=2, network="d10-1g", t=3.0))
+    recs = _round_robin(_reps(system="ours", pp=2, network="d10-1g", t=0.6),
+                        _reps(system="torch_pipe", pp=2, network="d10-1g", t=0.8),
+                        _reps(system="ours", pp=2, dp=2, network="d10-1g", t=1.5),
+                        _reps(system="torch_pipe", pp=2, dp=2, network="d10-1g", t=3.0))
     summary = render(recs).split("## Summary")[1].split("\n## ")[0]
-    two = next(l for l in summary.splitlines() if "2 devices" in l)
-    four = next(l for l in summary.splitlines() if "4 devices" in l)
-    assert "fastest `ours P-2`" in two
-    assert "**1.33x** (1.28-1.39x) faster than the best baseline `torch_pipe gpipe P-2`" in two
-    assert "P-2 D-2` 1.50 s ±2 % **2.00x** (1.92-2.08x) faster than the best baseline `torch_pipe gpipe P-2 D-2`" \
+    two = next(l for l in summary.splitlines() if "pipeline, 2 devices" in l)
+    four = next(l for l in summary.splitlines() if "pipeline + data-parallel, 4 devices" in l)
+    assert "against the best baseline `torch_pipe gpipe P-2` 0.800 s ±2 %: **1.33x** faster" in two
+    assert "P-2 D-2` 1.50 s ±2 % against the best baseline `torch_pipe gpipe P-2 D-2` 3.00 s ±2 %: **2.00x** faster" \
         in four
 
 
@@ -155,20 +158,22 @@ def test_repetitions_combine_into_a_median_and_an_interval():
     assert "min-max" in text.split("## Summary")[1]  # the summary states which interval
     every = text.split("## Every run")[1]
     assert "1.10 s ±10 %" in every and re.search(r"\| +3 \| 1.10 s", every)  # one line per run, its repetitions
-    single = render([_rec(pp=8, t=1.0).__dict__, _rec(tp=8, t=3.0).__dict__])
-    assert "1.00 s (1 run)" in single and "no claim: a single run has no interval" in single
+    single = render([_rec(pp=8, t=1.0).__dict__, _rec(system="torch_pipe", pp=8, t=3.0).__dict__])
+    assert "1.00 s (1 run)" in single and "no claim: one pair of neighbouring launches, no interval" in single
     assert "fastest" not in single.split("## Summary")[1].split("###")[0].replace("no fastest", "")
 
 
 def test_the_summary_names_a_winner_only_where_the_intervals_separate():
-    recs = _reps(system="ours", pp=2, t=1.0, spread=0.05) + _reps(system="torch_pipe", pp=2, t=1.04, spread=0.05)
-    summary = render(recs).split("## Summary")[1].split("\n## ")[0]
+    ours, pipe = _reps(system="ours", pp=2, t=1.0, spread=0.05), _reps(system="torch_pipe", pp=2, t=1.04, spread=0.05)
+    ours[0], ours[2] = ours[2], ours[0]  # neighbours whose ratios straddle 1: 0.99, 1.04, 1.09
+    summary = render(_round_robin(ours, pipe)).split("## Summary")[1].split("\n## ")[0]
     line = next(l for l in summary.splitlines() if "micro-batch 1" in l)
-    assert "no difference beyond noise (±5 %)" in line and "faster" not in line and "slower" not in line
-    assert "no fastest" in line
-    recs = _reps(system="ours", pp=2, t=1.3, spread=0.05) + _reps(system="torch_pipe", pp=2, t=1.0, spread=0.05)
+    assert "no difference beyond noise (paired: 1.04x (0.94-1.15x, min-max of 3 pairs: 0.94, 1.04, 1.15))" in line, line
+    assert "faster" not in line and "slower" not in line
+    recs = _round_robin(_reps(system="ours", pp=2, t=1.3, spread=0.05),
+                        _reps(system="torch_pipe", pp=2, t=1.0, spread=0.05))
     line = next(l for l in render(recs).splitlines() if "micro-batch 1" in l)
-    assert "fastest `torch_pipe gpipe P-2`" in line and "**1.30x** (1.18-1.44x) slower than the best baseline" in line
+    assert "**1.30x** slower (1.30-1.30x; paired: 0.77x (0.77-0.77x, min-max of 3 pairs: 0.77, 0.77, 0.77))" in line
 
 
 def test_no_comparison_is_drawn_from_an_oversubscribed_run():
@@ -366,3 +371,41 @@ def test_the_report_prints_the_commits_of_its_records_and_warns_where_they_diffe
     assert "**Warning**: the records come from 3 commits: " in text
     assert "commit ffffffffffff (dirty) (1 record)" in text and "no commit recorded (1 record)" in text
     assert "**Warning**: the records come from 2 sets of versions" in text
+
+
+def test_the_summary_claims_like_for_like_only():
+    """Pipelines with pipelines, tensor parallelism with tensor parallelism, each on as many devices
+    (fairscale's P-2, one process on CPU, is a 2-device pipeline); diloco never by step time. The
+    faster tensor-parallel ours T-2 is never claimed against a pipeline."""
+    recs = _round_robin(_reps(system="ours", tp=2, t=0.6), _reps(system="megatron", tp=2, t=0.9),
+                        _reps(system="ours", pp=2, t=0.8), _reps(system="torch_pipe", pp=2, t=0.85),
+                        _reps(system="fairscale_fsdp", pp=2, t=1.0), _reps(system="diloco", dp=2, t=0.3))
+    for r in recs:
+        if r["system"] == "fairscale_fsdp":
+            r["environment"]["device_count"] = 1  # one process on CPU
+    summary = render(recs).split("## Summary")[1].split("\n## ")[0]
+    lines = [l for l in summary.splitlines() if l.startswith("  - ")]
+    tensor = next(l for l in lines if ", tensor, 2 devices:" in l)
+    pipeline = next(l for l in lines if ", pipeline, 2 devices:" in l)
+    assert "`ours T-2`" in tensor and "`megatron T-2`" in tensor and "P-2" not in tensor
+    assert "**1.50x** faster" in tensor
+    assert "`ours P-2`" in pipeline and "`torch_pipe gpipe P-2`" in pipeline and "`fairscale_fsdp P-2`" in pipeline
+    assert "T-2" not in pipeline and "diloco" not in pipeline
+    assert "against the best baseline `torch_pipe gpipe P-2` 0.850 s ±2 %: **1.06x** faster" in pipeline
+    (slow_method,) = [l for l in lines if "diloco" in l]
+    assert "not compared by step time" in slow_method and "faster" not in slow_method
+    assert not any("1 device" in l for l in lines)
+    assert "across kinds the tables show the runs side by side, with no claim" in summary
+
+
+def test_a_sweep_of_four_repeats_claims_from_paired_launches():
+    """The host drifts by a quarter over four rounds: each run's own interval is wide and the two overlap,
+    but the neighbours' ratio holds (1.30 within 2 %), and the claim comes from it."""
+    drift = (1.0, 1.25, 0.85, 1.1)
+    ours = [_rec(system="ours", pp=2, t=1.0 * d).__dict__ for d in drift]
+    pipe = [_rec(system="torch_pipe", pp=2, t=1.3 * d * e).__dict__ for d, e in zip(drift, (1.0, 1.02, 0.99, 1.01))]
+    text = render(_round_robin(ours, pipe))
+    cells = text.split("### ")[1]
+    assert "1.05 s ±20 %" in cells and "1.37 s ±21 %" in cells  # each run's own min-max: they overlap
+    line = next(l for l in text.split("## Summary")[1].splitlines() if "pipeline, 2 devices" in l)
+    assert "**1.31x** faster (1.29-1.33x, min-max of 4 pairs: 1.30, 1.33, 1.29, 1.31)" in line, line

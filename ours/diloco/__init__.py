@@ -9,8 +9,8 @@ across sites. This module declares it (options, ``SPEC``); the rest:
   per fragment;
 - ``ours.diloco.fragments``: the model's units (embeddings, blocks, head) each stage splits into
   Streaming DiLoCo's fragments;
-- ``ours.diloco.reference`` declares ``diloco_sim``, and ``ours.diloco.simulate`` trains it: the same
-  algorithm in one process without torchft (``--verify``'s reference for this system).
+- ``contract.outer``: the outer step's options, which the reference takes too: ``--verify`` compares
+  diloco with the reference's own steps with the outer step applied to them (``reference --diloco``).
 
 It is declared inside ``ours`` because a replica runs ours' pipeline engine: a system's training
 code may import only the contract, the workload and its own package, and its package is ``ours``.
@@ -24,67 +24,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
+from contract import ConfigError, RunConfig, SystemSpec, option
+from contract.outer import OuterStep, describe
+from contract.registry import get_system
 from ours import OursOptions, describe_slicing, slice_count, slice_lengths
 from ours.schedule import SCHEDULES
 
 
 @dataclass(frozen=True)
-class DiLoCoAlgorithm(SystemOptions):
-    """The algorithm's options (what the simulation takes too)."""
+class DiLoCoAlgorithm(OuterStep):
+    """The algorithm's options: the outer step's (``contract.outer``) and torchft's quantized sync."""
 
-    inner_steps: int = option(8, "H: inner steps (each replica's own optimizer steps) between outer steps; 1 "
-                                 "averages every step", metavar="H")
-    outer_lr: float = option(0.7, "the outer optimizer's learning rate (SGD with Nesterov momentum on the averaged "
-                                  "pseudo-gradient, as the DiLoCo paper)", metavar="LR")
-    outer_momentum: float = option(0.9, "the outer optimizer's Nesterov momentum (0: plain SGD)", metavar="M")
-    fragments: int = option(1, "Streaming DiLoCo: each stage's model split into F fragments, one synced every H/F "
-                               "steps in turn (1: DiLoCo)", metavar="F")
-    sync_delay: int = option(0, "Streaming DiLoCo: inner steps a fragment's all-reduce overlaps before the outer "
-                                "step waits for it (tau, < H/F)", metavar="TAU")
-    fragment_alpha: float = option(0.0, "Streaming DiLoCo: after an outer step, a fragment's weights are "
-                                        "(1 - alpha) x global + alpha x local", metavar="ALPHA")
     quantize: bool = option(False, "torchft's quantized sync (fp8 row-wise all-reduce of the pseudo-gradients; "
                                    "torchft offers it with triton on CUDA only)")
 
-    @property
-    def streaming(self) -> bool:
-        return self.fragments > 1
-
     def lossy(self) -> str | None:
         return "fp8 sync" if self.quantize else None
-
-    def algorithm(self) -> DiLoCoAlgorithm:
-        return DiLoCoAlgorithm(**{f.name: getattr(self, f.name) for f in DiLoCoAlgorithm.declared()})
 
     def check(self, config: RunConfig) -> None:
         self.check_algorithm(config)
         self.check_measured(config)
 
     def check_algorithm(self, config: RunConfig) -> None:
-        H, F = self.inner_steps, self.fragments
-        if H < 1:
-            raise ConfigError(f"--inner-steps must be >= 1, got {H}")
-        if F < 1:
-            raise ConfigError(f"--fragments must be >= 1, got {F}")
-        if H % F:
-            raise ConfigError(f"--inner-steps {H} must be a multiple of --fragments {F} (one fragment every H/F steps)")
-        if not 0 <= self.sync_delay < H // F:
-            raise ConfigError(f"--sync-delay must be in 0..{H // F - 1} (below H/F = {H // F}), got {self.sync_delay}")
-        if not 0 <= self.fragment_alpha <= 1:
-            raise ConfigError(f"--fragment-alpha must be in [0, 1], got {self.fragment_alpha}")
-        if not 0 < self.outer_lr < float("inf"):
-            raise ConfigError(f"--outer-lr must be a finite number > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        """The outer step's options (``contract.outer``) and what torchft's sync allows."""
+        super().check(config)
         if config.precision == "fp16":
             raise ConfigError("--precision fp16: DiLoCo's inner steps have no loss scaling here; use bf16 or fp32")
         if self.quantize and config.device != "cuda":
             raise ConfigError("--quantize: torchft quantizes its sync with triton on CUDA only (use --device cuda)")
-        fewest = min_units(config.model.n_layer, config.pp)
-        if F > fewest:
-            raise ConfigError(f"--fragments {F}: a stage of {config.model.n_layer // config.pp} layers has only "
-                              f"{fewest} units (embeddings, blocks, head) to split")
 
     def check_measured(self, config: RunConfig) -> None:
         """The measured steps hold an outer step (a fragment's sync after every H/F inner steps)."""
@@ -130,30 +97,17 @@ class DiLoCoOptions(DiLoCoAlgorithm):
         self.check_measured(config)
 
 
-def min_units(n_layer: int, pp: int) -> int:
-    """The fewest fragment units a stage holds: its blocks, plus the embeddings (first stage) and
-    the head (last stage)."""
-    per = n_layer // pp
-    if pp == 1:
-        return per + 2
-    return per + 1 if pp == 2 else per
-
-
 def label(config: RunConfig) -> str:
-    """The run's column: 'diloco H=8', 'streaming diloco H=4 F=2 tau=1'; its simulation's names
-    ``diloco_sim`` ('diloco_sim H=8'), never taken for a run of torchft."""
-    o: DiLoCoAlgorithm = config.options
-    name = f"{config.system} H={o.inner_steps}"
-    if o.streaming:
-        name = (f"streaming {name} F={o.fragments}" + (f" tau={o.sync_delay}" if o.sync_delay else "")
-                + (f" alpha={o.fragment_alpha:g}" if o.fragment_alpha else ""))
-    return name + (" fp8 sync" if o.quantize else "")
+    return describe(config.options) + (" fp8 sync" if config.options.quantize else "")
 
 
-def simulation(config: RunConfig) -> RunConfig:
-    """--verify's reference: the same algorithm, data and replicas in one process. It keeps --pp,
-    which decides the stages' fragments; the pipeline's options do not change the math."""
-    return config.replace(system="diloco_sim", network="none", options=config.options.algorithm())
+def reference(config: RunConfig) -> RunConfig:
+    """--verify's reference: the reference system's own steps with the outer step applied to them
+    (``--diloco``: the same data, replicas and outer step, in one process). It keeps --pp, which
+    decides the stages' fragments; the pipeline's options do not change the math."""
+    options = get_system("reference").options(diloco=True, **config.options.outer_step().to_dict())
+    return config.replace(system="reference", network="none", network_matrix=None, p2p_semantics="gloo",
+                          options=options)
 
 
 SPEC = SystemSpec(
@@ -166,5 +120,5 @@ SPEC = SystemSpec(
     details=describe_slicing,
     role="ours",
     services=("torchft-lighthouse",),
-    reference=simulation,
+    reference=reference,
 )

@@ -1,8 +1,9 @@
 """diloco through the real run command (torchrun, gloo ranks, torchft, the lighthouse started and
 stopped by the run command):
 
-- Streaming DiLoCo with ours' pipeline in each replica passes --verify against its one-process
-  simulation (losses and the last step's gradients within 1e-5, fp32);
+- diloco passes --verify against the reference's math (the reference's own steps with the outer step
+  applied to them, ``reference --diloco``) at H = 1 and H = 4, in fp32 and bf16, and so does Streaming
+  DiLoCo with ours' pipeline in each replica (fp32);
 - at H = 1 (outer SGD, lr 1, no momentum: the replicas' weights averaged after every step) it reaches
   the held-out loss of synchronous training within 0.05 (1 %) after 8 steps (in the simulation,
   seeds 0-2: 0.016-0.021 above; the replicas average their Adam updates, not their gradients);
@@ -39,6 +40,21 @@ def record(out: Path) -> dict:
     return json.loads(out.read_text().splitlines()[-1])
 
 
+@pytest.mark.parametrize("inner_steps, precision", [("4", "fp32"), ("1", "bf16"), ("4", "bf16")])
+@pytest.mark.multiprocess
+def test_diloco_verifies_against_the_reference_math(inner_steps, precision, tmp_path):
+    """H = 1 in fp32: test_h1_reaches_synchronous_training_and_h4_a_lower_loss_per_byte. Five steps:
+    at H = 4, the last step's losses and gradients come after an outer step."""
+    out = tmp_path / "runs.jsonl"
+    proc = run_cli("--system", "diloco", *TINY, "--dp", "2", "--batch-size", "2", "--micro-batch-size", "1",
+                   "--steps", "5", "--warmup", "0", "--inner-steps", inner_steps, "--precision", precision,
+                   "--verify", "--out", str(out))
+    assert_verified(proc)
+    rec = record(out)
+    assert rec["verify"]["passed"] and rec["options"]["outer_steps"] == 5 // int(inner_steps)
+    assert lighthouses() == []
+
+
 @pytest.mark.multiprocess
 def test_streaming_diloco_with_ours_pipeline_verifies(tmp_path):
     out = tmp_path / "runs.jsonl"
@@ -64,7 +80,7 @@ def test_h1_reaches_synchronous_training_and_h4_a_lower_loss_per_byte(tmp_path):
         out = tmp_path / f"{name}.jsonl"
         proc = run_cli(*args, *TEXT, "--eval-every", "2", "--out", str(out))
         if name == "h1":
-            assert_verified(proc)  # diloco without a pipeline against its simulation too
+            assert_verified(proc)  # against the reference's math, on text, its evals too
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = record(out)["evals"]
     assert [e["step"] for e in runs["h1"]] == [0, 2, 4, 6, 8]

@@ -1,30 +1,36 @@
-"""diloco without processes: its options and fragments, and its simulation (diloco_sim) run in this
-process with the harness's evals (one rank: no process group needed)."""
+"""diloco without processes: its options and fragments, and its verification reference (the reference
+with DiLoCo's outer step, ``reference --diloco``) run in this process with the harness's evals (one
+rank: no process group needed)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from baselines.reference import ReferenceOptions
 from baselines.reference.train import train as reference_train
-from contract import ConfigError, RunConfig, SystemOptions
+from contract import ConfigError, RunConfig
 from contract.rank import Context
-from ours.diloco import SPEC, DiLoCoAlgorithm, DiLoCoOptions
-from ours.diloco.fragments import fragment_names, split, stage_units
-from ours.diloco.simulate import train as simulate
+from contract.registry import get_system
+from ours.diloco import SPEC, DiLoCoOptions
+from workload.partition import fragment_names, split_units, stage_units
 from workload.configs import OptimizerConfig, get_model_config
 from workload.model import build_gpt
 
 MODEL = get_model_config("tiny").with_overrides(n_embd=64, seq_len=32, vocab_size=256)
 
 
-def config(system: str = "diloco_sim", options=None, **fields) -> RunConfig:
+def config(system: str = "reference", options=None, **fields) -> RunConfig:
     base = dict(system=system, model=MODEL, batch_size=2, micro_batch_size=1, dp=1, steps=6, warmup=0,
-                optimizer=OptimizerConfig(lr=3e-3), data="stdlib", options=options or DiLoCoAlgorithm())
+                optimizer=OptimizerConfig(lr=3e-3), data="stdlib", options=options or ReferenceOptions(diloco=True))
     return RunConfig(**{**base, **fields})
 
 
-def run(train, cfg: RunConfig):
-    return train(cfg, Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
+def outer(**options) -> ReferenceOptions:
+    return ReferenceOptions(diloco=True, **options)
+
+
+def run(cfg: RunConfig):
+    return reference_train(cfg, Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo",
                               config=cfg))
 
 
@@ -42,13 +48,17 @@ def test_options_are_judged():
     SPEC.validate(config("diloco", DiLoCoOptions(inner_steps=4, fragments=2, sync_delay=1, n_slices=2), pp=2, dp=2))
     assert SPEC.run_label(config("diloco", DiLoCoOptions(inner_steps=4, fragments=2, sync_delay=1))) == \
         "streaming diloco H=4 F=2 tau=1"
-    sim = SPEC.reference(config("diloco", DiLoCoOptions(n_slices=2, inner_steps=4), pp=2, dp=2))
-    assert sim.system == "diloco_sim" and sim.pp == 2 and sim.options == DiLoCoAlgorithm(inner_steps=4)
+    ref = SPEC.reference(config("diloco", DiLoCoOptions(n_slices=2, inner_steps=4), pp=2, dp=2))
+    assert ref.system == "reference" and ref.pp == 2 and ref.dp == 2 and ref.options == outer(inner_steps=4)
+    plain = config(options=ReferenceOptions())
+    assert plain.options.identity() == {} and "inner_steps" in ref.options.identity()
+    with pytest.raises(ConfigError, match="only with --diloco"):
+        get_system("reference").validate(config(options=ReferenceOptions(), dp=2))
 
 
 def test_fragments_cut_each_stage_in_model_order():
     assert stage_units(4, 2, 0) == [("wte", "wpe"), ("blocks.0",), ("blocks.1",)]
-    assert split(stage_units(4, 2, 1), 2) == [[("blocks.2",), ("blocks.3",)], [("ln_f", "lm_head")]]
+    assert split_units(stage_units(4, 2, 1), 2) == [[("blocks.2",), ("blocks.3",)], [("ln_f", "lm_head")]]
     names = fragment_names(MODEL, 2, 2)  # fragment f of the model: fragment f of every stage
     assert names[1] == [f"blocks.1.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
                                                     "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight",
@@ -60,10 +70,9 @@ def test_fragments_cut_each_stage_in_model_order():
 
 def test_one_replica_averaging_every_step_is_the_reference():
     """D = 1, H = 1, outer SGD lr 1 without momentum: the outer step puts back the replica's own
-    weights, so the simulation is plain training, and so are its evals."""
-    sim = run(simulate, config(options=DiLoCoAlgorithm(inner_steps=1, outer_lr=1.0, outer_momentum=0.0),
-                               eval_every=3))
-    ref = run(reference_train, config("reference", SystemOptions(), eval_every=3))
+    weights, so DiLoCo's math is plain training, and so are its evals."""
+    sim = run(config(options=outer(inner_steps=1, outer_lr=1.0, outer_momentum=0.0), eval_every=3))
+    ref = run(config(options=ReferenceOptions(), eval_every=3))
     assert sim.losses == pytest.approx(ref.losses, abs=1e-6)
     assert [e["step"] for e in sim.evals] == [0, 3, 6]
     assert [e["loss"] for e in sim.evals] == pytest.approx([e["loss"] for e in ref.evals], abs=1e-6)
@@ -71,17 +80,17 @@ def test_one_replica_averaging_every_step_is_the_reference():
 
 
 def test_outer_steps_change_the_training():
-    plain = run(simulate, config(options=DiLoCoAlgorithm(inner_steps=2, outer_lr=1.0, outer_momentum=0.0), dp=2))
-    nesterov = run(simulate, config(options=DiLoCoAlgorithm(inner_steps=2), dp=2))
+    plain = run(config(options=outer(inner_steps=2, outer_lr=1.0, outer_momentum=0.0), dp=2))
+    nesterov = run(config(options=outer(inner_steps=2), dp=2))
     assert plain.losses[:2] == nesterov.losses[:2]  # the first outer step comes after step 2
     assert abs(plain.losses[2] - nesterov.losses[2]) > 1e-4
 
 
 def test_the_run_ends_one_step_after_the_eval_at_the_target():
-    options = DiLoCoAlgorithm(inner_steps=1)
-    first = run(simulate, config(options=options, eval_every=1, steps=8))
+    options = outer(inner_steps=1)
+    first = run(config(options=options, eval_every=1, steps=8))
     target = (first.evals[2]["loss"] + first.evals[3]["loss"]) / 2  # reached at the eval after step 3
-    stopped = run(simulate, config(options=options, eval_every=1, steps=8, target_loss=target))
+    stopped = run(config(options=options, eval_every=1, steps=8, target_loss=target))
     assert [e["step"] for e in stopped.evals] == [0, 1, 2, 3]  # the step after the target is not evaluated
     assert len(stopped.losses) == 4 and stopped.losses == first.losses[:4]
     assert len(stopped.step_times) == 4

@@ -60,7 +60,7 @@ def test_a_field_declared_with_option_is_all_it_takes_to_get_a_flag():
 def test_the_config_of_the_flags_and_defaults_from_runconfig():
     cfg, spec = parse_request([*BASE, "--num-layers", "2", "--lr", "0.001"])
     assert spec is get_system("reference")
-    defaults = RunConfig(system="reference", model=cfg.model, batch_size=2, micro_batch_size=1)
+    defaults = RunConfig(system="reference", model=cfg.model, batch_size=2, micro_batch_size=1, options=spec.options())
     assert cfg == defaults.replace(optimizer=OptimizerConfig(lr=0.001))
     assert cfg.model.n_layer == 2 and cfg.model.n_embd == 128  # tiny's, overridden where given
     with pytest.raises(ConfigError, match="--n-slices is an option of ours and diloco, not of reference"):
