@@ -85,6 +85,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         return StepOutput(loss=sum(losses) / D)
 
     m = run_steps(ctx, 0, step, weights=lambda: {n: p.detach() for n, p in glob.items()})
+    m.extra["eval_weights_every"] = period  # the global weights change once a fragment is synced
     if cfg.verify:
         m.grads = last_grads
     return m
