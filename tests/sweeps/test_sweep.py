@@ -344,6 +344,17 @@ def test_shipped_sweep_files_expand():
     ours_tp = {(f["--tp"], f["--pp"]) for f in map(flags, xl.runs) if f["--system"] == "ours" and f["--tp"] != "1"}
     assert ours_tp == {("4", "2"), ("2", "4")}  # beside megatron's mixed layouts
     assert any(r.system == "ours" and flags(r)["--tp"] == "2" for r in layout)  # beside megatron T-2
+    target, race = load_sweep(SWEEPS_DIR / "quality-target.toml"), load_sweep(SWEEPS_DIR / "quality.toml")
+    assert not target.invalid_runs and not race.invalid_runs
+    assert {r.system for r in target.runs} == {"reference"} and {flags(r)["--seed"] for r in target.runs} == {"0", "1", "2"}
+    shared = ("--model", "--num-layers", "--hidden-size", "--vocab-size", "--data", "--tokenizer", "--lr", "--seq-length")
+    assert {tuple(flags(r).get(k) for k in shared) for r in target.runs + race.runs} == \
+        {tuple(flags(target.runs[0]).get(k) for k in shared)}  # the race's model, text and optimizer
+    assert {int(flags(r)["--batch-size"]) * int(flags(r)["--dp"]) for r in target.runs + race.runs} == {8}
+    assert [flags(r)["--seed"] for r in race.runs] == sorted(flags(r)["--seed"] for r in race.runs)  # round-robin
+    labels = {" ".join(f"{k}={flags(r).get(k)}" for k in ("--system", "--inner-steps", "--fragments")) for r in race.runs}
+    assert "--system=diloco --inner-steps=32 --fragments=2" in labels and all("--no-link-probe" in r.args for r in race.runs)
+    assert len({r.network for r in race.runs}) == 4 and len(race.runs) == len(labels) * 4 * 3
 
 
 def test_adhoc_network_sweep(tmp_path):
