@@ -35,7 +35,7 @@ from pathlib import Path
 import pandas as pd
 
 from contract.config import VOLATILE_FIELDS, RunConfig
-from contract.estimate import INTERVAL_RULE, estimate, no_difference, ratio_interval, separated
+from contract.estimate import BOOTSTRAP_FROM, INTERVAL_RULE, estimate, no_difference, ratio_interval, separated
 from contract.records import layout_words, predictions_path, read_predictions, read_records, record_files
 from contract.registry import read_options
 
@@ -719,9 +719,11 @@ def quality_section(records: list[dict], target: float | None = None) -> str:
     parts = ["## Time to quality"]
     for (group, goal), g in df.groupby(["group", "target"], sort=False):
         parts += [f"### Held-out loss {goal:g}: {group}",
-                  f"Cells: the median over the runs that differ only in seed and its interval in brackets (the "
-                  f"{INTERVAL_RULE}), at the crossing of the target: {CROSSING_RULE}. The time leaves out the "
-                  "harness's timing barriers and the evals; bytes are every rank's TCP payload, summed.",
+                  f"Cells: at the crossing of the target, the median over the runs that differ only in seed and "
+                  f"in brackets its interval (``contract.estimate``: the min-max of the runs below {BOOTSTRAP_FROM}, "
+                  f"a bootstrap 95 % interval of the median from {BOOTSTRAP_FROM}; one run has none); "
+                  f"{CROSSING_RULE}. The time leaves out the harness's timing barriers and the evals; bytes are "
+                  "every rank's TCP payload, summed.",
                   "#### Training wall time to the target", _quality_table(g, quality_cell),
                   "Which wins (only where the intervals separate):\n\n" + "\n".join(quality_winners(g)),
                   "#### Tokens to the target", _quality_table(g, _to_target_cell("tokens", _tokens)),
@@ -745,11 +747,14 @@ def plot_quality(records: list[dict], directory: Path, target: float | None = No
     paths: list[Path] = []
     if df.empty:
         return paths
-    axes_of = {"time": ("training wall time (s, log above 1 s; timing barriers and evals left out)",
-                        lambda e: e["wall_time"], "symlog"),
-               "bytes": ("bytes sent, every rank's, summed (log)", lambda e: sum(e["bytes_sent"]), "log")}
     for gi, ((group, goal), g) in enumerate(df.groupby(["group", "target"], sort=False)):
         nets, cols = _quality_axes(g)
+        ends = [run[-1]["wall_time"] for run in g["evals"]]
+        spread = max(ends) > 5 * max(min(ends), 1e-9)  # runs seconds and minutes apart: log above 1 s
+        axes_of = {"time": ("training wall time (s" + (", log above 1 s" if spread else "")
+                            + "; timing barriers and evals left out)", lambda e: e["wall_time"],
+                            "symlog" if spread else "linear"),
+                   "bytes": ("bytes sent, every rank's, summed (log)", lambda e: sum(e["bytes_sent"]), "log")}
         colors = {col: f"C{i % 10}" for i, col in enumerate(cols)}
         for kind, (xlabel, x_of, scale) in axes_of.items():
             width = min(len(nets), 2)
@@ -764,11 +769,12 @@ def plot_quality(records: list[dict], directory: Path, target: float | None = No
                                 markersize=3, linewidth=1, alpha=0.8, label=col if k == 0 else None,
                                 drawstyle="steps-post" if run["weights_every"] > 1 else "default")
                 ax.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"target {goal:g}")
-                if scale == "symlog":
-                    ax.set_xscale("symlog", linthresh=1.0)
-                    ax.set_xlim(left=0)
-                else:
+                if scale == "log":
                     ax.set_xscale("log")
+                else:
+                    if scale == "symlog":
+                        ax.set_xscale("symlog", linthresh=1.0)
+                    ax.set_xlim(left=0)
                 ax.set_xlabel(xlabel, fontsize=8)
                 ax.set_ylabel("held-out loss")
                 ax.set_title(at["network_label"].iloc[0], fontsize=9)
