@@ -137,7 +137,8 @@ def _rest_of_identity(r: dict) -> str:
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         value = c[f.name]
-        if value == json.loads(json.dumps(dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default)):
+        plain = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default
+        if value == json.loads(json.dumps(plain)):
             continue
         if f.name == "optimizer":
             parts.append(f"{value.get('kind')} lr {value.get('lr'):g}")
@@ -385,7 +386,8 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
             lines += [f"  - {what}: {v}" for what, v in rows]
     for fixed, g in networks:
         g = g.sort_values("order", kind="stable")
-        rows = [(f"{r['setting'].iloc[0]}{q}", v) for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
+        rows = [(f"{r['setting'].iloc[0]}{q}", v)
+                for net, r in g.groupby("network", sort=False) for q, v in _verdicts(r)]
         if rows and len(g) > 1:
             lines.append(f"- **Networks**, {heading(fixed)}:")
             lines += [f"  - {what}: {v}" for what, v in rows]

@@ -63,7 +63,8 @@ def run_once(args: list[str], timeout: float) -> Run | None:
         print(f"  run failed ({' '.join(args)}): {str(why)[:500]}", file=sys.stderr)
         return None
     return Run(rec["median_step_time"], rec.get("min_step_time") or rec["median_step_time"],
-               tuple(rec.get("peak_memory_bytes") or ()), tuple(rec.get("busy_fraction") or ()), rec.get("details") or "")
+               tuple(rec.get("peak_memory_bytes") or ()), tuple(rec.get("busy_fraction") or ()),
+               rec.get("details") or "")
 
 
 @dataclass
@@ -182,7 +183,8 @@ def ours_vs_gpipe(opts: argparse.Namespace) -> int:
             configs[f"ours {sl}"] = ours_args(P, batch, slices=sl)
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
 
-    gp_label = "torch_pipe GPipe" if opts.gpipe_system == "torch_pipe" else f"{opts.gpipe_system} (standing in for GPipe)"
+    gp_label = ("torch_pipe GPipe" if opts.gpipe_system == "torch_pipe"
+                else f"{opts.gpipe_system} (standing in for GPipe)")
     print(f"\nours vs {gp_label} on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating reps "
           f"(step ms: {INTERVAL_RULE}; min: fastest step of any run; efficiency = T_ref / (P * T))")
     print(f"{'batch':>5} | {'config':<34} | {'step ms':>12} | {'min ms':>7} | {'runs':>4} | {'efficiency':>10} | "
@@ -287,9 +289,11 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
                   f"{megabytes(s.peak_memory(name)):>16} | {percents(s.busy(name)):>15} | {ratio:>20}")
         if baselines and ours:
             t, name = min(ours)
-            summary.append((batch, base, base_t, name, t, s.paired(base, name), s.peak_memory(base), s.peak_memory(name)))
+            summary.append((batch, base, base_t, name, t, s.paired(base, name), s.peak_memory(base),
+                            s.peak_memory(name)))
     print("\nper batch: the fastest baseline schedule against ours at its fastest K (by median step time)")
-    print(f"{'batch':>5} | {'best baseline':<26} | {'ms':>11} | {'ours':<10} | {'ms':>11} | {'ratio':>6} | {'paired':>6} | "
+    print(f"{'batch':>5} | {'best baseline':<26} | {'ms':>11} | {'ours':<10} | {'ms':>11} | {'ratio':>6} | "
+          f"{'paired':>6} | "
           f"{'goal':>5} | {'peak MB baseline':>16} | {'peak MB ours':>12} | beyond noise?")
     for batch, base, base_t, name, t, paired, base_mem, ours_mem in summary:
         s = sittings[batch]
@@ -321,7 +325,8 @@ def auto_against_fixed(sittings: dict[int, Sitting]) -> None:
                 lines.append(f"{batch:>5} | {auto:<22} {s.ms(auto):>11} | best fixed {best:<14} {s.ms(best):>11} | "
                              f"{s.versus(best, auto)}")
     if lines:
-        print("\nauto against the best fixed K (auto times a few K during warm-up and keeps the fastest; ours.plan.tune)")
+        print("\nauto against the best fixed K (auto times a few K during warm-up and keeps the fastest; "
+              "ours.plan.tune)")
         print("\n".join(lines))
 
 

@@ -62,7 +62,8 @@ def bench_configs(pp: int, dp: int, n_slices: int) -> list[BenchConfig]:
     ours = ("--system", "ours", "--pp", str(pp), "--n-slices", str(n_slices))
     out = [BenchConfig("ours", f"ours P-{pp}", ours)]
     for mode in DP_MODES:
-        out.append(BenchConfig(mode, f"ours P-{pp} D-{dp} {mode}", (*ours, "--dp", str(dp), "--dp-mode", mode), dp, mode))
+        out.append(BenchConfig(mode, f"ours P-{pp} D-{dp} {mode}", (*ours, "--dp", str(dp), "--dp-mode", mode), dp,
+                               mode))
     for schedule, name in (("gpipe", "GPipe"), ("1f1b", "1F1B")):
         out.append(BenchConfig(schedule, f"torch_pipe {name} P-{pp}",
                                ("--system", "torch_pipe", "--pp", str(pp), "--schedule", schedule)))
@@ -273,11 +274,13 @@ def run(opts: argparse.Namespace) -> int:
         print("network-slope: error: delays must be >= 0 ms, the bandwidth > 0 and --reps >= 1", file=sys.stderr)
         return 2
     if os.geteuid() != 0:
-        print("network-slope: error: the runs use the local virtual cluster (--network), which needs root", file=sys.stderr)
+        print("network-slope: error: the runs use the local virtual cluster (--network), which needs root",
+              file=sys.stderr)
         return 2
     run_args = [a for a in opts.run_args if a != "--"]
     configs = [c for c in bench_configs(opts.pp, opts.dp, opts.n_slices) if c.key in opts.configs]
-    common = ["--model", opts.model, "--batch-size", str(opts.batch_size), "--micro-batch-size", str(opts.micro_batch_size),
+    common = ["--model", opts.model, "--batch-size", str(opts.batch_size), "--micro-batch-size",
+              str(opts.micro_batch_size),
               "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--timeout", str(opts.timeout), *run_args]
     plan = [(c, d) for c in configs for d in opts.delays]
     records: list[dict] = []

@@ -124,7 +124,9 @@ def calibrate(rows: list[dict]) -> dict:
             r[key] = (r[pred] - r["measured"]) / r["measured"]
         if r.get("measured_min"):
             r["error_raw_min"] = (r["predicted_raw"] - r["measured_min"]) / r["measured_min"]
-    med = lambda key: statistics.median(abs(r[key]) for r in ok) if ok else None
+    def med(key):
+        return statistics.median(abs(r[key]) for r in ok) if ok else None
+
     return dict(
         median_abs_error_raw=med("error_raw"), median_abs_error_loo=med("error_loo"),
         median_abs_error_loo_scale=med("error_loo_scale"),
@@ -169,7 +171,8 @@ def markdown(res: dict) -> str:
             sl = sl[:57] + "..."
         lines.append(f"| {r['name']} | {sl} | {_ms(r['predicted_pipeline'])} | {_ms(r['predicted_raw'])} | "
                      f"{_ms(r['measured'])} | {_ms(r.get('measured_min'))} | {_pct(r.get('error_raw'))} | "
-                     f"{_pct(r.get('error_loo'))} | {_pct(r.get('error_loo_scale'))} | {_pct(r.get('error_raw_min'))} |")
+                     f"{_pct(r.get('error_loo'))} | {_pct(r.get('error_loo_scale'))} | "
+                     f"{_pct(r.get('error_raw_min'))} |")
     lines += [
         "",
         f"Median absolute prediction error: raw {_abs(s['median_abs_error_raw'])}; with a per-step constant "

@@ -88,8 +88,9 @@ def parse_records(text: str, source: str = "records", warn: Callable[[str], None
             continue
         for name, value in _malformed_fields(rec):
             if warn:
-                warn(f"{source}:{n}: field {name} left out ({_shown(value)} is not "
-                     f"{'a finite number' if name in NUMBERS else 'a list of finite numbers' if name in NUMBER_LISTS else 'a table' if name in TABLES else 'text'})")
+                kind = ("a finite number" if name in NUMBERS else "a list of finite numbers" if name in NUMBER_LISTS
+                        else "a table" if name in TABLES else "text")
+                warn(f"{source}:{n}: field {name} left out ({_shown(value)} is not {kind})")
             del rec[name]
         _upgrade_precision(rec)
         if rec["status"] == "ok" and rec.get("median_step_time") is None and warn:

@@ -117,7 +117,8 @@ class SystemSpec:
         if config.system != self.name:
             raise ConfigError(f"config of system {config.system!r} given to {self.name!r}")
         if not isinstance(config.options, self.options):
-            raise ConfigError(f"system {self.name!r} takes {self.options.__name__}, got {type(config.options).__name__}")
+            raise ConfigError(f"system {self.name!r} takes {self.options.__name__}, "
+                              f"got {type(config.options).__name__}")
         check_common(config)
         for dim in DIMS:
             if getattr(config, dim) > 1 and dim not in self.dims:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from . import netem
 from .profiles import PROFILES, SEED_PROFILES, ProfileError, parse_profile
+from .signals import cli_status
 from .virtual_cluster import VirtualCluster, cleanup_stale
 
 
@@ -92,17 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (ProfileError, netem.NotRootError, FileNotFoundError) as e:
-        print(f"network_emulation: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        print(f"network_emulation: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return cli_status("network_emulation", lambda: args.func(args),
+                      (ProfileError, netem.NotRootError, FileNotFoundError))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def open_queues(queues: list[int]) -> socket.socket:
             _attr(NFQA_CFG_CMD, struct.pack("=BxH", NFQNL_CFG_CMD_BIND, 0)),
             _attr(NFQA_CFG_PARAMS, struct.pack(">IB", 0, NFQNL_COPY_META)),
             _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack(">I", QUEUE_MAXLEN)),
-            _attr(NFQA_CFG_FLAGS, struct.pack(">I", NFQA_CFG_F_GSO)) + _attr(NFQA_CFG_MASK, struct.pack(">I", NFQA_CFG_F_GSO)),
+            _attr(NFQA_CFG_FLAGS, struct.pack(">I", NFQA_CFG_F_GSO)) + _attr(NFQA_CFG_MASK,
+                                                                             struct.pack(">I", NFQA_CFG_F_GSO)),
         ):
             _config(sock, q, attrs, seq)
             seq += 1

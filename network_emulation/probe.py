@@ -8,10 +8,9 @@ Standard library only; the same file is the script run inside each host:
 Hosts that share one kernel (virtual hosts, virtual nodes: the same boot id) share one
 clock: there the one-way delay is measured directly (the kernel's receive timestamp of the
 datagram, SO_TIMESTAMPNS, minus the client's send time). Between real hosts, whose clocks
-differ, it is reported as RTT/2 (``one_way_method`` says which). Bandwidth is TCP goodput (payload bytes) over the second half
-of the transfer, i.e. after slow start; the whole-transfer mean is kept too.
-TCP buffers are left to autotuning (the cluster raises tcp_rmem/tcp_wmem to 64 MB);
-setting SO_RCVBUF would cap them at net.core.rmem_max.
+differ, it is reported as RTT/2 (``one_way_method`` says which). Bandwidth is TCP goodput (payload bytes) over the
+second half of the transfer, i.e. after slow start; the whole-transfer mean is kept too. TCP buffers are left to
+autotuning (the cluster raises tcp_rmem/tcp_wmem to 64 MB); setting SO_RCVBUF would cap them at net.core.rmem_max.
 """
 
 from __future__ import annotations
@@ -299,15 +298,9 @@ def measure_with(server: Wrap, client: Wrap, address: str, *, port: int = DEFAUL
             raise RuntimeError(f"probe client failed: {out.stderr.strip().splitlines()[-1:]}")
         return summarize(json.loads(out.stdout), line[1] if len(line) > 1 else None)
     finally:
-        if srv.stdin:
-            srv.stdin.close()
-        try:
-            srv.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
-        if srv.stdout:
-            srv.stdout.close()
+        from .signals import end_by_stdin  # here: this file also runs as a script on the hosts
+
+        end_by_stdin(srv, 5.0)
 
 
 def measure(server_prefix: Sequence[str], client_prefix: Sequence[str], address: str, *,

@@ -117,7 +117,8 @@ class MatrixProfile:
 
     def check_hosts(self, n_hosts: int) -> None:
         if n_hosts != self.n_hosts:
-            raise ProfileError(f"matrix profile {self.name!r} is {self.n_hosts}x{self.n_hosts}, cluster has {n_hosts} hosts")
+            raise ProfileError(f"matrix profile {self.name!r} is {self.n_hosts}x{self.n_hosts}, "
+                               f"cluster has {n_hosts} hosts")
 
     def contents(self) -> dict[str, list[list[float]]]:
         """The matrix as its file holds it: what a run that reads the file runs under."""

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .probe import boot_id
-from .signals import Terminated, signals_deferred, signals_raise
+from .signals import Terminated, end_by_stdin, signals_deferred, signals_raise
 
 TAG = "pipebench-shaping"  # iptables comment on every rule of ours
 DELAYER = Path(__file__).with_name("delayer.py")
@@ -237,17 +237,8 @@ class Agent:
 
     def stop_delayer(self) -> None:
         p, self.delayer = self.delayer, None
-        if p is None:
-            return
-        if p.stdin:
-            p.stdin.close()
-        try:
-            p.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        if p.stdout:
-            p.stdout.close()
+        if p is not None:
+            end_by_stdin(p, 3.0)
 
     def clear(self) -> list[str]:
         """Rules first (so no packet is queued to a delayer that is stopping), then the delayer, then

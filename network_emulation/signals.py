@@ -11,8 +11,10 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -111,3 +113,51 @@ def stop_process(proc: subprocess.Popen, first: int | None = signal.SIGTERM, gra
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode
+
+
+def processes_where(match: Callable[[list[bytes]], bool]) -> list[int]:
+    """The pids of this machine's processes whose argv (``/proc/PID/cmdline``, split at NULs) ``match``es."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if match(argv):
+            found.append(int(d.name))
+    return found
+
+
+def end_by_stdin(proc: subprocess.Popen, grace_s: float) -> int:
+    """Stop a child that ends when its stdin closes (a probe server, a delayer): close its stdin, wait up
+    to ``grace_s``, then SIGKILL (``stop_process``); its stdout is closed after. Returns its exit status."""
+    if proc.stdin:
+        proc.stdin.close()
+    status = stop_process(proc, None, grace_s)
+    if proc.stdout:
+        proc.stdout.close()
+    return status
+
+
+def cli_status(prog: str, run: Callable[[], int | None], refused: tuple[type[BaseException], ...], *,
+               failed: tuple[type[BaseException], ...] = (RuntimeError,), said: tuple[str, str] = ("", ""),
+               interrupted: str | None = None) -> int:
+    """A command line's exit status, the one way the suite's commands end: what ``run`` returns (None: 0);
+    for a ``refused`` error one line on stderr (``prog: <said[0]><error>``) and 2; for a ``failed`` one,
+    one line (``said[1]``) and 1; on Ctrl-C 130, on a signal ``signals_raise`` turned into ``Terminated``
+    its status (with ``interrupted``: a line '<interrupted>: interrupted')."""
+    try:
+        return run() or 0
+    except refused as e:
+        print(f"{prog}: {said[0]}{e}", file=sys.stderr)
+        return 2
+    except failed as e:
+        print(f"{prog}: {said[1]}{e}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Terminated) as e:
+        if interrupted:
+            print(f"{interrupted}: interrupted", file=sys.stderr)
+        return e.code if isinstance(e, Terminated) else 130
+

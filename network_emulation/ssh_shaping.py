@@ -77,7 +77,8 @@ def delays_for(profile: Profile, index: int, addresses: Sequence[str]) -> list[l
     return out
 
 
-def plan_for(profile: Profile, iface: str, index: int, addresses: Sequence[str], backend: str = "auto") -> dict[str, Any]:
+def plan_for(profile: Profile, iface: str, index: int, addresses: Sequence[str],
+             backend: str = "auto") -> dict[str, Any]:
     """What the agent on host ``index`` is asked to do (both backends' commands; it picks one)."""
     return {
         "iface": iface,

@@ -16,11 +16,11 @@ path), no slow start after idle (``tcp_slow_start_after_idle=0``, else every bur
 longer than the retransmission timeout starts again from 10 segments), no metrics kept between
 connections (``tcp_no_metrics_save=1``: Linux otherwise caches the slow-start threshold per
 destination, and after one connection saw a loss every later one to that host starts in congestion
-avoidance: the likely reason a probe once measured 0.049 of 1 Gbit/s at 10 ms four times in a row), and CUBIC, Linux's default
-congestion control, where the host's default is a pacing one (BBR paces a burst at the delivery rate
-it has measured, which for bursts of a few MB separated by idle time is far below the link's: on
-this machine kind, at 40 ms one-way and 10 Gbit/s, a 2 MB gloo message pre-posted a step ahead took
-83 ms with BBR, 42 ms with CUBIC and no slow start after idle). ``describe()`` records what was set.
+avoidance: the likely reason a probe once measured 0.049 of 1 Gbit/s at 10 ms four times in a row), and CUBIC, Linux's
+default congestion control, where the host's default is a pacing one (BBR paces a burst at the delivery rate it has
+measured, which for bursts of a few MB separated by idle time is far below the link's: on this machine kind, at 40 ms
+one-way and 10 Gbit/s, a 2 MB gloo message pre-posted a step ahead took 83 ms with BBR, 42 ms with CUBIC and no slow
+start after idle). ``describe()`` records what was set.
 
 Everything lives inside the cluster's namespaces, so deleting them removes links, bridge, qdiscs and
 iptables rules at once. A watchdog process (``watchdog.py``) deletes them when its pipe from the
@@ -246,7 +246,8 @@ class VirtualCluster(Guarded, LinkProbing):
             _run(["ip", "netns", "exec", h.namespace, "sysctl", "-q", "-w", *tcp, *no_v6])
             _run(["ip", "-n", h.namespace, "-batch", "-"],
                  input=f"link set lo up\naddr add {h.address}/24 dev {h.iface}\nlink set {h.iface} up\n"
-                       f"route replace {self.subnet}.0/24 dev {h.iface} proto kernel scope link src {h.address}{congctl}\n")
+                       f"route replace {self.subnet}.0/24 dev {h.iface} proto kernel scope link src "
+                       f"{h.address}{congctl}\n")
 
     def _choose_backend(self) -> str:
         if not self.profile.emulated:
@@ -343,7 +344,8 @@ class VirtualCluster(Guarded, LinkProbing):
             "profile": self.profile.describe(),
             "hosts": [{"namespace": h.namespace, "address": h.address, "iface": h.iface} for h in self.hosts],
             "links": links,
-            "delayer": {"queues": len(self.delayer_queues), "realtime": self.delayer_realtime} if self.delayer else None,
+            "delayer": {"queues": len(self.delayer_queues),
+                        "realtime": self.delayer_realtime} if self.delayer else None,
             "tcp": {"congestion_control": self.tcp_congestion or "host default", "slow_start_after_idle": 0,
                     "no_metrics_save": 1},
         }

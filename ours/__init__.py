@@ -66,7 +66,8 @@ class OursOptions(SystemOptions):
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
     wire_dtype: str = option("fp32", "the type activations, their gradients and the DP push and pull cross the "
                                      "network in; bf16 and fp16 halve the bytes and are lossy (opt-in, as "
-                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)", choices=tuple(WIRE_DTYPES))
+                                     "AQ-SGD / CocktailSGD compress what crosses a slow link)",
+                             choices=tuple(WIRE_DTYPES))
     trace: str | None = option(None, "write a Chrome trace of every rank's spans to this file", identity=False,
                                output_path=True, metavar="FILE")
 

@@ -64,20 +64,21 @@ def dp_links(pp: int, dp: int, tp: int = 1) -> list[Link]:
             for s in range(pp) for t in range(tp) for a in range(dp) for b in range(dp) if a != b]
 
 
-def buckets(params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.nn.Parameter]]:
-    out: list[list[torch.nn.Parameter]] = []
-    cur: list[torch.nn.Parameter] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if cur and size + nbytes > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(p)
+def bucket_starts(sizes: list[int], bucket_bytes: int = BUCKET_BYTES) -> list[int]:
+    """Where each bucket begins in a list of tensors of ``sizes`` bytes, in order: a bucket takes tensors
+    until the next would take it over ``bucket_bytes`` (a larger tensor is a bucket of its own)."""
+    starts, size = [], 0
+    for i, nbytes in enumerate(sizes):
+        if not starts or size + nbytes > bucket_bytes:
+            starts.append(i)
+            size = 0
         size += nbytes
-    if cur:
-        out.append(cur)
-    return out
+    return starts
+
+
+def buckets(params: list[torch.nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.nn.Parameter]]:
+    starts = bucket_starts([p.numel() * p.element_size() for p in params], bucket_bytes)
+    return [params[a:b] for a, b in zip(starts, starts[1:] + [len(params)])]
 
 
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -92,7 +93,8 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         off += n
 
 
-def _ordered(named: list[tuple[str, torch.nn.Parameter]], order: list[torch.nn.Parameter] | None) -> list[torch.nn.Parameter]:
+def _ordered(named: list[tuple[str, torch.nn.Parameter]],
+             order: list[torch.nn.Parameter] | None) -> list[torch.nn.Parameter]:
     """The parameters in the order their gradients become final (``order``), else in ``named``'s order."""
     params = [p for _, p in named]
     if order is None:
@@ -168,7 +170,7 @@ class _Bucket:
     ranges: tuple[tuple[int, int], ...]  # the [lo, hi) of the flat bucket each dp_rank reduces
 
 
-def _ranges(n: int, dp: int, layout: str) -> tuple[tuple[int, int], ...]:
+def bucket_ranges(n: int, dp: int, layout: str) -> tuple[tuple[int, int], ...]:
     """Which part of an n-element bucket each dp_rank reduces: ``central`` dp_rank 0 all of it,
     ``sharded`` 1/D each, ``replicated`` every rank all of it."""
     if layout == "central":
@@ -202,7 +204,7 @@ class PointToPointSync:
         self.tracer = tracer or Tracer(dp_rank, enabled=False)
         self.dp, self.layout, self.serve, self.wire_dtype = len(ranks), layout, serve, wire_dtype
         self.peers = [j for j in range(self.dp) if j != dp_rank]
-        self.buckets = [_Bucket(tuple(ps), n, _ranges(n, self.dp, layout))
+        self.buckets = [_Bucket(tuple(ps), n, bucket_ranges(n, self.dp, layout))
                         for ps in buckets(_ordered(named, order), bucket_bytes) for n in [sum(p.numel() for p in ps)]]
         self.readiness = _Readiness([list(b.params) for b in self.buckets])
         dev = named[0][1].device
@@ -375,10 +377,13 @@ def make_sync(mode: str, named, opt_cfg: OptimizerConfig, *, group, dp: int, dp_
         return LocalSync(named, opt_cfg)
     common = dict(group=group, links=links or {}, ranks=ranks, dp_rank=dp_rank, order=order, wire_dtype=wire_dtype,
                   tracer=tracer)
-    if mode == "allreduce":
-        return PointToPointSync(named, opt_cfg, layout="replicated" if dp == 2 else "sharded", serve=False, **common)
-    if mode == "central_ps":
-        return PointToPointSync(named, opt_cfg, layout="central", serve=True, **common)
-    if mode == "sharded_ps":
-        return PointToPointSync(named, opt_cfg, layout="sharded", serve=True, **common)
-    raise ValueError(f"unknown dp_mode {mode!r}")
+    return PointToPointSync(named, opt_cfg, layout=layout_of(mode, dp), serve=mode != "allreduce", **common)
+
+
+def layout_of(mode: str, dp: int) -> str:
+    """The bucket layout (``bucket_ranges``) of a DP mode: the parameter servers' ``central`` and
+    ``sharded``; all-reduce a direct exchange (``replicated``) at D = 2, else ``sharded``."""
+    layouts = {"central_ps": "central", "sharded_ps": "sharded", "allreduce": "replicated" if dp == 2 else "sharded"}
+    if mode not in layouts:
+        raise ValueError(f"unknown dp_mode {mode!r}")
+    return layouts[mode]

@@ -212,7 +212,8 @@ class StageEngine:
                                                          shard_start(self.V, tp, self.tp_rank), self.tp_group)
                 return losses.sum() / (self.batch_size * self.T)
             logits = self._lin("lm_head", h)
-            return F.cross_entropy(logits.reshape(-1, self.V).float(), tgt.reshape(-1), reduction="sum") / (self.batch_size * self.T)
+            return F.cross_entropy(logits.reshape(-1, self.V).float(), tgt.reshape(-1),
+                                   reduction="sum") / (self.batch_size * self.T)
 
     def _prepare_weights(self) -> None:
         """The weights the linears apply this step (detached: their gradients are computed by

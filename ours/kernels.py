@@ -62,7 +62,8 @@ class MaskCache:
         m = self._masks.get(key)
         if m is None:
             allowed = torch.ones(l, c + l, dtype=torch.bool, device=device).tril(c)
-            m = allowed if not additive else torch.zeros(l, c + l, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+            m = allowed if not additive else (torch.zeros(l, c + l, dtype=dtype, device=device)
+                                              .masked_fill(~allowed, float("-inf")))
             self._masks[key] = m
         return m
 

@@ -118,7 +118,8 @@ def gather_full(tensors: dict[str, torch.Tensor], tp: int, group: dist.ProcessGr
     return out
 
 
-def tp_groups(pp: int, tp: int, dp: int, rank: int, timeout: datetime.timedelta | None = None) -> dist.ProcessGroup | None:
+def tp_groups(pp: int, tp: int, dp: int, rank: int,
+              timeout: datetime.timedelta | None = None) -> dist.ProcessGroup | None:
     """The process group of this rank's stage (its T ranks) for the TP collectives; every rank creates
     every stage's group, in one order (``timeout``: each operation's). None with T = 1."""
     if tp == 1:

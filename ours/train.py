@@ -142,7 +142,8 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     if options.search and cfg.pp > 1 and cfg.model.seq_len > 1:  # one stage: one slice (nothing to fill)
         tuning = tune_slices(slices, make_engine, params, ctx, dp_rank)
         planned = f"K={len(slices)} by {slicing_source.split(' ')[0]}"
-        slices, slicing_source = uniform_slices(cfg.model.seq_len, tuning.k), f"{tuning.describe()}; started near {planned}"
+        slices = uniform_slices(cfg.model.seq_len, tuning.k)
+        slicing_source = f"{tuning.describe()}; started near {planned}"
     engine = make_engine(slices, tracer)
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
                      ranks=[rank_of(d, pp_rank, tp_rank, pp, tp) for d in range(dp)], links=links,

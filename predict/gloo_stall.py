@@ -65,7 +65,8 @@ def probe_stall(network: str = PROBE_NETWORK, sizes=SIZES, iters: int = 8, log=p
                 argv = [*h.command_prefix(), "env", *[f"{k}={v}" for k, v in env.items() if k in (
                     "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "GLOO_SOCKET_IFNAME", "PATH")],
                         sys.executable, "-m", "ours.plan.ping_pong", str(h.index), str(nbytes), str(iters)]
-                procs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                procs.append(subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                              text=True))
             try:
                 outs = [p.communicate(timeout=120) for p in procs]
             finally:

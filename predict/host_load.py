@@ -3,8 +3,8 @@
 This machine is shared: other processes compete for its cores. ``watch_run`` runs the run command and
 samples, every ``period`` seconds, how many threads on the host are runnable (``/proc/loadavg``) and not
 the run's own (its process tree's threads, this sampler's); rank 0's "step k/N" lines mark the measured
-steps, and the mean over them is the run's background load: B threads that keep competing for the cores. With c quiet cores, k computing
-ranks then get ``cores_with_background(c, B)[k - 1]`` cores' worth between them (processor sharing,
+steps, and the mean over them is the run's background load: B threads that keep competing for the cores. With c quiet
+cores, k computing ranks then get ``cores_with_background(c, B)[k - 1]`` cores' worth between them (processor sharing,
 less what the host loses switching where the k outnumber the cores).
 """
 from __future__ import annotations
@@ -67,9 +67,8 @@ def others_runnable(mine: set[int]) -> int:
     this sampler's process, whose sampling thread is runnable while it reads). May be negative: ``mine``
     are read a moment after the host's count, and a thread that blocks or wakes in between (Megatron's
     tensor-parallel all-reduces, many a step) counts one way or the other; the mean over a run
-    (``watch_run``) is clamped at 0, not each sample. (Until 2026-11-26 the sampler was subtracted a
-    second time and each sample clamped: a busy process beside the run read about 0.1, and a quiet host
-    under Megatron T-2 0.7-1.5.)"""
+    (``watch_run``) is clamped at 0, not each sample: clamping each sample reads a quiet host under
+    Megatron T-2 as 0.7-1.5 threads of background."""
     running = int((PROC / "loadavg").read_text().split()[3].split("/")[0])
     return running - _running_threads(mine)
 

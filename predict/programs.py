@@ -17,18 +17,17 @@
   previous step's backward, the DP sync's after the previous sync; the first step's before the first
   barrier); every unit's (batch slice x token slice) forward and backward in the order of
   ``ours.schedule`` (1F1B over batch slices, or GPipe); each receive waited like the engine waits
-  over gloo, running queued weight gradients until it arrives; the last stage computes the head and loss when a unit's backward starts; weight gradients deferred
-  (queued per linear), run while waiting for a gradient and at the end, linear after linear; sends
-  waited at the end. Data parallel (``ours.dp.PointToPointSync``), one round of point-to-point
-  messages in 4 MiB buckets of the stage's gradients in the order they become final: a bucket is
-  pushed as soon as its last gradient is (overlapping the remaining weight gradients), each range to
-  the dp_rank that reduces it; that rank waits for the D - 1 pushes and, as a server, steps its
-  range's optimizer and sends the result to every replica that does not reduce the whole bucket.
-  central PS: dp_rank 0 reduces every bucket; sharded PS: each rank 1/D of every bucket;
-  all-reduce: D = 2 a direct exchange of the buckets (each rank sums), D > 2 the sharded pattern
-  sending back averaged gradients (a reduce-scatter and an all-gather point to point), then every
-  rank's optimizer. ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours:
-  per 25 MB bucket, once final, a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
+  over gloo, running queued weight gradients until it arrives; the last stage computes the head and loss when a unit's
+  backward starts; weight gradients deferred (queued per linear), run while waiting for a gradient and at the end,
+  linear after linear; sends waited at the end. Data parallel (``ours.dp.PointToPointSync``), one round of
+  point-to-point messages in 4 MiB buckets of the stage's gradients in the order they become final: a bucket is pushed
+  as soon as its last gradient is (overlapping the remaining weight gradients), each range to the dp_rank that reduces
+  it; that rank waits for the D - 1 pushes and, as a server, steps its range's optimizer and sends the result to every
+  replica that does not reduce the whole bucket. central PS: dp_rank 0 reduces every bucket; sharded PS: each rank 1/D
+  of every bucket; all-reduce: D = 2 a direct exchange of the buckets (each rank sums), D > 2 the sharded pattern
+  sending back averaged gradients (a reduce-scatter and an all-gather point to point), then every rank's optimizer.
+  ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours: per 25 MB bucket, once final, a
+  chain reduce to dp_rank 0, its Adam step, a chain broadcast.
 
 Every step is framed like the run command times it (``contract.rank.StepBarrier``): a
 dissemination barrier (ceil(log2 n) rounds of a 1-element message to rank + 2^k, one one-way delay
@@ -43,10 +42,9 @@ from predict import collectives as coll
 from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
 from predict.run_spec import RunSpec
 from predict.placement import hosts_of
-from ours.dp import BUCKET_BYTES
+from ours.dp import BUCKET_BYTES, bucket_ranges, bucket_starts, layout_of
 from ours.schedule import unit_order
 from workload.compute import ComputeModel, Overheads, Scaled, stage_params
-
 
 
 @dataclass(frozen=True)
@@ -239,27 +237,28 @@ def torch_pipe(st: _Step, rank: int) -> list:
 def _gpipe(p: _Stage) -> list:
     """torch's ScheduleGPipe: each receive posted and waited right before its micro-batch; a phase's
     sends waited at its end."""
+    return (_gpipe_phase(p, p.fk, p.fwd, p.s - 1, None if p.first else p.prev, None if p.last else p.nxt)
+            + _gpipe_phase(p, p.bk, p.bwd, p.s + 1, None if p.last else p.nxt, None if p.first else p.prev))
+
+
+def _gpipe_phase(p: _Stage, key, run, src: int, recv_from: int | None, send_to: int | None) -> list:
+    """One direction of ScheduleGPipe over the micro-batches: receive from ``recv_from`` (None: the
+    pipeline's end) what stage ``src`` sent, ``run`` it, send it on to ``send_to``; sends waited last."""
     ops, sends = [], []
     for i in range(p.m):
-        if not p.first:
-            ops += [Recv(p.fk(i, p.s - 1), p.prev, p.nb), Wait((p.fk(i, p.s - 1),))]
-        ops += p.fwd(i)
-        if not p.last:
-            ops.append(Send(p.fk(i, p.s), p.nxt, p.nb))
-            sends.append(p.fk(i, p.s))
-    if sends:
-        ops.append(Wait(tuple(sends)))
-    sends = []
-    for i in range(p.m):
-        if not p.last:
-            ops += [Recv(p.bk(i, p.s + 1), p.nxt, p.nb), Wait((p.bk(i, p.s + 1),))]
-        ops += p.bwd(i)
-        if not p.first:
-            ops.append(Send(p.bk(i, p.s), p.prev, p.nb))
-            sends.append(p.bk(i, p.s))
-    if sends:
-        ops.append(Wait(tuple(sends)))
-    return ops
+        if recv_from is not None:
+            ops += [Recv(key(i, src), recv_from, p.nb), Wait((key(i, src),))]
+        ops += run(i)
+        if send_to is not None:
+            ops.append(Send(key(i, p.s), send_to, p.nb))
+            sends.append(key(i, p.s))
+    return ops + ([Wait(tuple(sends))] if sends else [])
+
+
+def _exchange(p: _Stage, sends: list, recvs: list, peer: int) -> list:
+    """Send ``sends`` to and receive ``recvs`` from one neighbour, then wait for all of them."""
+    ops = [Send(k, peer, p.nb) for k in sends] + [Recv(k, peer, p.nb) for k in recvs]
+    return ops + ([Wait(tuple(sends + recvs))] if sends or recvs else [])
 
 
 def _torch_1f1b(p: _Stage) -> list:
@@ -284,19 +283,13 @@ def _torch_1f1b(p: _Stage) -> list:
             send_work, fwd_sends = fwd_sends, []
         fi += 1
     while True:
-        recvs = [p.bk(bi, p.s + 1)] if not p.last else []
-        ops += [Send(k, p.nxt, p.nb) for k in fwd_sends] + [Recv(k, p.nxt, p.nb) for k in recvs]
-        if fwd_sends or recvs:
-            ops.append(Wait(tuple(fwd_sends + recvs)))
+        ops += _exchange(p, fwd_sends, [p.bk(bi, p.s + 1)] if not p.last else [], p.nxt)
         ops += p.bwd(bi)
         bwd_sends = [p.bk(bi, p.s)] if not p.first else []
         bi += 1
         if fi == p.m:
             break
-        recvs = [p.fk(fi, p.s - 1)] if not p.first else []
-        ops += [Send(k, p.prev, p.nb) for k in bwd_sends] + [Recv(k, p.prev, p.nb) for k in recvs]
-        if bwd_sends or recvs:
-            ops.append(Wait(tuple(bwd_sends + recvs)))
+        ops += _exchange(p, bwd_sends, [p.fk(fi, p.s - 1)] if not p.first else [], p.prev)
         ops += p.fwd(fi)
         fwd_sends = [p.fk(fi, p.s)] if not p.last else []
         fi += 1
@@ -399,8 +392,12 @@ def megatron(st: _Step, rank: int) -> list:
         mb, seq = spec.micro_batch_size, st.seq
         nb = st.act_bytes(mb, seq)
         prev, nxt = rank - 1, rank + 1
-        fk = lambda i, src: _key(st.step, "f", d, src, i)
-        bk = lambda i, src: _key(st.step, "b", d, src, i)
+        def fk(i, src):
+            return _key(st.step, "f", d, src, i)
+
+        def bk(i, src):
+            return _key(st.step, "b", d, src, i)
+
         ops = [Compute(st.o.step, "overhead")]
 
         def pair(sends, recvs):  # megatron's _communicate: post all, wait all
@@ -459,27 +456,10 @@ def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
 
 
 def _buckets(order: list[tuple[int, int]], bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
-    """ours.dp.buckets over the gradient order, fp32: (elements, the linear that completes the bucket)."""
-    out, n, ready, size = [], 0, -1, 0
-    for numel, at in order:
-        if n and size + numel * 4 > bucket_bytes:
-            out.append((n, ready))
-            n, ready, size = 0, -1, 0
-        n, ready, size = n + numel, max(ready, at), size + numel * 4
-    return out + ([(n, ready)] if n else [])
-
-
-def _ranges(n: int, dp: int, layout: str) -> list[tuple[int, int]]:
-    """ours.dp._ranges: the [lo, hi) of an n-element bucket each dp_rank reduces."""
-    if layout == "central":
-        return [(0, n)] + [(n, n)] * (dp - 1)
-    if layout == "sharded":
-        c = -(-n // dp)
-        return [(min(j * c, n), min((j + 1) * c, n)) for j in range(dp)]
-    return [(0, n)] * dp
-
-
-_LAYOUT = {"central_ps": "central", "sharded_ps": "sharded"}  # allreduce: replicated at D = 2, else sharded
+    """ours.dp's buckets over the gradient order, fp32: (elements, the linear that completes the bucket)."""
+    starts = bucket_starts([numel * 4 for numel, _ in order], bucket_bytes)
+    parts = [order[a:b] for a, b in zip(starts, starts[1:] + [len(order)])]
+    return [(sum(n for n, _ in part), max(at for _, at in part)) for part in parts]
 
 
 @dataclass(frozen=True)
@@ -497,9 +477,8 @@ class _Sync:
         spec = st.spec
         d, s = divmod(rank, spec.pp)
         D = spec.dp
-        layout = _LAYOUT.get(spec.dp_mode, "replicated" if D == 2 else "sharded")
         order = _grad_order(st, s == 0, s == spec.pp - 1)
-        buckets = tuple((n, at, tuple(_ranges(n, D, layout))) for n, at in _buckets(order))
+        buckets = tuple((n, at, bucket_ranges(n, D, layout_of(spec.dp_mode, D))) for n, at in _buckets(order))
         return _Sync(st, d, s, buckets, spec.dp_mode != "allreduce")
 
     def rank(self, j: int) -> int:

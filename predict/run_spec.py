@@ -75,7 +75,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"a cluster needs nodes >= 1 and gpus_per_node >= 1, got {self.nodes} x {self.gpus_per_node}")
+            raise ValueError(f"a cluster needs nodes >= 1 and gpus_per_node >= 1, got {self.nodes} x "
+                             f"{self.gpus_per_node}")
         if self.nodes > 1 and self.inter is None and self.matrix is None:
             raise ValueError("a cluster of several nodes needs the link between them (inter or matrix)")
         if self.matrix is not None and len(self.matrix) != self.nodes:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from predict.run_spec import Cluster, Link, RunSpec
-from workload.compute import DeviceError, GpuCompute, Device, find_device, default_attention
+from workload.compute import Device, DeviceError, GpuCompute, default_attention, find_device, read_data
 from workload.configs import ModelConfig
 from workload.memory import GB, Memory, rank_memory
 
@@ -269,15 +269,7 @@ def parse(data: dict, name: str = "scenario", base: Path = Path(".")) -> Scenari
 
 def load(path: str | Path) -> Scenario:
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ScenarioError(f"no such scenario file: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScenarioError(f"cannot read {path} ({exc.__class__.__name__})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ScenarioError(f"{path} is not valid TOML ({exc})") from None
-    return parse(data, path.stem, path.parent)
+    return parse(read_data(path, "scenario file", ScenarioError, tomllib.loads), path.stem, path.parent)
 
 
 def compute_of(sc: Scenario) -> GpuCompute:

@@ -46,7 +46,9 @@ def check_evaluation(path: str | Path, cal: Calibration | None = None, directory
                          formula=r["predicted_raw"], simulated=sim,
                          error_formula=(r["predicted_raw"] - r["measured"]) / r["measured"],
                          error_simulated=(sim - r["measured"]) / r["measured"]))
-    med = lambda k: statistics.median(abs(x[k]) for x in rows) if rows else None
+    def med(k):
+        return statistics.median(abs(x[k]) for x in rows) if rows else None
+
     return dict(evaluation=str(path), rows=rows, median_abs_error_formula=med("error_formula"),
                 median_abs_error_simulated=med("error_simulated"))
 
@@ -56,7 +58,8 @@ def markdown(res: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         lines.append(f"| {r['name']} | {r['slices']} | {r['measured'] * 1e3:.0f} | {r['formula'] * 1e3:.0f} | "
-                     f"{r['error_formula'] * 100:+.1f} % | {r['simulated'] * 1e3:.0f} | {r['error_simulated'] * 100:+.1f} % |")
+                     f"{r['error_formula'] * 100:+.1f} % | {r['simulated'] * 1e3:.0f} | "
+                     f"{r['error_simulated'] * 100:+.1f} % |")
     lines += ["", f"Median absolute error: formula {res['median_abs_error_formula'] * 100:.1f} %, simulator "
               f"{res['median_abs_error_simulated'] * 100:.1f} % (raw: nothing fitted to these measurements)."]
     return "\n".join(lines) + "\n"

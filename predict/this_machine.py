@@ -27,7 +27,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from contract import ConfigError, RunConfig
@@ -39,6 +39,7 @@ from predict.step_time import predict
 from predict.run_spec import Link, Prediction
 from contract.registry import read_options
 from workload.configs import ModelConfig, get_model_config
+from workload.flops import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATIONS = Path(__file__).resolve().parent / "calibration"  # what the simulator reads: calibrations, validation
@@ -53,16 +54,7 @@ MODELLED_MEDIAN, MODELLED_MAX = 0.10, 0.20  # a case is modelled where its valid
 
 def host_name() -> str:
     """This host as a calibration names it: its host name, CPU model and cores."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
-               platform.machine())
-    return f"{platform.node()}, {cpu}, {os.cpu_count()} cores"
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
+    return f"{platform.node()}, {cpu_name()}, {os.cpu_count()} cores"
 
 
 def code_version(root: Path = REPO) -> str:
@@ -107,7 +99,8 @@ def speed_moved(cal: "Calibration", now: float | None = None) -> str | None:
     now = speed_probe() if now is None else now
     if abs(now / then - 1) > SPEED_BOUND:
         return (f"this host runs at {now / then:.2f}x the speed of its calibration {cal.name} (speed probe "
-                f"{now * 1e3:.1f} against {then * 1e3:.1f} GFLOP/s; bound ±{SPEED_BOUND:.0%}): python -m predict calibrate")
+                f"{now * 1e3:.1f} against {then * 1e3:.1f} GFLOP/s; bound ±{SPEED_BOUND:.0%}): "
+                "python -m predict calibrate")
     return None
 
 
@@ -138,7 +131,8 @@ class LocalRun:
 
     def argv(self, out: Path, steps: int, warmup: int) -> list[str]:
         a = [sys.executable, "-m", "runners.run", "--system", self.system, "--model", self.model,
-             "--seq-length", str(self.seq), "--pp", str(self.pp), "--tp", str(self.tp), "--dp", str(self.dp), "--batch-size",
+             "--seq-length", str(self.seq), "--pp", str(self.pp), "--tp", str(self.tp), "--dp", str(self.dp),
+             "--batch-size",
              str(self.batch), "--micro-batch-size", str(self.micro), "--steps", str(steps), "--warmup", str(warmup),
              "--network", self.network, "--out", str(out), "--timeout", "600"]
         if self.system == "ours":
@@ -387,8 +381,8 @@ def calibrate_here(runs=CALIBRATION_RUNS, steps: int = 6, warmup: int = 1, direc
 # per-step cost with it: Megatron has no pipeline run here). Both pipelines' math runs at a factor of
 # the profile's: torch_pipe's plain blocks, and ours' slices with their key/value context, each
 # fitted with their overheads, the cpu-small runs giving the factor its leverage over the tiny ones
-# (ours' was fixed at 1 until 2026-11-27: its cpu-small runs at 256 and 1024 tokens then ran 15-30 %
-# slower than predicted). The four-rank runs come last (``fit_calibration``: ``crowded``).
+# (ours' fixed at 1 predicts its cpu-small runs at 256 and 1024 tokens 15-30 % fast). The four-rank
+# runs come last (``fit_calibration``: ``crowded``).
 FIT_STAGES = (("torch_pipe", ("step", "unit", "compute"), lambda r: r.dp == 1 and r.tp == 1),
               ("ours", ("step", "unit_layer", "compute"), lambda r: r.dp == 1 and r.tp == 1),
               ("ours", ("tp",), lambda r: r.tp > 1),
@@ -443,7 +437,8 @@ def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibrati
         report += rep
         log(f"calibration: {len(rep)} runs of more ranks than cores keep {crowded:.2f} of the cores' worth")
     for row in report:
-        log(f"  fitted {row['system']} {row['model']} T-{row['tp']} P-{row['pp']} D-{row['dp']} B={row['batch']} K={row['slices']}: "
+        log(f"  fitted {row['system']} {row['model']} T-{row['tp']} P-{row['pp']} D-{row['dp']} B={row['batch']} "
+            f"K={row['slices']}: "
             f"measured {row['measured']:.4f} s, simulated {row['fitted']:.4f} s ({row['error'] * 100:+.1f} %; "
             f"{row['cores'][1]:.2f} cores for two)")
     for k, v in overhead.items():
@@ -510,7 +505,8 @@ def record_prediction(cfg: RunConfig, probed: dict | None = None, cal: Calibrati
 def case_of(record: dict) -> str:
     """The case a record's prediction is validated as: its system as the report labels it, its layout
     and its sequence length (e.g. 'ours allreduce P-2 D-2 s256'); its batch and network vary within."""
-    return f"{record.get('label') or record['system']} {layout_words(record.get('layout') or {})} s{record.get('seq_len')}"
+    system = record.get("label") or record["system"]
+    return f"{system} {layout_words(record.get('layout') or {})} s{record.get('seq_len')}"
 
 
 def config_as_run(record: dict) -> RunConfig:
@@ -616,10 +612,10 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
     version's calibration, against
     its measured median over repetitions (records of one run, its identity key, combined by
     ``contract.estimate``), the prediction the median of each repetition's (as it ran: ours' ``auto``
-    with the slices that launch kept, over the link its probe measured); the errors grouped by case (``case_of``), each case modelled where its
-    median absolute error is <= ``MODELLED_MEDIAN`` and every error within ``MODELLED_MAX``. Written to
-    ``out``/``name``.json (default ``directory``: its ``validation.json`` is what ``predict_records``
-    reads) and .md. FileNotFoundError without a calibration."""
+    with the slices that launch kept, over the link its probe measured); the errors grouped by case (``case_of``), each
+    case modelled where its median absolute error is <= ``MODELLED_MEDIAN`` and every error within ``MODELLED_MAX``.
+    Written to ``out``/``name``.json (default ``directory``: its ``validation.json`` is what ``predict_records`` reads)
+    and .md. FileNotFoundError without a calibration."""
     from contract.estimate import estimate
 
     cal = load_calibration(directory, strict=True)
@@ -646,7 +642,8 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
         measured = estimate([r["median_step_time"] for r in recs])
         try:  # each repetition as it ran (ours' auto may keep another K in each launch, its probe another link)
             predicted = statistics.median(
-                predict_here(config_as_run(r), (r["environment"].get("network") or {}).get("measured_link"), cal).step_time
+                predict_here(config_as_run(r), (r["environment"].get("network") or {}).get("measured_link"),
+                             cal).step_time
                 for r in recs)
         except (FileNotFoundError, NotModelled, ConfigError, KeyError, TypeError, ValueError) as exc:
             rows.append(dict(case=case_of(rec), network=(rec.get("network_setting") or {}).get("label", rec["network"]),
@@ -685,22 +682,27 @@ def validation_table(result: dict, cal: Calibration) -> str:
     pct = lambda x: "-" if x is None else f"{x * 100:+.1f} %"  # noqa: E731
     lines = [f"Validation of {cal.name} on {', '.join(result['records'])}: every ok CPU run, the measured step "
              f"time the median over its repetitions (± the larger side of their min-max or bootstrap interval), the "
-             f"predicted one the median of each repetition's prediction as it ran (ours' auto: the K that launch kept).", "",
-             "| case | network | batch | measured (s) | runs | predicted (s) | error |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "predicted one the median of each repetition's prediction as it ran (ours' auto: the K that launch "
+             "kept).", "",
+             "| case | network | batch | measured (s) | runs | predicted (s) | error |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(result["rows"], key=lambda r: (r["case"], r["network"], r["batch"])):
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.4f}"
-        lines.append(f"| {r['case']} | {r['network']} | {r['batch']} | {r['measured']:.4f} ±{r['spread'] * 100:.0f} % | "
+        lines.append(f"| {r['case']} | {r['network']} | {r['batch']} | "
+                     f"{r['measured']:.4f} ±{r['spread'] * 100:.0f} % | "
                      f"{r['runs']} | {pred} | {pct(r['error']) if r['error'] is not None else r.get('why', '-')} |")
     b = result["bounds"]
     lines += ["", f"A case is modelled (the report shows its predictions) where its median absolute error is <= "
               f"{b['median'] * 100:.0f} % and every error within {b['max'] * 100:.0f} %; elsewhere the report says "
-              "\"not modelled\".", "", "| case | runs | median error | largest error | modelled |", "| --- | --- | --- | --- | --- |"]
+              "\"not modelled\".", "", "| case | runs | median error | largest error | modelled |",
+              "| --- | --- | --- | --- | --- |"]
     for case, c in sorted(result["cases"].items()):
         lines.append(f"| {case} | {len(c['errors'])} | {pct(c['median']).lstrip('+')} | {pct(c['max']).lstrip('+')} | "
                      f"{'yes' if c['modelled'] else 'no'} |")
     errs = [abs(r["error"]) for r in result["rows"] if r["error"] is not None]
     if errs:
-        shown = [abs(r["error"]) for r in result["rows"] if r["error"] is not None and result["cases"][r["case"]]["modelled"]]
+        shown = [abs(r["error"]) for r in result["rows"]
+                 if r["error"] is not None and result["cases"][r["case"]]["modelled"]]
         lines += ["", f"All runs: median absolute error {statistics.median(errs) * 100:.1f} %, largest "
                   f"{max(errs) * 100:.1f} % ({len(errs)} runs). Runs of modelled cases (what the report shows): "
                   + (f"median {statistics.median(shown) * 100:.1f} %, largest {max(shown) * 100:.1f} % "

@@ -85,7 +85,8 @@ class RunRecord:
     config: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # the run's identity (RunConfig.key): a sweep skips it when recorded, a report cell keeps the newest
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    timestamp: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    timestamp: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     def to_json(self) -> str:
         """One line of strict JSON (a NaN or infinity, e.g. of a failed verification, becomes null)."""

@@ -160,7 +160,8 @@ def _add_system_options(p: argparse.ArgumentParser, specs: dict[str, SystemSpec]
 def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.ArgumentParser:
     """The run command's parser: RunConfig's flags, --out, the placement's, every system's options."""
     specs = systems() if specs is None else specs
-    p = Parser(prog="python -m runners.run", description="Train one system on the shared GPT workload and record one run.")
+    p = Parser(prog="python -m runners.run",
+               description="Train one system on the shared GPT workload and record one run.")
     _add_fields(p, RunConfig, choices={"system": list(specs)})
     run = next(g for g in p._action_groups if g.title == "run")
     run.add_argument("--out", default="results/runs.jsonl", help="the JSON-lines file the run record is appended to")
@@ -172,7 +173,8 @@ def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.Argumen
 def _from_args(cls, args: argparse.Namespace, **given):
     """An instance of a flag dataclass (the optimizer, the placement) from the parsed flags given;
     its own defaults for the rest."""
-    values = {f.name: getattr(args, _dest(f)) for f, _ in _flag_fields(cls) if getattr(args, _dest(f), None) is not None}
+    values = {f.name: getattr(args, _dest(f)) for f, _ in _flag_fields(cls)
+              if getattr(args, _dest(f), None) is not None}
     return cls(**{**values, **given})
 
 
@@ -191,7 +193,8 @@ def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
         owners = option_owners(systems())[foreign[0]]
         raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {' and '.join(owners)}, "
                           f"not of {spec.name}")
-    common = {f.name: getattr(args, f.name) for f, hint in _flag_fields(RunConfig) if not dataclasses.is_dataclass(hint)}
+    common = {f.name: getattr(args, f.name) for f, hint in _flag_fields(RunConfig)
+              if not dataclasses.is_dataclass(hint)}
     nested = {f.name: _from_args(hint, args) for f, hint in _flag_fields(RunConfig)
               if dataclasses.is_dataclass(hint) and f.name != "model"}
     return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given),
@@ -334,7 +337,8 @@ def check_fits_here(cfg: RunConfig, spec: SystemSpec, nnodes: int = 1) -> None:
         raise ConfigError(f"--pp {cfg.pp} --tp {cfg.tp} --dp {cfg.dp} starts {local} ranks on this machine, which "
                           f"need at least {need / 2**30:.0f} GiB ({RANK_PROCESS_BYTES / 2**30:.1f} GiB a process"
                           + (f", {model * WEIGHT_AND_GRAD_BYTES / 2**30:.0f} GiB of fp32 weights and gradients"
-                             if model else "") + f"); it has {have / 2**30:.0f} GiB: run it across nodes with --nnodes N")
+                             if model else "")
+            + f"); it has {have / 2**30:.0f} GiB: run it across nodes with --nnodes N")
 
 
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:

@@ -4,8 +4,8 @@ Parse and judge the request (a bad one: one line on stderr, exit status 2, nothi
 the ranks through torchrun, optionally verify against the single-process reference, and append one
 RunRecord to --out (held for this run alone while it runs: a second run command or a sweep writing to
 it at the same time is refused). Exit status: 0 ok, 1 a failed run or a failed verification, 2 a bad
-request (or --out held by another writer), 130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no record is written, so a
-resumed sweep runs it again).
+request (or --out held by another writer), 130 / 143 interrupted by SIGINT / SIGTERM (the ranks are stopped and no
+record is written, so a resumed sweep runs it again).
 """
 from __future__ import annotations
 

@@ -77,8 +77,8 @@ def peak_memory(devices: tuple[torch.device, ...]) -> dict:
 def hardware_peak(devices: tuple[torch.device, ...], cfg: RunConfig) -> tuple[float, str, str]:
     """(peak TFLOP/s of one device, where it came from, device name): a GPU's from the table of
     datasheet peaks (workload.flops) where it lists the model, else measured by a matmul on each of
-    the process's GPUs (the mean); on CPU the model's own GEMMs measured on one thread. A measurement's memory is given back and the peak
-    memory statistics start afresh."""
+    the process's GPUs (the mean); on CPU the model's own GEMMs measured on one thread. A measurement's memory is given
+    back and the peak memory statistics start afresh."""
     device = devices[0]
     precision = cfg.precision  # the dtype the run's matmuls compute in
     dtype = compute_dtype(precision)

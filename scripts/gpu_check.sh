@@ -6,10 +6,4 @@
 # It runs with the torch, fairscale and megatron-core it finds: .venv/bin/python (scripts/setup_env.sh; on a
 # machine with a torch of its own, setup_env.sh --use-system-torch [--wheels DIR]), else $PYTHON or python3.
 # The checks over virtual nodes (shared, shaped, figures) need root and sshd. See tools/gpu_check.py.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-exec "$PY" -m tools.gpu_check "$@"
+exec bash "$(dirname "$0")/tool.sh" gpu_check "$@"

@@ -5,10 +5,4 @@
 # gpu-profile-<gpu>.md), in at most 8 minutes. Without a GPU it says so in one line and exits 0.
 #   bash scripts/gpu_profile.sh [--budget-s 480] [--only gemm|attention|layer|systems]... [--out-dir DIR]
 #                               [--device-file NAME] [--no-write-device]
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-exec "$PY" -m tools.gpu_profile "$@"
+exec bash "$(dirname "$0")/tool.sh" gpu_profile "$@"

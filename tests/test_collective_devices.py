@@ -1,9 +1,9 @@
 """Collectives (and point-to-point operations) take tensors on the run's device: NCCL refuses a CPU
-tensor ("No backend type associated with device type cpu"). On CPU over gloo every tensor is on the run's device, so neither the runs nor
-``--p2p-semantics nccl`` can see a tensor made without one: ``ours``' ``--n-slices auto`` all-reduced
-a CPU float on the first GPU it met (gpu_check, H100, 2026-11-26). This reads the sources instead: a
-collective whose tensor is made by a torch factory without ``device=`` (in the call, or in the
-assignment to the name it is given) fails here, on a laptop."""
+tensor ("No backend type associated with device type cpu"). On CPU over gloo every tensor is on the run's device, so
+neither the runs nor ``--p2p-semantics nccl`` can see a tensor made without one: ``ours``' ``--n-slices auto``
+all-reduced a CPU float on the first GPU it met (tools.gpu_check on an H100). This reads the sources instead: a
+collective whose tensor is made by a torch factory without ``device=`` (in the call, or in the assignment to the name it
+is given) fails here, on a laptop."""
 from __future__ import annotations
 
 import ast
@@ -51,7 +51,8 @@ def offenders(source: str, name: str) -> list[str]:
 
 def test_the_lint_sees_a_host_tensor():
     bad = "def f():\n    took = torch.tensor([1.0], dtype=torch.float64)\n    dist.all_reduce(took)\n"
-    good = "def f(d):\n    took = torch.tensor([1.0], device=d)\n    dist.all_reduce(took)\n    dist.all_reduce(torch.zeros_like(took))\n"
+    good = ("def f(d):\n    took = torch.tensor([1.0], device=d)\n    dist.all_reduce(took)\n"
+            "    dist.all_reduce(torch.zeros_like(took))\n")
     assert offenders(bad, "x.py") == ["x.py:3 dist.all_reduce(took)"]
     assert offenders(good, "x.py") == []
 

@@ -58,7 +58,8 @@ def test_the_supported_torch_range():
 def test_what_system_torch_still_needs():
     pins = requirements(REPO / "pyproject.toml")
     assert "torch==2.13.0" in pins and any(p.startswith("pytest==") for p in pins)
-    assert missing(["torch==2.0.0", "pytest==1.0", "no-such-package-pipebench==1.0"]) == ["no-such-package-pipebench==1.0"]
+    assert missing(["torch==2.0.0", "pytest==1.0",
+                    "no-such-package-pipebench==1.0"]) == ["no-such-package-pipebench==1.0"]
 
 
 def test_setup_env_judges_its_arguments_first():

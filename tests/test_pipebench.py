@@ -36,4 +36,5 @@ def test_a_subcommand_is_its_module_with_the_rest_of_the_arguments(capsys, tmp_p
 def test_no_or_an_unknown_subcommand_is_one_line_and_exit_2(capsys):
     assert pipebench.main([]) == 2 and capsys.readouterr().err.startswith("usage: pipebench")
     assert pipebench.main(["train"]) == 2
-    assert capsys.readouterr().err == "pipebench: error: unknown command 'train' (choose from run, sweep, report, predict, plan)\n"
+    assert capsys.readouterr().err == ("pipebench: error: unknown command 'train' "
+                                       "(choose from run, sweep, report, predict, plan)\n")

@@ -19,10 +19,12 @@ def _rec(system="megatron", tp=1, pp=1, dp=1, mb=1, status="ok", t=1.0, network=
     n = pp * tp * dp
     ranks = None
     if status == "ok":
-        ranks = [{"rank": r, "step_times": [t] * 3, "losses": [1.0] * 3 if r == n - 1 else None, "dp_sync_times": [0.0] * 3,
+        ranks = [{"rank": r, "step_times": [t] * 3, "losses": [1.0] * 3 if r == n - 1 else None,
+                  "dp_sync_times": [0.0] * 3,
                   "gpu_memory": [{"device": "cuda:0", "allocated_bytes": 1 << 30, "reserved_bytes": 1 << 30}],
                   "cpu_rss_bytes": 1 << 28, "extra": {}, "hostname": "h", "device": "cuda:0",
-                  "device_name": "Tesla V100-SXM2-16GB", "backend": "nccl", "peak_tflops": 15.7, "peak_source": "table:fp32"}
+                  "device_name": "Tesla V100-SXM2-16GB", "backend": "nccl", "peak_tflops": 15.7,
+                  "peak_source": "table:fp32"}
                  for r in range(n)]
     return build_record(cfg, spec, status, None if status == "ok" else "CUDA out of memory", ranks,
                         {"torch_version": "2.13", "device_kind": "cuda", "device_name": "Tesla V100-SXM2-16GB",
@@ -64,11 +66,13 @@ def test_cli_reads_a_directory_and_writes_the_report(tmp_path):
     append_record(tmp_path / "a.jsonl", _rec(pp=8, t=19.71))
     append_record(tmp_path / "b.jsonl", _rec(pp=8, mb=2, status="timeout"))
     out = tmp_path / "report.md"
-    proc = subprocess.run([sys.executable, "report.py", str(tmp_path), "--out", str(out)], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "report.py", str(tmp_path), "--out", str(out)], cwd=REPO,
+                          capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
     assert "19.71 s" in out.read_text() and "Fail (timeout)" in out.read_text()
-    bad = subprocess.run([sys.executable, "report.py", str(tmp_path / "missing")], cwd=REPO, capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "report.py", str(tmp_path / "missing")], cwd=REPO, capture_output=True,
+                         text=True)
     assert bad.returncode == 2
 
 
@@ -113,7 +117,8 @@ def test_a_record_from_before_an_option_shows_the_value_it_ran_with():
 
 
 def test_the_report_answers_first_and_has_no_single_cell_table():
-    recs = [r for net, t1 in (("default", 10.0), ("d10-1g", 14.0)) for r in _reps(system="ours", pp=12, network=net, t=t1)]
+    recs = [r for net, t1 in (("default", 10.0), ("d10-1g", 14.0))
+            for r in _reps(system="ours", pp=12, network=net, t=t1)]
     recs += [r for net, t1 in (("default", 15.16), ("d10-1g", 22.9))
              for r in _reps(system="torch_pipe", pp=12, network=net, t=t1)]
     recs += [_rec(pp=8, t=19.71).__dict__]  # alone in its table: only in the table of every run
@@ -129,14 +134,17 @@ def test_the_report_answers_first_and_has_no_single_cell_table():
 
 
 def test_the_summary_races_runs_of_the_same_device_count():
-    recs = (_reps(system="ours", pp=2, network="d10-1g", t=0.6) + _reps(system="torch_pipe", pp=2, network="d10-1g", t=0.8)
+    recs = (_reps(system="ours", pp=2, network="d10-1g", t=0.6)
+            + _reps(system="torch_pipe", pp=2, network="d10-1g", t=0.8)
             + _reps(system="ours", pp=2, dp=2, network="d10-1g", t=1.5)
             + _reps(system="torch_pipe", pp=2, dp=2, network="d10-1g", t=3.0))
     summary = render(recs).split("## Summary")[1].split("\n## ")[0]
     two = next(l for l in summary.splitlines() if "2 devices" in l)
     four = next(l for l in summary.splitlines() if "4 devices" in l)
-    assert "fastest `ours P-2`" in two and "**1.33x** (1.28-1.39x) faster than the best baseline `torch_pipe gpipe P-2`" in two
-    assert "P-2 D-2` 1.50 s ±2 % **2.00x** (1.92-2.08x) faster than the best baseline `torch_pipe gpipe P-2 D-2`" in four
+    assert "fastest `ours P-2`" in two
+    assert "**1.33x** (1.28-1.39x) faster than the best baseline `torch_pipe gpipe P-2`" in two
+    assert "P-2 D-2` 1.50 s ±2 % **2.00x** (1.92-2.08x) faster than the best baseline `torch_pipe gpipe P-2 D-2`" \
+        in four
 
 
 def test_repetitions_combine_into_a_median_and_an_interval():

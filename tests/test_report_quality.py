@@ -92,7 +92,8 @@ def test_runs_without_evals_or_target_are_left_out():
 
 
 def test_a_winner_is_claimed_only_where_the_intervals_separate():
-    recs = [_rec("ours", "d10-1g", seed, [5.6, 4.0, 3.4], 1.0 + 0.6 * seed, 10, dp_mode="sharded_ps") for seed in (0, 1)]
+    recs = [_rec("ours", "d10-1g", seed, [5.6, 4.0, 3.4], 1.0 + 0.6 * seed, 10, dp_mode="sharded_ps")
+            for seed in (0, 1)]
     recs += [_rec("diloco", "d10-1g", seed, [5.6, 4.0, 3.4], 1.2 + 0.6 * seed, 10, inner_steps=4) for seed in (0, 1)]
     (win,) = [line for line in quality_section(recs).splitlines() if line.startswith("- delay 10ms")]
     assert "faster" not in win and "no difference beyond noise" in win, win

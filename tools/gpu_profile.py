@@ -100,21 +100,27 @@ def gemm_shapes(h: int, l: int) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def grid(deadline: float):
+    """(precision, its torch dtype, model, hidden, heads) of every width in every precision, while there is
+    time before ``deadline``."""
+    for precision in PRECISIONS:
+        for model, (h, heads) in WIDTHS.items():
+            if time.monotonic() > deadline:
+                return
+            yield precision, _dtype(precision), model, h, heads
+
+
 def measure_gemms(deadline: float) -> list[dict]:
     import torch
 
     rows = []
-    for precision in PRECISIONS:
-        dt = _dtype(precision)
-        for model, (h, _) in WIDTHS.items():
-            for l in LENGTHS:
-                for name, m, n, k in gemm_shapes(h, l):
-                    if time.monotonic() > deadline:
-                        return rows
-                    a = torch.randn(m, k, device="cuda", dtype=dt)
-                    b = torch.randn(k, n, device="cuda", dtype=dt)
-                    t = cuda_time(lambda: a @ b)
-                    rows.append(dict(precision=precision, model=model, l=l, op=name, m=m, n=n, k=k, seconds=t))
+    for precision, dt, model, h, _ in grid(deadline):
+        for l in LENGTHS:
+            for name, m, n, k in gemm_shapes(h, l):
+                a = torch.randn(m, k, device="cuda", dtype=dt)
+                b = torch.randn(k, n, device="cuda", dtype=dt)
+                t = cuda_time(lambda: a @ b)
+                rows.append(dict(precision=precision, model=model, l=l, op=name, m=m, n=n, k=k, seconds=t))
     return rows
 
 
@@ -123,19 +129,13 @@ def measure_attention(deadline: float) -> list[dict]:
     import torch.nn.functional as F
 
     rows = []
-    for precision in PRECISIONS:
-        dt = _dtype(precision)
-        for model, (h, heads) in WIDTHS.items():
-            d = h // heads
-            for c in CONTEXTS:
-                for l in LENGTHS:
-                    if c + l > 2048 or time.monotonic() > deadline:
-                        continue
-                    q = torch.randn(1, heads, l, d, device="cuda", dtype=dt)
-                    kv = torch.randn(1, heads, c + l, d, device="cuda", dtype=dt)
-                    mask = None if c == 0 else torch.ones(l, c + l, device="cuda", dtype=torch.bool).tril(c)
-                    t = cuda_time(lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, is_causal=c == 0))
-                    rows.append(dict(precision=precision, model=model, l=l, c=c, seconds=t))
+    for precision, dt, model, h, heads in grid(deadline):
+        for c, l in ((c, l) for c in CONTEXTS for l in LENGTHS if c + l <= 2048):
+            q = torch.randn(1, heads, l, h // heads, device="cuda", dtype=dt)
+            kv = torch.randn(1, heads, c + l, h // heads, device="cuda", dtype=dt)
+            mask = None if c == 0 else torch.ones(l, c + l, device="cuda", dtype=torch.bool).tril(c)
+            t = cuda_time(lambda: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, is_causal=c == 0))
+            rows.append(dict(precision=precision, model=model, l=l, c=c, seconds=t))
     return rows
 
 
@@ -146,26 +146,20 @@ def measure_layers(deadline: float) -> list[dict]:
     from workload.model import Block, block_forward
 
     rows = []
-    for precision in PRECISIONS:
-        dt = _dtype(precision)
-        for model, (h, heads) in WIDTHS.items():
-            block = Block(ModelConfig(model, 1, h, heads, 2048, 0)).to("cuda")
-            for l in LENGTHS:
-                if time.monotonic() > deadline:
-                    return rows
-                x = torch.randn(1, l, h, device="cuda", requires_grad=True)
+    for precision, dt, model, h, heads in grid(deadline):
+        block = Block(ModelConfig(model, 1, h, heads, 2048, 0)).to("cuda")
+        for l in LENGTHS:
+            x = torch.randn(1, l, h, device="cuda", requires_grad=True)
 
-                def fwd():
-                    with torch.autocast("cuda", dtype=dt, enabled=precision != "fp32"):
-                        return block_forward(block, x)
+            def fwd():
+                with torch.autocast("cuda", dtype=dt, enabled=precision != "fp32"):
+                    return block_forward(block, x)
 
-                def step():
-                    out = fwd()
-                    out.float().sum().backward()
+            def step():
+                fwd().float().sum().backward()
 
-                rows.append(dict(precision=precision, model=model, l=l, forward=cuda_time(fwd), step=cuda_time(step)))
-            del block
-            torch.cuda.empty_cache()
+            rows.append(dict(precision=precision, model=model, l=l, forward=cuda_time(fwd), step=cuda_time(step)))
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -265,14 +259,16 @@ def page(name: str, fitted: dict, layers: list[dict], systems: list[dict], comma
         lines.append(f"| {p} | {e:.3f} | {h:g} | {err * 100:.1f} % |")
     if layers:
         lines += ["", "## One layer, forward and backward (measured against the fitted model)", "",
-                  "| precision | width | tokens | measured ms | predicted ms | error |", "| --- | --- | --- | --- | --- | --- |"]
+                  "| precision | width | tokens | measured ms | predicted ms | error |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in layers:
             lines.append(f"| {r['precision']} | {r['model']} | {r['l']} | {r['step'] * 1e3:.3f} | "
                          f"{r['predicted_step'] * 1e3:.3f} | {r['error'] * 100:+.1f} % |")
     if systems:
         ref = next((r.get("step") for r in systems if r["label"] == "reference"), None)
         lines += ["", f"## Every system at one rank (GPT-3 XL width, {SYSTEM_LAYERS} layers, sequence 2048, batch "
-                  f"{SYSTEM_BATCH}, bf16)", "", "| system | status | step s | over reference | MFU | peak GiB | predicted s | error |",
+                  f"{SYSTEM_BATCH}, bf16)", "",
+                  "| system | status | step s | over reference | MFU | peak GiB | predicted s | error |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in systems:
             step = r.get("step")
@@ -280,8 +276,9 @@ def page(name: str, fitted: dict, layers: list[dict], systems: list[dict], comma
             pred = f"{r['predicted']:.3f}" if r.get("predicted") else "-"
             err = f"{r['error'] * 100:+.1f} %" if r.get("error") is not None else "-"
             mfu = f"{r['mfu'] * 100:.1f} %" if r.get("mfu") else "-"
-            lines.append(f"| {r['label']} | {r['status']} | {step:.3f} | {over} | {mfu} | {r.get('memory_gb', 0):.1f} | "
-                         f"{pred} | {err} |" if step else f"| {r['label']} | {r['status']} | - | - | - | - | - | - |")
+            lines.append(f"| {r['label']} | {r['status']} | {step:.3f} | {over} | {mfu} | "
+                         f"{r.get('memory_gb', 0):.1f} | {pred} | {err} |" if step
+                         else f"| {r['label']} | {r['status']} | - | - | - | - | - | - |")
     return "\n".join(lines) + "\n"
 
 
@@ -342,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p, (e, h, err) in fitted.items():
             d["gemm"][p] = {"efficiency": round(e, 4), "half": h}
         d["measured"] = dict(gpu=name, torch=raw["torch"], cuda=raw["cuda"], created=raw["created"],
-                             gemm_fit={p: dict(efficiency=e, half=h, median_error=err) for p, (e, h, err) in fitted.items()},
+                             gemm_fit={p: dict(efficiency=e, half=h, median_error=err)
+                                       for p, (e, h, err) in fitted.items()},
                              command="bash scripts/gpu_profile.sh", raw=str(raw_path.relative_to(REPO))
                              if raw_path.is_relative_to(REPO) else str(raw_path))
         d["sources"]["gemm"] = f"measured on {name} by scripts/gpu_profile.sh ({raw['created']})"

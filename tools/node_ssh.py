@@ -39,7 +39,8 @@ class NodeAddress:
 def check_directory(path: Path) -> None:
     """ValueError unless ``path`` is absolute and has only characters ssh configs take unquoted."""
     if not path.is_absolute() or not _SAFE_PATH.fullmatch(str(path)):
-        raise ValueError(f"node directory must be an absolute path of characters A-Z a-z 0-9 _ . / + @ -, got {str(path)!r}")
+        raise ValueError("node directory must be an absolute path of characters A-Z a-z 0-9 _ . / + @ -, got "
+                         f"{str(path)!r}")
 
 
 def node_dir(directory: Path, name: str) -> Path:

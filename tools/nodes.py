@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from network_emulation import netem
-from network_emulation.signals import Guarded, Terminated, signals_deferred, signals_raise, stop_process
+from network_emulation.signals import (Guarded, Terminated, cli_status, processes_where, signals_deferred,
+                                      signals_raise, stop_process)
 from network_emulation.virtual_cluster import (PREFIX, TCP_MEM_MAX, VirtualHost, _run, _start_time, cleanup_stale,
                                               destroy_namespace, list_namespaces)
 from tools import node_ssh
@@ -79,7 +80,8 @@ def _alive(pid: int, start: int) -> bool:
 
 
 def _sshd() -> str:
-    path = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/usr/local/sbin/sshd") if os.access(p, os.X_OK)), None)
+    path = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/usr/local/sbin/sshd")
+                                         if os.access(p, os.X_OK)), None)
     if path is None:
         raise FileNotFoundError("sshd missing: apt-get install -y openssh-server (or run scripts/setup_env.sh as root)")
     return path
@@ -169,7 +171,8 @@ class VirtualNodes(Guarded):
         cleanup_stale(self.log)
         previous = read_state(self.directory)
         if previous and _alive(previous["owner"]["pid"], previous["owner"]["start"]):
-            raise NodesError(f"virtual nodes are already up in {self.directory} (owner pid {previous['owner']['pid']}): "
+            raise NodesError(f"virtual nodes are already up in {self.directory} (owner pid "
+                             f"{previous['owner']['pid']}): "
                              f"run 'python -m tools.nodes down --dir {self.directory}' first")
         if self.switch_namespace in list_namespaces():
             raise NodesError("this process already owns a set of virtual nodes")
@@ -256,7 +259,8 @@ class VirtualNodes(Guarded):
                 if p.poll() is not None:
                     log = node_ssh.node_dir(self.directory, name) / "sshd.log"
                     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-                    raise RuntimeError(f"sshd of {name} exited ({p.returncode}): {tail[0] if tail else 'see ' + str(log)}")
+                    raise RuntimeError(f"sshd of {name} exited ({p.returncode}): "
+                                       f"{tail[0] if tail else 'see ' + str(log)}")
                 if _banner(n.address, SSH_PORT):
                     del waiting[name]
             if waiting and time.monotonic() > end:
@@ -324,7 +328,8 @@ def _stop_node_init(p: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
     p.wait()
 
 
-def check_nodes(ssh_config: str | os.PathLike[str], names: Sequence[str], timeout_s: float = 20.0) -> dict[str, str | None]:
+def check_nodes(ssh_config: str | os.PathLike[str], names: Sequence[str],
+                timeout_s: float = 20.0) -> dict[str, str | None]:
     """ssh to every node in parallel and ask ``hostname``: name -> answer, None when there is none."""
     def ask(name: str) -> str | None:
         try:
@@ -416,7 +421,8 @@ def up(n_nodes: int, directory: Path, subnet: str | None, out: TextIO = sys.stdo
     cleanup_stale(None)
     state = read_state(directory)
     if state and _alive(state["owner"]["pid"], state["owner"]["start"]):
-        raise NodesError(f"virtual nodes are already up in {directory} (owner pid {state['owner']['pid']}): run down first")
+        raise NodesError(f"virtual nodes are already up in {directory} (owner pid {state['owner']['pid']}): "
+                         "run down first")
     directory.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with signals_raise():
@@ -494,27 +500,19 @@ def down(directory: Path, out: TextIO = sys.stdout, timeout_s: float = 30.0) -> 
     what = f"{len(state['nodes'])} virtual node(s) down" if state else f"no virtual nodes in {directory}"
     if owners and not state:
         what += f"; stopped {len(owners)} keeper(s) of it"
-    print(f"{what} in {time.monotonic() - t0:.1f} s" + (f" ({len(removed)} stale namespace(s) reaped)" if removed else ""),
-          file=out)
+    reaped = f" ({len(removed)} stale namespace(s) reaped)" if removed else ""
+    print(f"{what} in {time.monotonic() - t0:.1f} s{reaped}", file=out)
     return 0
 
 
 def _keepers_of(directory: Path) -> list[tuple[int, int]]:
     """(pid, start time) of live keepers started for ``directory``."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"tools.nodes" in argv and b"keep" in argv and b"--dir" in argv and \
-                argv[argv.index(b"--dir") + 1] == os.fsencode(directory):
-            start = _start_time(int(d.name))
-            if start is not None:
-                found.append((int(d.name), start))
-    return found
+    def keeper(argv: list[bytes]) -> bool:
+        return (b"tools.nodes" in argv and b"keep" in argv and b"--dir" in argv
+                and argv[argv.index(b"--dir") + 1] == os.fsencode(directory))
+
+    started = [(pid, _start_time(pid)) for pid in processes_where(keeper)]
+    return [(pid, start) for pid, start in started if start is not None]
 
 
 def status(directory: Path, out: TextIO = sys.stdout) -> int:
@@ -564,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     directory = args.dir.absolute()
-    try:
+
+    def command() -> int:
         if args.command == "up":
             return up(args.nodes, directory, args.subnet)
         if args.command == "down":
@@ -573,14 +572,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return status(directory)
         return keep(args.nodes, directory, args.subnet)
-    except (NodesError, netem.NotRootError, FileNotFoundError) as e:
-        print(f"tools.nodes: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        print(f"tools.nodes: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+
+    return cli_status("tools.nodes", command, (NodesError, netem.NotRootError, FileNotFoundError))
 
 
 if __name__ == "__main__":

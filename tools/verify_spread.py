@@ -145,7 +145,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
             continue
         force = table.get(cls)
         out.append(f"| {cls} | {len(rs)} | {_fmt(max(r['max_rel_grad_diff'] for r in rs))} | "
-                   f"{_fmt(max(r['max_abs_grad_diff'] for r in rs))} | {_fmt(max(r['max_abs_loss_diff'] for r in rs))} | "
+                   f"{_fmt(max(r['max_abs_grad_diff'] for r in rs))} | "
+                   f"{_fmt(max(r['max_abs_loss_diff'] for r in rs))} | "
                    f"{derive(cls, rs).describe()} | {force.describe() if force else '-'} |")
     return out
 

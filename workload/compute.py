@@ -20,10 +20,11 @@ Two kinds:
   A GEMM of (M, N, K) takes max(2MNK / (peak x e), bytes / (bandwidth x e_mem)) plus a kernel's fixed
   cost, with e = e_max x the best tile shape's use of the SMs (its padding and its last wave) x
   K / (K + k_half): a thin token slice under-fills the GPU and reads the whole weight for few tokens.
-  Attention over a slice and its context is the slice's queries against c + l keys (materialised scores and softmax, or one fused kernel), the
-  memory-bound operations (layer norms, GELU, softmax, residual adds, the optimizer) move their
-  bytes at the memory bandwidth, and a phase takes at least the host's time to issue its kernels
-  (eager PyTorch: ``host_op_us`` each). Forward, backward, and the forward again under recompute.
+  Attention over a slice and its context is the slice's queries against c + l keys (materialised scores
+  and softmax, or one fused kernel), the memory-bound operations (layer norms, GELU, softmax, residual
+  adds, the optimizer) move their bytes at the memory bandwidth, and a phase takes at least the host's
+  time to issue its kernels (eager PyTorch: ``host_op_us`` each). Forward, backward, and the forward
+  again under recompute.
 - ``CpuCompute``: this machine, from a profile of its operations at the model's shape
   (``ours.plan.profile``): measured tables, interpolated.
 """
@@ -46,21 +47,22 @@ OPTIMIZERS = ("single", "fused")
 
 @dataclass(frozen=True)
 class Overheads:
-    """Framework time outside the modelled math, per rank (seconds).
-
-    step: once per step (zero_grad, schedule set-up, loss bookkeeping, the barrier's own cost);
-    unit: per micro-batch (ours: per batch slice x token slice) and stage, half in its forward and
-    half in its backward; unit_layer: the same per layer of the stage; dp: per data-parallel
-    synchronisation (flattening, copying, the collectives' own bookkeeping); compute: the factor the
-    system's own kernels take over the modelled ones on the layers', head's and embeddings' math (1: as
-    modelled); tp: the factor a tensor-parallel rank's math takes over 1/tp of the modelled math."""
+    """Framework time outside the modelled math, per rank (seconds)."""
 
     step: float = 0.0
+    """Once per step: zero_grad, schedule set-up, loss bookkeeping, the barrier's own cost."""
     unit: float = 0.0
+    """Per micro-batch (ours: per batch slice x token slice) and stage, half in its forward and half in its
+    backward."""
     unit_layer: float = 0.0
+    """The same per layer of the stage."""
     dp: float = 0.0
+    """Per data-parallel synchronisation: flattening, copying, the collectives' own bookkeeping."""
     compute: float = 1.0
+    """The factor the system's own kernels take over the modelled ones on the layers', head's and
+    embeddings' math (1: as modelled)."""
     tp: float = 1.0
+    """The factor a tensor-parallel rank's math takes over 1/tp of the modelled math."""
 
     def per_unit(self, layers: int) -> float:
         return self.unit + self.unit_layer * layers
@@ -133,33 +135,39 @@ class DeviceError(ValueError):
 
 @dataclass(frozen=True)
 class Device:
-    """A GPU as its device file describes it.
-
-    part: the model in ``workload.flops.GPU_PEAK_TFLOPS`` whose dense datasheet peaks it has;
-    memory_gb / bandwidth_gbs: memory (GiB) and its bandwidth (GB/s, datasheet); sms: streaming
-    multiprocessors; gemm: per precision, ``efficiency`` (e_max, the share of the dense peak a large
-    GEMM reaches) and ``half`` (the depth K at which a GEMM's main loop reaches half of that);
-    memory_efficiency: the share of the bandwidth a memory-bound kernel moves; kernel_us: a kernel's fixed cost on the GPU; host_op_us: the host's cost to issue one
-    operation (eager PyTorch); reserved_gb: memory no tensor can have (CUDA context, library
-    workspaces); calibrated_on: per precision, the one published or measured cell its efficiency was
-    fitted on (none: a prior); sources: where each number comes from; measured: what
-    ``scripts/gpu_profile.sh`` measured on such a GPU (None where none was had)."""
+    """A GPU as its device file describes it (``workload/devices/*.json``)."""
 
     name: str
+    """As people name it: "V100 SXM2 16GB"."""
     part: str
+    """The model in ``workload.flops.GPU_PEAK_TFLOPS`` whose dense datasheet peaks it has."""
     memory_gb: float
+    """Memory, GiB."""
     bandwidth_gbs: float
+    """Memory bandwidth, GB/s (datasheet)."""
     sms: int
+    """Streaming multiprocessors (what a GEMM's tiles are spread over)."""
     gemm: dict
+    """Per precision: ``efficiency`` (e_max, the share of the dense peak a large GEMM reaches) and ``half``
+    (the depth K at which a GEMM's main loop reaches half of that)."""
     memory_efficiency: float = 0.8
+    """The share of the bandwidth a memory-bound kernel moves."""
     kernel_us: float = 4.0
+    """A kernel's fixed cost on the GPU (launch, ramp, tail)."""
     host_op_us: float = 8.0
+    """The host's cost to issue one operation (eager PyTorch)."""
     reserved_gb: float = 0.75
+    """Memory no tensor can have (the CUDA context, library workspaces)."""
     calibrated_on: dict = field(default_factory=dict)
+    """Per precision, the one published or measured cell its efficiency was fitted on (none: a prior)."""
     sources: dict = field(default_factory=dict)
+    """Where each number comes from."""
     measured: dict | None = None
+    """What ``scripts/gpu_profile.sh`` measured on such a GPU (None where none was had)."""
     path: str = ""
+    """The file it was read from."""
     peak_tflops: dict | None = None
+    """Measured peaks per precision instead of the part's datasheet (a CPU host's)."""
 
     def peak_flops(self, precision: str) -> float:
         """The dense datasheet peak (FLOP/s) that ``precision``'s GEMMs run at (``peak_tflops``: measured
@@ -191,15 +199,25 @@ class Device:
 _REQUIRED = ("name", "part", "memory_gb", "bandwidth_gbs", "sms", "gemm")
 
 
+def read_data(path: Path, what: str, error: type[Exception], parse=json.loads):
+    """A file's contents as ``parse`` reads them (JSON by default; tomllib.loads for TOML), or ``error`` in
+    one line naming ``what`` it is (missing, unreadable, not UTF-8, not parseable)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise error(f"no such {what}: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"cannot read the {what} {path} ({exc.__class__.__name__})") from None
+    try:
+        return parse(text)
+    except ValueError as exc:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
+        raise error(f"the {what} {path} is not valid ({' '.join(str(exc).split())})") from None
+
+
 def read_device(path: str | Path) -> Device:
     """A device file; DeviceError (one line) for a missing, unreadable or incomplete one."""
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DeviceError(f"no such device file: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DeviceError(f"device file {path} is not readable JSON ({exc})") from None
+    d = read_data(path, "device file", DeviceError)
     if not isinstance(d, dict):
         raise DeviceError(f"device file {path} holds no JSON object")
     missing = [k for k in _REQUIRED if k not in d]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from workload.cache import cache_dir
 from workload.configs import ModelConfig
+from workload.flops import cpu_name
 
 MAX_TOKENS = 8192  # a micro-batch's tokens beyond this cost time and no longer change the rate
 TRIALS = 5
@@ -106,16 +107,6 @@ def model_peak(ops: list[Op], times: list[float]) -> float:
     return sum(op.flops * op.count for op in ops) / sum(t * op.count for t, op in zip(times, ops)) / 1e12
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 @contextmanager
 def _locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +122,7 @@ def cpu_peak_tflops(m: ModelConfig, micro_batch: int, dtype: torch.dtype = torch
     trial of the largest GEMM beats the rate kept for it."""
     ops = model_ops(m, micro_batch, dtype)
     largest = max(range(len(ops) - 1), key=lambda i: ops[i].flops)  # a GEMM (the last op is attention)
-    key = json.dumps({"cpu": _cpu_name(), "host": platform.node(), "torch": torch.__version__, "dtype": str(dtype),
+    key = json.dumps({"cpu": cpu_name(), "host": platform.node(), "torch": torch.__version__, "dtype": str(dtype),
                       "shape": [m.n_layer, m.n_embd, m.n_head, m.seq_len, m.vocab_size, micro_batch]}, sort_keys=True)
     path = (cache or cache_dir()) / "cpu-peak.json"
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))

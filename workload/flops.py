@@ -1,7 +1,9 @@
 """FLOP counts and hardware peaks for tokens/s, TFLOP/s and MFU."""
 from __future__ import annotations
 
+import platform
 import re
+from pathlib import Path
 
 from workload.configs import ModelConfig, count_params
 
@@ -76,3 +78,15 @@ def gpu_peak_tflops(device_name: str, precision: str) -> float | None:
     table has no such model or the model no such precision."""
     model = gpu_model(device_name)
     return GPU_PEAK_TFLOPS[model].get(precision) if model else None
+
+
+def cpu_name() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it ('Intel(R) Xeon(R) Processor'), else what the
+    platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -136,7 +136,8 @@ def read_tokens(source: str, tokenizer: str = "byte", vocab_size: int = 256) -> 
     if tokenizer == "byte":
         return read_corpus(source)
     where = prepare_bpe(source, vocab_size)
-    return Split(train=np.load(where / "train.npy", mmap_mode="r"), heldout=np.load(where / "heldout.npy", mmap_mode="r"))
+    return Split(train=np.load(where / "train.npy", mmap_mode="r"),
+                 heldout=np.load(where / "heldout.npy", mmap_mode="r"))
 
 
 def heldout_starts(n_tokens: int, seq_len: int, rows: int = EVAL_ROWS) -> list[int]:

@@ -21,7 +21,8 @@ class MegatronOptions(PipelineOptions):
 
     def check(self, config: RunConfig) -> None:
         if self.distributed_optimizer and config.optimizer.kind != "adam":
-            raise ConfigError(f"megatron's distributed optimizer takes only Adam, got --optimizer {config.optimizer.kind}")
+            raise ConfigError("megatron's distributed optimizer takes only Adam, got --optimizer "
+                              f"{config.optimizer.kind}")
         if self.sequence_parallel and config.tp < 2:
             raise ConfigError("megatron's --sequence-parallel splits the sequence over the tensor-parallel ranks: "
                               "it needs --tp > 1")

@@ -74,22 +74,22 @@ _TP_DIM = {
 }
 
 
+def _rename(name: str, top: dict, layer: re.Pattern, parts: dict, blocks: str, what: str) -> str:
+    """``name`` in the other model's words: a top-level name by ``top``, a layer's by ``parts``."""
+    if name in top:
+        return top[name]
+    m = layer.match(name)
+    if not m or m.group(2) not in parts:
+        raise KeyError(f"no {what} name for {name!r}")
+    return f"{blocks}.{m.group(1)}.{parts[m.group(2)]}.{m.group(3)}"
+
+
 def megatron_name(shared: str) -> str:
-    if shared in _TOP_MAP:
-        return _TOP_MAP[shared]
-    m = _SHARED_LAYER.match(shared)
-    if not m or m.group(2) not in _LAYER_MAP:
-        raise KeyError(f"no megatron name for {shared!r}")
-    return f"decoder.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.{m.group(3)}"
+    return _rename(shared, _TOP_MAP, _SHARED_LAYER, _LAYER_MAP, "decoder.layers", "megatron")
 
 
 def shared_name(megatron: str) -> str:
-    if megatron in _TOP_MAP_BACK:
-        return _TOP_MAP_BACK[megatron]
-    m = _MEGATRON_LAYER.match(megatron)
-    if not m or m.group(2) not in _LAYER_MAP_BACK:
-        raise KeyError(f"no shared name for {megatron!r}")
-    return f"blocks.{m.group(1)}.{_LAYER_MAP_BACK[m.group(2)]}.{m.group(3)}"
+    return _rename(megatron, _TOP_MAP_BACK, _MEGATRON_LAYER, _LAYER_MAP_BACK, "blocks", "shared")
 
 
 def _is_qkv(name: str) -> bool:

@@ -221,7 +221,8 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         raise ValueError(f"megatron: vocab size {m.vocab_size} must divide by --tp {cfg.tp} (no vocab padding)")
     cuda = ctx.device.type == "cuda"
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-                                 virtual_pipeline_model_parallel_size=cfg.options.virtual_pp if cfg.options.virtual_pp > 1 else None,
+                                 virtual_pipeline_model_parallel_size=(cfg.options.virtual_pp
+                                                                       if cfg.options.virtual_pp > 1 else None),
                                  # its groups' operation timeout, in whole minutes (its default: 30)
                                  distributed_timeout_minutes=math.ceil(ctx.op_timeout.total_seconds() / 60))
     try:

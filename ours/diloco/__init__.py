@@ -105,7 +105,8 @@ class DiLoCoOptions(DiLoCoAlgorithm):
     def check(self, config: RunConfig) -> None:
         super().check(config)
         if config.pp == 1 and (self.slices is not None or self.n_slices != "auto" or self.schedule != "1f1b"):
-            raise ConfigError("--n-slices, --slices and --schedule set ours' pipeline inside a replica: they need --pp > 1")
+            raise ConfigError("--n-slices, --slices and --schedule set ours' pipeline inside a replica: "
+                              "they need --pp > 1")
         if config.pp > 1:
             self.pipeline().check(config)
 
@@ -121,8 +122,10 @@ def min_units(n_layer: int, pp: int) -> int:
 
 def label(config: RunConfig) -> str:
     o: DiLoCoAlgorithm = config.options
-    name = (f"streaming diloco H={o.inner_steps} F={o.fragments}" + (f" tau={o.sync_delay}" if o.sync_delay else "")
-            + (f" alpha={o.fragment_alpha:g}" if o.fragment_alpha else "")) if o.streaming else f"diloco H={o.inner_steps}"
+    name = f"diloco H={o.inner_steps}"
+    if o.streaming:
+        name = (f"streaming {name} F={o.fragments}" + (f" tau={o.sync_delay}" if o.sync_delay else "")
+                + (f" alpha={o.fragment_alpha:g}" if o.fragment_alpha else ""))
     return name + (" fp8 sync" if o.quantize else "")
 
 

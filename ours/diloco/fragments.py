@@ -38,7 +38,8 @@ def stage_fragments(model: GPT, n_layer: int, pp: int, stage: int, n: int) -> li
     """The stage's ``n`` fragments as modules holding its own parameters (not copies)."""
     out = []
     for group in split(stage_units(n_layer, pp, stage), n):
-        out.append(nn.ModuleDict({name.replace(".", "_"): model.get_submodule(name) for unit in group for name in unit}))
+        out.append(nn.ModuleDict({name.replace(".", "_"): model.get_submodule(name)
+                                  for unit in group for name in unit}))
     return out
 
 

@@ -125,7 +125,8 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
                     fragment_sync_delay=o.sync_delay, fragment_update_alpha=o.fragment_alpha)
     # the global weights (what the eval sees), by the shared names: each fragment's backup copy
     shared = {id(p): n for n, p in named}
-    backups = [(f, {shared[id(p)]: n for n, p in frag.named_parameters()}) for f, frag in zip(diloco._fragments, fragments)]
+    backups = [(f, {shared[id(p)]: n for n, p in frag.named_parameters()})
+               for f, frag in zip(diloco._fragments, fragments)]
     last_grads: dict[str, torch.Tensor] = {}
 
     def step(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ours.plan.latency import fit_comm
 from ours.plan.ping_pong import ping_pong
 from workload.configs import ModelConfig
+from workload.flops import cpu_name
 from workload.model import Block, block_forward, merge_heads, split_heads
 
 
@@ -268,7 +268,7 @@ def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 
     return dict(
         kind="ours.plan.profile",
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        hostname=socket.gethostname(), cpu=platform.processor() or platform.machine(), torch=torch.__version__,
+        hostname=socket.gethostname(), cpu=cpu_name(), torch=torch.__version__,
         threads=1, model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                                seq_len=cfg.seq_len, vocab_size=cfg.vocab_size),
         layer=layer, head=head, embed_per_token=rates["embed_per_token"],

@@ -15,8 +15,8 @@ starting from the one nearest the planner's choice (``ours.plan.auto``: simulato
 rule of thumb); time it and its neighbours, move to the faster neighbour, stop where neither is
 faster. Step time against K falls while slicing fills the pipeline and rises once per-slice costs
 dominate, so this finds the best candidate in 3-5 timed steps instead of timing all five. One step
-is one sample of a noisy host, though: in the main job of 2026-11-26 a search stopped at K=4 (0.90 s)
-because its one step of K=2 took 0.93 s, where K=1 ran at 0.73 s. So where the descent stops, the
+is one sample of a noisy host, though: a search in the main job stopped at K=4 (0.90 s) because its
+one step of K=2 took 0.93 s, where K=1 ran at 0.73 s. So where the descent stops, the
 kept K and its faster neighbour are timed once more (the neighbour first) and each K counts by the
 best of its two steps; if the neighbour wins, the descent goes on from there. A K is timed at most
 twice, a search takes 5-7 steps. What each step costs: one forward and backward of the first batch,

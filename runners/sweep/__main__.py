@@ -1,7 +1,7 @@
 """The sweep's command line.
 
-    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down] [--repeats N]
-                                       [--set KEY=VALUE ...]
+    python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down]
+                                       [--repeats N] [--set KEY=VALUE ...]
                                        [--hostfile FILE [--ssh-config FILE] [--iface IFACE] [--nproc-per-node N] ...]
                                        [--slurm [--iface IFACE] [--nproc-per-node N] ...]   (inside a Slurm allocation)
     python -m runners.sweep --networks PROFILE... [--out FILE] [--dry-run] -- RUN_ARGS...   (netem_sweep.sh)
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from network_emulation.profiles import SEED_PROFILES
-from network_emulation.signals import Terminated, signals_raise
+from network_emulation.signals import cli_status, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
 from runners.sweep.execute import run_sweep, select_runs
 from runners.sweep.plan import REPO, SweepError, adhoc_sweep, check_repeats, fixed_settings, load_sweep
@@ -83,16 +83,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, run_args = argv[:i], argv[i + 1:]
     ap = build_parser()
     args = ap.parse_args(argv)
-    try:
+
+    def sweep() -> int:
         with signals_raise():  # SIGTERM / SIGHUP stop the sweep as Ctrl-C does
             outcome = _sweep(args, run_args)
-    except SweepError as e:
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, Terminated) as e:
-        print("sweep: interrupted", file=sys.stderr)
-        return e.code if isinstance(e, Terminated) else 130
-    return 1 if outcome is not None and outcome.failed else 0
+        return 1 if outcome is not None and outcome.failed else 0
+
+    return cli_status(ap.prog, sweep, (SweepError,), failed=(), said=("error: ", ""), interrupted="sweep")
 
 
 def _sweep(args: argparse.Namespace, run_args: list[str]):

@@ -76,7 +76,8 @@ class ClusterExecutor:
     port: int = 29500
     dry_run: bool = False
     log: IO | None = None
-    measured: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = field(default_factory=dict)  # (network, nodes) -> links
+    measured: dict[tuple[str, tuple[str, ...]],
+                   dict[str, Any]] = field(default_factory=dict)  # (network, nodes) -> links
     backends: dict[str, str] = field(default_factory=dict)  # host -> shaping backend found (skips re-probing netem)
     cluster = True
 
@@ -224,7 +225,8 @@ class ClusterExecutor:
             try:
                 measured = session.probe_links()
             except Exception as e:
-                raise RuntimeError(f"probing the links between {', '.join(hosts)} under {run.network} failed: {e}") from None
+                raise RuntimeError(f"probing the links between {', '.join(hosts)} under {run.network} "
+                                   f"failed: {e}") from None
             self.measured[key] = measured
             for m in measured["measured_links"]:
                 self._note(f"cluster: {run.network}: {hosts[m['src']]} -> {hosts[m['dst']]}: "

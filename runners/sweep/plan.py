@@ -126,7 +126,8 @@ def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node:
             check_fits_here(cfg, spec)
     except ConfigError as e:
         return PlannedRun(**base, error=str(e))
-    return PlannedRun(**base, key=cfg.key(), world=spec.processes(cfg), devices_per_process=spec.devices_per_process(cfg),
+    return PlannedRun(**base, key=cfg.key(), world=spec.processes(cfg),
+                      devices_per_process=spec.devices_per_process(cfg),
                       timeout=cfg.timeout, device=cfg.device)
 
 
@@ -240,7 +241,8 @@ def _setting_flags(settings: dict, flags: dict, where: str) -> tuple[list[str], 
 
 def _run_setting_keys() -> frozenset[str]:
     """The run command's own settings (not a system's options), by their sweep-file keys."""
-    return frozenset(a.dest for a in build_parser()._actions if a.option_strings and not a.dest.startswith(OPTION_PREFIX))
+    return frozenset(a.dest for a in build_parser()._actions
+                     if a.option_strings and not a.dest.startswith(OPTION_PREFIX))
 
 
 def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: str, here: bool) -> list[PlannedRun]:
@@ -250,7 +252,8 @@ def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: st
 
     systems = _list(exp.get("systems"), "systems", where)
     default_layouts = [parse_layout(l, where) for l in _list(exp.get("layouts", ["1"]), "layouts", where)]
-    default_mbs = _list(exp.get("micro_batch_sizes"), "micro_batch_sizes", where, int) if "micro_batch_sizes" in exp else None
+    default_mbs = (_list(exp.get("micro_batch_sizes"), "micro_batch_sizes", where, int)
+                   if "micro_batch_sizes" in exp else None)
     networks = _list(exp.get("networks", ["none"]), "networks", where, str)
     nproc = exp.get("nproc_per_node")
     if nproc is not None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
@@ -274,7 +277,8 @@ def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: st
                 raise SweepError(f"{swhere}: a system is a name or a table with 'name' and options, got {s!r}")
             layouts = ([parse_layout(l, swhere) for l in _list(s["layouts"], "layouts", swhere)]
                        if "layouts" in s else default_layouts)
-            mbs = _list(s["micro_batch_sizes"], "micro_batch_sizes", swhere, int) if "micro_batch_sizes" in s else default_mbs
+            mbs = (_list(s["micro_batch_sizes"], "micro_batch_sizes", swhere, int)
+                   if "micro_batch_sizes" in s else default_mbs)
             if mbs is None:
                 raise SweepError(f"{where}: no 'micro_batch_sizes' (nor a fixed 'micro_batch_size')")
             own = {k: v for k, v in s.items() if k not in SYSTEM_KEYS and ALIASES.get(k, k) in run_keys}
@@ -381,7 +385,8 @@ def refuse_bad_combinations(sweep: Sweep, where: str) -> Sweep:
     return sweep
 
 
-def adhoc_sweep(run_args: Sequence[str], networks: Sequence[str], name: str = "netem_sweep", here: bool = False) -> Sweep:
+def adhoc_sweep(run_args: Sequence[str], networks: Sequence[str], name: str = "netem_sweep",
+                here: bool = False) -> Sweep:
     """One job's flags across network profiles (netem_sweep.sh); ``here`` as ``load_sweep``'s."""
     for a in run_args:
         flag = a.split("=", 1)[0]

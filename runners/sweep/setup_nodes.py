@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO
 
 from network_emulation.netem import ssh_argv, ssh_base
-from network_emulation.signals import Terminated, signals_deferred, signals_raise
+from network_emulation.signals import cli_status, signals_deferred, signals_raise
 from network_emulation.ssh_shaping import for_host
 from runners.sweep.hostfile import parse_hostfile
 from runners.sweep.plan import REPO, SweepError
@@ -239,23 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    try:
+
+    def setup() -> None:
         hosts = [h.name for h in parse_hostfile(args.hostfile)]
         if args.ssh_config and not Path(args.ssh_config).is_file():
             raise SweepError(f"--ssh-config {args.ssh_config}: no such file")
         with signals_raise():
             setup_nodes(hosts, remote_dir=args.remote_dir, ssh_config=args.ssh_config, ssh_user=args.ssh_user,
                         share_venv=args.share_venv)
-    except SweepError as e:
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2
-    except SetupError as e:
-        print(f"{ap.prog}: failed on {e}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, Terminated) as e:
-        print("setup: interrupted", file=sys.stderr)
-        return e.code if isinstance(e, Terminated) else 130
-    return 0
+
+    return cli_status(ap.prog, setup, (SweepError,), failed=(SetupError,), said=("error: ", "failed on "),
+                      interrupted="setup")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def test_zbv_with_fsdp2_data_parallelism_matches_reference(out_file):
     # 4 ranks: 2 pipelines of 2 stages; under zbv the last stage's block gradients were lost when each
     # block was an FSDP unit of its own (see baselines/torch_pipe/train.py)
     # --eval-every: the held-out losses from FSDP2's gathered weights are the reference's (--verify)
-    proc = run_cli("--system", "torch_pipe", *TINY, *NCCL_RULES, "--pp", "2", "--dp", "2", "--schedule", "zbv", "--batch-size", "2",
+    proc = run_cli("--system", "torch_pipe", *TINY, *NCCL_RULES, "--pp", "2", "--dp", "2", "--schedule", "zbv",
+                   "--batch-size", "2",
                    "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--eval-every", "1", "--verify",
                    "--out", str(out_file))
     assert_verified(proc)

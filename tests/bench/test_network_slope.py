@@ -95,7 +95,7 @@ def test_bench_fits_ours_on_the_virtual_cluster():
     row = next(l for l in proc.stdout.splitlines() if l.startswith("ours P-2 "))
     cells = [c.strip() for c in row.split("|")]
     paid, schedule, barrier = float(cells[3]), float(cells[4]), float(cells[6])
-    # the pipeline's fill and drain (2 delays, less what computation hides), not absurdly many; the last rank to reach the
-    # closing barrier (a dissemination barrier, one delay per round) leaves it at once
+    # the pipeline's fill and drain (2 delays, less what computation hides), not absurdly many; the last rank to reach
+    # the closing barrier (a dissemination barrier, one delay per round) leaves it at once
     assert 1.5 <= paid <= 12 and schedule >= 1.2 and barrier <= 1, proc.stdout
     assert cells[-1] == "2"

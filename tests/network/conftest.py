@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from network_emulation.signals import processes_where
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -30,18 +32,8 @@ def namespaces_of(pid: int) -> list[str]:
 
 def delayers_of(pid: int) -> list[int]:
     """pids of delayer processes owned by ``pid`` (their argv carries --owner <pid>)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"delayer.py") for a in argv) and b"--owner" in argv and \
-                argv[argv.index(b"--owner") + 1] == str(pid).encode():
-            found.append(int(d.name))
-    return found
+    return processes_where(lambda argv: any(a.endswith(b"delayer.py") for a in argv) and b"--owner" in argv
+                           and argv[argv.index(b"--owner") + 1] == str(pid).encode())
 
 
 def root_links() -> set[str]:

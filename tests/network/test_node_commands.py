@@ -27,7 +27,8 @@ def test_hostfile_and_ssh_config() -> None:
     cfg = node_ssh.ssh_config(d, NODES)
     blocks = cfg.split("\n\n")
     assert blocks[0].splitlines()[1:] == ["Host node01", "  HostName 10.88.0.1",
-                                          "  SetEnv GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0 TP_SOCKET_IFNAME=eth0"]
+                                          "  SetEnv GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0 "
+                                          "TP_SOCKET_IFNAME=eth0"]
     common = dict(line.split(None, 1) for line in blocks[-1].splitlines()[1:] if line.strip())
     assert common["IdentityFile"] == "/tmp/rehearsal/id_ed25519"
     assert common["UserKnownHostsFile"] == "/tmp/rehearsal/known_hosts"
@@ -61,11 +62,13 @@ def test_plans_uniform_and_matrix() -> None:
     assert plan["tbf"] == ["tc qdisc replace dev eth0 root tbf rate 1gbit burst 131072 latency 50ms".split()]
     assert plan["delays"] == [[QUEUE_BASE, 10.0, None]]
     assert plan_for(PROFILES["none"], "eth0", 0, [])["delays"] == []
-    m = matrix_profile({"delay_ms": [[0, 2, 8], [3, 0, 0], [5, 1, 0]], "bandwidth_gbps": [[0, 1, 1], [1, 0, 1], [1, 1, 0]]})
+    m = matrix_profile({"delay_ms": [[0, 2, 8], [3, 0, 0], [5, 1, 0]],
+                        "bandwidth_gbps": [[0, 1, 1], [1, 0, 1], [1, 1, 0]]})
     addrs = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     # host 2 receives: from host 0 after 8 ms, from host 1 undelayed (0 ms: no queue)
     assert plan_for(m, "eth0", 2, addrs)["delays"] == [[QUEUE_BASE, 8, "10.0.0.1/32"]]
-    assert plan_for(m, "eth0", 0, addrs)["delays"] == [[QUEUE_BASE + 1, 3, "10.0.0.2/32"], [QUEUE_BASE + 2, 5, "10.0.0.3/32"]]
+    assert plan_for(m, "eth0", 0, addrs)["delays"] == [[QUEUE_BASE + 1, 3, "10.0.0.2/32"],
+                                                       [QUEUE_BASE + 2, 5, "10.0.0.3/32"]]
 
 
 def test_agent_takes_only_tc_commands_and_exempts_ssh(monkeypatch) -> None:
@@ -93,7 +96,8 @@ def test_session_dry_run_and_agent_command() -> None:
     lines = out.getvalue().splitlines()
     agent = [l for l in lines if not l.startswith("#")]
     assert agent == [f"ssh -o BatchMode=yes -F /tmp/r/ssh_config gpu-{i} -- "
-                     "'env -C '\"'\"'/srv/pipe bench'\"'\"' /srv/py -m network_emulation.shaping_agent'" for i in (1, 2)]
+                     "'env -C '\"'\"'/srv/pipe bench'\"'\"' /srv/py -m network_emulation.shaping_agent'"
+                     for i in (1, 2)]
     assert sum("netem delay 50ms" in l for l in lines) == 2 and sum("tbf rate 1gbit" in l for l in lines) == 2
     with pytest.raises(ValueError):
         SshShapingSession(PROFILES["d10-1g"], "eth0", ["-oProxyCommand=x"], dry_run=True)

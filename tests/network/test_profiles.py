@@ -110,5 +110,7 @@ def test_the_kinds_of_link_of_a_matrix_and_its_setting() -> None:
     setting = describe_setting("two-region.json", TWO_REGIONS)
     assert setting == {"label": "two-region.json (4 hosts, 0.1-67 ms, 0.79-10 Gbit/s)", "delay_ms": 67,
                        "bandwidth_gbps": 0.79, "slowest_link": [0, 2], "link_classes": 2, "uniform": False}
-    assert [c[:2] for c in link_classes(parse_profile("d10-1g"))] == [(0, 1)] and not link_classes(parse_profile("none"))
-    assert describe_setting("d10-1g") == {"label": "delay 10ms  bandwidth 1Gbps", "delay_ms": 10.0, "bandwidth_gbps": 1.0}
+    assert [c[:2] for c in link_classes(parse_profile("d10-1g"))] == [(0, 1)]
+    assert not link_classes(parse_profile("none"))
+    assert describe_setting("d10-1g") == {"label": "delay 10ms  bandwidth 1Gbps", "delay_ms": 10.0,
+                                          "bandwidth_gbps": 1.0}

@@ -57,7 +57,8 @@ def test_two_node_slurm_rehearsal_then_nothing_left(tmp_path: Path) -> None:
     t0 = time.monotonic()
     p = subprocess.run(["bash", "runners/run_all.sh", "--rehearse", "2", "--slurm", "--sweep", "rehearsal-2.toml",
                         "--out", str(tmp_path / "r.jsonl"), "--dir", str(tmp_path / "nodes")],
-                       cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHON=sys.executable))
+                       cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHON=sys.executable))
     print(f"rehearsal: {time.monotonic() - t0:.0f} s")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "slurmctld on node01, slurmd and munged on 2 node(s)" in p.stdout
@@ -165,7 +166,8 @@ def test_a_node_whose_slurmd_dies_mid_run(slurm: SlurmOnNodes, tmp_path: Path) -
                       if l.startswith("slurm-submit: submitted"))
     lost, after = [json.loads(l) for l in out.read_text().splitlines()]
     assert lost["status"] == "error" and lost["error"].startswith(
-        "node02 failed first: Slurm lost the node (its slurmd stopped answering"), (lost["error"], job_output.read_text())
+        "node02 failed first: Slurm lost the node (its slurmd stopped answering"), \
+        (lost["error"], job_output.read_text())
     assert lost["environment"]["network"]["measured_link"]["one_way_delay_ms"] > 9.5
     assert after["status"] == "unfit" and "without node02, lost" in after["error"], after["error"]
     # nothing of the runs left on either node: no rank, run command, guard, agent or delayer, no shaping

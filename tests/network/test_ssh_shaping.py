@@ -73,8 +73,8 @@ def test_d10_1g_measured_over_ssh_then_nothing_left(nodes: VirtualNodes) -> None
         if "tbf+delayer" in s.backends.values():
             assert all(left(nodes).values()) and len(left(nodes)) == 2       # rules, qdisc, agent, delayer
         # TCP goodput, ~0.96 of the line rate under netem; the userspace delayer forwards every packet
-        # itself, and on a busy 2-core host it can fall short of tbf's rate (0.67 Gbit/s in one CI run
-        # on 2026-11-26, four probes in a row): at most the rate, and not strangled
+        # itself, and on a busy 2-core host it can fall short of tbf's rate (0.67 Gbit/s in one CI run,
+        # four probes in a row): at most the rate, and not strangled
         low = 0.90 if s.backends["node02"] == "netem" else 0.50
 
         def ok(m: LinkMeasurement) -> bool:
@@ -85,7 +85,8 @@ def test_d10_1g_measured_over_ssh_then_nothing_left(nodes: VirtualNodes) -> None
         assert abs(m.one_way_delay_ms - 10) <= DELAY_TOLERANCE_MS, m
         assert low <= m.bandwidth_gbps <= 1.10, m
         back = probe_until(s, 1, 0, lambda r: abs(r.one_way_delay_ms - 10) <= 0.5, duration_s=0)
-        assert abs(back.one_way_delay_ms - 10) <= DELAY_TOLERANCE_MS + 0.2, back                 # the other direction is delayed too
+        # the other direction is delayed too
+        assert abs(back.one_way_delay_ms - 10) <= DELAY_TOLERANCE_MS + 0.2, back
         assert s.describe()["hosts"][1] == {"host": "node02", "hostname": "node02", "iface": "eth0",
                                             "address": nodes.nodes[1].address, "backend": s.backends["node02"]}
     assert left(nodes) == {}

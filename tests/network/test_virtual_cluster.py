@@ -21,7 +21,8 @@ from .conftest import REPO, delayers_of, namespaces_of, needs_root, root_links
 pytestmark = [needs_root, pytest.mark.network]
 
 
-def _probe_until(vc: VirtualCluster, src: int, dst: int, ok, duration_s: float = 1.0, attempts: int = 4) -> LinkMeasurement:
+def _probe_until(vc: VirtualCluster, src: int, dst: int, ok, duration_s: float = 1.0,
+                 attempts: int = 4) -> LinkMeasurement:
     """Measure; on a loaded 2-core machine retry (after a pause) while the measurement misses."""
     m = vc.probe(src, dst, duration_s=duration_s)
     for _ in range(attempts - 1):

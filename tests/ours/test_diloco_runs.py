@@ -42,7 +42,8 @@ def record(out: Path) -> dict:
 @pytest.mark.multiprocess
 def test_streaming_diloco_with_ours_pipeline_verifies(tmp_path):
     out = tmp_path / "runs.jsonl"
-    proc = run_cli("--system", "diloco", *TINY, "--pp", "2", "--dp", "2", "--batch-size", "2", "--micro-batch-size", "1",
+    proc = run_cli("--system", "diloco", *TINY, "--pp", "2", "--dp", "2", "--batch-size", "2", "--micro-batch-size",
+                   "1",
                    "--steps", "6", "--warmup", "0", "--inner-steps", "4", "--fragments", "2", "--sync-delay", "1",
                    "--fragment-alpha", "0.25", "--n-slices", "2", "--verify", "--out", str(out))
     assert_verified(proc)

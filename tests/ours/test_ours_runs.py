@@ -33,7 +33,8 @@ def test_p2_equal_slices_verified_and_traced(tmp_path):
     # 3 steps x 2 batch slices x 4 token slices
     assert sum(1 for e in spans if e["pid"] == 0 and e["tid"] == "forward") == 3 * 2 * 4
     # the default 1f1b order: the last stage runs batch slice 0's backward before batch slice 1's forward
-    last = [e["name"] for e in sorted(spans, key=lambda e: e["ts"]) if e["pid"] == 1 and e["tid"] in ("forward", "backward")]
+    last = [e["name"] for e in sorted(spans, key=lambda e: e["ts"])
+            if e["pid"] == 1 and e["tid"] in ("forward", "backward")]
     assert last[:16] == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.3", "B0.2", "B0.1", "B0.0",
                          "F1.0", "F1.1", "F1.2", "F1.3", "B1.3", "B1.2", "B1.1", "B1.0"]
     rec = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
@@ -73,7 +74,8 @@ def test_prefetch_runs_the_next_steps_first_forwards_ahead_and_verifies(tmp_path
     evals = reference_evals(args)
     target = (evals[1] + evals[2]) / 2
     trace = tmp_path / "trace.json"
-    proc = run_cli(*args, *NCCL_RULES, "--target-loss", f"{target!r}", "--n-slices", "4", "--prefetch", "2", "--verify", "--trace",
+    proc = run_cli(*args, *NCCL_RULES, "--target-loss", f"{target!r}", "--n-slices", "4", "--prefetch", "2", "--verify",
+                   "--trace",
                    str(trace), "--out", str(tmp_path / "runs.jsonl"))
     assert_verified(proc)
     rec = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])

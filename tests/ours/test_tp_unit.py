@@ -16,7 +16,8 @@ def test_rank_layout_round_trips_and_keeps_t1_order():
     ranks = [rank_of(d, p, t, pp, tp) for d in range(dp) for p in range(pp) for t in range(tp)]
     assert ranks == list(range(pp * tp * dp))
     assert all(rank_of(*coords(r, pp, tp), pp, tp) == r for r in ranks)
-    assert [rank_of(d, p, 0, pp, 1) for d in range(dp) for p in range(pp)] == [d * pp + p for d in range(dp) for p in range(pp)]
+    assert ([rank_of(d, p, 0, pp, 1) for d in range(dp) for p in range(pp)]
+            == [d * pp + p for d in range(dp) for p in range(pp)])
     assert pipeline_links(2, 1, 2) == [(0, 2), (2, 0), (1, 3), (3, 1)]  # same tp_rank of adjacent stages
     assert sorted(dp_links(1, 2, 2)) == [(0, 2), (1, 3), (2, 0), (3, 1)]  # same (stage, tp_rank)
 

@@ -1,6 +1,6 @@
 """Lossy wire precision (opt-in): activations, their gradients and the DP push and pull in bf16 stay
-close to the fp32 wire, and do differ from it (the lossy path is taken); the DP replicas stay identical. One training step of P-2 D-2
-per DP mode, on real gloo ranks (tests/ours/_wire_dtype.py)."""
+close to the fp32 wire, and do differ from it (the lossy path is taken); the DP replicas stay identical. One training
+step of P-2 D-2 per DP mode, on real gloo ranks (tests/ours/_wire_dtype.py)."""
 from __future__ import annotations
 
 import json

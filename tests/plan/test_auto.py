@@ -64,8 +64,11 @@ def test_without_a_profile_the_host_is_a_device_of_its_own(tmp_path, monkeypatch
 @pytest.mark.multiprocess  # the profile's point-to-point part starts two gloo processes
 def test_cli_profile_solve(tmp_path):
     env = {"OURS_PLAN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "ours.plan", *a], cwd=REPO, capture_output=True, text=True,
-                                    timeout=300, env=env)
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "ours.plan", *a], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env=env)
+
     p = run("profile", "--model", "tiny", "--seq-len", "64", "--quick", "--no-progress")
     assert p.returncode == 0, p.stderr
     (prof,) = tmp_path.glob("cpu-h128-a4-s64-v512.json")

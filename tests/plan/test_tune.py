@@ -29,7 +29,7 @@ def test_the_start_stays_where_no_neighbour_is_faster():
 
 
 def test_a_noisy_step_that_stopped_the_descent_is_timed_again():
-    """The main job's T-2 search of 2026-11-26: one slow step of K=2 stopped the descent at K=4."""
+    """A T-2 search of the main job: one slow step of K=2 stopped the descent at K=4."""
     steps = {1: [0.73, 0.74], 2: [0.93, 0.80], 4: [0.90, 0.91], 8: [0.94, 0.95], 16: [1.35, 1.3]}
     time_k, timed = _timer({})
     t = descend(4, lambda k: (timed.append(k), steps[k].pop(0))[1])

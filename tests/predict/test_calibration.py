@@ -111,7 +111,8 @@ def test_efficiency_round_trip():
     dev = dev.with_device(dev.device.with_gemm("fp32", 0.4))
     spec = RunSpec("ours", TOY, 8, 1, Link.from_ms_gbps(0.1, 10, 1), pp=2, slices=(64,), transport="nccl")
     measured = predict(spec, dev).step_time
-    assert fit_efficiency(spec, dev.with_device(dev.device.with_gemm("fp32", 0.9)), measured) == pytest.approx(0.4, rel=1e-3)
+    fitted = fit_efficiency(spec, dev.with_device(dev.device.with_gemm("fp32", 0.9)), measured)
+    assert fitted == pytest.approx(0.4, rel=1e-3)
 
 
 def test_spec_from_a_run_config():
@@ -166,7 +167,9 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
     from predict.this_machine import record_prediction
     from runners.request import parse_request
 
-    cfg = lambda *a: parse_request(["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", *a])[0]
+    def cfg(*a):
+        return parse_request(["--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1", *a])[0]
+
     link = Link.from_ms_gbps(0.1, 10)
     auto = spec_from_config(cfg("--system", "ours", "--pp", "2"), link).slices  # the planner, this CPU's profile
     assert sum(auto) == 128 and len(auto) > 1
@@ -181,11 +184,9 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
     assert record_prediction(cfg("--system", "reference")) is None  # a record without a prediction
 
 
-
 def test_a_matrix_whose_links_differ_is_not_modelled(tmp_path, capsys):
     """Issue #31, item 4: a run under a two-region matrix was predicted (0.090 s, no DP sync, against
     0.329 s measured) as if every link were its link 0 -> 1; a matrix of one kind of link is that link."""
-    from contract.registry import get_system
     from predict.from_config import NotModelled, single_link
     from predict.this_machine import predict_records
     from runners.record import append_record, build_record
@@ -202,7 +203,8 @@ def test_a_matrix_whose_links_differ_is_not_modelled(tmp_path, capsys):
     rec = build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu"})
     append_record(tmp_path / "r.jsonl", rec)
     assert predict_records(tmp_path / "r.jsonl") == {}
-    assert f"run {rec.run_id} (ours): not predicted: --network two-region.json: a per-link matrix" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"run {rec.run_id} (ours): not predicted: --network two-region.json: a per-link matrix" in said
 
 
 def test_a_calibration_run_is_fitted_by_its_median_repetition():

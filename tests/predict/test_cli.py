@@ -43,7 +43,8 @@ def test_one_run_from_the_run_commands_flags():
 def test_a_sweep_predicted_in_the_reports_shape(tmp_path):
     sweep = tmp_path / "s.toml"
     sweep.write_text('networks = ["default", "d10-1g"]\nlayouts = ["P-2"]\n'
-                     'systems = ["ours", {name = "torch_pipe", schedule = "gpipe"}, {name = "fairscale_fsdp", layouts = ["D-2"]}]\n'
+                     'systems = ["ours", {name = "torch_pipe", schedule = "gpipe"}, '
+                     '{name = "fairscale_fsdp", layouts = ["D-2"]}]\n'
                      '[fixed]\nmodel = "tiny"\nbatch_size = 2\nmicro_batch_size = 1\n')
     p = predict_cli("sweep", str(sweep))
     assert p.returncode == 0, p.stderr
@@ -150,10 +151,14 @@ def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp
     said = []
     assert local.predict_records(records, directory=tmp_path, log=said.append) == {} and said == []
     assert "largest 23 %" in json.loads(predictions_path(records).read_text())[lines[0].run_id]["not_modelled"]
-    # within the bounds: the K=2 run measured 12 % above (errors -4.8 % and -10.7 %)
-    records, lines = _records(tmp_path, medians=(truth[0] * 1.05, 1.0, truth[2] * 1.12))
+    # within the bounds: the K=2 run measured 12 % above (errors -4.8 % and -10.7 %); the runs it judged get
+    # no prediction beside them, later runs of the same case do
+    records, judged = _records(tmp_path, medians=(truth[0] * 1.05, 1.0, truth[2] * 1.12))
     local.validate_records([records], directory=tmp_path, log=lambda line: None)
     said = []
+    assert local.predict_records(records, directory=tmp_path, log=said.append) == {}
+    assert "scored this very run" in json.loads(predictions_path(records).read_text())[judged[0].run_id]["not_modelled"]
+    records, lines = _records(tmp_path, medians=(truth[0], 1.0, truth[2]))
     made = local.predict_records(records, directory=tmp_path, log=said.append)
     assert said == [] and set(made) == {lines[0].run_id, lines[2].run_id}
     assert all(p["source"] == f"predict, {cal.name}" and cal.identity["code"] in p["source"] for p in made.values())
@@ -169,11 +174,12 @@ def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp
     v["calibration"] = {**v["calibration"], "code": "another"}
     (tmp_path / "validation.json").write_text(json.dumps(v))
     assert local.predict_records(records, directory=tmp_path, log=said.append) == {}
-    assert "not validated on this calibration's runs" in json.loads(predictions_path(records).read_text())[lines[0].run_id]["not_modelled"]
+    kept = json.loads(predictions_path(records).read_text())
+    assert "not validated on this calibration's runs" in kept[lines[0].run_id]["not_modelled"]
 
 
 def test_a_case_whose_runs_the_validation_could_not_predict_is_not_modelled_and_says_why(tmp_path, monkeypatch):
-    """The main job of 1125: torch_pipe zbv has no program in the simulator, so its case was validated
+    """A main job's torch_pipe zbv has no program in the simulator, so its case was validated
     with no errors at all; predicting the records then failed on the missing error."""
     import json
 
@@ -211,7 +217,7 @@ def test_an_auto_run_is_predicted_with_the_slices_it_used():
 
 
 def test_repetitions_of_an_auto_run_are_each_predicted_with_the_slices_they_kept(tmp_path, monkeypatch):
-    """predict-check of 1126: ours' auto kept K=1, 2 and 4 in three launches of one run; the validation
+    """In predict-check, ours' auto kept K=1, 2 and 4 in three launches of one run; the validation
     predicted all three with the last one's K."""
     import json
 
@@ -223,7 +229,8 @@ def test_repetitions_of_an_auto_run_are_each_predicted_with_the_slices_they_kept
     cfg, spec = parse_request(RUN[:-2])  # --n-slices auto
     recs = []
     for slices in ([32, 32, 32, 32], [64, 64]):
-        rec = json.loads(build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu", "device_name": "cpu"}).to_json())
+        rec = json.loads(build_record(cfg, spec, "ok", None, None,
+                                      {"device_kind": "cpu", "device_name": "cpu"}).to_json())
         rec["options"]["slices"] = slices
         rec["median_step_time"] = local.predict_here(local.config_as_run(rec), None, cal).step_time  # as predicted
         recs.append(rec)

@@ -244,7 +244,8 @@ def test_ours_pushes_buckets_while_weight_gradients_run():
 
 
 def test_breakdown_adds_up():
-    s = spec("ours", pp=2, batch=2, slices=(64, 64), link=Link(0.005, 1e8), transport="gloo", dp=2, dp_mode="central_ps")
+    s = spec("ours", pp=2, batch=2, slices=(64, 64), link=Link(0.005, 1e8), transport="gloo", dp=2,
+             dp_mode="central_ps")
     p = predict(s, Fixed(0.01, 0.02, wgrad=0.3, overheads=Overheads(step=0.003, unit_layer=0.001, dp=0.002)), cores=2.0)
     assert sum(p.parts().values()) == pytest.approx(p.step_time, rel=1e-6)
     assert p.dp_sync > 0 and p.barrier > 0 and p.overhead > 0

@@ -46,7 +46,8 @@ def _gpus(n: int, name: str = "NVIDIA A100-SXM4-80GB", cap=(8, 0), arch=("sm_80"
 ])
 def test_the_peak_table_is_keyed_by_exact_model(name, model, bf16, fp16, fp32):
     assert gpu_model(name) == model
-    assert (gpu_peak_tflops(name, "bf16"), gpu_peak_tflops(name, "fp16"), gpu_peak_tflops(name, "fp32")) == (bf16, fp16, fp32)
+    peaks = (gpu_peak_tflops(name, "bf16"), gpu_peak_tflops(name, "fp16"), gpu_peak_tflops(name, "fp32"))
+    assert peaks == (bf16, fp16, fp32)
 
 
 def test_other_gpus_are_not_taken_for_a_listed_one():
@@ -92,7 +93,8 @@ def test_too_few_gpus_is_refused_in_one_line():
         judge_gpus("cuda", Gpus(), 1)
     with pytest.raises(ConfigError) as e:
         judge_gpus("auto", H100, 2)
-    assert "2 process(es) need 2 GPUs, one of their own each; this machine has 1 (NVIDIA H100 80GB HBM3)" in str(e.value)
+    assert ("2 process(es) need 2 GPUs, one of their own each; this machine has 1 (NVIDIA H100 80GB HBM3)"
+            in str(e.value))
     assert "\n" not in str(e.value)
     judge_gpus("auto", _gpus(4), 2, devices_per_process=2)  # fairscale: 2 processes x a pipe of 2 GPUs
     with pytest.raises(ConfigError, match=r"2 process\(es\) x 2 GPUs each need 4 GPUs"):
@@ -117,7 +119,8 @@ def test_resolve_devices_counts_this_nodes_processes(monkeypatch):
                      options=get_system("ours").options())
     with pytest.raises(ConfigError, match="4 process"):
         resolve_devices(ours, get_system('ours'), Placement())
-    assert resolve_devices(ours, get_system('ours'), Placement(nnodes=2, node_rank=1, rdzv_endpoint="n0:1")).hardware == \
+    assert resolve_devices(ours, get_system('ours'),
+                           Placement(nnodes=2, node_rank=1, rdzv_endpoint="n0:1")).hardware == \
         "cuda:NVIDIA A100-SXM4-80GB"
     fairscale = RunConfig(system="fairscale_fsdp", model=model, batch_size=2, micro_batch_size=1, pp=2, dp=2,
                           options=get_system("fairscale_fsdp").options())

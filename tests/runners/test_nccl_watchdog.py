@@ -16,7 +16,8 @@ def test_nccl_waits_less_than_the_run_gloo_as_long():
 
 
 def test_the_watchdog_names_the_operation(tmp_path):
-    tail = f"{WATCHDOG}\n[W] torch.distributed.elastic.multiprocessing.api: Sending process 12 closing signal SIGTERM\n" \
+    tail = f"{WATCHDOG}\n" \
+           "[W] torch.distributed.elastic.multiprocessing.api: Sending process 12 closing signal SIGTERM\n" \
            "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 0)\n  exitcode  : -6 (pid: 12)\n"
     result = collect(tmp_path, [1], timed_out=False, timeout=150, log_tail=tail)
     assert result.status == "error"

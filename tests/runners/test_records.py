@@ -26,7 +26,8 @@ def _cfg(**kw) -> RunConfig:
 def _rank(rank, times, losses=None, busy=None):
     return {"rank": rank, "step_times": times, "losses": losses, "dp_sync_times": [0.0] * len(times),
             "busy_times": busy or [],
-            "gpu_memory": [], "cpu_rss_bytes": 100 + rank, "extra": {}, "hostname": "h", "device": "cpu", "device_name": "cpu",
+            "gpu_memory": [], "cpu_rss_bytes": 100 + rank, "extra": {}, "hostname": "h", "device": "cpu",
+            "device_name": "cpu",
             "backend": "gloo", "peak_tflops": 0.1, "peak_source": "measured-matmul:fp32"}
 
 

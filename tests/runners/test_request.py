@@ -116,7 +116,8 @@ def test_options_that_would_do_nothing_are_refused():
     """Issue #31, item 9: they changed a run's label and identity without changing what it ran."""
     _refused([*OURS, "--pp", "2", "--n-slices", "4", "--prefetch", "99"],
              r"--prefetch 99 exceeds the 4 forwards the first stage runs before its first backward")
-    _refused([*OURS, "--wire-dtype", "bf16", "--dp-mode", "central_ps", "--prefetch", "3"], "--dp-mode central_ps needs --dp > 1")
+    _refused([*OURS, "--wire-dtype", "bf16", "--dp-mode", "central_ps", "--prefetch", "3"],
+             "--dp-mode central_ps needs --dp > 1")
     _refused([*OURS, "--wire-dtype", "bf16"], "--wire-dtype bf16 needs --pp > 1 or --dp > 1")
     _refused([*OURS, "--prefetch", "1"], "--prefetch needs --pp > 1")
     _refused([*OURS, "--pp", "2", "--dp-mode", "sharded_ps"], "--dp-mode sharded_ps needs --dp > 1")
@@ -147,7 +148,8 @@ def test_a_layout_or_data_this_machine_cannot_hold_is_refused(monkeypatch, tmp_p
 def test_matrix_files_are_judged_whole(tmp_path):
     """Issue #31, item 12: an unknown key, a matrix not named .json, and --help."""
     m = tmp_path / "m.json"
-    m.write_text(json.dumps({"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[0, 1], [1, 0]], "loss_pct": [[0, 1], [1, 0]]}))
+    m.write_text(json.dumps({"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[0, 1], [1, 0]],
+                             "loss_pct": [[0, 1], [1, 0]]}))
     _refused([*OURS, "--pp", "2", "--network", str(m)], "unknown key\\(s\\) 'loss_pct'; a matrix has delay_ms and "
                                                         "bandwidth_gbps only")
     t = tmp_path / "m.txt"

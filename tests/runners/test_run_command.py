@@ -1,6 +1,4 @@
 """The run command end to end: real torchrun ranks over gloo."""
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,12 +36,18 @@ def test_torch_pipe_matches_reference(layout, out_file):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--system", "torch_pipe", *TINY, "--pp", "3", "--batch-size", "4", "--micro-batch-size", "1"], "do not divide into 3"),
-    (["--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "4", "--micro-batch-size", "3"], "not divisible by --micro-batch-size"),
-    (["--system", "torch_pipe", *TINY, "--tp", "2", "--batch-size", "4", "--micro-batch-size", "1"], "does not support --tp"),
-    (["--system", "megatron", *TINY, "--tp", "3", "--batch-size", "4", "--micro-batch-size", "1"], "--tp 3 must divide"),
-    (["--system", "ours", *TINY, "--pp", "2", "--slices", "10,10", "--batch-size", "4", "--micro-batch-size", "1"], "sum to 20"),
-    (["--system", "torch_pipe", *TINY, "--pp", "2", "--schedule", "1f1b", "--batch-size", "1", "--micro-batch-size", "1"],
+    (["--system", "torch_pipe", *TINY, "--pp", "3", "--batch-size", "4", "--micro-batch-size", "1"],
+     "do not divide into 3"),
+    (["--system", "torch_pipe", *TINY, "--pp", "2", "--batch-size", "4", "--micro-batch-size", "3"],
+     "not divisible by --micro-batch-size"),
+    (["--system", "torch_pipe", *TINY, "--tp", "2", "--batch-size", "4", "--micro-batch-size", "1"],
+     "does not support --tp"),
+    (["--system", "megatron", *TINY, "--tp", "3", "--batch-size", "4", "--micro-batch-size", "1"],
+     "--tp 3 must divide"),
+    (["--system", "ours", *TINY, "--pp", "2", "--slices", "10,10", "--batch-size", "4", "--micro-batch-size", "1"],
+     "sum to 20"),
+    (["--system", "torch_pipe", *TINY, "--pp", "2", "--schedule", "1f1b", "--batch-size", "1", "--micro-batch-size",
+      "1"],
      "needs at least as many micro-batches"),
     (["--system", "nope", *TINY, "--batch-size", "4", "--micro-batch-size", "1"], "invalid choice"),
     (["--system", "reference", *TINY, "--batch-size", "0", "--micro-batch-size", "1"], "must be >= 1"),
@@ -123,7 +127,8 @@ def test_inner_command_of_a_multi_node_launch(out_file, tmp_path):
               "--micro-batch-size", "1", "--steps", "2", "--warmup", "0", "--nnodes", "2", "--rdzv-endpoint", endpoint,
               "--verify"]
     other_out = tmp_path / "node1.jsonl"
-    procs = [subprocess.Popen([*common, "--node-rank", str(r), "--out", str(out_file if r == 0 else other_out)], cwd=REPO,
+    procs = [subprocess.Popen([*common, "--node-rank", str(r), "--out", str(out_file if r == 0 else other_out)],
+                              cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
@@ -134,9 +139,11 @@ def test_inner_command_of_a_multi_node_launch(out_file, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--system", "megatron", *TINY, "--tp", "2", "--vocab-size", "127", "--batch-size", "2", "--micro-batch-size", "1"],
+    (["--system", "megatron", *TINY, "--tp", "2", "--vocab-size", "127", "--batch-size", "2", "--micro-batch-size",
+      "1"],
      "must divide by it"),
-    (["--system", "megatron", *TINY, "--pp", "2", "--schedule", "interleaved", "--batch-size", "3", "--micro-batch-size", "1"],
+    (["--system", "megatron", *TINY, "--pp", "2", "--schedule", "interleaved", "--batch-size", "3",
+      "--micro-batch-size", "1"],
      "micro-batch count (3)"),
 ])
 def test_megatron_requests_it_cannot_run(args, message, out_file):

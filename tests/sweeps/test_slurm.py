@@ -65,7 +65,8 @@ def test_an_error_of_its_own_is_blamed_before_a_peer_failure() -> None:
                "1: run: error: rank 1 was killed by SIGKILL",
                "srun: error: node02: task 1: Exited with exit code 1"])
     assert w.lost == set()
-    assert w.blame() == "node02 failed first: its run command exited with status 1: run: error: rank 1 was killed by SIGKILL"
+    assert w.blame() == ("node02 failed first: its run command exited with status 1: "
+                         "run: error: rank 1 was killed by SIGKILL")
 
 
 def test_what_the_stop_ends_is_not_blamed() -> None:
@@ -175,7 +176,8 @@ def slurm_conf_file(tmp_path: Path) -> str:
 @pytest.mark.parametrize("nodelist", ["node[03-01]", "node[01-", ""])
 def test_a_nodelist_that_cannot_be_expanded(tmp_path: Path, slurm_conf_file: str, nodelist: str) -> None:
     p = run_all(tmp_path, "--slurm", SLURM_CONF=slurm_conf_file, SLURM_JOB_ID="7", SLURM_JOB_NODELIST=nodelist)
-    assert_refused(p, tmp_path, "not inside a Slurm allocation" if not nodelist else "cannot be expanded into host names")
+    assert_refused(p, tmp_path,
+                   "not inside a Slurm allocation" if not nodelist else "cannot be expanded into host names")
 
 
 @needs_scontrol
@@ -202,12 +204,14 @@ def test_a_slurm_sweep_is_placed_on_the_allocation_not_judged_against_this_machi
     allocation's nodes: planned there, or recorded unfit where the allocation cannot hold it."""
     f = tmp_path / "big.toml"
     f.write_text('name = "big"\n[fixed]\nmodel = "tiny"\nbatch_size = 4\n[[experiment]]\nname = "x"\n'
-                 'micro_batch_sizes = [1]\nlayouts = ["P-4 D-64", "P-2 D-512"]\n  [[experiment.systems]]\n  name = "ours"\n')
+                 'micro_batch_sizes = [1]\nlayouts = ["P-4 D-64", "P-2 D-512"]\n'
+                 '  [[experiment.systems]]\n  name = "ours"\n')
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     p = subprocess.run([sys.executable, "-m", "runners.sweep", str(f), "--slurm", "--dry-run", "--out",
                         str(tmp_path / "o.jsonl")], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**clean, "SLURM_CONF": slurm_conf_file, "SLURM_JOB_ID": "7",
                             "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_GPUS_ON_NODE": "128"})
     assert p.returncode == 0, p.stderr
-    assert "--pp 4 --tp 1 --dp 64 --batch-size 4 --micro-batch-size 1 --network none  (2 node(s) x 128 rank(s)" in p.stdout
+    assert ("--pp 4 --tp 1 --dp 64 --batch-size 4 --micro-batch-size 1 --network none  (2 node(s) x 128 rank(s)"
+            in p.stdout)
     assert "does not fit: needs 1024 GPUs, the allocation has 256" in p.stdout

@@ -18,9 +18,10 @@ from runners.record import build_record
 from runners.request import parse_request
 from runners.sweep.__main__ import _transform, build_parser, main
 from runners.sweep.cluster import ClusterExecutor
-from runners.sweep.hostfile import Host, NodePlacement, parse_hostfile
+from runners.sweep.hostfile import Host, NodePlacement
 from runners.sweep.execute import recorded_keys, run_sweep
-from runners.sweep.plan import (SWEEPS_DIR, PlannedRun, SweepError, adhoc_sweep, fixed_settings, load_sweep, parse_layout,
+from runners.sweep.plan import (SWEEPS_DIR, PlannedRun, SweepError, adhoc_sweep, fixed_settings, load_sweep,
+                                parse_layout,
                                 sweep_from_dict)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +79,8 @@ def test_a_system_table_sets_its_own_runs_settings_and_set_overrides_fixed(tmp_p
                              "systems": [{"name": "reference", "batch_size": 4, "eval_every": 2},
                                          {"name": "ours", "n_slices": 2}]})
     ref, ours = (flags(r) for r in sweep.runs)
-    assert (ref["--batch-size"], ref["--eval-every"]) == ("4", "2") and list(sweep.runs[0].args).count("--batch-size") == 1
+    assert (ref["--batch-size"], ref["--eval-every"]) == ("4", "2")
+    assert list(sweep.runs[0].args).count("--batch-size") == 1
     assert (ours["--batch-size"], ours["--eval-every"], ours["--n-slices"]) == ("2", "4", "2")
     with pytest.raises(SweepError, match="one value, not a list"):
         sweep_from_dict({"fixed": {"model": "tiny", "micro_batch_size": 1, "batch_size": 2},
@@ -110,7 +112,8 @@ def test_cross_product_and_system_options(tmp_path):
     for r in net:  # argument lists of plain strings, fixed settings in every one
         assert all(isinstance(a, str) for a in r.args)
         f = flags(r)
-        assert (f["--model"], f["--seq-length"], f["--batch-size"], f["--steps"], f["--warmup"]) == ("tiny", "32", "4", "2", "0")
+        assert (f["--model"], f["--seq-length"], f["--batch-size"], f["--steps"], f["--warmup"]) == ("tiny", "32", "4",
+                                                                                                     "2", "0")
         assert r.command("o.jsonl")[:3] == [sys.executable, "-m", "runners.run"]
         assert r.command("o.jsonl")[-2:] == ["--out", "o.jsonl"]
     assert len({r.key for r in net}) == len(net)
@@ -130,7 +133,8 @@ def test_a_bad_combination_makes_the_sweep_file_bad(tmp_path):
 
 def _sweep_with(tmp_path, fixed: str = "", exp: str = "", system: str = "ours", opts: str = "") -> Path:
     return write(tmp_path, f'name = "s"\n[fixed]\nmodel = "tiny"\nbatch_size = 2\n{fixed}\n[[experiment]]\n'
-                           f'name = "x"\nmicro_batch_sizes = [1]\n{exp}\n  [[experiment.systems]]\n  name = "{system}"\n'
+                           f'name = "x"\nmicro_batch_sizes = [1]\n{exp}\n'
+                           f'  [[experiment.systems]]\n  name = "{system}"\n'
                            f'  layouts = ["P-2"]\n{opts}\n  [[experiment.systems]]\n  name = "torch_pipe"\n'
                            f'  layouts = ["P-2"]\n')
 
@@ -143,7 +147,8 @@ def test_mistakes_in_a_sweep_file_exit_2_with_one_line(tmp_path, capsys):
                                   "bandwidth_gbps": [[0 if i == j else 1 for j in range(4)] for i in range(4)]}))
     cases = [
         (dict(system="ourz"), "--system: invalid choice: 'ourz'"),
-        (dict(system="torch_pipe", opts="  n_slices = 4"), "--n-slices is an option of ours and diloco, not of torch_pipe"),
+        (dict(system="torch_pipe", opts="  n_slices = 4"),
+         "--n-slices is an option of ours and diloco, not of torch_pipe"),
         (dict(fixed="prefetch = 1"), "--prefetch is an option of ours, not of torch_pipe"),
         (dict(exp=f'networks = ["{matrix}"]'), "is 4x4, cluster has 2 hosts"),
         (dict(opts="  dp_mode = []"), "'dp_mode' must be a non-empty list"),
@@ -301,7 +306,8 @@ def test_only_selects_systems(tmp_path):
 
 def test_dry_run_prints_the_commands(tmp_path):
     out = tmp_path / "o.jsonl"
-    p = subprocess.run([sys.executable, "-m", "runners.sweep", str(write(tmp_path, SMALL)), "--dry-run", "--out", str(out)],
+    p = subprocess.run([sys.executable, "-m", "runners.sweep", str(write(tmp_path, SMALL)), "--dry-run", "--out",
+                        str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     cmds = [shlex.split(l) for l in p.stdout.splitlines() if "runners.run" in l]
@@ -328,7 +334,8 @@ def test_shipped_sweep_files_expand():
     assert {flags(r).get("--dp-mode") for r in dp.runs if r.system == "ours"} == {"allreduce", "sharded_ps"}
     assert {r.system for r in dp.runs} == {"ours", "torch_pipe", "fairscale_fsdp"}
     layout = [r for r in local.runs if r.experiment.startswith("layout")]
-    assert {flags(r)["--seq-length"] for r in layout} == {"1024"} and {flags(r)["--batch-size"] for r in layout} == {"1", "2"}
+    assert {flags(r)["--seq-length"] for r in layout} == {"1024"}
+    assert {flags(r)["--batch-size"] for r in layout} == {"1", "2"}
     assert {r.system for r in layout} >= {"reference", "torch_pipe", "ours", "megatron", "fairscale_fsdp"}
     assert any(r.system == "fairscale_fsdp" and flags(r)["--dp"] == "2" for r in net)  # Pipe + FSDP
     assert local.repeats == 3  # every claim of the main job rests on three launches
@@ -346,19 +353,24 @@ def test_shipped_sweep_files_expand():
     assert any(r.system == "ours" and flags(r)["--tp"] == "2" for r in layout)  # beside megatron T-2
     target, race = load_sweep(SWEEPS_DIR / "quality-target.toml"), load_sweep(SWEEPS_DIR / "quality.toml")
     assert not target.invalid_runs and not race.invalid_runs
-    assert {r.system for r in target.runs} == {"reference"} and {flags(r)["--seed"] for r in target.runs} == {"0", "1", "2"}
-    shared = ("--model", "--num-layers", "--hidden-size", "--vocab-size", "--data", "--tokenizer", "--lr", "--seq-length")
+    assert {r.system for r in target.runs} == {"reference"}
+    assert {flags(r)["--seed"] for r in target.runs} == {"0", "1", "2"}
+    shared = ("--model", "--num-layers", "--hidden-size", "--vocab-size", "--data", "--tokenizer", "--lr",
+              "--seq-length")
     assert {tuple(flags(r).get(k) for k in shared) for r in target.runs + race.runs} == \
         {tuple(flags(target.runs[0]).get(k) for k in shared)}  # the race's model, text and optimizer
     assert {int(flags(r)["--batch-size"]) * int(flags(r)["--dp"]) for r in target.runs + race.runs} == {8}
     assert [flags(r)["--seed"] for r in race.runs] == sorted(flags(r)["--seed"] for r in race.runs)  # round-robin
-    labels = {" ".join(f"{k}={flags(r).get(k)}" for k in ("--system", "--inner-steps", "--fragments")) for r in race.runs}
-    assert "--system=diloco --inner-steps=32 --fragments=2" in labels and all("--no-link-probe" in r.args for r in race.runs)
+    labels = {" ".join(f"{k}={flags(r).get(k)}" for k in ("--system", "--inner-steps", "--fragments"))
+              for r in race.runs}
+    assert "--system=diloco --inner-steps=32 --fragments=2" in labels
+    assert all("--no-link-probe" in r.args for r in race.runs)
     assert len({r.network for r in race.runs}) == 4 and len(race.runs) == len(labels) * 4 * 3
 
 
 def test_adhoc_network_sweep(tmp_path):
-    s = adhoc_sweep(["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "4", "--micro-batch-size", "1"],
+    s = adhoc_sweep(["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "4", "--micro-batch-size",
+                     "1"],
                     ["default", "delay 3ms bandwidth 500Mbps"])
     assert [r.network for r in s.runs] == ["default", "delay 3ms bandwidth 500Mbps"]
     assert all(r.valid for r in s.runs)
@@ -377,11 +389,13 @@ def test_netem_sweep_sh_dry_run(tmp_path):
     cmds = [shlex.split(l) for l in p.stdout.splitlines() if "runners.run" in l]
     assert [c[c.index("--network") + 1] for c in cmds] == ["d10-1g", "delay 3ms bandwidth 500Mbps"]
     p = subprocess.run(["bash", "runners/netem_sweep.sh", "--dry-run", "--", "--system", "ours", "--model", "tiny",
-                        "--pp", "2", "--batch-size", "4", "--micro-batch-size", "1"], cwd=REPO, capture_output=True, text=True,
+                        "--pp", "2", "--batch-size", "4", "--micro-batch-size", "1"], cwd=REPO, capture_output=True,
+                       text=True,
                        timeout=60, env=dict(os.environ, PYTHON=sys.executable))
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("runners.run") == 5 and "results/netem_sweep.jsonl" in p.stdout
-    p = subprocess.run(["bash", "runners/netem_sweep.sh", "d10-1g"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    p = subprocess.run(["bash", "runners/netem_sweep.sh", "d10-1g"], cwd=REPO, capture_output=True, text=True,
+                       timeout=30)
     assert p.returncode == 2 and "usage" in p.stderr
 
 
@@ -469,7 +483,8 @@ def test_cluster_failure_without_record_is_recorded(tmp_path, monkeypatch):
             return self.returncode
 
     monkeypatch.setattr(cl.subprocess, "Popen", FakeProc)
-    monkeypatch.setattr(cl.subprocess, "run", lambda argv, **kw: (seen.append(argv), subprocess.CompletedProcess(argv, 255, "", "no"))[1])
+    monkeypatch.setattr(cl.subprocess, "run",
+                        lambda argv, **kw: (seen.append(argv), subprocess.CompletedProcess(argv, 255, "", "no"))[1])
     out = tmp_path / "o.jsonl"
     rc, tail = ClusterExecutor([Host("n0"), Host("n1")])(sweep.runs[0], out)
     assert rc == 1 and "Could not resolve" in tail
@@ -489,7 +504,8 @@ def test_run_all_sh_dry_run(tmp_path):
     local = load_sweep("local.toml")
     runs = len({r.key for r in local.valid_runs})
     assert p.stdout.count("runners.run") == runs * local.repeats and "sweep local" in p.stdout  # every launch
-    p = subprocess.run(["bash", "runners/run_all.sh", "--dry-run", "--repeats", "1", "--out", str(tmp_path / "l.jsonl")],
+    p = subprocess.run(["bash", "runners/run_all.sh", "--dry-run", "--repeats", "1", "--out",
+                        str(tmp_path / "l.jsonl")],
                        cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 0 and p.stdout.count("runners.run") == runs, p.stderr
     hf = write(tmp_path, "n0\nn1\n", "hosts")
@@ -516,7 +532,8 @@ def test_the_same_run_twice_in_a_sweep_runs_once(tmp_path):
     assert len(calls) == 1 and res.skipped == 1
     for system, message in (({"name": "torch_pipe", "n_slices": 4, "dp_mode": "sharded_ps"},
                              "--dp-mode is an option of ours, not of torch_pipe"),
-                            ({"name": "torch_pipe", "trace": "t.json"}, "--trace is an option of ours, not of torch_pipe")):
+                            ({"name": "torch_pipe", "trace": "t.json"},
+                             "--trace is an option of ours, not of torch_pipe")):
         with pytest.raises(SweepError, match=message):
             sweep_from_dict({"fixed": {"model": "tiny", "batch_size": 2, "micro_batch_size": 1}, "layouts": ["P-2"],
                              "systems": ["torch_pipe", system]})
@@ -588,7 +605,8 @@ def test_repeats_launch_every_run_round_robin_and_a_resumed_sweep_makes_only_the
     valid = [r for r in sweep.valid_runs if not r.emulated]
     net = [r for r in valid if r.experiment == "net"]
     out = tmp_path / "o.jsonl"
-    out.write_text(_fake_record(net[0]) + "\n" + _fake_record(net[0]) + "\n" + _fake_record(net[1], status="error") + "\n")
+    out.write_text(_fake_record(net[0]) + "\n" + _fake_record(net[0]) + "\n"
+                   + _fake_record(net[1], status="error") + "\n")
     calls: list[PlannedRun] = []
 
     def executor(r, o):

@@ -12,7 +12,8 @@ from tests.conftest import REPO
 
 
 def _check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the path without a GPU")

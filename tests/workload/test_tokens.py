@@ -55,7 +55,8 @@ def test_token_source_and_describe_with_bpe(text):
     held = read_tokens(text, "bpe", 300).heldout
     assert hx[:, 0].tolist() == [int(held[s]) for s in heldout_starts(len(held), 16, 4)]
     d = describe(text, "bpe", 300, seq_len=16)
-    assert d["tokenizer"]["kind"] == "bpe" and d["tokenizer"]["vocab_size"] == 300 and len(d["tokenizer"]["sha256"]) == 64
+    assert d["tokenizer"]["kind"] == "bpe" and d["tokenizer"]["vocab_size"] == 300
+    assert len(d["tokenizer"]["sha256"]) == 64
     assert d["tokenizer"]["settings"]["min_frequency"] == 2 and d["tokenizer"]["library"].startswith("tokenizers ")
     assert set(d["unigram_nats"]) == {"heldout", "eval_batch"} and d["unigram_nats"]["heldout"] > 0
     assert describe(text)["tokenizer"] == {"kind": "byte"}
@@ -90,9 +91,11 @@ def test_the_tokenizer_is_judged_before_launch():
     with pytest.raises(ConfigError, match="--tokenizer bpe tokenizes text: it needs --data"):
         check_common(RunConfig(**base, tokenizer="bpe"))
     with pytest.raises(ConfigError, match="--vocab-size in 257..65536, got 256"):
-        check_common(RunConfig(**{**base, "model": tiny.with_overrides(vocab_size=256)}, data="stdlib", tokenizer="bpe"))
+        check_common(RunConfig(**{**base, "model": tiny.with_overrides(vocab_size=256)}, data="stdlib",
+                               tokenizer="bpe"))
     with pytest.raises(ConfigError, match="byte.*needs --vocab-size >= 256"):
         check_common(RunConfig(**{**base, "model": tiny.with_overrides(vocab_size=128)}, data="stdlib"))
     check_common(RunConfig(**base, data="pydocs", tokenizer="bpe"))
     byte = RunConfig(**base, data="stdlib")
-    assert "tokenizer" not in byte.identity() and RunConfig(**base, data="stdlib", tokenizer="bpe").identity()["tokenizer"] == "bpe"
+    assert "tokenizer" not in byte.identity()
+    assert RunConfig(**base, data="stdlib", tokenizer="bpe").identity()["tokenizer"] == "bpe"

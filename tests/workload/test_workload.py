@@ -5,7 +5,7 @@ import torch
 from workload.configs import MODEL_CONFIGS, get_model_config
 from workload.data import TokenSource, synthetic_tokens
 from workload.flops import flops_per_token
-from workload.model import GPT, build_gpt, count_params, init_weights, lm_loss
+from workload.model import build_gpt, count_params, lm_loss
 from workload.partition import build_stage, stage_specs
 
 TINY = get_model_config("tiny").with_overrides(n_embd=64, seq_len=32, vocab_size=128)
