@@ -535,6 +535,7 @@ def quality_frame(records: list[dict], target: float | None = None) -> pd.DataFr
         ident = json.loads(r["key"]) if r.get("key") else dict(c)
         ident.pop("seed", None)
         every = int((r.get("options") or {}).get("eval_weights_every") or 1)
+        local_steps = "eval_weights_every" in (r.get("options") or {})  # replicas step apart (DiLoCo)
         hit = crossing(evals, goal, every)
         last = evals[-1]
         setting, label, order = network_row(r)
@@ -544,6 +545,7 @@ def quality_frame(records: list[dict], target: float | None = None) -> pd.DataFr
             "column": f"{r.get('label') or r['system']} {layout_words(r['layout'])}",
             "network": setting, "network_label": label, "order": order, "network_name": r["network"],
             "reached": hit is not None, "steps": last["step"], "weights_every": every,
+            "synchronous": not local_steps,
             "time": hit["wall_time"] if hit else None, "tokens": hit["tokens"] if hit else None,
             "bytes": hit["bytes"] if hit else None,
             "bytes_per_token": sum(last["bytes_sent"]) / last["tokens"] if last["tokens"] else None,
@@ -713,6 +715,38 @@ def quality_winners(g: pd.DataFrame) -> list[str]:
     return lines
 
 
+def against_synchronous(g: pd.DataFrame) -> list[str]:
+    """Per network setting, every column that reached the target in every run against the synchronous
+    one (the runs whose replicas never step apart: a single such column), where their intervals
+    separate; [] where there is no single synchronous column."""
+    sync = g[g["synchronous"]]["column"].unique()
+    if len(sync) != 1:
+        return []
+    lines = []
+    for net in _quality_axes(g)[0]:
+        at = g[g["network"] == net]
+        base = at[at["column"] == sync[0]]
+        if base.empty or not base["reached"].all():
+            continue
+        b = estimate(base["time"])
+        parts = []
+        for col, runs in at[at["column"] != sync[0]].groupby("column", sort=False):
+            if not runs["reached"].all():
+                parts.append(f"`{col}` did not reach the target in every run")
+                continue
+            e = estimate(runs["time"])
+            if separated(b, e):
+                ratio, low, high = ratio_interval(b, e)
+                word = "faster" if ratio > 1 else "slower"
+                shown = ratio if ratio > 1 else 1 / ratio
+                span = (low, high) if ratio > 1 else (1 / high, 1 / low)
+                parts.append(f"{_to_target(e, col)}: **{shown:.2f}x** ({span[0]:.2f}-{span[1]:.2f}x) {word}")
+            else:
+                parts.append(f"{_to_target(e, col)}: {no_difference(b, e)}")
+        lines.append(f"- {at['network_label'].iloc[0]}, against {_to_target(b, sync[0])}: " + "; ".join(parts))
+    return lines
+
+
 def quality_section(records: list[dict], target: float | None = None) -> str:
     """The time-to-quality section ("" if no record has eval points and a target)."""
     df = quality_frame(records, target)
@@ -728,6 +762,8 @@ def quality_section(records: list[dict], target: float | None = None) -> str:
                   "every rank's TCP payload, summed.",
                   "#### Training wall time to the target", _quality_table(g, quality_cell),
                   "Which wins (only where the intervals separate):\n\n" + "\n".join(quality_winners(g)),
+                  *(["Against synchronous training (the ratio of medians and its range over the intervals, only "
+                     "where they separate):\n\n" + "\n".join(against_synchronous(g))] if against_synchronous(g) else []),
                   "#### Tokens to the target", _quality_table(g, _to_target_cell("tokens", _tokens)),
                   "#### Bytes sent to the target", _quality_table(g, _to_target_cell("bytes", _bytes)),
                   f"#### Bytes sent per token: {group}",

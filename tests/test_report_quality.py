@@ -5,7 +5,8 @@ import json
 
 from contract import RunConfig
 from contract.registry import get_system
-from report import crossing, main, plot_quality, quality_section, quality_target_lines, quality_targets, render
+from report import (against_synchronous, crossing, main, plot_quality, quality_frame, quality_section,
+                    quality_target_lines, quality_targets, render)
 from runners.record import build_record
 from workload.configs import get_model_config
 
@@ -60,6 +61,22 @@ def test_time_tokens_and_bytes_to_the_target_with_intervals(tmp_path):
     assert "`diloco H=4 P-2 D-2` 1.80 s" in win and "faster than `ours sharded_ps P-2 D-2` 3.85 s" in win
     assert "not reached in every run: `torch_pipe gpipe P-2 D-2`" in win
     assert [p.name for p in plot_quality(recs, tmp_path)] == ["quality-0-time.png", "quality-0-bytes.png"]
+
+
+def test_every_diloco_column_against_the_synchronous_one():
+    recs = []
+    for seed in (0, 1, 2):
+        recs.append(_rec("ours", "d50-1g", seed, [5.6, 4.0, 3.4], 2.0 + 0.1 * seed, 1000, dp_mode="sharded_ps"))
+        recs.append(_rec("diloco", "d50-1g", seed, [5.6, 4.2, 3.4], 1.0 + 0.1 * seed, 100, inner_steps=4,
+                         extra={"eval_weights_every": 4}))
+        recs.append(_rec("diloco", "d50-1g", seed, [5.6, 4.2, 3.4], 1.9 + 0.2 * seed, 100, inner_steps=8,
+                         extra={"eval_weights_every": 8}))
+    (line,) = against_synchronous(quality_frame(recs))
+    assert line.startswith("- delay 50ms  bandwidth 1Gbps, against `ours sharded_ps P-2 D-2` 3.85 s ±5 %")
+    assert "`diloco H=4 P-2 D-2` 2.20 s ±10 %: **1.75x** (1.53-2.02x) faster" in line  # 3.85/2.2; 3.67/2.4, 4.03/2.0
+    assert "`diloco H=8 P-2 D-2` 4.20 s" in line and "no difference beyond noise" in line
+    torch_pipe = [_rec("torch_pipe", "d50-1g", 0, [5.6, 3.4], 3.0, 10)]
+    assert against_synchronous(quality_frame(recs + torch_pipe)) == []  # two synchronous columns: no base
 
 
 def test_the_target_line_says_where_synchronous_training_is_and_the_unigram():
