@@ -763,7 +763,7 @@ def quality_section(records: list[dict], target: float | None = None) -> str:
                   "#### Training wall time to the target", _quality_table(g, quality_cell),
                   "Which wins (only where the intervals separate):\n\n" + "\n".join(quality_winners(g)),
                   *(["Against synchronous training (the ratio of medians and its range over the intervals, only "
-                     "where they separate):\n\n" + "\n".join(against_synchronous(g))] if against_synchronous(g) else []),
+                     "where they separate):\n\n" + "\n".join(against)] if (against := against_synchronous(g)) else []),
                   "#### Tokens to the target", _quality_table(g, _to_target_cell("tokens", _tokens)),
                   "#### Bytes sent to the target", _quality_table(g, _to_target_cell("bytes", _bytes)),
                   f"#### Bytes sent per token: {group}",
