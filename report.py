@@ -546,6 +546,7 @@ def quality_frame(records: list[dict], target: float | None = None) -> pd.DataFr
             "network": setting, "network_label": label, "order": order, "network_name": r["network"],
             "reached": hit is not None, "steps": last["step"], "weights_every": every,
             "synchronous": not local_steps,
+            "oversubscribed": describe_oversubscription(r["oversubscribed"]) if r.get("oversubscribed") else "",
             "time": hit["wall_time"] if hit else None, "tokens": hit["tokens"] if hit else None,
             "bytes": hit["bytes"] if hit else None,
             "bytes_per_token": sum(last["bytes_sent"]) / last["tokens"] if last["tokens"] else None,
@@ -715,6 +716,16 @@ def quality_winners(g: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _contention(g: pd.DataFrame) -> list[str]:
+    """A note where a group's runs had more ranks than cores: their times hold CPU contention."""
+    over = sorted(set(g["oversubscribed"]) - {""})
+    if not over:
+        return []
+    every = "every run" if (g["oversubscribed"] != "").all() else "some runs"
+    return [f"Oversubscribed: {every} here ({'; '.join(over)}): the times hold CPU contention, alike for every column "
+            "that shares it; the tokens and bytes do not depend on it."]
+
+
 def against_synchronous(g: pd.DataFrame) -> list[str]:
     """Per network setting, every column that reached the target in every run against the synchronous
     one (the runs whose replicas never step apart: a single such column), where their intervals
@@ -760,7 +771,7 @@ def quality_section(records: list[dict], target: float | None = None) -> str:
                   f"a bootstrap 95 % interval of the median from {BOOTSTRAP_FROM}; one run has none); "
                   f"{CROSSING_RULE}. The time leaves out the harness's timing barriers and the evals; bytes are "
                   "every rank's TCP payload, summed.",
-                  "#### Training wall time to the target", _quality_table(g, quality_cell),
+                  "#### Training wall time to the target", *_contention(g), _quality_table(g, quality_cell),
                   "Which wins (only where the intervals separate):\n\n" + "\n".join(quality_winners(g)),
                   *(["Against synchronous training (the ratio of medians and its range over the intervals, only "
                      "where they separate):\n\n" + "\n".join(against)] if (against := against_synchronous(g)) else []),
