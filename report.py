@@ -14,8 +14,10 @@ Reads only RunRecords (JSON lines; a line that is not a record is skipped with a
   in the seed's notation (``T-4 P-2``), cells ``19.71 s`` or ``Fail (OOM)``;
 - network tables, for runs under emulation: rows = the network settings (fastest to slowest), columns =
   system and layout (DP degree);
-- time to quality, for runs with eval points (``--eval-every``): per network setting, wall time and tokens
-  to a held-out loss, bytes sent per token, which wins; plots of held-out loss against wall time;
+- time to quality, for runs with eval points (``--eval-every``): the race's target against the held-out
+  unigram cross-entropy and where synchronous training reaches it (the line ``target: ...``, before the
+  tables), then per network setting wall time, tokens and bytes sent to the held-out loss, bytes sent
+  per token, which wins; plots of held-out loss against wall time and against bytes sent;
 - every run (tokens/s, MFU, peak memory per rank, sync times, the choices a system made) and the failures.
 Each table is headed once by what is fixed in it. A table holds the runs of exactly one configuration
 apart from its axes, so a cell never mixes runs of different configs. The records of one run (its
@@ -37,7 +39,8 @@ import pandas as pd
 
 from contract.config import VOLATILE_FIELDS, RunConfig
 from contract.config import ConfigError
-from contract.estimate import INTERVAL_RULE, PAIRED_RULE, estimate, no_difference, paired, ratio_interval, separated
+from contract.estimate import (BOOTSTRAP_FROM, INTERVAL_RULE, PAIRED_RULE, estimate, no_difference, paired,
+                               ratio_interval, separated)
 from contract.records import layout_words, predictions_path, read_predictions, read_records, record_files
 from contract.registry import get_system, read_options
 
@@ -531,7 +534,7 @@ def render(records: list[dict], target: float | None = None) -> str:
     if df.empty:
         return "No run records found.\n"
     layouts, networks = _tables(df, emulated=False), _tables(df, emulated=True)
-    parts = ["# Results", provenance(records)[0], summary(layouts, networks)]
+    parts = ["# Results", provenance(records)[0], *quality_target_lines(records), summary(layouts, networks)]
     net, lay = network_tables(networks), layout_tables(layouts)
     if lay:
         parts += ["## Layouts (no network emulation)", *lay]
@@ -544,11 +547,11 @@ def render(records: list[dict], target: float | None = None) -> str:
 
 # Time to quality: runs with eval points (``--eval-every``, ``contract.evaluation``) racing to a held-out
 # loss. A run's target is its ``--target-loss``; the report's ``--target`` stands in for runs recorded
-# without one. Time and tokens are read at eval points, so they are as fine as ``--eval-every``.
+# without one. The crossing: ``crossing``.
 
 
 def _quality_group(r: dict) -> str:
-    """What a time-to-quality table's runs share: model, global batch, data, precision, optimizer."""
+    """What a time-to-quality table's runs share: model, global batch, data and tokens, precision, optimizer."""
     c = r.get("config") or {}
     shape = r["model_shape"]
     opt = c.get("optimizer") or {}
@@ -556,14 +559,41 @@ def _quality_group(r: dict) -> str:
     data = c.get("data") or "synthetic"
     if corpus.get("sha256"):
         data += f" (sha256 {corpus['sha256'][:12]})"
+    if c.get("tokenizer", "byte") != "byte":
+        data += f", {c['tokenizer']} {shape['vocab_size']}"
     return (f"model {r['model']} (L{shape['n_layer']} h{shape['n_embd']} a{shape['n_head']} s{shape['seq_len']}); "
             f"global batch {r['global_batch_size']}; data {data}; {r.get('precision', 'fp32')}; "
             f"{opt.get('kind', 'adam')} lr {opt.get('lr', 0):g}")
 
 
+CROSSING_RULE = ("the crossing is interpolated linearly (in loss) between the last eval above the target and the "
+                 "first at or below it where the evaluated weights change every step; where they change only every "
+                 "c steps (DiLoCo's global weights, at its syncs: c = H/F) it is the first eval at or below the "
+                 "target, exact where the evals come every c steps")
+
+
+def crossing(evals: list[dict], goal: float, every: int = 1) -> dict | None:
+    """Where a run's held-out loss first reaches ``goal`` (``CROSSING_RULE``): its step, tokens,
+    wall time and bytes sent (every rank's, summed), or None. ``every``: the steps between changes of
+    the evaluated weights."""
+    prev = None
+    for e in evals:
+        if e["loss"] <= goal:
+            frac = 1.0
+            if prev is not None and every == 1 and prev["loss"] > e["loss"]:
+                frac = (prev["loss"] - goal) / (prev["loss"] - e["loss"])
+            at = lambda key: prev[key] + frac * (e[key] - prev[key]) if prev is not None else e[key]  # noqa: E731
+            return {"step": at("step"), "tokens": at("tokens"), "wall_time": at("wall_time"),
+                    "bytes": (sum(prev["bytes_sent"]) + frac * (sum(e["bytes_sent"]) - sum(prev["bytes_sent"]))
+                              if prev is not None else sum(e["bytes_sent"]))}
+        prev = e
+    return None
+
+
 def quality_frame(records: list[dict], target: float | None = None) -> pd.DataFrame:
     """One row per ok run with eval points and a target: its repetition group (runs that differ only in
-    ``--seed``), column, network setting, target and what it reached (the newest record of a repetition)."""
+    ``--seed``), column, network setting, target and where it crossed it (``crossing``; the newest
+    record of a repetition)."""
     rows = []
     for r in records:
         evals = r.get("evals") or []
@@ -573,7 +603,9 @@ def quality_frame(records: list[dict], target: float | None = None) -> pd.DataFr
             continue
         ident = json.loads(r["key"]) if r.get("key") else dict(c)
         ident.pop("seed", None)
-        hit = next((e for e in evals if e["loss"] <= goal), None)
+        every = int((r.get("options") or {}).get("eval_weights_every") or 1)
+        local_steps = "eval_weights_every" in (r.get("options") or {})  # replicas step apart (DiLoCo)
+        hit = crossing(evals, goal, every)
         last = evals[-1]
         setting, label, order = network_row(r)
         rows.append({
@@ -581,8 +613,11 @@ def quality_frame(records: list[dict], target: float | None = None) -> pd.DataFr
             "seed": c.get("seed", 0), "group": _quality_group(r), "target": goal,
             "column": f"{r.get('label') or r['system']} {layout_words(r['layout'])}",
             "network": setting, "network_label": label, "order": order, "network_name": r["network"],
-            "reached": hit is not None, "steps": last["step"],
+            "reached": hit is not None, "steps": last["step"], "weights_every": every,
+            "synchronous": not local_steps,
+            "oversubscribed": describe_oversubscription(r["oversubscribed"]) if r.get("oversubscribed") else "",
             "time": hit["wall_time"] if hit else None, "tokens": hit["tokens"] if hit else None,
+            "bytes": hit["bytes"] if hit else None,
             "bytes_per_token": sum(last["bytes_sent"]) / last["tokens"] if last["tokens"] else None,
             "evals": evals,
         })
@@ -593,22 +628,104 @@ def quality_frame(records: list[dict], target: float | None = None) -> pd.DataFr
             .reset_index(drop=True))
 
 
+def quality_targets(records: list[dict]) -> dict[str, dict]:
+    """Per group (``_quality_group``): where synchronous training is at its token budget, from the
+    reference's runs with eval points and no target (the newest record per seed): the tokens N of
+    its last eval, the held-out losses there (one per seed) and their median, the race's target."""
+    found: dict[str, dict[int, tuple[str, dict]]] = {}
+    for r in records:
+        c = r.get("config") or {}
+        if r.get("system") != "reference" or r.get("status") != "ok" or not r.get("evals") or c.get("target_loss"):
+            continue
+        seeds = found.setdefault(_quality_group(r), {})
+        seed = c.get("seed", 0)
+        if seed not in seeds or r.get("timestamp", "") >= seeds[seed][0]:
+            seeds[seed] = (r.get("timestamp", ""), r["evals"][-1])
+    out = {}
+    for group, seeds in found.items():
+        last = [e for _, e in seeds.values()]
+        losses = [e["loss"] for e in last]
+        out[group] = {"tokens": statistics.median(e["tokens"] for e in last), "losses": losses,
+                      "loss": statistics.median(losses), "seeds": sorted(seeds)}
+    return out
+
+
+def _unigram(records: list[dict], group: str) -> float | None:
+    """The held-out unigram cross-entropy over the eval batch of a group's text, as its runs recorded it."""
+    for r in records:
+        uni = ((r.get("environment") or {}).get("corpus") or {}).get("unigram_nats")
+        if uni and r.get("evals") and _quality_group(r) == group:
+            return uni["eval_batch"]
+    return None
+
+
+MIN_BELOW_UNIGRAM = 0.5  # nats: a target above (unigram - this) measures little beyond token frequencies
+
+
+def quality_target_lines(records: list[dict]) -> list[str]:
+    """Per race (group and target): ``target: X nats (unigram: Y nats; synchronous at N tokens)``, the
+    reference's losses there, and a warning where X is not MIN_BELOW_UNIGRAM below Y."""
+    df = quality_frame(records)
+    if df.empty:
+        return []
+    refs = quality_targets(records)
+    lines = []
+    for (group, goal), _ in df.groupby(["group", "target"], sort=False):
+        uni, ref = _unigram(records, group), refs.get(group)
+        uni_text = f"{uni:.3f}" if uni is not None else "?"
+        tokens_text = f"{ref['tokens']:,.0f}" if ref else "?"
+        line = f"target: {goal:.3f} nats (unigram: {uni_text} nats; synchronous at {tokens_text} tokens)"
+        notes = []
+        if ref:
+            notes.append(f"the reference's held-out loss at {ref['tokens']:,.0f} tokens, seeds "
+                         f"{', '.join(map(str, ref['seeds']))}: {', '.join(f'{x:.3f}' for x in ref['losses'])} "
+                         f"(median {ref['loss']:.3f})")
+        else:
+            notes.append("no reference run with eval points in these records: where the target comes from is not shown")
+        if uni is None:
+            notes.append("the records carry no unigram cross-entropy")
+        elif goal > uni - MIN_BELOW_UNIGRAM:
+            notes.append(f"**the target is not {MIN_BELOW_UNIGRAM} nats below the unigram figure**: the race measures "
+                         "little beyond learning token frequencies")
+        lines.append(f"{line}\n\n{group}: " + "; ".join(notes) + ".")
+    return lines
+
+
 def _seconds(t: float) -> str:
     return f"{t:.1f} s" if t >= 10 else f"{t:.2f} s"
 
 
-def quality_cell(runs: pd.DataFrame) -> str:
-    """One column's runs at one network setting: the time to the target (``estimate``: median ± its
-    interval) and the median tokens, or "not reached in N steps"."""
-    reached = runs[runs["reached"]]
-    n = len(runs)
-    if reached.empty:
-        return f"not reached in {int(runs['steps'].max())} steps" + (f" ({n} runs)" if n > 1 else "")
-    est = estimate(reached["time"])
-    tokens = statistics.median(reached["tokens"])
-    count = f"{tokens / 1000:.1f}k" if tokens >= 1000 else f"{tokens:.0f}"
-    text = f"{_seconds(est.median)} {est.plus_minus()}, {count} tokens"
-    return text + (f" ({len(reached)}/{n} reached)" if len(reached) < n else "")
+def _tokens(n: float) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _interval(values, fmt) -> str:
+    """The median of a column's runs and its interval (``contract.estimate``): '12.3 s [11.0 s-14.1 s]'."""
+    est = estimate(values)
+    return fmt(est.median) + (f" [{fmt(est.low)}-{fmt(est.high)}]" if est.has_interval else " (1 run)")
+
+
+def _to_target_cell(column: str, fmt):
+    """A table's cell: the median and interval of ``column`` at the crossing over the runs that
+    reached the target, how many did, or "not reached in N steps"."""
+    def cell(runs: pd.DataFrame) -> str:
+        reached = runs[runs["reached"]]
+        n = len(runs)
+        if reached.empty:
+            return f"not reached in {int(runs['steps'].max())} steps" + (f" ({n} runs)" if n > 1 else "")
+        text = _interval(reached[column], fmt)
+        return (f"{len(reached)}/{n} reached: " + text) if len(reached) < n else text
+    return cell
+
+
+quality_cell = _to_target_cell("time", _seconds)
 
 
 def _quality_axes(g: pd.DataFrame) -> tuple[list[str], list[str]]:
@@ -633,8 +750,7 @@ def _bytes_cell(runs: pd.DataFrame) -> str:
     values = runs["bytes_per_token"].dropna()
     if values.empty:
         return ""
-    med = statistics.median(values)
-    return f"{med:,.0f}" if med >= 10 else f"{med:.2f}"
+    return _interval(values, lambda b: f"{b:,.0f}" if b >= 10 else f"{b:.2f}")
 
 
 def _to_target(est, column: str) -> str:
@@ -669,6 +785,48 @@ def quality_winners(g: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _contention(g: pd.DataFrame) -> list[str]:
+    """A note where a group's runs had more ranks than cores: their times hold CPU contention."""
+    over = sorted(set(g["oversubscribed"]) - {""})
+    if not over:
+        return []
+    every = "every run" if (g["oversubscribed"] != "").all() else "some runs"
+    return [f"Oversubscribed: {every} here ({'; '.join(over)}): the times hold CPU contention, alike for every column "
+            "that shares it; the tokens and bytes do not depend on it."]
+
+
+def against_synchronous(g: pd.DataFrame) -> list[str]:
+    """Per network setting, every column that reached the target in every run against the synchronous
+    one (the runs whose replicas never step apart: a single such column), where their intervals
+    separate; [] where there is no single synchronous column."""
+    sync = g[g["synchronous"]]["column"].unique()
+    if len(sync) != 1:
+        return []
+    lines = []
+    for net in _quality_axes(g)[0]:
+        at = g[g["network"] == net]
+        base = at[at["column"] == sync[0]]
+        if base.empty or not base["reached"].all():
+            continue
+        b = estimate(base["time"])
+        parts = []
+        for col, runs in at[at["column"] != sync[0]].groupby("column", sort=False):
+            if not runs["reached"].all():
+                parts.append(f"`{col}` did not reach the target in every run")
+                continue
+            e = estimate(runs["time"])
+            if separated(b, e):
+                ratio, low, high = ratio_interval(b, e)
+                word = "faster" if ratio > 1 else "slower"
+                shown = ratio if ratio > 1 else 1 / ratio
+                span = (low, high) if ratio > 1 else (1 / high, 1 / low)
+                parts.append(f"{_to_target(e, col)}: **{shown:.2f}x** ({span[0]:.2f}-{span[1]:.2f}x) {word}")
+            else:
+                parts.append(f"{_to_target(e, col)}: {no_difference(b, e)}")
+        lines.append(f"- {at['network_label'].iloc[0]}, against {_to_target(b, sync[0])}: " + "; ".join(parts))
+    return lines
+
+
 def quality_section(records: list[dict], target: float | None = None) -> str:
     """The time-to-quality section ("" if no record has eval points and a target)."""
     df = quality_frame(records, target)
@@ -677,21 +835,27 @@ def quality_section(records: list[dict], target: float | None = None) -> str:
     parts = ["## Time to quality"]
     for (group, goal), g in df.groupby(["group", "target"], sort=False):
         parts += [f"### Held-out loss {goal:g}: {group}",
-                  f"Cells: training wall time to the first eval at or below the target (the {INTERVAL_RULE}; "
-                  "repetitions: runs that differ only in seed) and the median tokens; the time leaves out the "
-                  "harness's timing barriers and the evals.",
-                  _quality_table(g, quality_cell),
+                  f"Cells: at the crossing of the target, the median over the runs that differ only in seed and "
+                  f"in brackets its interval (``contract.estimate``: the min-max of the runs below {BOOTSTRAP_FROM}, "
+                  f"a bootstrap 95 % interval of the median from {BOOTSTRAP_FROM}; one run has none); "
+                  f"{CROSSING_RULE}. The time leaves out the harness's timing barriers and the evals; bytes are "
+                  "every rank's TCP payload, summed.",
+                  "#### Training wall time to the target", *_contention(g), _quality_table(g, quality_cell),
                   "Which wins (only where the intervals separate):\n\n" + "\n".join(quality_winners(g)),
+                  *(["Against synchronous training (the ratio of medians and its range over the intervals, only "
+                     "where they separate):\n\n" + "\n".join(against)] if (against := against_synchronous(g)) else []),
+                  "#### Tokens to the target", _quality_table(g, _to_target_cell("tokens", _tokens)),
+                  "#### Bytes sent to the target", _quality_table(g, _to_target_cell("bytes", _bytes)),
                   f"#### Bytes sent per token: {group}",
-                  "Every rank's TCP payload bytes, summed, over the tokens trained, at the last eval (median over "
-                  "runs).",
+                  "Every rank's TCP payload bytes, summed, over the tokens trained, at the last eval.",
                   _quality_table(g, _bytes_cell)]
     return "\n\n".join(parts)
 
 
 def plot_quality(records: list[dict], directory: Path, target: float | None = None) -> list[Path]:
-    """Held-out loss against training wall time: one picture per group and network setting, one line
-    per run, the target dashed."""
+    """Held-out loss against training wall time, and against bytes sent (every rank's, summed): one
+    picture each per group, a panel per network setting, one line per run (a step line where the
+    evaluated weights change only at syncs), the target dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -703,28 +867,45 @@ def plot_quality(records: list[dict], directory: Path, target: float | None = No
         return paths
     for gi, ((group, goal), g) in enumerate(df.groupby(["group", "target"], sort=False)):
         nets, cols = _quality_axes(g)
+        ends = [run[-1]["wall_time"] for run in g["evals"]]
+        spread = max(ends) > 5 * max(min(ends), 1e-9)  # runs seconds and minutes apart: log above 1 s
+        axes_of = {"time": ("training wall time (s" + (", log above 1 s" if spread else "")
+                            + "; timing barriers and evals left out)", lambda e: e["wall_time"],
+                            "symlog" if spread else "linear"),
+                   "bytes": ("bytes sent, every rank's, summed (log)", lambda e: sum(e["bytes_sent"]), "log")}
         colors = {col: f"C{i % 10}" for i, col in enumerate(cols)}
-        for net in nets:
-            at = g[g["network"] == net]
-            fig, ax = plt.subplots(figsize=(8, 4.8))
-            for col in cols:
-                for k, (_, run) in enumerate(at[at["column"] == col].iterrows()):
-                    ev = run["evals"]
-                    ax.plot([e["wall_time"] for e in ev], [e["loss"] for e in ev], color=colors[col], marker=".",
-                            alpha=0.85, label=col if k == 0 else None)
-            ax.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"target {goal:g}")
-            ax.set_xscale("symlog", linthresh=1.0)  # runs seconds and minutes apart on one axis; linear below 1 s
-            ax.set_xlim(left=0)
-            ax.set_xlabel("training wall time (s, log above 1 s; timing barriers and evals left out)")
-            ax.set_ylabel("held-out loss")
-            ax.set_title(f"{at['network_label'].iloc[0]}\n{group}", fontsize=8)
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-            fig.tight_layout()
+        for kind, (xlabel, x_of, scale) in axes_of.items():
+            width = min(len(nets), 2)
+            fig, panels = plt.subplots((len(nets) + 1) // 2, width, figsize=(6.5 * width, 4.4 * ((len(nets) + 1) // 2)),
+                                       squeeze=False)
+            for ax, net in zip(panels.flat, nets):
+                at = g[g["network"] == net]
+                for col in cols:
+                    for k, (_, run) in enumerate(at[at["column"] == col].iterrows()):
+                        ev = [e for e in run["evals"] if scale != "log" or x_of(e) > 0]
+                        ax.plot([x_of(e) for e in ev], [e["loss"] for e in ev], color=colors[col], marker=".",
+                                markersize=3, linewidth=1, alpha=0.8, label=col if k == 0 else None,
+                                drawstyle="steps-post" if run["weights_every"] > 1 else "default")
+                ax.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"target {goal:g}")
+                if scale == "log":
+                    ax.set_xscale("log")
+                else:
+                    if scale == "symlog":
+                        ax.set_xscale("symlog", linthresh=1.0)
+                    ax.set_xlim(left=0)
+                ax.set_xlabel(xlabel, fontsize=8)
+                ax.set_ylabel("held-out loss")
+                ax.set_title(at["network_label"].iloc[0], fontsize=9)
+                ax.grid(True, alpha=0.3)
+            for ax in list(panels.flat)[len(nets):]:
+                ax.axis("off")
+            handles, labels = panels.flat[0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+            fig.suptitle(group, fontsize=8)
+            fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(cols) + 3) // 3), 1, 0.97))
             directory.mkdir(parents=True, exist_ok=True)
-            stem = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in Path(at["network_name"].iloc[0]).stem)
-            path = directory / f"quality-{gi}-{stem}.png"
-            fig.savefig(path, dpi=110)
+            path = directory / f"quality-{gi}-{kind}.png"
+            fig.savefig(path, dpi=100)
             plt.close(fig)
             paths.append(path)
     return paths
@@ -816,6 +997,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plots", default=None, help="write network plots (PNG) into this directory")
     ap.add_argument("--target", type=_loss, default=None,
                     help="the held-out loss of the time-to-quality tables, for runs recorded without --target-loss")
+    ap.add_argument("--quality-target", action="store_true",
+                    help="print only the quality race's target: the median held-out loss of the reference's runs "
+                         "with eval points (one group of them) at their last eval, 3 decimals")
     args = ap.parse_args(argv)
     missing = [p for p in args.inputs if not Path(p).exists()]
     if missing:
@@ -826,6 +1010,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python report.py: error: {bad}", file=sys.stderr)
         return 2
     records = load_records(args.inputs)
+    if args.quality_target:
+        targets = quality_targets(records)
+        if len(targets) != 1:
+            print(f"python report.py: error: --quality-target needs the reference's runs of one group, found "
+                  f"{len(targets)}", file=sys.stderr)
+            return 2
+        print(f"{next(iter(targets.values()))['loss']:.3f}")
+        return 0
     for warning in provenance(records)[1]:
         print(f"report.py: warning: {warning}", file=sys.stderr)
     text = render(records, args.target)

@@ -17,6 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, Callable
 
 from workload.configs import MODEL_CONFIGS, ModelConfig, OptimizerConfig
+from workload.tokens import TOKENIZERS
 
 P2P_SEMANTICS = ("gloo", "nccl")  # --p2p-semantics: gloo's own, or NCCL's rules followed on gloo
 # The precision policies (RunConfig.precision): every system runs each, --verify judges each against
@@ -115,9 +116,12 @@ class RunConfig:
     seed: int = option(0, "seed of the initial weights and of the synthetic tokens", group=TRAINING)
     optimizer: OptimizerConfig = option(help="the optimizer every system runs", group=TRAINING,
                                         default_factory=OptimizerConfig)
-    data: str | None = option(None, "a text file to train on (byte-level tokens; its last tenth held out for "
-                                    "--eval-every), or 'stdlib' (the Python standard library's sources); synthetic "
-                                    "tokens by default", group=TRAINING)
+    data: str | None = option(None, "a text file to train on (its last tenth held out for --eval-every), 'stdlib' "
+                                    "(the Python standard library's sources) or 'pydocs' (the Python documentation's "
+                                    "text, where installed); synthetic tokens by default", group=TRAINING)
+    tokenizer: str = option("byte", "the tokens of --data: 'byte' (token = byte; --vocab-size >= 256) or 'bpe' (a "
+                                    "byte-level BPE of --vocab-size tokens trained on the training split with the "
+                                    "tokenizers library, made once and cached)", choices=TOKENIZERS, group=TRAINING)
     eval_every: int = option(0, "the held-out loss before the first step and every N steps, in the record (0: never)",
                              group=TRAINING, metavar="N")
     target_loss: float | None = option(None, "stop once an eval loss is at or below X (needs --eval-every)",
@@ -131,6 +135,9 @@ class RunConfig:
     network_matrix: dict[str, Any] | None = None
     verify: bool = option(False, "also train the single-process reference and compare losses and gradients",
                           group=RUN, identity=False)
+    no_link_probe: bool = option(False, "under --network on one machine: start the ranks without first probing the "
+                                        "emulated links (the record's measured link stays empty; a sweep probes "
+                                        "each network once before its runs)", group=RUN, identity=False)
     device: str = option("auto", "auto | cpu | cuda", group=RUN, identity=False)
     # What the ranks run on, resolved from ``device`` before launch (runners.request.resolve_devices):
     # "cpu" or "cuda:<GPU model>"; None until then (a planned run). Not a flag. Part of the identity: CPU
@@ -185,6 +192,8 @@ class RunConfig:
             del d[name]
         if self.p2p_semantics == "gloo":  # the identity of every run before the field is as it always was
             del d["p2p_semantics"]
+        if self.tokenizer == "byte":  # likewise
+            del d["tokenizer"]
         d["options"] = _plain(self.options.identity())
         if self.network_matrix is None:  # the identity of every run without a matrix is as it always was
             del d["network_matrix"]

@@ -81,7 +81,7 @@ class Context:
     def data(self) -> TokenSource:
         m = self.config.model
         return TokenSource(seq_len=m.seq_len, vocab_size=m.vocab_size, seed=self.config.seed,
-                           text_path=self.config.data)
+                           text_path=self.config.data, tokenizer=self.config.tokenizer)
 
     def batch(self, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of data-parallel replica dp_rank at this step, on this rank's device."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from contract.config import P2P_SEMANTICS, PRECISIONS, ConfigError, RunConfig, SystemOptions
+from workload.tokens import check_vocab
 
 if TYPE_CHECKING:  # torch: only the ranks import it
     from contract.rank import Context, Measurements
@@ -173,8 +174,10 @@ def check_common(config: RunConfig) -> None:
         raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from adam, sgd")
     if not 0 < opt.lr < float("inf"):
         raise ConfigError(f"--lr must be a finite number > 0, got {opt.lr}")
-    if config.data is not None and m.vocab_size < 256:
-        raise ConfigError(f"--data uses byte tokens and needs --vocab-size >= 256, got {m.vocab_size}")
+    if config.data is not None and check_vocab(config.tokenizer, m.vocab_size):
+        raise ConfigError(f"--data: {check_vocab(config.tokenizer, m.vocab_size)}")
+    if config.tokenizer != "byte" and config.data is None:
+        raise ConfigError(f"--tokenizer {config.tokenizer} tokenizes text: it needs --data")
     if m.n_layer % config.pp:
         raise ConfigError(f"{m.n_layer} layers do not divide into {config.pp} pipeline stages (--pp {config.pp})")
     if m.n_head % config.tp or m.n_embd % config.tp:

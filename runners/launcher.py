@@ -214,7 +214,8 @@ def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
     one torchrun agent per virtual node, rendezvous at virtual host 0."""
     profile = parse_profile(cfg.network, cfg.network_matrix)
     with VirtualCluster(world, profile, name="run") as vc:
-        measured = vc.probe_links() if world > 1 and profile.emulated else {"measured_link": None}
+        probe = world > 1 and profile.emulated and not cfg.no_link_probe
+        measured = vc.probe_links() if probe else {"measured_link": None}
         for m in measured.get("measured_links") or []:
             print(f"network: {profile.name}: host {m['src']} -> {m['dst']} (set {m['set']['delay_ms']:g} ms, "
                   f"{m['set']['bandwidth_gbps']:g} Gbit/s): measured one-way delay {m['one_way_delay_ms']:.2f} ms, "

@@ -122,6 +122,20 @@ def compare(run: LaunchResult, ref: LaunchResult, tolerance: Tolerance) -> Verif
     return Verification(loss_diff, grad_diff, rel_diff, len(run.grads), passed, reason, tol)
 
 
+def corpus_line(corpus: dict) -> str:
+    """One line on what a run trains on: the text, its tokens and their held-out unigram cross-entropy."""
+    tok = corpus["tokenizer"]
+    kind = f"BPE of {tok['vocab_size']} tokens" if tok["kind"] == "bpe" else "byte tokens"
+    text = f" ({corpus['text']})" if corpus.get("text") else ""
+    line = (f"data: {corpus['name']}{text}, {kind}: {corpus['train_tokens']:,} training and "
+            f"{corpus['heldout_tokens']:,} held-out tokens")
+    uni = corpus.get("unigram_nats")
+    if uni:
+        line += (f"; held-out unigram cross-entropy {uni['heldout']:.3f} nats (the eval batch's "
+                 f"{uni['eval_batch']:.3f}): what a model without context reaches")
+    return line
+
+
 def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> tuple[RunRecord, Verification | None]:
     """Launch the run of ``spec`` (and the reference under --verify); its record and verification."""
     from runners.launcher import launch
@@ -131,9 +145,11 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> tuple[Run
     gpus_each = spec.devices_per_process(cfg) if (cfg.hardware or "").startswith("cuda") else 1
     env = dict(host_environment(cfg.hardware), device_count=world * gpus_each)
     if cfg.data is not None:
-        from workload.corpus import describe
+        from workload.tokens import describe
 
-        env["corpus"] = describe(cfg.data)  # the text trained on and held out, with its SHA-256
+        # the text trained on and held out (its SHA-256), its tokenizer (a BPE made here, once) and unigram
+        env["corpus"] = describe(cfg.data, cfg.tokenizer, cfg.model.vocab_size, cfg.model.seq_len)
+        print(corpus_line(env["corpus"]), file=sys.stderr, flush=True)
     result = launch(cfg, world, placement)
     verification = None
     try:

@@ -17,8 +17,10 @@
 #   runners/run_all.sh [--sweep FILE] [options] --slurm-submit [SBATCH_OPTION...] [-- OPTION...]
 #                                           # write results/NAME.sbatch (runs --slurm with these options) and
 #                                           # sbatch it; --wait waits for the job (docs/clusters-slurm.md)
-#   runners/run_all.sh --quality            # the quality race on this machine (root): sweeps/quality.toml, time
-#                                           # and bytes to a held-out loss, report into results/quality.md
+#   runners/run_all.sh --quality            # the quality race on this machine (root): sweeps/quality-target.toml
+#                                           # (synchronous training for the token budget: the target, report.py
+#                                           # --quality-target), then sweeps/quality.toml to it: time, tokens and
+#                                           # bytes to the held-out loss, report into results/quality.md
 #   runners/run_all.sh --rehearse N [--slurm] [--sweep FILE] [--nproc-per-node N]
 #                                           # rehearse the cluster on this machine (root): N virtual nodes with
 #                                           # sshd, set-up, the sweep scaled down over ssh, report, nodes down;
@@ -121,6 +123,17 @@ elif [ -z "$hostfile" ]; then
   # the report after the simulator's predictions (a run never predicts itself): records in --out, else
   # results/<the sweep file's name>.jsonl
   [ -n "$out" ] || { out=results/$(basename "$sweep" .toml).jsonl; extra+=(--out "$out"); }
+  if [ "$sweep" = sweeps/quality.toml ]; then
+    # the race's target: the held-out loss synchronous training reaches at the token budget (same records file)
+    "$PY" -m runners.sweep sweeps/quality-target.toml --no-report ${extra[@]+"${extra[@]}"} || exit $?
+    if [ -n "$dry_run" ]; then
+      echo "# the race's --target-loss: python report.py --quality-target $out, once the runs above are recorded"
+    else
+      target=$("$PY" report.py --quality-target "$out") || exit $?
+      echo "quality race: target $target (the median held-out loss of synchronous training at the token budget)" >&2
+      extra+=(--set "target_loss=$target")
+    fi
+  fi
   "$PY" -m runners.sweep "$sweep" --no-report ${extra[@]+"${extra[@]}"} || status=$?
   if [ -z "$dry_run$no_report" ] && [ "$status" != 2 ] && [ -f "$out" ]; then
     "$PY" -m predict records "$out" || true

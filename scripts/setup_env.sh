@@ -108,3 +108,16 @@ if [ "$(id -u)" = 0 ] && ! { command -v slurmctld && command -v slurmd && comman
     fi
   fi
 fi
+# The quality race's text (--data pydocs): the Python documentation's reST sources as Debian's python3.X-doc
+# installs them (X: the venv's Python). Without root or apt, pydocs falls back to the stdlib's sources.
+docver=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_python_version())')
+if [ ! -d "/usr/share/doc/python$docver/html/_sources" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing python$docver-doc (the Python documentation: --data pydocs)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "python$docver-doc" >/dev/null) \
+      || echo "setup: warning: could not install python$docver-doc; --data pydocs trains on the stdlib's sources" >&2
+  else
+    echo "setup: warning: no python$docver-doc here (installing it needs root and apt); --data pydocs trains on" \
+         "the stdlib's sources" >&2
+  fi
+fi

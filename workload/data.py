@@ -2,8 +2,9 @@
 
 Step ``k`` of a run always sees the same global batch (a function of the seed and k only); data
 parallel replica ``d`` of ``D`` takes rows ``[d·B, (d+1)·B)`` of it, where B is the batch per replica.
-Text (a file, or a built-in corpus of ``workload.corpus``) is trained on from its training split
-only; ``heldout_batch`` is the eval's fixed batch from the held-out split.
+Text (a file, or a built-in corpus of ``workload.corpus``, as ``workload.tokens`` tokenizes it) is
+trained on from its training split only; ``heldout_batch`` is the eval's fixed batch from the
+held-out split.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workload.corpus import read_corpus
+from workload.tokens import heldout_starts, read_tokens
 
 
 def synthetic_tokens(seed: int, step: int, rows: int, seq_len: int, vocab_size: int) -> torch.Tensor:
@@ -28,13 +29,15 @@ def synthetic_tokens(seed: int, step: int, rows: int, seq_len: int, vocab_size: 
 @dataclass(frozen=True)
 class TokenSource:
     """Where the batches come from: synthetic (``text_path`` None), a user's text file, or a built-in
-    corpus by name (``workload.corpus.BUILTIN``); text is byte-level: token id = byte value (needs
-    vocab_size >= 256), held as uint8 (a file memory-mapped), int64 only a batch's rows."""
+    corpus by name (``workload.corpus.BUILTIN``), in the tokens of ``tokenizer`` (``workload.tokens``:
+    bytes, or a BPE of vocab_size tokens), held as uint8 or uint16 (memory-mapped), int64 only a
+    batch's rows."""
 
     seq_len: int
     vocab_size: int
     seed: int = 0
     text_path: str | None = None
+    tokenizer: str = "byte"
 
     def global_batch(self, step: int, rows: int) -> torch.Tensor:
         if self.text_path is None:
@@ -52,20 +55,19 @@ class TokenSource:
             full = synthetic_tokens(0, HELDOUT_STEP, rows, self.seq_len, self.vocab_size)
         else:
             tokens = self._tokens("heldout")
-            last = len(tokens) - self.seq_len - 1
-            full = self._windows(tokens, [i * last // max(rows - 1, 1) for i in range(rows)])
+            full = self._windows(tokens, heldout_starts(len(tokens), self.seq_len, rows))
         return full[:, :-1].contiguous(), full[:, 1:].contiguous()
 
     def _tokens(self, split: str) -> np.ndarray:
-        tokens = getattr(read_corpus(self.text_path), split)
+        tokens = getattr(read_tokens(self.text_path, self.tokenizer, self.vocab_size), split)
         if len(tokens) < self.seq_len + 2:
-            raise ValueError(f"{self.text_path}: {split} split of {len(tokens)} bytes, need more than "
+            raise ValueError(f"{self.text_path}: {split} split of {len(tokens)} tokens, need more than "
                              f"{self.seq_len + 1}")
         return tokens
 
     def _windows(self, tokens: np.ndarray, starts: list[int]) -> torch.Tensor:
         """(len(starts), seq_len + 1) int64 rows of ``tokens`` from ``starts``."""
-        return torch.from_numpy(np.stack([tokens[s : s + self.seq_len + 1] for s in starts])).long()
+        return torch.from_numpy(np.stack([tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64))
 
     def replica_batch(self, step: int, batch_size: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, each (batch_size, seq_len), for data-parallel replica dp_rank."""

@@ -6,8 +6,8 @@ import torch
 
 from workload.data import TokenSource
 from workload.model import GPT, lm_loss
+from workload.tokens import EVAL_ROWS
 
-EVAL_ROWS = 32  # sequences of the eval batch (32 x seq_len tokens)
 _ROWS_PER_FORWARD = 8
 
 

@@ -68,6 +68,7 @@ def train_outer(cfg: RunConfig, ctx: Context, inner_step: Callable) -> Measureme
         return StepOutput(loss=sum(losses) / D)
 
     m = run_steps(ctx, 0, step, weights=lambda: {n: p.detach() for n, p in glob.items()})
+    m.extra["eval_weights_every"] = period  # the global weights change once a fragment is synced
     if cfg.verify:
         m.grads = last_grads
     return m

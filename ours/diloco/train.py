@@ -16,7 +16,8 @@ first step, as other systems' process groups are.
 Measurements: ``dp_sync_time`` is the inner optimizer's step on the steps where a fragment was
 synced (the quorum, the all-reduce, the outer step); under --verify the last step's gradients (the
 inner ones, before the inner step), averaged over the replicas; under --eval-every the global
-weights (the outer optimizer's, the same on every replica).
+weights (the outer optimizer's, the same on every replica), which change only when a fragment is
+synced: every H/F steps (``eval_weights_every`` in the record's options).
 """
 from __future__ import annotations
 
@@ -161,6 +162,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         del store
     if cfg.verify:
         m.grads = last_grads if dp_rank == 0 else {}
-    extra.update(outer_steps=manager.current_step(), replica_groups=D, pipeline_stages=P)
+    extra.update(outer_steps=manager.current_step(), replica_groups=D, pipeline_stages=P,
+                 eval_weights_every=o.inner_steps // o.fragments)
     m.extra.update(extra)
     return m

@@ -1,7 +1,7 @@
 """The sweep's command line.
 
     python -m runners.sweep SWEEP_FILE [--out results/NAME.jsonl] [--dry-run] [--only SYSTEM] [--scale-down]
-                                       [--repeats N]
+                                       [--repeats N] [--set KEY=VALUE ...]
                                        [--hostfile FILE [--ssh-config FILE] [--iface IFACE] [--nproc-per-node N] ...]
                                        [--slurm [--iface IFACE] [--nproc-per-node N] ...]   (inside a Slurm allocation)
     python -m runners.sweep --networks PROFILE... [--out FILE] [--dry-run] -- RUN_ARGS...   (netem_sweep.sh)
@@ -25,7 +25,8 @@ from network_emulation.profiles import SEED_PROFILES
 from network_emulation.signals import cli_status, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
 from runners.sweep.execute import run_sweep, select_runs
-from runners.sweep.plan import REPO, SweepError, adhoc_sweep, check_out, check_repeats, load_sweep, sweep_path
+from runners.sweep.plan import (REPO, SweepError, adhoc_sweep, check_out, check_repeats, fixed_settings, load_sweep,
+                                 sweep_path)
 from runners.sweep.scale import scale_down
 from runners.sweep.slurm import SlurmExecutor, read_allocation
 
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=None, metavar="N",
                     help="launches of every run, each its own record, round-robin through each experiment's runs "
                          "(default: the sweep file's 'repeats', else 1); a resumed sweep makes only the missing ones")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                    help="a [fixed] setting of the sweep file given here instead (KEY as in the file, VALUE in TOML: "
+                         "5.95, \"bpe\", true), over the file's own (repeatable)")
     ap.add_argument("--no-report", action="store_true", help="do not run report.py at the end")
     ap.add_argument("--no-probe", action="store_true", help="do not probe the emulated networks first")
     ap.add_argument("--plots", default=None, help="also write the report's plots into this directory")
@@ -103,7 +107,7 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
             raise SweepError("give a sweep file (or --networks PROFILE... -- RUN_ARGS)")
         if run_args:
             raise SweepError("run arguments after -- go with --networks only")
-        sweep = load_sweep(args.sweep, scale_down if args.scale_down else None, here=here)
+        sweep = load_sweep(args.sweep, _transform(args), here=here)
     if args.repeats is not None:
         sweep.repeats = check_repeats(args.repeats, "--repeats")
     unknown = [s for s in args.only if s not in {r.system for r in sweep.runs}]
@@ -135,6 +139,18 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
     return run_sweep(sweep, out, executor=executor, only=args.only, dry_run=args.dry_run,
                      retry_failed=args.retry_failed, need_root_for_network=executor is None,
                      probe=not args.no_probe, report=not args.no_report, plots=args.plots)
+
+
+def _transform(args: argparse.Namespace):
+    """What --set and --scale-down make of the sweep file's contents before it is planned (None: nothing)."""
+    settings = fixed_settings(args.settings)
+    if not settings and not args.scale_down:
+        return None
+
+    def transform(data: dict) -> dict:
+        data = {**data, "fixed": {**(data.get("fixed") or {}), **settings}}
+        return scale_down(data) if args.scale_down else data
+    return transform
 
 
 def _slurm_executor(args: argparse.Namespace) -> SlurmExecutor:

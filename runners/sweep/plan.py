@@ -18,6 +18,8 @@ A sweep file (see sweeps/*.toml)::
     n_slices = 4
     dp_mode = "central_ps"
     layouts = ["P-2 D-2"]                     # optional per-system layouts / micro_batch_sizes
+    batch_size = 2                            # optional: a setting of this system's runs (one value), over
+                                              #   the experiment's
 
 Every run is an argument list (never a shell string) for ``python -m runners.run``, judged with the
 run command's own parser and validation (and, for a sweep run on this machine, whether its ranks fit
@@ -230,11 +232,23 @@ def expand_experiment(exp: dict, fixed: dict, flags: dict, where: str, here: boo
 MODEL_KEYS = ("model", "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")
 
 
-def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: str, here: bool) -> list[PlannedRun]:
-    """One experiment's systems x options x layouts x micro-batch sizes x networks, at fixed settings."""
+def _setting_flags(settings: dict, flags: dict, where: str) -> tuple[list[str], list[str]]:
+    """Settings as run-command flags: (the model's, the rest)."""
     ordered = sorted(settings, key=lambda k: (MODEL_KEYS.index(k) if k in MODEL_KEYS else len(MODEL_KEYS), ))
-    base_model = [a for k in ordered if k in MODEL_KEYS for a in setting_args(k, settings[k], flags, where)]
-    base_rest = [a for k in ordered if k not in MODEL_KEYS for a in setting_args(k, settings[k], flags, where)]
+    return ([a for k in ordered if k in MODEL_KEYS for a in setting_args(k, settings[k], flags, where)],
+            [a for k in ordered if k not in MODEL_KEYS for a in setting_args(k, settings[k], flags, where)])
+
+
+def _run_setting_keys() -> frozenset[str]:
+    """The run command's own settings (not a system's options), by their sweep-file keys."""
+    return frozenset(a.dest for a in build_parser()._actions
+                     if a.option_strings and not a.dest.startswith(OPTION_PREFIX))
+
+
+def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: str, here: bool) -> list[PlannedRun]:
+    """One experiment's systems x options x layouts x micro-batch sizes x networks, at fixed settings
+    (a system's table may set some of them for its own runs)."""
+    run_keys = _run_setting_keys()
 
     systems = _list(exp.get("systems"), "systems", where)
     default_layouts = [parse_layout(l, where) for l in _list(exp.get("layouts", ["1"]), "layouts", where)]
@@ -267,7 +281,12 @@ def _expand_systems(exp: dict, settings: dict, flags: dict, where: str, name: st
                    if "micro_batch_sizes" in s else default_mbs)
             if mbs is None:
                 raise SweepError(f"{where}: no 'micro_batch_sizes' (nor a fixed 'micro_batch_size')")
-            options = {k: v for k, v in s.items() if k not in SYSTEM_KEYS}
+            own = {k: v for k, v in s.items() if k not in SYSTEM_KEYS and ALIASES.get(k, k) in run_keys}
+            for k, v in own.items():
+                if isinstance(v, list):
+                    raise SweepError(f"{swhere}: {k!r} is a setting of the system's runs: one value, not a list")
+            base_model, base_rest = _setting_flags({**settings, **own}, flags, swhere)
+            options = {k: v for k, v in s.items() if k not in SYSTEM_KEYS and k not in own}
             for k, v in options.items():
                 if isinstance(v, list):
                     _list(v, k, swhere)
@@ -306,6 +325,21 @@ def check_out(out: str | os.PathLike, inputs: Sequence[tuple[str, str | os.PathL
     for what, path in inputs:
         if path is not None and Path(path).exists() and same_file(out, path):
             raise SweepError(f"--out {out} is the {what}: the records would be appended to it (give another --out)")
+
+
+def fixed_settings(pairs: Sequence[str]) -> dict:
+    """``KEY=VALUE`` pairs (``--set``) as [fixed] settings: the value read as TOML (a number, a quoted
+    string, a boolean), else as a bare string."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SweepError(f"--set {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 def load_sweep(path: str | os.PathLike, transform: Callable[[dict], dict] | None = None, here: bool = False) -> Sweep:

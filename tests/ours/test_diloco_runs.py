@@ -66,6 +66,7 @@ def test_streaming_diloco_with_ours_pipeline_verifies(tmp_path):
     rec = record(out)
     assert rec["label"] == "streaming diloco H=4 F=2 tau=1 alpha=0.25"
     assert rec["options"]["outer_steps"] == 3 and rec["options"]["slices"] == [16, 16]  # a fragment every 2 steps
+    assert rec["options"]["eval_weights_every"] == 2  # the global weights change when a fragment is synced
     assert lighthouses() == []
 
 

@@ -83,6 +83,7 @@ def test_outer_steps_change_the_training():
     plain = run(config(options=outer(inner_steps=2, outer_lr=1.0, outer_momentum=0.0), dp=2))
     nesterov = run(config(options=outer(inner_steps=2), dp=2))
     assert plain.losses[:2] == nesterov.losses[:2]  # the first outer step comes after step 2
+    assert nesterov.extra["eval_weights_every"] == 2  # the global weights change at each outer step
     assert abs(plain.losses[2] - nesterov.losses[2]) > 1e-4
 
 

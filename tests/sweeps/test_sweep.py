@@ -16,11 +16,12 @@ import pytest
 from contract.records import read_records
 from runners.record import build_record
 from runners.request import parse_request
-from runners.sweep.__main__ import main
+from runners.sweep.__main__ import _transform, build_parser, main
 from runners.sweep.cluster import ClusterExecutor
 from runners.sweep.hostfile import Host, NodePlacement
 from runners.sweep.execute import recorded_keys, run_sweep
-from runners.sweep.plan import (SWEEPS_DIR, PlannedRun, SweepError, adhoc_sweep, load_sweep, parse_layout,
+from runners.sweep.plan import (SWEEPS_DIR, PlannedRun, SweepError, adhoc_sweep, fixed_settings, load_sweep,
+                                parse_layout,
                                 sweep_from_dict)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +72,28 @@ def test_a_list_setting_is_one_more_axis():
                              "systems": ["reference"]})
     assert sorted((flags(r)["--batch-size"], flags(r)["--steps"]) for r in sweep.runs) == [
         ("1", "2"), ("1", "3"), ("2", "2"), ("2", "3")]
+
+
+def test_a_system_table_sets_its_own_runs_settings_and_set_overrides_fixed(tmp_path, capsys):
+    sweep = sweep_from_dict({"fixed": {"model": "tiny", "micro_batch_size": 1, "batch_size": 2, "eval_every": 4},
+                             "systems": [{"name": "reference", "batch_size": 4, "eval_every": 2},
+                                         {"name": "ours", "n_slices": 2}]})
+    ref, ours = (flags(r) for r in sweep.runs)
+    assert (ref["--batch-size"], ref["--eval-every"]) == ("4", "2")
+    assert list(sweep.runs[0].args).count("--batch-size") == 1
+    assert (ours["--batch-size"], ours["--eval-every"], ours["--n-slices"]) == ("2", "4", "2")
+    with pytest.raises(SweepError, match="one value, not a list"):
+        sweep_from_dict({"fixed": {"model": "tiny", "micro_batch_size": 1, "batch_size": 2},
+                         "systems": [{"name": "reference", "steps": [2, 3]}]})
+    assert fixed_settings(["target_loss=5.95", "data=stdlib", "recompute=true"]) == \
+        {"target_loss": 5.95, "data": "stdlib", "recompute": True}
+    f = write(tmp_path, 'name = "s"\n[fixed]\nmodel = "tiny"\nbatch_size = 1\nmicro_batch_size = 1\nsteps = 2\n'
+                        '[[experiment]]\nsystems = ["reference"]\n')
+    args = build_parser().parse_args([str(f), "--set", "steps=3", "--set", "target_loss=2.5", "--set", "eval_every=1"])
+    (run,) = load_sweep(f, _transform(args)).runs
+    assert (flags(run)["--steps"], flags(run)["--target-loss"]) == ("3", "2.5")
+    assert main([str(f), "--dry-run", "--set", "steps", "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "--set 'steps': expected KEY=VALUE" in capsys.readouterr().err
 
 
 def test_cross_product_and_system_options(tmp_path):
@@ -331,6 +354,21 @@ def test_shipped_sweep_files_expand():
     ours_tp = {(f["--tp"], f["--pp"]) for f in map(flags, xl.runs) if f["--system"] == "ours" and f["--tp"] != "1"}
     assert ours_tp == {("4", "2"), ("2", "4")}  # beside megatron's mixed layouts
     assert any(r.system == "ours" and flags(r)["--tp"] == "2" for r in layout)  # beside megatron T-2
+    target, race = load_sweep(SWEEPS_DIR / "quality-target.toml"), load_sweep(SWEEPS_DIR / "quality.toml")
+    assert not target.invalid_runs and not race.invalid_runs
+    assert {r.system for r in target.runs} == {"reference"}
+    assert {flags(r)["--seed"] for r in target.runs} == {"0", "1", "2"}
+    shared = ("--model", "--num-layers", "--hidden-size", "--vocab-size", "--data", "--tokenizer", "--lr",
+              "--seq-length")
+    assert {tuple(flags(r).get(k) for k in shared) for r in target.runs + race.runs} == \
+        {tuple(flags(target.runs[0]).get(k) for k in shared)}  # the race's model, text and optimizer
+    assert {int(flags(r)["--batch-size"]) * int(flags(r)["--dp"]) for r in target.runs + race.runs} == {8}
+    assert [flags(r)["--seed"] for r in race.runs] == sorted(flags(r)["--seed"] for r in race.runs)  # round-robin
+    labels = {" ".join(f"{k}={flags(r).get(k)}" for k in ("--system", "--inner-steps", "--fragments"))
+              for r in race.runs}
+    assert "--system=diloco --inner-steps=32 --fragments=2" in labels
+    assert all("--no-link-probe" in r.args for r in race.runs)
+    assert len({r.network for r in race.runs}) == 4 and len(race.runs) == len(labels) * 4 * 3
 
 
 def test_adhoc_network_sweep(tmp_path):
