@@ -146,4 +146,5 @@ SPEC = SystemSpec(
     role="ours",
     services=("torchft-lighthouse",),
     reference=simulation,
+    fault_tolerant=True,
 )
