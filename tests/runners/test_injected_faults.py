@@ -47,6 +47,7 @@ def test_a_slow_rank_slows_the_step(system, out_file):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.faults
 def test_a_killed_rank_ends_a_synchronous_run_as_error(out_file):
     p = run_cli("--system", "ours", *TINY, "--pp", "2", "--n-slices", "1", "--batch-size", "2", "--micro-batch-size",
                 "1", "--steps", "4", "--warmup", "1", "--kill-replica", "1@3", "--out", str(out_file))
@@ -58,6 +59,7 @@ def test_a_killed_rank_ends_a_synchronous_run_as_error(out_file):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.faults
 @pytest.mark.parametrize("rejoin", [False, True], ids=["without", "rejoin"])
 def test_diloco_goes_on_without_a_killed_replica(rejoin, out_file):
     p = run_cli(*DILOCO, *(["--rejoin"] if rejoin else []), "--out", str(out_file))
