@@ -51,7 +51,8 @@ HEADING = ("model", "shape", "hardware", "precision", "recompute", "batch", "ste
 # RunConfig's fields the tables show as axes, columns or in the heading (the rest of a run's identity,
 # where it is not the default, is stated beside the heading)
 SHOWN = frozenset({"system", "model", "pp", "tp", "dp", "batch_size", "micro_batch_size", "steps", "warmup",
-                   "precision", "recompute", "network", "network_matrix", "options"})
+                   "precision", "recompute", "network", "network_matrix", "network_trace", "network_trace_contents",
+                   "options"})
 
 
 def load_records(paths: list[str]) -> list[dict]:
@@ -94,19 +95,27 @@ def hardware_of(environment: dict) -> str:
     return kind if not name or name == kind else f"{kind}: {name}" if kind else name
 
 
-def network_row(r: dict) -> tuple[str, str, tuple[float, float]]:
+def network_row(r: dict) -> tuple[str, str, tuple[float, ...]]:
     """A record's network setting as a table's row: (what tells settings apart: the setting, and a
-    matrix's digest; its label; its order)."""
+    matrix's and a trace's digests; its label; its order)."""
     setting = network_setting(r)
-    return (r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else ""), setting["label"],
-            network_order(setting))
+    return network_key(r, setting), setting["label"], network_order(setting)
 
 
-def network_order(setting: dict) -> tuple[float, float]:
-    """Rows go from the fastest network to the slowest: by delay, then by falling bandwidth."""
+def network_key(r: dict, setting: dict) -> str:
+    """What tells a record's network setting apart from others: its name, a matrix's digest, a trace's."""
+    trace = setting.get("trace") or {}
+    return (r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else "")
+            + (f" + trace [{trace['digest']}]" if trace.get("digest") else ""))
+
+
+def network_order(setting: dict) -> tuple[float, ...]:
+    """Rows go from the fastest network to the slowest: by delay, then by falling bandwidth, then by
+    loss and jitter (a changing link after the same link unchanged)."""
     if setting.get("delay_ms") is None:
-        return (-1.0, 0.0)
-    return (setting["delay_ms"], -setting["bandwidth_gbps"])
+        return (-1.0, 0.0, 0.0, 0.0, 0.0)
+    return (setting["delay_ms"], -setting["bandwidth_gbps"], setting.get("loss_pct") or 0.0,
+            setting.get("jitter_ms") or 0.0, 1.0 if setting.get("trace") else 0.0)
 
 
 def fmt_time(t: float | None) -> str:
@@ -180,10 +189,11 @@ def to_frame(records: list[dict]) -> pd.DataFrame:
             "steps": f"{c.get('steps', '?')} measured steps after {c.get('warmup', '?')} warm-up",
             "measured": len(r.get("step_times") or []),  # as recorded (a run may end early: --target-loss)
             "rest": _rest_of_identity(r),
+            "faults": faults_words(c),
             "mb": r["micro_batch_size"],
             "layout": layout_words(r["layout"]),
             "dp": r["layout"].get("dp", 1),
-            "network": r["network"] + (f" [{setting['digest']}]" if setting.get("digest") else ""),
+            "network": network_key(r, setting),
             "setting": setting["label"],
             "order": network_order(setting),
             "delay": setting.get("delay_ms") if setting.get("uniform", True) else None,  # a matrix: several
@@ -499,10 +509,25 @@ def _busy_range(shares: list[float]) -> str:
     return f"{lo:.0%}" if round(100 * lo) == round(100 * hi) else f"{lo:.0%}-{hi:.0%}"
 
 
+def faults_words(config: dict) -> str:
+    """A run's faults (``contract.faults``) in words: 'rank 1 2x slower', 'replica 2 killed after 6 steps,
+    rejoins'; '' without."""
+    parts = []
+    if config.get("slow_rank"):
+        rank, factor = config["slow_rank"].split(":")
+        parts.append(f"rank {rank} {factor}x slower")
+    if config.get("kill_replica"):
+        replica, step = config["kill_replica"].split("@")
+        parts.append(f"replica {replica} killed after {step} steps" + (", rejoins" if config.get("rejoin") else ""))
+    return "; ".join(parts)
+
+
 def all_runs(df: pd.DataFrame) -> str:
     cols = ["system", "model", "precision", "layout", "devices", "mb", "batch", "network", "status", "runs",
             "median_step_time",
             "tokens_per_s", "mfu", "peak_mem_mb", "busy", "dp_sync_time", "oversubscribed", "details"]
+    if df["faults"].astype(bool).any():  # a straggler, a killed replica: said beside the network
+        cols.insert(cols.index("network") + 1, "faults")
     t = df[cols].copy()
     t["median_step_time"] = [fmt_time(v) + (f" {e.plus_minus()}" if e is not None else "")
                              for v, e in zip(df["median_step_time"], df["estimate"])]

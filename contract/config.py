@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, Callable
 
@@ -92,6 +94,31 @@ def _plain(value: Any) -> Any:
 
 
 LAYOUT, TRAINING, RUN = "layout", "training", "run"  # --help headings of RunConfig's fields
+FAULTS = "faults"
+
+
+_SLOW = re.compile(r"\s*(\d+)\s*:\s*([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*")
+_KILL = re.compile(r"\s*(\d+)\s*@\s*(\d+)\s*")
+MAX_SLOWDOWN = 100.0
+
+
+def _slow_rank(text: str) -> str:
+    """``--slow-rank R:F`` in its canonical form ('1:2'); ValueError (one line) if malformed."""
+    m = _SLOW.fullmatch(text)
+    if not m:
+        raise ValueError(f"--slow-rank: expected R:F (rank R computes F times slower, e.g. 1:2), got {text!r}")
+    factor = float(m.group(2))
+    if not 1 < factor <= MAX_SLOWDOWN or not math.isfinite(factor):
+        raise ValueError(f"--slow-rank: the factor must be above 1 and at most {MAX_SLOWDOWN:g}, got {factor:g}")
+    return f"{int(m.group(1))}:{factor:g}"
+
+
+def _kill_replica(text: str) -> str:
+    """``--kill-replica R@STEP`` in its canonical form ('2@10'); ValueError (one line) if malformed."""
+    m = _KILL.fullmatch(text)
+    if not m:
+        raise ValueError(f"--kill-replica: expected R@STEP (replica R ends after STEP steps, e.g. 2@10), got {text!r}")
+    return f"{int(m.group(1))}@{int(m.group(2))}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,13 +153,26 @@ class RunConfig:
                              group=TRAINING, metavar="N")
     target_loss: float | None = option(None, "stop once an eval loss is at or below X (needs --eval-every)",
                                        group=TRAINING, parse=float, metavar="X")
-    network: str = option("none", "network profile: none, a profile name, 'delay 10ms bandwidth 1Gbps', or a per-link "
-                                  "matrix file FILE.json ({\"delay_ms\": [[...]], \"bandwidth_gbps\": [[...]]}, N x N "
-                                  "for N ranks)", group=RUN)
+    network: str = option("none", "network profile: none, a profile name, 'delay 10ms bandwidth 1Gbps' (optionally "
+                                  "'loss 0.5%%' and 'jitter 2ms'), or a per-link matrix file FILE.json "
+                                  "({\"delay_ms\": [[...]], \"bandwidth_gbps\": [[...]]}, optionally \"loss_pct\" and "
+                                  "\"jitter_ms\", N x N for N ranks)", group=RUN)
     # A per-link matrix's contents ({"delay_ms": [[...]], "bandwidth_gbps": [[...]]}) as the request read
     # them from the file ``network`` names, None for any other profile: the run is emulated, recorded
     # and identified by these (their digest), never by the path alone (set by the run command).
     network_matrix: dict[str, Any] | None = None
+    network_trace: str | None = option(None, "a trace file FILE.json: the links' delay, bandwidth, loss and jitter "
+                                             "changing while the run goes on (network_emulation.traces; on the "
+                                             "local virtual cluster)", group=RUN, metavar="FILE.json")
+    # The trace's contents as the request read them (set by the run command): the run is emulated,
+    # recorded and identified by these (their digest), as a matrix's.
+    network_trace_contents: dict[str, Any] | None = None
+    slow_rank: str | None = option(None, "rank R computes F times slower (a CPU quota on its process; on a GPU a "
+                                         "pause after each step)", group=FAULTS, parse=_slow_rank, metavar="R:F")
+    kill_replica: str | None = option(None, "replica R's ranks (rank R at --dp 1) are killed after STEP steps: a "
+                                            "synchronous system ends as error, diloco goes on with the others",
+                                      group=FAULTS, parse=_kill_replica, metavar="R@STEP")
+    rejoin: bool = option(False, "start the killed replica again: it rejoins the others (diloco)", group=FAULTS)
     verify: bool = option(False, "also train the single-process reference and compare losses and gradients",
                           group=RUN, identity=False)
     no_link_probe: bool = option(False, "under --network on one machine: start the ranks without first probing the "
@@ -199,18 +239,29 @@ class RunConfig:
             del d["network_matrix"]
         else:
             d["network_matrix"] = self.network_digest()
+        del d["network_trace_contents"]
+        if self.network_trace is not None:  # a trace by its contents, not its path
+            d["network_trace"] = _digest(self.network_trace_contents)
+        for name, unset in (("network_trace", None), ("slow_rank", None), ("kill_replica", None), ("rejoin", False)):
+            if d[name] == unset:  # the identity of every run without faults is as it always was
+                del d[name]
         return d
 
     def network_digest(self) -> str | None:
         """The digest (SHA-256, 16 hex digits) of the per-link matrix the run ran under, or None."""
-        if self.network_matrix is None:
-            return None
-        return hashlib.sha256(json.dumps(self.network_matrix, sort_keys=True).encode()).hexdigest()[:16]
+        return _digest(self.network_matrix)
 
     def key(self) -> str:
         """The run's identity as one string (sorted JSON): a sweep skips a key already recorded,
         a report cell shows the newest record of its key."""
         return json.dumps(self.identity(), sort_keys=True)
+
+
+def _digest(contents: dict[str, Any] | None) -> str | None:
+    """A file's contents as read (a matrix, a trace) by their digest (SHA-256, 16 hex digits), or None."""
+    if contents is None:
+        return None
+    return hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # Fields of RunConfig that do not change what a run measures (declared ``identity=False``): two runs

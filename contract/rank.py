@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from contract.config import RunConfig
 from contract.evaluation import Evaluator, Weights
+from contract.faults import StepHooks
 from contract.groups import op_timeout
 from contract.links import link_groups, posts_ahead
 from workload.data import TokenSource
@@ -43,6 +44,10 @@ class Measurements:
     # Under --eval-every, on rank 0: the eval points (step, tokens, wall_time, loss, bytes_sent per
     # rank; see contract.evaluation), the first before any step.
     evals: list[dict[str, Any]] = field(default_factory=list)
+    # When each measured step began, in seconds since the first step began (this rank's clock): where
+    # the steps fall in a run whose links change (--network-trace).
+    step_starts: list[float] = field(default_factory=list)
+    steps_run: list[int] = field(default_factory=list)  # the indices of the steps this rank ran (warm-up included)
 
 
 @dataclass
@@ -70,6 +75,12 @@ class Context:
     plan: StepPlan = None  # type: ignore[assignment]  # the steps this run takes (made from the config)
     # Every device the process computes on, ``device`` first (fairscale: its pipe's GPUs); () = (device,)
     devices: tuple[torch.device, ...] = ()
+    hooks: StepHooks = field(default_factory=StepHooks)  # the harness's, around each step (run_steps)
+    # A data-parallel replica that is a world of its own (torchrun's ``rank`` and ``world_size`` are
+    # then the replica's): its index, and the step it starts at (a replica that rejoined starts late).
+    # None: the world holds every replica. Only a fault-tolerant system is launched so (contract.faults).
+    replica: int | None = None
+    first_step: int = 0
 
     def __post_init__(self) -> None:
         if self.plan is None:
@@ -188,24 +199,32 @@ def run_steps(ctx: Context, dp_rank: int, step_fn: StepFn, weights: Weights | No
     cfg = ctx.config
     m = Measurements(step_times=[])
     losses: list[float] = []
-    barrier = StepBarrier(ctx, uses=2 * ctx.plan.total)
+    barrier = StepBarrier(ctx, uses=2 * (ctx.plan.total - ctx.first_step))
     on_cpu = ctx.device.type == "cpu"
     evaluator = Evaluator(ctx, weights) if cfg.eval_every else None
     # an eval's loss was at the target: the step running now is the last, and not evaluated
-    reached = evaluator is not None and _evaluated(ctx, evaluator, -1, barrier)
-    step = -1
+    reached = evaluator is not None and _evaluated(ctx, evaluator, ctx.first_step - 1, barrier)
+    step = ctx.first_step - 1
+    first_start = None
     while ctx.plan.more_after(step):
         step += 1
         inputs, targets = ctx.batch(step, dp_rank)
+        ctx.hooks.before_step(step)
         barrier.wait()
         start, cpu_start, clock_start = time.perf_counter(), time.process_time(), time.time()
+        if first_start is None:
+            first_start = start
+            ctx.hooks.started()
         out = step_fn(step, inputs, targets)
         ctx.synchronize()
         done, busy, clock_done = time.perf_counter(), time.process_time() - cpu_start, time.time()
+        ctx.hooks.after_step(step, done - start, busy)
         barrier.wait()
         end = time.perf_counter()
+        m.steps_run.append(step)
         warm = step < cfg.warmup
         if not warm:
+            m.step_starts.append(start - first_start)
             m.step_times.append(end - start)
             m.barrier_times.append(end - done)
             m.dp_sync_times.append(out.dp_sync_time)

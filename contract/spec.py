@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from contract.config import P2P_SEMANTICS, PRECISIONS, ConfigError, RunConfig, SystemOptions
+from contract.faults import check_faults
 from workload.tokens import check_vocab
 
 if TYPE_CHECKING:  # torch: only the ranks import it
@@ -100,6 +101,9 @@ class SystemSpec:
     # batch); a system that changes the optimization names the reference's run of its math (diloco:
     # the reference's own steps with the outer step applied to them, ``reference --diloco``).
     reference: Callable[[RunConfig], RunConfig] | None = None
+    # It goes on when a data-parallel replica dies (--kill-replica; torchft's quorums), and takes one
+    # back (--rejoin); a synchronous system ends as error instead.
+    fault_tolerant: bool = False
 
     def load(self) -> Train:
         """The system's train function (imports its training code)."""
@@ -124,6 +128,7 @@ class SystemSpec:
             raise ConfigError(f"system {self.name!r} takes {self.options.__name__}, "
                               f"got {type(config.options).__name__}")
         check_common(config)
+        check_faults(config, self.processes(config), self.fault_tolerant)
         for dim in DIMS:
             if getattr(config, dim) > 1 and dim not in self.dims:
                 supported = ", ".join(f"--{d}" for d in self.dims) or "none"

@@ -1,14 +1,22 @@
 """Userspace packet delayer on nfnetlink_queue (standard library only; runs as a script).
 
-    python delayer.py --queue 0:10 --queue 1:10    # queue-num:delay-ms, repeatable
+    python delayer.py --queue 0:10 --queue 1:10:2:0.5   # queue-num:delay-ms[:jitter-ms[:loss-%]], repeatable
 
 Binds the given NFQUEUE numbers on one AF_NETLINK socket with metadata-only
 copy (NFQNL_COPY_META) and whole GSO packets (NFQA_CFG_F_GSO), notes each
 packet's arrival, and accepts it ``delay`` ms later: one NFQNL_MSG_VERDICT_BATCH
 per queue releases every due packet at once (ids are FIFO per queue, so no
-reordering). Runs SCHED_FIFO where permitted, so CPU-bound ranks do not delay it.
-Prints ``ready`` once bound. Exits when stdin reaches EOF, i.e.
-when the owning process dies, whatever way it dies.
+reordering). A queue with loss drops each packet with that probability on
+arrival (an NF_DROP verdict of its own; a GSO packet is dropped whole, as netem
+drops an skb); with jitter each packet is held delay + U(-jitter, +jitter) ms,
+but never released before the packet ahead of it (no reordering). Runs
+SCHED_FIFO where permitted, so CPU-bound ranks do not delay it.
+
+Prints ``ready`` once bound. Reads commands on stdin, one a line:
+``set QUEUE DELAY_MS JITTER_MS LOSS_PCT`` (packets arriving from then on are
+held and dropped so; those held keep their release time) and ``stats`` (one
+line of JSON on stdout: per queue, the packets seen and dropped). Exits when
+stdin reaches EOF, i.e. when the owning process dies, whatever way it dies.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import json
 import os
+import random
 import select
 import socket
 import struct
@@ -28,13 +38,13 @@ SOL_NETLINK = 270
 NETLINK_NO_ENOBUFS = 5
 SO_RCVBUFFORCE = 33
 NFNL_SUBSYS_QUEUE = 3
-NFQNL_MSG_PACKET, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 2, 3
+NFQNL_MSG_PACKET, NFQNL_MSG_VERDICT, NFQNL_MSG_CONFIG, NFQNL_MSG_VERDICT_BATCH = 0, 1, 2, 3
 NFQA_CFG_CMD, NFQA_CFG_PARAMS, NFQA_CFG_QUEUE_MAXLEN, NFQA_CFG_MASK, NFQA_CFG_FLAGS = 1, 2, 3, 4, 5
 NFQNL_CFG_CMD_BIND = 1
 NFQNL_COPY_META = 1
 NFQA_CFG_F_GSO = 4
 NFQA_PACKET_HDR, NFQA_VERDICT_HDR = 1, 2
-NF_ACCEPT = 1
+NF_DROP, NF_ACCEPT = 0, 1
 NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG_ERROR = 2
 QUEUE_MAXLEN = 1 << 17  # packets held per queue before the kernel drops
@@ -116,7 +126,61 @@ def verdict_batch(queue: int, last_id: int) -> bytes:
     return _msg(NFQNL_MSG_VERDICT_BATCH, queue, _attr(NFQA_VERDICT_HDR, struct.pack(">II", NF_ACCEPT, last_id)))
 
 
-def run(delays_ms: dict[int, float]) -> None:
+def verdict_drop(queue: int, packet_id: int) -> bytes:
+    return _msg(NFQNL_MSG_VERDICT, queue, _attr(NFQA_VERDICT_HDR, struct.pack(">II", NF_DROP, packet_id)))
+
+
+class Link:
+    """What one queue does to its packets, and what it has done: packets seen and dropped."""
+
+    def __init__(self, delay_ms: float, jitter_ms: float = 0.0, loss_pct: float = 0.0) -> None:
+        self.seen = self.dropped = 0
+        self.last_due = 0.0
+        self.set(delay_ms, jitter_ms, loss_pct)
+
+    def set(self, delay_ms: float, jitter_ms: float, loss_pct: float) -> None:
+        self.delay, self.jitter, self.loss = delay_ms / 1e3, jitter_ms / 1e3, loss_pct / 100
+
+    def arrive(self, t: float, rng: random.Random) -> float | None:
+        """The release time of a packet that arrived at ``t``, or None: dropped."""
+        self.seen += 1
+        if self.loss and rng.random() < self.loss:
+            self.dropped += 1
+            return None
+        due = t + self.delay
+        if self.jitter:
+            due = max(t, due + rng.uniform(-self.jitter, self.jitter), self.last_due)
+        self.last_due = due
+        return due
+
+
+def queue_arg(queue: int, delay_ms: float, jitter_ms: float = 0.0, loss_pct: float = 0.0) -> str:
+    """The ``--queue`` argument of one queue (``parse_queue``'s inverse)."""
+    extra = f":{jitter_ms:.6g}:{loss_pct:.6g}" if jitter_ms or loss_pct else ""
+    return f"{queue}:{delay_ms:.6g}{extra}"
+
+
+def parse_queue(spec: str) -> tuple[int, Link]:
+    """``NUM:DELAY[:JITTER[:LOSS]]`` (ms, ms, %) -> (queue number, its link)."""
+    q, *values = spec.split(":")
+    if not 1 <= len(values) <= 3:
+        raise ValueError(f"bad queue {spec!r}: NUM:DELAY_MS[:JITTER_MS[:LOSS_PCT]]")
+    return int(q), Link(*map(float, values))
+
+
+def command(line: str, links: dict[int, Link]) -> str | None:
+    """Carry out one stdin command; returns the line to print, if any."""
+    words = line.split()
+    if words[:1] == ["set"] and len(words) == 5 and int(words[1]) in links:
+        links[int(words[1])].set(*map(float, words[2:]))
+    elif words == ["stats"]:
+        return json.dumps({q: {"seen": k.seen, "dropped": k.dropped} for q, k in links.items()})
+    elif words:
+        print(f"delayer: ignored command {line!r}", file=sys.stderr, flush=True)
+    return None
+
+
+def run(links: dict[int, Link], seed: int | None = None) -> None:
     try:  # exact wake-ups: no timer slack
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
     except (OSError, AttributeError):
@@ -126,11 +190,12 @@ def run(delays_ms: dict[int, float]) -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
     except (OSError, AttributeError):
         pass  # not permitted (no root / no CAP_SYS_NICE): the ordinary scheduler
-    sock = open_queues(sorted(delays_ms))
+    sock = open_queues(sorted(links))
     sock.setblocking(False)
-    delay_s = {q: d / 1e3 for q, d in delays_ms.items()}
-    held: dict[int, collections.deque[tuple[float, int]]] = {q: collections.deque() for q in delays_ms}
+    rng = random.Random(seed)
+    held: dict[int, collections.deque[tuple[float, int]]] = {q: collections.deque() for q in links}
     stdin = sys.stdin.fileno()
+    pending = b""
     print("ready", flush=True)
     now = time.monotonic
     while True:
@@ -144,8 +209,15 @@ def run(delays_ms: dict[int, float]) -> None:
         due = [dq[0][0] for dq in held.values() if dq]
         timeout = max(0.0, min(due) - now()) if due else None
         readable, _, _ = select.select([sock, stdin], [], [], timeout)
-        if stdin in readable and not os.read(stdin, 4096):
-            return  # owner gone
+        if stdin in readable:
+            data = os.read(stdin, 4096)
+            if not data:
+                return  # owner gone
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                reply = command(line.decode(errors="replace"), links)
+                if reply is not None:
+                    print(reply, flush=True)
         if sock in readable:
             for _ in range(64):  # bounded, so due packets still leave under a flood
                 try:
@@ -154,20 +226,22 @@ def run(delays_ms: dict[int, float]) -> None:
                     break
                 t = now()
                 for q, pid in packet_ids(data):
-                    held[q].append((t + delay_s[q], pid))
+                    release = links[q].arrive(t, rng)
+                    if release is None:
+                        sock.send(verdict_drop(q, pid))
+                    else:
+                        held[q].append((release, pid))
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--queue", action="append", required=True, metavar="NUM:DELAY_MS")
+    ap.add_argument("--queue", action="append", required=True, metavar="NUM:DELAY_MS[:JITTER_MS[:LOSS_PCT]]")
     ap.add_argument("--owner", type=int, default=0, help="pid of the owning process (for ps; informative)")
+    ap.add_argument("--seed", type=int, default=None, help="seed of the drops and the jitter (default: random)")
     args = ap.parse_args(argv)
-    delays = {}
-    for spec in args.queue:
-        q, d = spec.split(":")
-        delays[int(q)] = float(d)
+    links = dict(map(parse_queue, args.queue))
     try:
-        run(delays)
+        run(links, args.seed)
     except KeyboardInterrupt:
         pass
 

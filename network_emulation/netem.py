@@ -65,6 +65,10 @@ def netem_argv(iface: str, link: LinkSpec, *, parent: str = "root", handle: str 
                rate: bool = True) -> list[str]:
     argv = ["tc", "qdisc", "replace", "dev", iface, *_where(parent), *(["handle", handle] if handle else []),
             "netem", "delay", f"{fmt(link.delay_ms)}ms"]
+    if link.jitter_ms:  # uniform over delay ± jitter (netem's default distribution)
+        argv.append(f"{fmt(link.jitter_ms)}ms")
+    if link.loss_pct:
+        argv += ["loss", f"{fmt(link.loss_pct)}%"]
     if rate:
         argv += ["rate", f"{fmt(link.bandwidth_gbps)}gbit"]
     return argv + ["limit", str(netem_limit(link.delay_ms, link.bandwidth_gbps))]
@@ -87,11 +91,15 @@ def _where(parent: str) -> list[str]:
     return ["root"] if parent == "root" else ["parent", parent]
 
 
-def per_destination_argv(iface: str, links: Mapping[str, LinkSpec], kind: Kind) -> list[list[str]]:
+def per_destination_argv(iface: str, links: Mapping[str, LinkSpec], kind: Kind,
+                         change: bool = False) -> list[list[str]]:
     """htb root with one class per destination address (u32 match on ip dst); with kind='netem'
-    each class also gets a netem child for the delay. Unmatched traffic (ARP, others) is unshaped."""
-    cmds = [["tc", "qdisc", "replace", "dev", iface, "root", "handle", "1:", "htb", "default", "1"],
-            ["tc", "class", "replace", "dev", iface, "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit"]]
+    each class also gets a netem child for the delay. Unmatched traffic (ARP, others) is unshaped.
+    ``change``: only what changes the links of shaping already there (each class's rate, its netem
+    child), in place: an htb root cannot be replaced."""
+    cmds = [] if change else [
+        ["tc", "qdisc", "replace", "dev", iface, "root", "handle", "1:", "htb", "default", "1"],
+        ["tc", "class", "replace", "dev", iface, "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit"]]
     for k, (dst, link) in enumerate(links.items()):
         cls = f"1:{k + 10:x}"
         burst = str(tbf_burst(link.bandwidth_gbps))
@@ -100,16 +108,19 @@ def per_destination_argv(iface: str, links: Mapping[str, LinkSpec], kind: Kind) 
                      "rate", rate, "ceil", rate, "burst", burst, "cburst", burst])
         if kind == "netem":
             cmds.append(netem_argv(iface, link, parent=cls, handle=f"{k + 10:x}:", rate=False))
-        cmds.append(["tc", "filter", "replace", "dev", iface, "parent", "1:", "protocol", "ip", "prio", "1",
-                     "handle", f"800::{k + 10:x}", "u32", "match", "ip", "dst", f"{dst}/32", "flowid", cls])
+        if not change:
+            cmds.append(["tc", "filter", "replace", "dev", iface, "parent", "1:", "protocol", "ip", "prio", "1",
+                         "handle", f"800::{k + 10:x}", "u32", "match", "ip", "dst", f"{dst}/32", "flowid", cls])
     return cmds
 
 
-def host_shaping_argv(profile: Profile, src: int, iface: str, addresses: Sequence[str], kind: Kind) -> list[list[str]]:
+def host_shaping_argv(profile: Profile, src: int, iface: str, addresses: Sequence[str], kind: Kind,
+                      change: bool = False) -> list[list[str]]:
     """Commands that shape host ``src``'s egress on ``iface`` for ``profile``.
 
     kind='netem': delay and rate in the kernel; kind='tbf': rate only (delay is the delayer's).
-    ``addresses`` (host order) is needed only for matrix profiles."""
+    ``addresses`` (host order) is needed only for matrix profiles. ``change``: the links of shaping
+    already there change to ``profile``'s (``per_destination_argv``)."""
     if not profile.emulated:
         return []
     if profile.uniform:
@@ -118,7 +129,7 @@ def host_shaping_argv(profile: Profile, src: int, iface: str, addresses: Sequenc
         return [netem_argv(iface, link) if kind == "netem" else tbf_argv(iface, link.bandwidth_gbps)]
     profile.check_hosts(len(addresses))
     links = {addresses[d]: profile.link(src, d) for d in range(len(addresses)) if d != src}
-    return per_destination_argv(iface, links, kind)  # type: ignore[arg-type]
+    return per_destination_argv(iface, links, kind, change)  # type: ignore[arg-type]
 
 
 def ssh_base(ssh_config: str | os.PathLike[str] | None = None) -> list[str]:

@@ -6,7 +6,7 @@ Started on each node by ``ssh_shaping.SshShapingSession`` (from the suite's dire
 
 Protocol (one JSON object per line):
 1. reads the plan on stdin: ``{"iface", "backend": "auto"|"netem"|"tbf+delayer"|"none",
-   "netem": [tc argv...], "tbf": [tc argv...], "delays": [[queue, delay_ms, source or null]...]}``;
+   "netem": [tc argv...], "tbf": [tc argv...], "delays": [[queue, delay_ms, source or null, jitter_ms, loss_pct]...]}``;
 2. takes the node's shaping lock for the interface (a second live session on it is refused), and
    clears what a killed earlier session left there: its tagged iptables rules and its root qdisc;
 3. picks the backend: netem when ``tc qdisc ... netem`` works on this node, otherwise tbf (rate) on
@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .delayer import queue_arg
 from .probe import boot_id
 from .signals import Terminated, end_by_stdin, signals_deferred, signals_raise
 
@@ -89,8 +90,9 @@ def check_plan(plan: Any) -> dict[str, Any]:
             if not (isinstance(argv, list) and argv and argv[0] == "tc" and all(isinstance(a, str) for a in argv)):
                 raise PlanError(f"only tc commands may be in the plan, got {argv!r}")
     for d in plan.get("delays", []):
-        if not (isinstance(d, list) and len(d) == 3 and isinstance(d[0], int) and 0 <= d[0] < 65536
-                and isinstance(d[1], (int, float)) and d[1] > 0 and (d[2] is None or isinstance(d[2], str))):
+        if not (isinstance(d, list) and len(d) in (3, 5) and isinstance(d[0], int) and 0 <= d[0] < 65536
+                and all(isinstance(v, (int, float)) and v >= 0 for v in (d[1], *d[3:]))
+                and (d[2] is None or isinstance(d[2], str))):
             raise PlanError(f"bad delay entry {d!r}")
     return plan
 
@@ -156,8 +158,8 @@ class Agent:
 
     def _start_delayer(self) -> None:
         argv = [sys.executable, "-I", str(DELAYER), "--owner", str(os.getpid())]
-        for queue, delay_ms, _ in self.plan["delays"]:
-            argv += ["--queue", f"{queue}:{delay_ms:.6g}"]
+        for queue, delay_ms, _, *rest in self.plan["delays"]:
+            argv += ["--queue", queue_arg(queue, delay_ms, *rest)]
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.delayer = p
         assert p.stdout is not None
@@ -189,7 +191,7 @@ class Agent:
         if port:
             out += [["-i", self.iface, "-p", "tcp", "--dport", port, *tag, "-j", "ACCEPT"],
                     ["-i", self.iface, "-p", "tcp", "--sport", port, *tag, "-j", "ACCEPT"]]
-        for queue, _, source in self.plan["delays"]:
+        for queue, _, source, *_ in self.plan["delays"]:
             out.append(["-i", self.iface, *(["-s", source] if source else []), *tag, "-j", "NFQUEUE",
                         "--queue-num", str(queue)])
         return out

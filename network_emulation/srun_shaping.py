@@ -34,7 +34,8 @@ class SrunShapingSession(SshShapingSession):
         return srun_argv([host], guarded(for_host(self.remote_python, host), argv),
                          chdir=for_host(self.remote_dir, host))
 
-    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
+    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, train: int,
+                 port: int) -> LinkMeasurement:
         """The probe's two ends on the hosts (indices into ``hosts``), each started through srun
         (``LinkProbing.probe``)."""
         server, client = self.hosts[dst], self.hosts[src]
@@ -50,4 +51,4 @@ class SrunShapingSession(SshShapingSession):
             return wrap
 
         return measure_with(on(server), on(client), address, port=port, samples=samples, duration_s=duration_s,
-                            stamp=stamp)
+                            train=train, stamp=stamp)

@@ -62,18 +62,19 @@ def for_host(template: str, host: str | None) -> str:
 
 
 def delays_for(profile: Profile, index: int, addresses: Sequence[str]) -> list[list[Any]]:
-    """The delayer's queues on host ``index``: ``[queue, delay_ms, source or None]``. Uniform: one
-    queue for everything that arrives; matrix: one queue per source host with a delay towards us."""
+    """The delayer's queues on host ``index``: ``[queue, delay_ms, source or None, jitter_ms,
+    loss_pct]``. Uniform: one queue for everything that arrives; matrix: one queue per source host
+    whose link towards us delays, jitters or drops."""
     if not profile.emulated:
         return []
     if profile.uniform:
         link = profile.link(index, index)
-        return [[QUEUE_BASE, link.delay_ms, None]] if link and link.delay_ms > 0 else []
+        return [[QUEUE_BASE, link.delay_ms, None, link.jitter_ms, link.loss_pct]] if link and link.held else []
     out = []
     for src, address in enumerate(addresses):
         link = profile.link(src, index)
-        if link and link.delay_ms > 0:
-            out.append([QUEUE_BASE + src, link.delay_ms, f"{address}/32"])
+        if link and link.held:
+            out.append([QUEUE_BASE + src, link.delay_ms, f"{address}/32", link.jitter_ms, link.loss_pct])
     return out
 
 
@@ -231,7 +232,7 @@ class SshShapingSession(Guarded, LinkProbing):
             print("#   netem where the node has it:", file=self.out)
             for argv in plan["netem"]:
                 print(f"#     {shlex.join(argv)}", file=self.out)
-            queues = " ".join(f"{q}:{d:g}:{src or 'any'}" for q, d, src in plan["delays"]) or "none"
+            queues = " ".join(f"{q}:{d:g}:{src or 'any'}" for q, d, src, *_ in plan["delays"]) or "none"
             print(f"#   else tbf + delayer (raw PREROUTING on {self.iface}, queue:delay_ms:source {queues}):",
                   file=self.out)
             for argv in plan["tbf"]:
@@ -290,7 +291,8 @@ class SshShapingSession(Guarded, LinkProbing):
                        "backend": self.backends.get(h or "localhost")} for h in self.hosts],
         }
 
-    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
+    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, train: int,
+                 port: int) -> LinkMeasurement:
         """The probe's two ends on the hosts (indices into ``hosts``), over ssh (``LinkProbing.probe``)."""
         server, client = self.hosts[dst], self.hosts[src]
         address = self.iface_addresses.get(server or "localhost") or server
@@ -299,14 +301,14 @@ class SshShapingSession(Guarded, LinkProbing):
         # The delayer holds packets after the receiver's kernel has time-stamped them.
         stamp = "socket" if self.backends.get(server or "localhost") == "tbf+delayer" else "kernel"
         return probe_over_ssh(server, client, address, ssh_config=self.ssh_config, remote_dir=self.remote_dir,
-                              remote_python=self.remote_python, samples=samples, duration_s=duration_s, port=port,
-                              stamp=stamp)
+                              remote_python=self.remote_python, samples=samples, duration_s=duration_s,
+                              train=train, port=port, stamp=stamp)
 
 
 def probe_over_ssh(server: str | None, client: str | None, address: str, *,
                    ssh_config: str | os.PathLike[str] | None = None, remote_dir: str = str(REPO),
                    remote_python: str = sys.executable, samples: int = 20, duration_s: float = 1.0,
-                   port: int = DEFAULT_PORT, stamp: str = "kernel") -> LinkMeasurement:
+                   train: int = 0, port: int = DEFAULT_PORT, stamp: str = "kernel") -> LinkMeasurement:
     """Run probe.py's server on ``server`` and its client on ``client`` (ssh names; None = here),
     the client sending to ``address`` (the server's address on the shaped interface). ``stamp``
     "socket" when the server's node delays on its ingress (see probe.serve). ``{host}`` in
@@ -321,4 +323,4 @@ def probe_over_ssh(server: str | None, client: str | None, address: str, *,
         return wrap
 
     return measure_with(on(server), on(client), address, port=port, samples=samples, duration_s=duration_s,
-                        stamp=stamp)
+                        train=train, stamp=stamp)

@@ -6,8 +6,9 @@
 Shaping, per the kernel's abilities:
 - ``netem``: netem on each host's eth0 (delay + rate; htb + netem per destination for a matrix);
 - ``tbf+delayer``: tbf (uniform) or htb per destination (matrix) on each host's eth0 for the rate,
-  and the nfnetlink_queue delayer (delayer.py) in the switch namespace for the delay: every packet
-  entering the bridge from host A towards host B is held delay(A->B) ms;
+  and the nfnetlink_queue delayer (delayer.py) in the switch namespace for the delay, jitter and
+  loss: every packet entering the bridge from host A towards host B is held delay(A->B) ms (± the
+  jitter), or dropped with the link's loss probability;
 - ``none``: plain bridge.
 
 TCP of every virtual host, set for a training job's connections (long-lived, idle between bursts: a
@@ -32,6 +33,7 @@ delayer exits when its stdin pipe from the owner closes, i.e. when the owner die
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -46,7 +48,8 @@ from typing import Any, TextIO
 
 from . import netem
 from .probe import LinkMeasurement, LinkProbing, measure
-from .profiles import Profile, parse_profile
+from .delayer import queue_arg
+from .profiles import LinkSpec, Profile, parse_profile
 from .signals import Guarded, signals_deferred, stop_process
 
 PREFIX = "nemu-"
@@ -151,10 +154,11 @@ class VirtualCluster(Guarded, LinkProbing):
     """``n_hosts`` network namespaces on one bridge, shaped by ``profile``; a context manager.
 
     backend="auto" picks netem when the kernel has it, else tbf+delayer ("none" for the none profile).
+    ``changing``: the links will change while the cluster runs (``reshape``).
     """
 
     def __init__(self, n_hosts: int, profile: Profile | str = "none", name: str = "vc", *,
-                 backend: str = "auto", subnet: str = "10.77.0", realtime: bool = True,
+                 backend: str = "auto", subnet: str = "10.77.0", realtime: bool = True, changing: bool = False,
                  log: TextIO | None = sys.stderr) -> None:
         if not 1 <= n_hosts <= 250:
             raise ValueError(f"n_hosts must be in 1..250, got {n_hosts}")
@@ -167,6 +171,7 @@ class VirtualCluster(Guarded, LinkProbing):
         self.profile: Profile = parse_profile(profile) if isinstance(profile, str) else profile
         self.profile.check_hosts(n_hosts)
         self.name, self.subnet, self.realtime, self.log = name, subnet, realtime, log
+        self.changing = changing  # links may change during the run (``reshape``): a delayer queue for each
         self._requested_backend = backend
         pid = os.getpid()
         tag = f"{PREFIX}{pid}.{_start_time(pid):x}-{name}"
@@ -176,7 +181,7 @@ class VirtualCluster(Guarded, LinkProbing):
             VirtualHost(k, f"{tag}-h{k}", f"{subnet}.{k + 1}") for k in range(n_hosts))
         self.backend = "none"
         self.delayer: subprocess.Popen[str] | None = None
-        self.delayer_queues: dict[int, float] = {}
+        self.delayer_queues: dict[int, LinkSpec] = {}
         self.delayer_realtime = False
         self.watchdog: subprocess.Popen[bytes] | None = None
         self.tcp_congestion: str | None = None
@@ -262,29 +267,33 @@ class VirtualCluster(Guarded, LinkProbing):
             return "netem"
         return "tbf+delayer"
 
-    def shaping_commands(self) -> dict[str, list[list[str]]]:
-        """The tc commands per host namespace for the chosen backend (without the ``-n ns`` part)."""
+    def shaping_commands(self, change: bool = False) -> dict[str, list[list[str]]]:
+        """The tc commands per host namespace for the chosen backend (without the ``-n ns`` part);
+        ``change``: those that change the shaping already there (``reshape``)."""
         kind: netem.Kind = "netem" if self.backend == "netem" else "tbf"
         addrs = [h.address for h in self.hosts]
-        return {h.namespace: netem.host_shaping_argv(self.profile, h.index, h.iface, addrs, kind) for h in self.hosts}
+        return {h.namespace: netem.host_shaping_argv(self.profile, h.index, h.iface, addrs, kind, change)
+                for h in self.hosts}
 
-    def delayer_rules(self) -> tuple[dict[int, float], list[str]]:
-        """Queue number -> delay (ms), and the iptables FORWARD rules of the switch namespace."""
-        queues: dict[int, float] = {}
+    def delayer_rules(self) -> tuple[dict[int, LinkSpec], list[str]]:
+        """Queue number -> the link whose packets it holds, and the iptables FORWARD rules of the switch
+        namespace: a queue per link that delays, jitters or drops (every link, where they may change
+        during the run: ``changing``)."""
+        queues: dict[int, LinkSpec] = {}
         rules: list[str] = []
         n = len(self.hosts)
         for h in self.hosts:
             if self.profile.uniform:
                 link = self.profile.link(h.index, h.index)
-                if link and link.delay_ms > 0:
-                    queues[h.index] = link.delay_ms
+                if link and (link.held or self.changing):
+                    queues[h.index] = link
                     rules.append(f"-A FORWARD -m physdev --physdev-in p{h.index} -j NFQUEUE --queue-num {h.index}")
                 continue
             for d in self.hosts:
                 link = self.profile.link(h.index, d.index)
-                if link and link.delay_ms > 0:
+                if link and (link.held or self.changing):
                     q = h.index * n + d.index
-                    queues[q] = link.delay_ms
+                    queues[q] = link
                     rules.append(f"-A FORWARD -m physdev --physdev-in p{h.index} -d {d.address}/32 "
                                  f"-j NFQUEUE --queue-num {q}")
         return queues, rules
@@ -309,10 +318,10 @@ class VirtualCluster(Guarded, LinkProbing):
              input="*filter\n" + "\n".join(rules) + "\nCOMMIT\n")
         self.delayer_queues = queues
 
-    def _start_delayer(self, queues: dict[int, float]) -> None:
+    def _start_delayer(self, queues: dict[int, LinkSpec]) -> None:
         base = [sys.executable, "-I", str(DELAYER), "--owner", str(os.getpid())]
-        for q, d in sorted(queues.items()):
-            base += ["--queue", f"{q}:{d:.6g}"]
+        for q, link in sorted(queues.items()):
+            base += ["--queue", queue_arg(q, link.delay_ms, link.jitter_ms, link.loss_pct)]
         attempts = [["chrt", "-f", "20", *base]] if self.realtime and shutil.which("chrt") else []
         attempts.append(base)
         for argv in attempts:
@@ -329,6 +338,45 @@ class VirtualCluster(Guarded, LinkProbing):
                 if f:
                     f.close()
         raise RuntimeError("the packet delayer did not start (see its error above)")
+
+    def reshape(self, profile: Profile) -> None:
+        """Shape the running cluster's links as ``profile`` says from now on (a link that changes
+        during the run, ``network_emulation.traces``): the rate in each host's qdisc (tc ... replace
+        changes it in place), the delay, jitter and loss in netem or in the delayer (for packets
+        arriving from now on). Needs a cluster started with ``changing=True`` and a profile of the
+        same kind (uniform or per-link) and size."""
+        if not self.changing:
+            raise RuntimeError("reshape needs a cluster started with changing=True")
+        if profile.uniform != self.profile.uniform:
+            raise ValueError("reshape: the new profile must be of the same kind (uniform or per-link) as the old")
+        profile.check_hosts(len(self.hosts))
+        self.profile = profile
+        if self.backend == "none":
+            return
+        for ns, cmds in self.shaping_commands(change=True).items():
+            for argv in cmds:
+                _run([argv[0], "-n", ns, *argv[1:]])
+        if self.delayer is not None and self.delayer.stdin:
+            queues, _ = self.delayer_rules()
+            for q, link in sorted(queues.items()):
+                if self.delayer_queues.get(q) != link:
+                    self.delayer.stdin.write(f"set {q} {link.delay_ms:.6g} {link.jitter_ms:.6g} {link.loss_pct:.6g}\n")
+            self.delayer.stdin.flush()
+            self.delayer_queues = queues
+
+    def delayer_counts(self) -> dict[str, int] | None:
+        """The packets the delayer has held and dropped so far, over every link ({"seen", "dropped"}),
+        or None without a delayer."""
+        p = self.delayer
+        if p is None or p.stdin is None or p.stdout is None:
+            return None
+        p.stdin.write("stats\n")
+        p.stdin.flush()
+        ready, _, _ = select.select([p.stdout], [], [], 5)
+        if not ready:
+            return None
+        counts = json.loads(p.stdout.readline())
+        return {k: sum(c[k] for c in counts.values()) for k in ("seen", "dropped")}
 
     # ------------------------------------------------------------------ use
     def describe(self) -> dict[str, Any]:
@@ -350,8 +398,9 @@ class VirtualCluster(Guarded, LinkProbing):
                     "no_metrics_save": 1},
         }
 
-    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, port: int) -> LinkMeasurement:
+    def _measure(self, src: int, dst: int, *, samples: int, duration_s: float, train: int,
+                 port: int) -> LinkMeasurement:
         """The probe's two ends in the hosts' namespaces (``LinkProbing.probe``)."""
         a, b = self.hosts[src], self.hosts[dst]
         return measure(b.command_prefix(), a.command_prefix(), b.address, port=port, samples=samples,
-                       duration_s=duration_s)
+                       duration_s=duration_s, train=train)

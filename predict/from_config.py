@@ -19,15 +19,29 @@ def single_link(network: str, matrix: dict | None = None) -> LinkSpec | None:
     emulation; ``matrix``: a per-link matrix's contents as the run read them). NotModelled for a
     matrix with more than one kind of link: the simulator models no per-link matrices."""
     classes = link_classes(parse_profile(network, matrix))
+    lossy = [c[2] for c in classes if c[2].lossy]
+    if lossy:
+        raise NotModelled(f"--network {network}: packet loss and jitter are not modelled (the simulator's links "
+                          "deliver every message, each after the same delay)")
     if len(classes) > 1:
         raise NotModelled(f"--network {network}: a per-link matrix with {len(classes)} kinds of link is not modelled "
                           "(the simulator puts one link between every pair of ranks)")
     return classes[0][2] if classes else None
 
 
+def check_faults_modelled(cfg: RunConfig) -> None:
+    """NotModelled for a run with faults the simulator does not model: a trace of links that change,
+    a straggler, a killed replica (``contract.faults``)."""
+    faults = [flag for flag, value in (("--network-trace", cfg.network_trace), ("--slow-rank", cfg.slow_rank),
+                                       ("--kill-replica", cfg.kill_replica)) if value is not None]
+    if faults:
+        raise NotModelled(f"{', '.join(faults)}: not modelled (the simulator's links and devices stay as they start)")
+
+
 def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", compute=None) -> RunSpec:
     """RunSpec of a RunConfig over ``link``; ours' 'auto' slicing is resolved as the run would resolve it
     (``compute``: the GPU's compute model, for a run on a GPU; None: this machine's)."""
+    check_faults_modelled(cfg)
     systems = SYSTEMS if compute is not None else CALIBRATED
     if cfg.system not in systems:
         raise NotModelled(f"the simulator has no program for {cfg.system} {'on a GPU' if compute else 'here'} "

@@ -34,7 +34,8 @@ from contract import ConfigError, RunConfig
 from contract.records import layout_words, predictions_path, read_records
 from predict.fitting import fit_overheads
 from workload.compute import CpuCompute, Overheads
-from predict.from_config import NotModelled, config_of_record, single_link, spec_from_config, spec_from_record
+from predict.from_config import (NotModelled, check_faults_modelled, config_of_record, single_link, spec_from_config,
+                                 spec_from_record)
 from predict.step_time import predict
 from predict.run_spec import Link, Prediction
 from contract.registry import read_options
@@ -549,7 +550,8 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
         try:
             cfg = config_as_run(rec)
             single_link(cfg.network, cfg.network_matrix)
-        except NotModelled as exc:  # a per-link matrix: said, not predicted as if it were uniform
+            check_faults_modelled(cfg)
+        except NotModelled as exc:  # a per-link matrix, loss, faults: said, not predicted as if absent
             log(f"{path}: run {rec['run_id']} ({rec.get('label')}): not predicted: {exc}")
             kept[rec["run_id"]] = {"not_modelled": str(exc)}
             continue

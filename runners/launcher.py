@@ -6,6 +6,7 @@ rank the whole group is stopped; the agents and the ranks also die with their pa
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,14 +19,18 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from contract import RunConfig
 from contract.registry import get_system
-from network_emulation import VirtualCluster, parse_profile
+from network_emulation import LinkSpec, VirtualCluster, parse_profile
 from network_emulation.signals import stop_process
+from network_emulation.traces import TracePlayer, trace_from
 from runners import services
 from runners.devices import agent_devices, visible_entries
+from contract.faults import killed
+from runners.faults import (FIRST_STEP_ENV, REJOINED_ENV, REPLICA_ENV, STARTED, Straggler, join_cgroup,
+                            killed_ranks)
 from runners.lifetime import DirectoryWatchdog, die_with_parent, oom_kills, owner_alive, owner_tag
 from runners.output import Pump
 from runners.request import Placement
@@ -47,6 +52,7 @@ class LaunchResult:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)  # under --verify
     run_dir: Path | None = None
     network: dict | None = None  # the emulated network: backend, profile, links, the measured links
+    faults: dict | None = None  # the run's faults as they happened: the straggler, each replica's lives
     watchdog: DirectoryWatchdog | None = None  # removes run_dir if the run command ends before it does
 
     def remove_run_dir(self) -> None:
@@ -60,10 +66,14 @@ class LaunchResult:
 
 @dataclass(frozen=True)
 class Agent:
-    """One torchrun agent: its command and environment (a virtual host's, under emulation)."""
+    """One torchrun agent: its command and environment (a virtual host's, under emulation); the CPU
+    cgroup it starts in (a straggler's quota, ``runners.faults``), and the replica whose world it
+    belongs to (a fault-tolerant system's replicas are worlds of their own under --kill-replica)."""
 
     argv: list[str]
     env: dict[str, str]
+    cgroup: Path | None = None
+    replica: int | None = None
 
 
 def free_port() -> int:
@@ -110,42 +120,180 @@ def local_services(placement: Placement) -> services.Placing:
                             start=placement.node_rank == 0)
 
 
-def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result: bool = True) -> LaunchResult:
-    procs: list[subprocess.Popen] = []
-    pumps: list[Pump] = []
-    env_base = dict(os.environ, PYTHONUNBUFFERED="1")
-    env_base["PYTHONPATH"] = str(REPO) + (os.pathsep + env_base["PYTHONPATH"] if env_base.get("PYTHONPATH") else "")
+def _preexec(cgroup: Path | None):
+    """The agent's preexec_fn: die with the run command; start in ``cgroup`` (its cgroup.procs) if given."""
+    def preexec() -> None:
+        die_with_parent()
+        if cgroup is not None:
+            join_cgroup(cgroup)
+    return preexec
+
+
+class Agents:
+    """The agents of one launch, started and stopped together; their output goes to stderr."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[Agent, subprocess.Popen]] = []
+        self.pumps: list[Pump] = []
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.env["PYTHONPATH"] = str(REPO) + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
+
+    def start(self, agent: Agent, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(agent.argv, env={**self.env, **agent.env, **(extra_env or {})}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                             preexec_fn=_preexec(agent.cgroup))
+        self.procs.append((agent, p))
+        self.pumps.append(Pump(p.stdout, [sys.stderr]))
+        return p
+
+    def mute(self) -> None:
+        for pump in self.pumps:
+            pump.mute()
+
+    def stop(self, procs: list[subprocess.Popen] | None = None) -> None:
+        """Stop ``procs`` (default: every agent): torchrun and its workers, a session each."""
+        for p in procs if procs is not None else [p for _, p in self.procs]:
+            stop_process(p, signal.SIGTERM, 5.0, group=True)
+
+    def tail(self, skip_replica: int | None = None) -> str:
+        """The last lines of the agents' output (but replica ``skip_replica``'s)."""
+        for pump in self.pumps:
+            pump.join(timeout=2)
+        return "".join(pump.tail for (agent, _), pump in zip(self.procs, self.pumps)
+                       if skip_replica is None or agent.replica != skip_replica)
+
+
+def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result: bool = True,
+               replicas: ReplicaFaults | None = None) -> LaunchResult:
+    """Start ``agents``, wait for them, stop them all once one fails or the run times out, and collect
+    the result. ``replicas``: the agents are replicas' worlds of a fault-tolerant run, one of which is
+    killed (and perhaps restarted): its end does not stop the others (``ReplicaFaults``)."""
+    started = Agents()
     deadline = time.monotonic() + timeout
     timed_out = False
     oom_before = oom_kills()
     try:
         for agent in agents:
-            p = subprocess.Popen(agent.argv, env={**env_base, **agent.env}, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
-                                 preexec_fn=die_with_parent)
-            procs.append(p)
-            pumps.append(Pump(p.stdout, [sys.stderr]))
-        while any(p.poll() is None for p in procs):
+            started.start(agent)
+        while any(p.poll() is None for _, p in started.procs):
             if time.monotonic() > deadline:
                 timed_out = True
                 break
-            if any(p.poll() not in (None, 0) for p in procs):  # one agent failed: stop the others
+            if replicas is not None:
+                if replicas.watch(started):
+                    break
+            elif any(p.poll() not in (None, 0) for _, p in started.procs):  # one agent failed: stop the others
                 time.sleep(2.0)  # torchrun stops its own workers first, writing their error files
                 break
             time.sleep(0.1)
     except BaseException:  # interrupted: what the stopping agents and ranks print is noise
-        for pump in pumps:
-            pump.mute()
+        started.mute()
         raise
     finally:
-        for p in procs:  # torchrun and its workers: a session each
-            stop_process(p, signal.SIGTERM, 5.0, group=True)
-        for pump in pumps:
-            pump.join(timeout=2)
+        started.stop()
     oom_after = oom_kills()
     oom_killed = oom_before is not None and oom_after is not None and oom_after > oom_before
-    tail = "".join(pump.tail for pump in pumps)
-    return collect(run_dir, [p.returncode for p in procs], timed_out, timeout, tail, expect_result, oom_killed)
+    tail = started.tail(replicas.victim if replicas is not None else None)
+    if replicas is not None:
+        return replicas.collect(run_dir, started, timed_out, timeout, tail, oom_killed)
+    return collect(run_dir, [p.returncode for _, p in started.procs], timed_out, timeout, tail, expect_result,
+                   oom_killed)
+
+
+class ReplicaFaults:
+    """A fault-tolerant run (``SystemSpec.fault_tolerant``) under --kill-replica: each replica a world
+    of its own (its own torchrun, as torchft runs replicas), replica ``victim`` killed after its step
+    and, with --rejoin, started again once its ranks are gone (at the step it died at); the others go
+    on. ``group(d, extra_env)`` makes replica d's agents (fresh ones for a restart). The run ends when
+    every other replica has ended: a rejoined replica still running then is stopped."""
+
+    def __init__(self, cfg: RunConfig, world: int, run_dir: Path,
+                 group: Callable[[int, dict[str, str]], list[Agent]]):
+        self.run_dir = run_dir
+        kill = killed(cfg)
+        assert kill is not None
+        self.victim, self.step = kill
+        self.rejoin, self.dp = cfg.rejoin, cfg.dp
+        self.size = world // cfg.dp
+        self.group = group
+        self.current: dict[int, list[subprocess.Popen]] = {}
+        self.ended: dict[int, list[str]] = {d: [] for d in range(cfg.dp)}  # how each life of a replica ended
+        self.failed = False
+
+    def agents(self) -> list[Agent]:
+        return [a for d in range(self.dp) for a in self.group(d, {REPLICA_ENV: str(d)})]
+
+    def _procs(self, started: Agents, d: int) -> list[subprocess.Popen]:
+        return self.current.get(d) or [p for a, p in started.procs if a.replica == d]
+
+    def _victim_ranks(self) -> range:
+        return range(self.victim * self.size, (self.victim + 1) * self.size)
+
+    def watch(self, started: Agents) -> bool:
+        """One look at the agents; True: the run is over (stop what still runs)."""
+        for d in range(self.dp):
+            procs = self._procs(started, d)
+            if not any(p.poll() not in (None, 0) for p in procs):
+                continue
+            if d == self.victim and not self.ended[d] and any(
+                    (self.run_dir / f"killed-rank{r}.json").exists() for r in self._victim_ranks()):
+                if any(p.poll() is None for p in procs):
+                    continue  # its other ranks are still ending
+                self.ended[d].append(f"killed after {self.step} steps")
+                if self.rejoin:
+                    env = {REPLICA_ENV: str(d), REJOINED_ENV: "1", FIRST_STEP_ENV: str(self.step)}
+                    self.current[d] = [started.start(a, env) for a in self.group(d, env)]
+                    self.ended[d].append("running")
+                continue
+            if d == self.victim and self.ended[d][-1:] == ["running"]:
+                self.ended[d][-1] = "failed after rejoining"
+                continue
+            if d == self.victim and self.ended[d]:
+                continue  # its end is known already
+            time.sleep(2.0)  # torchrun stops its own workers first, writing their error files
+            self.failed = True
+            return True
+        others = [d for d in range(self.dp) if d != self.victim]
+        if all(p.poll() == 0 for d in others for p in self._procs(started, d)):
+            if self.ended[self.victim][-1:] == ["running"]:
+                self.ended[self.victim][-1] = "stopped when the others had finished"
+            return True
+        return False
+
+    def collect(self, run_dir: Path, started: Agents, timed_out: bool, timeout: float, tail: str,
+                oom_killed: bool) -> LaunchResult:
+        """The run's result: the ranks of the replicas that ran it from start to end, and per replica
+        the steps each of its lives ran and how each ended (``faults`` of the result)."""
+        codes = [p.returncode for d in range(self.dp) if d != self.victim for p in self._procs(started, d)]
+        base = collect(run_dir, codes, timed_out, timeout, tail, expect_result=False, oom_killed=oom_killed,
+                       ignore=set(self._victim_ranks()))
+        results = {d: json.loads(f.read_text())["ranks"] for d in range(self.dp)
+                   if (f := run_dir / f"result-replica{d}.json").exists()}
+        whole = [r for d in sorted(results) if d != self.victim for r in results[d]]
+        status, error = base.status, base.error
+        if status == "ok" and len(whole) != (self.dp - 1) * self.size:
+            missing = sorted(set(range(self.dp)) - set(results) - {self.victim})
+            status, error = "error", f"replicas {missing} left no result"
+        replicas = [self._describe(d, results.get(d), run_dir) for d in range(self.dp)]
+        result = LaunchResult(status, error, sorted(whole, key=lambda r: r["rank"]) if whole else None, {}, run_dir)
+        result.faults = {"replicas": replicas}
+        return result
+
+    def _describe(self, d: int, ranks: list[dict] | None, run_dir: Path) -> dict:
+        """Replica d's lives: the steps each ran (first, last) and how it ended."""
+        if d != self.victim:
+            steps = ranks[0]["steps_run"] if ranks else []
+            return {"replica": d, "lives": [{"steps": [steps[0], steps[-1]] if steps else None,
+                                            "ended": "finished" if ranks else "failed"}]}
+        lives = [{"steps": [0, self.step - 1], "ended": self.ended[d][0] if self.ended[d] else "not killed"}]
+        if len(self.ended[d]) > 1:
+            progress = [json.loads(p.read_text()) for r in self._victim_ranks()
+                        if (p := run_dir / f"progress-rank{r}-rejoined.json").exists()]
+            ran = [min(f for f, _ in progress), min(l for _, l in progress)] if progress else None
+            ended = "finished" if ranks and self.ended[d][1] == "running" else self.ended[d][1]
+            lives.append({"steps": ran, "ended": ended, "outer_steps": (ranks[0].get("extra") or {}).get("outer_steps")
+                          if ranks else None})
+        return {"replica": d, "lives": lives}
 
 
 def _signal_name(signum: int) -> str:
@@ -163,12 +311,14 @@ def nccl_watchdog(log_tail: str) -> str:
 
 
 def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeout: float, log_tail: str,
-            expect_result: bool = True, oom_killed: bool = False) -> LaunchResult:
+            expect_result: bool = True, oom_killed: bool = False, ignore: set[int] = frozenset()) -> LaunchResult:
     """The outcome of a run from its files. ``expect_result`` is False on the nodes of a multi-node run
     other than node 0: rank 0 (on node 0) gathers the measurements. The error names the rank that
     failed first and how: its own error (an exception, OOM), else a rank killed by a signal, else a
-    rank that lost its peers."""
-    errors = [json.loads(p.read_text()) for p in sorted(run_dir.glob("error-rank*.json"))]
+    rank that lost its peers. ``ignore``: ranks whose errors are not the run's (a replica killed on
+    purpose, whose agents' output is not in ``log_tail`` either)."""
+    errors = [e for p in sorted(run_dir.glob("error-rank*.json"))
+              if (e := json.loads(p.read_text()))["rank"] not in ignore]
     result_path = run_dir / "result.json"
     ranks = json.loads(result_path.read_text())["ranks"] if result_path.exists() else None
     grads: dict[str, torch.Tensor] = {}
@@ -209,30 +359,68 @@ def collect(run_dir: Path, returncodes: list[int | None], timed_out: bool, timeo
     return LaunchResult("oom" if oom_killed else "error", msg[:2000], ranks, grads, run_dir)
 
 
-def launch_emulated(cfg: RunConfig, world: int, run_dir: Path) -> LaunchResult:
-    """Every rank on a virtual host of its own (a network namespace), links shaped by the profile:
-    one torchrun agent per virtual node, rendezvous at virtual host 0."""
+def launch_emulated(cfg: RunConfig, world: int, run_dir: Path, slow: Straggler | None) -> LaunchResult:
+    """Every rank on a virtual host of its own (a network namespace), links shaped by the profile
+    (and changed as the run's trace says, from its first step on): one torchrun agent per virtual
+    node, rendezvous at virtual host 0 (at each replica's first host, where replicas are worlds of
+    their own)."""
     profile = parse_profile(cfg.network, cfg.network_matrix)
-    with VirtualCluster(world, profile, name="run") as vc:
-        probe = world > 1 and profile.emulated and not cfg.no_link_probe
+    trace = trace_from(cfg.network_trace_contents, Path(cfg.network_trace).stem) if cfg.network_trace else None
+    timeline = trace.timeline(profile, world) if trace else []
+    start = trace.start(profile, world) if trace else profile
+    with VirtualCluster(world, start, name="run", changing=trace is not None) as vc:
+        probe = world > 1 and start.emulated and not cfg.no_link_probe
         measured = vc.probe_links() if probe else {"measured_link": None}
         for m in measured.get("measured_links") or []:
-            print(f"network: {profile.name}: host {m['src']} -> {m['dst']} (set {m['set']['delay_ms']:g} ms, "
-                  f"{m['set']['bandwidth_gbps']:g} Gbit/s): measured one-way delay {m['one_way_delay_ms']:.2f} ms, "
-                  f"bandwidth {m['bandwidth_gbps']:.2f} Gbit/s ({vc.backend})", file=sys.stderr)
-        master = f"{vc.hosts[0].address}:29500"
+            print(f"network: {profile.name}: host {m['src']} -> {m['dst']} (set {LinkSpec(**m['set']).words()}): "
+                  f"measured one-way delay {m['one_way_delay_ms']:.2f} ms (jitter {m['jitter_ms']:.2f}), "
+                  f"loss {m['loss_pct']:.2f} %, bandwidth {m['bandwidth_gbps']:.2f} Gbit/s ({vc.backend})",
+                  file=sys.stderr)
         gpus = emulated_gpus(cfg, world)
         host0 = vc.hosts[0]
         where = services.Placing(bind=host0.address, advertise=host0.address, port=services.LIGHTHOUSE_PORT,
                                  prefix=tuple(host0.command_prefix()))
+        before = vc.delayer_counts()
         with services.started(get_system(cfg.system).services, cfg, run_dir, where) as env:
-            agents = [Agent(h.command_prefix() + torchrun_argv(1, world, h.index, master, run_dir),
-                            {**h.env(), **gpu, **env}) for h, gpu in zip(vc.hosts, gpus)]
-            result = run_agents(agents, cfg.timeout, run_dir)
+            cgroup = slow.procs if slow is not None else None
+            slow_env = slow.env() if slow is not None and cgroup is None else {}
+
+            def agent(h, size: int, first: int, extra: dict[str, str], replica: int | None = None) -> Agent:
+                master = f"{vc.hosts[first].address}:29500"
+                return Agent(h.command_prefix() + torchrun_argv(1, size, h.index - first, master, run_dir),
+                             {**h.env(), **gpus[h.index], **env, **slow_env, **extra},
+                             cgroup if slow is not None and h.index == slow.rank else None, replica)
+
+            player = TracePlayer(vc, timeline, run_dir / STARTED).start() if timeline else None
+            try:
+                if fault_tolerant_kill(cfg):
+                    per = world // cfg.dp
+
+                    def group(d: int, extra: dict[str, str]) -> list[Agent]:
+                        return [agent(h, per, d * per, extra, d) for h in vc.hosts[d * per:(d + 1) * per]]
+
+                    replicas = ReplicaFaults(cfg, world, run_dir, group)
+                    result = run_agents(replicas.agents(), cfg.timeout, run_dir, replicas=replicas)
+                else:
+                    result = run_agents([agent(h, world, 0, {}) for h in vc.hosts], cfg.timeout, run_dir)
+            finally:
+                applied = player.stop() if player is not None else None
         result.network = {**vc.describe(), **measured}
+        after = vc.delayer_counts()
+        if before is not None and after is not None:  # the packets of the run itself (the probe's left out)
+            seen, dropped = after["seen"] - before["seen"], after["dropped"] - before["dropped"]
+            result.network["delayer_counts"] = {"seen": seen, "dropped": dropped,
+                                                "dropped_pct": round(100 * dropped / seen, 4) if seen else None}
+        if trace is not None:
+            result.network["trace"] = {"name": trace.name, **trace.contents(), "applied": applied}
         if any(gpus):  # NCCL kept off the paths the emulation cannot shape, as the hosts' environment says
             result.network["nccl_env"] = {k: v for k, v in vc.hosts[0].env().items() if k.startswith("NCCL_")}
     return result
+
+
+def fault_tolerant_kill(cfg: RunConfig) -> bool:
+    """The run kills a replica of a system that goes on without it: its replicas are worlds of their own."""
+    return cfg.kill_replica is not None and get_system(cfg.system).fault_tolerant
 
 
 def emulated_gpus(cfg: RunConfig, world: int) -> list[dict[str, str]]:
@@ -269,19 +457,47 @@ def launch(cfg: RunConfig, world: int, placement: Placement, single: bool = Fals
     watchdog = DirectoryWatchdog(run_dir)  # removes it whatever way this process ends
     try:
         (run_dir / "config.json").write_text(cfg.to_json())
-        try:
-            if cfg.network != "none" and placement.nnodes == 1:
-                result = launch_emulated(cfg, world, run_dir)
-            else:
-                with services.started(get_system(cfg.system).services, cfg, run_dir,
-                                      local_services(placement)) as env:
-                    agents = ([single_rank_agent(run_dir, env)] if single and world == 1 and placement.nnodes == 1
-                              else local_agents(world, placement, run_dir, env))
-                    result = run_agents(agents, cfg.timeout, run_dir, expect_result=placement.node_rank == 0)
-        except services.ServiceError as exc:
-            result = LaunchResult("error", str(exc), None, run_dir=run_dir)
+        slowed = Straggler(cfg, world // placement.nnodes) if cfg.slow_rank is not None else contextlib.nullcontext()
+        with slowed as slow:
+            try:
+                if cfg.network != "none" and placement.nnodes == 1:
+                    result = launch_emulated(cfg, world, run_dir, slow)
+                else:
+                    result = launch_local(cfg, world, placement, run_dir, slow, single)
+            except services.ServiceError as exc:
+                result = LaunchResult("error", str(exc), None, run_dir=run_dir)
+        faults = dict(result.faults or {})
+        if slow is not None:
+            faults["straggler"] = slow.describe()
+        if cfg.kill_replica is not None:
+            faults["killed"] = killed_ranks(run_dir)
+            if result.status != "ok" and faults["killed"] and not fault_tolerant_kill(cfg):
+                first = faults["killed"][0]
+                result.error = (f"rank {first['rank']} was killed after {first['steps']} steps (--kill-replica "
+                                f"{cfg.kill_replica}), and {cfg.system} cannot go on without it"
+                                + (f" ({result.error})" if result.error else ""))[:2000]
+                result.status = "error"
+        result.faults = faults or None
     except BaseException:
         watchdog.remove()
         raise
     result.watchdog = watchdog
     return result
+
+
+def launch_local(cfg: RunConfig, world: int, placement: Placement, run_dir: Path,
+                 slow: Straggler | None, single: bool = False) -> LaunchResult:
+    """The ranks on this node without emulation: one torchrun agent (or, for a fault-tolerant run that
+    loses a replica, one per replica; ``single``: one rank without torchrun, ``single_rank_agent``)."""
+    env_slow = slow.env() if slow is not None else {}
+    with services.started(get_system(cfg.system).services, cfg, run_dir, local_services(placement)) as env:
+        if fault_tolerant_kill(cfg) and placement.nnodes == 1:
+            def group(d: int, extra: dict[str, str]) -> list[Agent]:
+                return [Agent(torchrun_argv(world // cfg.dp, 1, 0, None, run_dir), {**env, **env_slow, **extra},
+                              replica=d)]
+
+            replicas = ReplicaFaults(cfg, world, run_dir, group)
+            return run_agents(replicas.agents(), cfg.timeout, run_dir, replicas=replicas)
+        agents = ([single_rank_agent(run_dir, {**env, **env_slow})] if single and world == 1 and placement.nnodes == 1
+                  else local_agents(world, placement, run_dir, {**env, **env_slow}))
+        return run_agents(agents, cfg.timeout, run_dir, expect_result=placement.node_rank == 0)

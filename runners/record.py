@@ -47,6 +47,9 @@ class RunRecord:
     details: str = ""  # those choices in words (the system's spec makes it, e.g. ours' slicing)
     environment: dict[str, Any] = field(default_factory=dict)
     step_times: list[float] = field(default_factory=list)
+    # when each measured step began, seconds since the first step began (rank 0's clock): where the
+    # steps fall in a run whose links change (--network-trace; its points count from the same time 0)
+    step_starts: list[float] = field(default_factory=list)
     median_step_time: float | None = None
     min_step_time: float | None = None
     max_step_time: float | None = None
@@ -140,6 +143,7 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     # A step takes as long as its slowest rank.
     per_step = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
     rec.step_times = per_step
+    rec.step_starts = ranks[0].get("step_starts") or []
     rec.losses = merged_losses(ranks)
     rec.evals = next((r["evals"] for r in ranks if r.get("evals")), [])
     rec.cpu_rss_bytes = [r["cpu_rss_bytes"] for r in ranks]
@@ -168,11 +172,15 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
 
 def network_setting(cfg: RunConfig) -> dict[str, Any]:
     """The run's network setting as the report shows it (``describe_setting``); under a per-link
-    matrix, of the contents the run read, with their digest (part of the run's identity) in the label."""
+    matrix, of the contents the run read, with their digest (part of the run's identity) in the label;
+    under a trace, its name and digest (``trace``) in the label too."""
     setting = describe_setting(cfg.network, cfg.network_matrix)
     digest = cfg.network_digest()
     if digest:
         setting.update(digest=digest, label=f"{setting['label']} [{digest[:8]}]")
+    if cfg.network_trace is not None:  # the links change as the trace says: named, with its contents' digest
+        trace = {"name": Path(cfg.network_trace).stem, "digest": cfg.identity()["network_trace"]}
+        setting.update(trace=trace, label=f"{setting['label']} + trace {trace['name']} [{trace['digest'][:8]}]")
     return setting
 
 

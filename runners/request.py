@@ -18,6 +18,7 @@ from pathlib import Path
 from contract import ConfigError, RunConfig, SystemSpec, option
 from contract.registry import get_system, systems
 from network_emulation.profiles import MatrixProfile, ProfileError, check_emulable, parse_profile
+from network_emulation.traces import load_trace, trace_from
 from runners import services
 from workload.configs import count_params, get_model_config
 from workload.corpus import BUILTIN, split_sizes
@@ -198,7 +199,8 @@ def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
     nested = {f.name: _from_args(hint, args) for f, hint in _flag_fields(RunConfig)
               if dataclasses.is_dataclass(hint) and f.name != "model"}
     return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given),
-                        "network_matrix": matrix_contents(common["network"])})
+                        "network_matrix": matrix_contents(common["network"]),
+                        "network_trace_contents": trace_contents(common["network_trace"])})
 
 
 def matrix_contents(network: str) -> dict | None:
@@ -211,6 +213,34 @@ def matrix_contents(network: str) -> dict | None:
     except ProfileError:
         return None
     return profile.contents() if isinstance(profile, MatrixProfile) else None
+
+
+def trace_contents(path: str | None) -> dict | None:
+    """The contents of the trace file ``path`` names, as they are now, or None (no trace, or one that
+    does not parse: ``judge`` says why)."""
+    if path is None:
+        return None
+    try:
+        return load_trace(path).contents()
+    except ProfileError:
+        return None
+
+
+def judge_trace(cfg: RunConfig, world: int, nnodes: int | None) -> None:
+    """ConfigError if the run's --network-trace cannot be applied to it (``nnodes``: the placement's,
+    None while only the request is judged)."""
+    if cfg.network_trace is None:
+        return
+    flag = f"--network-trace {cfg.network_trace}"
+    try:
+        trace = trace_from(cfg.network_trace_contents, Path(cfg.network_trace).stem) \
+            if cfg.network_trace_contents is not None else load_trace(cfg.network_trace)
+        trace.timeline(parse_profile(cfg.network, cfg.network_matrix), world)
+    except ProfileError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+    if nnodes is not None and nnodes > 1:
+        raise ConfigError(f"{flag}: a trace changes the links of the local virtual cluster; on a cluster of "
+                          "nodes it is not applied (run on one node)")
 
 
 def placement_from_args(args: argparse.Namespace) -> Placement:
@@ -248,6 +278,7 @@ def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, 
         if spec.processes(cfg) == 1:
             raise ConfigError(f"--network {cfg.network}: {spec.name} runs one process here, which has no link to "
                               "emulate (use --network none)")
+    judge_trace(cfg, spec.processes(cfg), placement.nnodes if placement is not None else None)
     if cfg.p2p_semantics == "nccl":
         if spec.processes(cfg) == 1:
             raise ConfigError(f"--p2p-semantics nccl: {spec.name} runs one process here, which sends no message to "
@@ -262,6 +293,9 @@ def judge(cfg: RunConfig, spec: SystemSpec, placement: Placement | None = None, 
         raise ConfigError(f"--node-rank must be in 0..{placement.nnodes - 1}, got {placement.node_rank}")
     if placement.nnodes > 1 and not placement.rdzv_endpoint:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0)")
+    if cfg.kill_replica is not None and spec.fault_tolerant and placement.nnodes > 1:
+        raise ConfigError(f"--kill-replica with --nnodes {placement.nnodes}: {spec.name}'s replicas are started (and "
+                          "restarted) by one run command on one node (leave out --nnodes)")
     check_fits_here(cfg, spec, placement.nnodes)
     _check_environment(cfg, out)
     services.check(spec.services)
@@ -371,6 +405,8 @@ def file_roles(cfg: RunConfig, out: str | None) -> list[tuple[str, str]]:
         roles.append(("--data", cfg.data))
     if cfg.network != "none" and Path(cfg.network.strip()).is_file():
         roles.append(("--network", cfg.network.strip()))
+    if cfg.network_trace is not None:
+        roles.append(("--network-trace", cfg.network_trace))
     return roles
 
 

@@ -161,6 +161,8 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> tuple[Run
                 ref.remove_run_dir()
         if result.network is not None:
             env["network"] = result.network
+        if result.faults is not None:
+            env["faults"] = result.faults
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
     finally:

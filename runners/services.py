@@ -59,11 +59,16 @@ def check(names: Sequence[str]) -> None:
 
 def _lighthouse(cfg: RunConfig, where: Placing) -> tuple[list[str], dict[str, str], str]:
     """(argv, the ranks' environment, the line its log shows once it listens)."""
-    argv = [str(lighthouse_binary()), "--min_replicas", str(cfg.dp), "--bind", f"{where.bind}:{where.port}",
+    argv = [str(lighthouse_binary()), "--min_replicas", str(min_replicas(cfg)), "--bind", f"{where.bind}:{where.port}",
             "--quorum_tick_ms", "10"]
     env = {"TORCHFT_LIGHTHOUSE": f"http://{where.advertise}:{where.port}",
            "RUST_LOG": "warn"}  # the ranks' torchft managers: warnings only (info logs every quorum)
     return argv, env, "Lighthouse listening on"
+
+
+def min_replicas(cfg: RunConfig) -> int:
+    """The fewest replicas a quorum needs: every one, or (when --kill-replica ends one) the others."""
+    return cfg.dp - 1 if cfg.kill_replica is not None else cfg.dp
 
 
 @contextlib.contextmanager

@@ -4,6 +4,9 @@ Initialises torch.distributed (nccl on CUDA, gloo on CPU), runs the system's tra
 and hands its measurements (and under --verify its gradients) to rank 0, which writes
 RUN_DIR/result.json (and RUN_DIR/grads-rank<R>.pt) for the launcher, on node 0 of a multi-node run.
 A rank that fails writes RUN_DIR/error-rank<R>.json (status oom or error) and exits non-zero.
+A replica launched as a world of its own (``runners.faults.REPLICA_ENV``: a fault-tolerant system
+under --kill-replica) writes RUN_DIR/result-replica<D>.json instead, its ranks numbered as in the
+whole run (replica x its size + its own rank).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from contract.rank import Context  # noqa: E402
 from runners import nccl_rules  # noqa: E402
 from runners.cores import rank_cores  # noqa: E402
 from runners.cuda_warmup import warm_up  # noqa: E402
+from runners.faults import FIRST_STEP_ENV, REPLICA_ENV, RankHooks  # noqa: E402
 from runners.hang_stacks import stacks_if_still_running  # noqa: E402
 from runners.output import is_peer_failure  # noqa: E402
 from contract.registry import get_system  # noqa: E402
@@ -105,9 +109,13 @@ def main(run_dir: Path) -> int:
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ["WORLD_SIZE"])
+    replica = int(os.environ[REPLICA_ENV]) if REPLICA_ENV in os.environ else None  # a replica's own world
+    run_rank = rank if replica is None else replica * world + rank
     try:
         spec = get_system(config["system"])
         cfg = RunConfig.from_dict(config, spec.options)
+        hooks = RankHooks.of(cfg, run_dir, run_rank, spec.processes(cfg), (cfg.hardware or "").startswith("cuda"),
+                             replica)
         stacks = stacks_if_still_running(cfg.timeout, rank)  # a hang's stacks, before anything ends it
         devices, backend = pick_devices(cfg.device, local_rank, spec.devices_per_process(cfg))
         device = devices[0]
@@ -120,7 +128,8 @@ def main(run_dir: Path) -> int:
         torch.manual_seed(cfg.seed)
         peak, peak_source, device_name = hardware_peak(devices, cfg)
         ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg,
-                      devices=devices)
+                      devices=devices, hooks=hooks, replica=replica,
+                      first_step=int(os.environ.get(FIRST_STEP_ENV, 0)))
         m = spec.load()(cfg, ctx)
         if cfg.verify:  # every rank's gradients to rank 0, whose run directory the launcher reads (on node 0)
             mine = {k: v.detach().float().cpu() for k, v in m.grads.items()} if m.grads is not None else None
@@ -130,15 +139,17 @@ def main(run_dir: Path) -> int:
                 if grads is not None:
                     torch.save(grads, run_dir / f"grads-rank{r}.pt")
         summary = {k: v for k, v in asdict(m).items() if k != "grads"}
-        summary.update(rank=rank, hostname=socket.gethostname(), device=str(device), devices=[str(d) for d in devices],
+        summary.update(rank=run_rank, hostname=socket.gethostname(), device=str(device),
+                       devices=[str(d) for d in devices],
                        device_name=device_name, backend=backend, peak_tflops=peak, peak_source=peak_source,
                        **peak_memory(devices), **rank_cores(torch.get_num_threads()))
         gathered: list | None = [None] * world if rank == 0 else None
         dist.gather_object(summary, gathered, dst=0)
         if rank == 0:
-            tmp = run_dir / "result.json.tmp"
+            name = "result.json" if replica is None else f"result-replica{replica}.json"
+            tmp = run_dir / f"{name}.tmp"
             tmp.write_text(json.dumps({"ranks": gathered}))
-            tmp.rename(run_dir / "result.json")
+            tmp.rename(run_dir / name)
         dist.barrier()
         dist.destroy_process_group()
         stacks.cancel()
@@ -147,8 +158,8 @@ def main(run_dir: Path) -> int:
         status = "oom" if is_oom(exc) else "error"
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         peer = is_peer_failure(text)
-        (run_dir / f"error-rank{rank}.json").write_text(json.dumps(
-            {"rank": rank, "status": status, "error": text, "peer_failure": peer, "time": time.time(),
+        (run_dir / f"error-rank{run_rank}.json").write_text(json.dumps(
+            {"rank": run_rank, "status": status, "error": text, "peer_failure": peer, "time": time.time(),
              "traceback": traceback.format_exc()}))
         traceback.print_exc()
         sys.stderr.flush()

@@ -409,3 +409,20 @@ def test_a_sweep_of_four_repeats_claims_from_paired_launches():
     assert "1.05 s ±20 %" in cells and "1.37 s ±21 %" in cells  # each run's own min-max: they overlap
     line = next(l for l in text.split("## Summary")[1].splitlines() if "pipeline, 2 devices" in l)
     assert "**1.31x** faster (1.29-1.33x, min-max of 4 pairs: 1.30, 1.33, 1.29, 1.31)" in line, line
+
+
+def test_loss_and_faults_are_rows_and_headings_of_their_own():
+    """A lossy link is a row after the same link without loss; a straggler's runs a table of their own."""
+    recs = [_rec(system="ours", pp=2, network=net, t=t) for net, t in
+            [("delay 10ms bandwidth 1Gbps loss 1%", 3.0), ("delay 10ms bandwidth 1Gbps", 2.0),
+             ("delay 10ms bandwidth 1Gbps loss 0.1%", 2.5)]]
+    text = render([r.__dict__ for r in recs])
+    rows = [l for l in text.splitlines() if l.startswith("| delay 10ms")]
+    assert [" ".join(r.split("|")[1].split()) for r in rows] == [
+        "delay 10ms bandwidth 1Gbps", "delay 10ms bandwidth 1Gbps loss 0.1%",
+        "delay 10ms bandwidth 1Gbps loss 1%"], rows
+    slow = _rec(system="ours", pp=2, network="delay 10ms bandwidth 1Gbps", t=4.0).__dict__
+    cfg = RunConfig.from_dict(slow["config"], get_system("ours").options).replace(slow_rank="1:2")
+    text = render([recs[1].__dict__, {**slow, "config": cfg.to_dict(), "key": cfg.key()}])
+    assert "| faults " in text and "rank 1 2x slower" in text
+    assert "| faults " not in render([r.__dict__ for r in recs])  # no column where no run has faults

@@ -121,4 +121,5 @@ SPEC = SystemSpec(
     role="ours",
     services=("torchft-lighthouse",),
     reference=reference,
+    fault_tolerant=True,
 )

@@ -46,6 +46,9 @@ from workload.partition import stage_specs
 from workload.training import autocast, checkpoint_blocks, make_optimizer
 
 
+HEARTBEAT = datetime.timedelta(seconds=1)  # each manager's to the lighthouse
+
+
 def local_address() -> str:
     """This rank's address towards the rendezvous host (a virtual host's eth0, or loopback)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -54,20 +57,22 @@ def local_address() -> str:
 
 
 def make_manager(cfg: RunConfig, ctx: Context, dp_rank: int, pp_rank: int) -> tuple[Manager, object]:
-    """This rank's torchft manager (and its replica's TCP store, held by stage 0 to keep it serving)."""
+    """This rank's torchft manager (and its replica's TCP store, held by stage 0 to keep it serving).
+    Its quorums need every replica, or, where --kill-replica ends one, the others."""
     P = cfg.pp
     address = local_address()
     store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False) if pp_rank == 0 else None
     stores: list = [None] * ctx.world_size
     dist.all_gather_object(stores, (address, store.port if store is not None else None))
-    store_address, store_port = stores[dp_rank * P]
+    store_address, store_port = stores[0 if ctx.replica is not None else dp_rank * P]
     timeout = datetime.timedelta(seconds=cfg.timeout)
     pg = ProcessGroupNCCL(timeout=timeout) if ctx.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
     manager = Manager(
-        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.dp, use_async_quorum=False,
+        pg=pg, load_state_dict=None, state_dict=None, min_replica_size=cfg.dp - (cfg.kill_replica is not None),
+        use_async_quorum=False,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=pp_rank, world_size=P,
         store_addr=store_address, store_port=store_port, replica_id=f"diloco_{dp_rank}", hostname=address,
-        heartbeat_interval=datetime.timedelta(seconds=1), init_sync=False)
+        heartbeat_interval=HEARTBEAT, init_sync=False)
     return manager, store
 
 
@@ -75,7 +80,9 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     logging.getLogger("torchft").setLevel(logging.ERROR)  # e.g. "Unable to reset NCCL flight recorder" on gloo
     o: DiLoCoOptions = cfg.options
     P, D = cfg.pp, cfg.dp
-    dp_rank, pp_rank = divmod(ctx.rank, P)
+    # the whole run in one world (rank = replica x P + stage), or this replica alone in its own
+    # (a run that loses a replica: contract.faults)
+    dp_rank, pp_rank = divmod(ctx.rank, P) if ctx.replica is None else (ctx.replica, ctx.rank)
     spec = stage_specs(cfg.model.n_layer, P)[pp_rank]
     model = ctx.build_stage(spec)
     named = list(model.named_parameters())
@@ -89,7 +96,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
             device=ctx.device, rank=ctx.rank, prev_rank=None if spec.is_first else ctx.rank - 1,
             next_rank=None if spec.is_last else ctx.rank + 1, tracer=Tracer(ctx.rank, enabled=False),
             precision=cfg.precision, recompute=cfg.recompute, schedule=o.schedule,
-            links=link_groups(pipeline_links(P, D), ctx.device, ctx.op_timeout))
+            links=link_groups(pipeline_links(P, D if ctx.replica is None else 1), ctx.device, ctx.op_timeout))
         extra.update(slices=list(slices), slicing=source, n_batch_slices=cfg.n_micro_batches)
 
         def forward_backward(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
@@ -120,6 +127,16 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     outer = [torch.optim.SGD(f.parameters(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.outer_momentum > 0)
              for f in fragments]
     manager, store = make_manager(cfg, ctx, dp_rank, pp_rank)
+    if ctx.replica is not None and not ctx.first_step:  # replicas that are worlds of their own: every manager
+        # heartbeating before any asks for the first quorum, which the lighthouse then holds for all (a
+        # quorum of the first D - 1 would leave the last one's first sync without partners)
+        ctx.hooks.start_together()
+        time.sleep(1.5 * HEARTBEAT.total_seconds())
+    if cfg.rejoin:  # a replica that rejoins heals from another: its weights and inner optimizer too (the
+        # fragments' global weights and outer optimizers are DiLoCo's own), as torchft's recovery does
+        manager.register_state_dict_fn("replica", lambda sd: (model.load_state_dict(sd["model"]),
+                                                              inner.load_state_dict(sd["inner"])),
+                                       lambda: {"model": model.state_dict(), "inner": inner.state_dict()})
     diloco = DiLoCo(manager, list(fragments), inner, outer, sync_every=o.inner_steps, backup_device=None,
                     pin_memory=False, use_bucketization=True, should_quantize=o.quantize,
                     fragment_sync_delay=o.sync_delay, fragment_update_alpha=o.fragment_alpha)
@@ -147,13 +164,15 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         return StepOutput(loss=loss, dp_sync_time=took if manager.current_step() != outer_steps else 0.0)
 
     def weights() -> dict[str, torch.Tensor]:
-        if dp_rank != 0:
+        if dp_rank != 0 and ctx.replica is None:  # every replica holds the global weights: the first one's
             return {}
         return {name: frag.original_parameters[local] for frag, names in backups for name, local in names.items()}
 
     try:
         with diloco:
-            manager.start_quorum()  # the first quorum connects the manager's process group
+            if not ctx.first_step:  # the first quorum connects the manager's process group; a replica that
+                # rejoins joins the others' quorum at its first sync (and heals there), as they sync
+                manager.start_quorum()
             if engine is not None:
                 engine.post_ahead()  # the first step's receives, before the first step (gloo)
             m = run_steps(ctx, dp_rank, step, weights)

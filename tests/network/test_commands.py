@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from network_emulation import PROFILES, VirtualCluster, matrix_profile, netem_limit, parse_profile, tbf_burst
+from network_emulation import (PROFILES, LinkSpec, VirtualCluster, matrix_profile, netem_limit, parse_profile,
+                               tbf_burst)
 from network_emulation.netem import NetemSession, Runner, apply, clear, host_shaping_argv, ssh_argv
 
 from .conftest import REPO
@@ -99,14 +100,14 @@ def test_virtual_cluster_plan_for_a_matrix() -> None:
     vc = VirtualCluster(3, m, name="plan")
     vc.backend = "tbf+delayer"
     queues, rules = vc.delayer_rules()
-    assert queues == {1: 2.0, 3: 4.0, 5: 6.0, 6: 1.0, 7: 3.0}     # 0->2 has no delay: no rule
+    assert {q: link.delay_ms for q, link in queues.items()} == {1: 2.0, 3: 4.0, 5: 6.0, 6: 1.0, 7: 3.0}  # 0->2: none
     assert rules[0] == "-A FORWARD -m physdev --physdev-in p0 -d 10.77.0.2/32 -j NFQUEUE --queue-num 1"
     assert all("--queue-bypass" not in r for r in rules)
     cmds = vc.shaping_commands()[vc.hosts[0].namespace]
     assert any("10.77.0.3/32" in c for c in cmds) and all(c[0] == "tc" for c in cmds)
     uniform = VirtualCluster(2, "d10-1g", name="plan2")
     uniform.backend = "tbf+delayer"
-    assert uniform.delayer_rules() == ({0: 10.0, 1: 10.0}, [
+    assert uniform.delayer_rules() == ({0: LinkSpec(10.0, 1.0), 1: LinkSpec(10.0, 1.0)}, [
         "-A FORWARD -m physdev --physdev-in p0 -j NFQUEUE --queue-num 0",
         "-A FORWARD -m physdev --physdev-in p1 -j NFQUEUE --queue-num 1"])
 

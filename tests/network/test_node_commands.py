@@ -60,15 +60,19 @@ def test_plans_uniform_and_matrix() -> None:
     plan = plan_for(parse_profile("d10-1g"), "eth0", 1, [])
     assert plan["netem"] == ["tc qdisc replace dev eth0 root netem delay 10ms rate 1gbit limit 225000".split()]
     assert plan["tbf"] == ["tc qdisc replace dev eth0 root tbf rate 1gbit burst 131072 latency 50ms".split()]
-    assert plan["delays"] == [[QUEUE_BASE, 10.0, None]]
+    assert plan["delays"] == [[QUEUE_BASE, 10.0, None, 0.0, 0.0]]     # queue, delay, source, jitter, loss
     assert plan_for(PROFILES["none"], "eth0", 0, [])["delays"] == []
     m = matrix_profile({"delay_ms": [[0, 2, 8], [3, 0, 0], [5, 1, 0]],
                         "bandwidth_gbps": [[0, 1, 1], [1, 0, 1], [1, 1, 0]]})
     addrs = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     # host 2 receives: from host 0 after 8 ms, from host 1 undelayed (0 ms: no queue)
-    assert plan_for(m, "eth0", 2, addrs)["delays"] == [[QUEUE_BASE, 8, "10.0.0.1/32"]]
-    assert plan_for(m, "eth0", 0, addrs)["delays"] == [[QUEUE_BASE + 1, 3, "10.0.0.2/32"],
-                                                       [QUEUE_BASE + 2, 5, "10.0.0.3/32"]]
+    assert plan_for(m, "eth0", 2, addrs)["delays"] == [[QUEUE_BASE, 8, "10.0.0.1/32", 0, 0]]
+    assert plan_for(m, "eth0", 0, addrs)["delays"] == [[QUEUE_BASE + 1, 3, "10.0.0.2/32", 0, 0],
+                                                       [QUEUE_BASE + 2, 5, "10.0.0.3/32", 0, 0]]
+    lossy = plan_for(parse_profile("delay 0ms bandwidth 1Gbps loss 1% jitter 2ms"), "eth0", 0, [])
+    assert lossy["delays"] == [[QUEUE_BASE, 0.0, None, 2.0, 1.0]]    # no delay, but jitter and loss: a queue
+    assert lossy["netem"] == [
+        "tc qdisc replace dev eth0 root netem delay 0ms 2ms loss 1% rate 1gbit limit 1000".split()]
 
 
 def test_agent_takes_only_tc_commands_and_exempts_ssh(monkeypatch) -> None:

@@ -48,7 +48,9 @@ def test_parse_names_and_labels() -> None:
     "", "   ", "fast", "delay 10ms", "bandwidth 1Gbps", "delay 10 bandwidth 1Gbps", "delay 10ms bandwidth 1GB",
     "delay -1ms bandwidth 1Gbps", "delay 10ms bandwidth 0Gbps", "delay 10ms bandwidth -3Mbps",
     "delay nan ms bandwidth 1Gbps", "delay 10ms bandwidth inf Gbps", "delay 11s bandwidth 1Gbps",
-    "delay 10ms bandwidth 2000Gbps", "delay 10ms bandwidth 1Gbps jitter 2ms", "delay 10xs bandwidth 1Gbps",
+    "delay 10ms bandwidth 2000Gbps", "delay 10ms bandwidth 1Gbps jitter -2ms", "delay 10xs bandwidth 1Gbps",
+    "delay 10ms bandwidth 1Gbps loss 1", "delay 10ms bandwidth 1Gbps loss 51%",
+    "delay 10ms bandwidth 1Gbps loss 1% loss 2%",
 ])
 def test_parse_bad(text: str) -> None:
     with pytest.raises(ProfileError) as e:

@@ -11,6 +11,8 @@ import os
 import pytest
 
 from contract import ConfigError, RunConfig, option
+from network_emulation.profiles import parse_profile
+
 from contract.registry import get_system
 from runners import request
 from runners.request import Placement, build_parser, judge, parse_request
@@ -149,9 +151,14 @@ def test_matrix_files_are_judged_whole(tmp_path):
     """Issue #31, item 12: an unknown key, a matrix not named .json, and --help."""
     m = tmp_path / "m.json"
     m.write_text(json.dumps({"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[0, 1], [1, 0]],
-                             "loss_pct": [[0, 1], [1, 0]]}))
-    _refused([*OURS, "--pp", "2", "--network", str(m)], "unknown key\\(s\\) 'loss_pct'; a matrix has delay_ms and "
-                                                        "bandwidth_gbps only")
+                             "lost_pct": [[0, 1], [1, 0]]}))
+    _refused([*OURS, "--pp", "2", "--network", str(m)], "unknown key\\(s\\) 'lost_pct'; a matrix has delay_ms and "
+                                                        "bandwidth_gbps, and optionally loss_pct and jitter_ms")
+    m.write_text(json.dumps({"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[0, 1], [1, 0]],
+                             "loss_pct": [[0, 1], [1, 0]], "jitter_ms": [[0, 2], [2, 0]]}))
+    cfg, spec = parse_request([*OURS, "--pp", "2", "--network", str(m)])
+    judge(cfg, spec)  # loss and jitter per link: a matrix may hold them
+    assert parse_profile(cfg.network, cfg.network_matrix).link(0, 1).loss_pct == 1
     t = tmp_path / "m.txt"
     t.write_text(json.dumps({"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[0, 1], [1, 0]]}))
     _refused([*OURS, "--pp", "2", "--network", str(t)], "a per-link matrix is read from a JSON file named \\*.json")
