@@ -11,27 +11,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def pytest_addoption(parser):
-    parser.addoption("--tiered", action="store_true",
-                     help="run the single-process tier first and stop at its first failure, then the multi-process "
-                          "and network tests (scripts/test.sh)")
-
-
-def _slow(item) -> bool:
-    return item.get_closest_marker("multiprocess") is not None or item.get_closest_marker("network") is not None
-
-
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--tiered"):
-        items.sort(key=_slow)  # stable: each tier in its collected order
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if item.config.getoption("--tiered") and report.failed and not _slow(item):
-        item.session.shouldstop = f"{item.nodeid} failed: the single-process tier stops at its first failure"
+    """The tests marked ``timing`` (they compare measured step times) last in their session, each tier
+    otherwise in its collected order: scripts/test.sh runs the network tests beside the multi-process
+    ones, and these then run after the network session, which is the shorter, has ended."""
+    items.sort(key=lambda item: item.get_closest_marker("timing") is not None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -34,6 +34,7 @@ def _nothing_left(out_file: Path) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing
 @pytest.mark.parametrize("system", [["ours", "--n-slices", "1"], ["torch_pipe", "--schedule", "gpipe"]])
 def test_a_slow_rank_slows_the_step(system, out_file):
     base = run_cli("--system", *system, *HEAVY, "--out", str(out_file))
