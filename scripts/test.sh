@@ -3,8 +3,9 @@
 #   bash scripts/test.sh            everything (what CI runs): ruff; the single-process tier, stopping at its
 #                                   first failure; then the multi-process tests (real torchrun ranks over gloo)
 #                                   and, beside them in a second pytest session, the network tests (root; skipped
-#                                   otherwise), which mostly wait on ssh, Slurm and emulated links while the
-#                                   multi-process ones use the cores. The network session's output follows.
+#                                   otherwise) and the multi-process tests marked waiting, which mostly wait (on
+#                                   ssh, Slurm, emulated links, a hang, a timeout, a signal) while the others use
+#                                   the cores. The second session's output follows.
 #   bash scripts/test.sh --fast     ruff and the single-process tier only (no torchrun ranks, no namespaces):
 #                                   the edit-test loop, about a minute
 # Further arguments go to every pytest session.
@@ -20,16 +21,16 @@ fi
 "${PYTEST[@]}" -x -m "not multiprocess and not network" "$@"
 
 log=$(mktemp /tmp/pipebench-network-tests.XXXXXX)
-"${PYTEST[@]}" -m network --durations=10 "$@" >"$log" 2>&1 &
+"${PYTEST[@]}" -m "network or waiting" --durations=10 "$@" >"$log" 2>&1 &
 network=$!
 trap 'kill -INT "$network" 2>/dev/null; wait "$network" 2>/dev/null; rm -f "$log"' EXIT
 set +e
-"${PYTEST[@]}" -m "multiprocess and not network" --durations=15 "$@"
+"${PYTEST[@]}" -m "multiprocess and not network and not waiting" --durations=15 "$@"
 multi=$?
 wait "$network"
 net=$?
 set -e
-echo "---- the network tests (a pytest session of their own, run beside the multi-process tests) ----"
+echo "---- the network and waiting tests (a pytest session of their own, run beside the multi-process tests) ----"
 cat "$log"
 trap - EXIT
 rm -f "$log"

@@ -69,6 +69,7 @@ def _gone_within(pids_fn, seconds: float) -> list[int]:
     return pids_fn()
 
 
+@pytest.mark.waiting
 @pytest.mark.faults
 @pytest.mark.multiprocess
 def test_sigkill_of_the_run_command_with_a_stopped_rank_leaves_nothing(out_file):
@@ -83,6 +84,7 @@ def test_sigkill_of_the_run_command_with_a_stopped_rank_leaves_nothing(out_file)
     assert not out_file.exists()
 
 
+@pytest.mark.waiting
 @pytest.mark.faults
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
@@ -176,6 +178,7 @@ def test_requests_judged_before_launching(tmp_path):
                 if not (p / "config.json").exists() and p.stat().st_mtime > time.time() - 60]
 
 
+@pytest.mark.waiting
 @pytest.mark.faults
 @pytest.mark.multiprocess
 def test_cpu_out_of_memory_is_recorded_as_oom(out_file):
@@ -188,6 +191,7 @@ def test_cpu_out_of_memory_is_recorded_as_oom(out_file):
     assert rec["status"] == "oom" and rec["error"].startswith("rank 0:") and "allocate" in rec["error"]
 
 
+@pytest.mark.waiting
 @pytest.mark.faults
 @pytest.mark.multiprocess
 def test_a_rank_killed_by_a_signal_is_named(out_file):

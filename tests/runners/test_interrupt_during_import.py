@@ -29,6 +29,7 @@ def _numpy_loading(pid: int) -> bool:
     return "_multiarray_umath" in Path(f"/proc/{pid}/maps").read_text()
 
 
+@pytest.mark.waiting
 @pytest.mark.parametrize("attempt", range(2))
 def test_sigint_while_torch_imports(tmp_path: Path, attempt: int) -> None:
     out = tmp_path / "r.jsonl"

@@ -25,6 +25,7 @@ ARGS = ["--system", "p2p_probe", "--model", "tiny", "--batch-size", "1", "--micr
         "--warmup", "0"]
 
 
+@pytest.mark.waiting
 @pytest.mark.multiprocess
 def test_a_cross_posted_pair_passes_on_gloo_and_hangs_under_nccl_rules_naming_the_pending_operations(tmp_path):
     out = tmp_path / "runs.jsonl"

@@ -101,6 +101,7 @@ def _alive(pids: list[int]) -> list[int]:
     return alive
 
 
+@pytest.mark.waiting
 @pytest.mark.multiprocess
 def test_timeout_records_timeout_and_leaves_no_process(out_file):
     proc = subprocess.Popen([sys.executable, "-m", "runners.run", "--system", "reference", *TINY, "--batch-size", "2",
