@@ -4,6 +4,7 @@
                                             # (predict.scenario: model, cluster, run): step time, parts, memory
     python -m predict validate-seed [--json] [--out DIR] [--calibrate]   # every cell of the seed's GPT-3 XL
                                             # tables predicted; the V100's calibration cells named, not scored
+    python -m predict validate-seed --sensitivity [--out DIR]   # every cell as the calibration cell in turn
     python -m predict --system ours --model cpu-small --pp 2 ... [--network d10-1g]
                               [--device-file "V100 SXM2 16GB"]   # one run: the run command's flags
     python -m predict sweep SWEEP_FILE [--device-file NAME]   # the predicted report tables of a sweep
@@ -78,10 +79,26 @@ def _write(out: str | None, stem: str, text: str, data) -> None:
 def _validate_seed(args) -> int:
     from predict.seed_tables import calibrate, markdown, validate
 
+    if args.calibrate and args.sensitivity:
+        print("python -m predict validate-seed: error: give --calibrate or --sensitivity, not both", file=sys.stderr)
+        return 2
     if args.calibrate:
         fitted = calibrate(write=True)
         print("V100 SXM2 device files calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
               file=sys.stderr)
+    if args.sensitivity:
+        from predict.seed_tables import sensitivity, sensitivity_markdown
+
+        def progress(r):
+            what = (f"cannot calibrate ({r['unfit']})" if "unfit" in r else
+                    f"median {r['median'] * 100:.1f} %, largest {r['largest'] * 100:.1f} %")
+            print(f"{r['precision']} calibrated on {r['cell']}: {what}", file=sys.stderr, flush=True)
+
+        rows = sensitivity(progress=progress)
+        text = sensitivity_markdown(rows)
+        print(json.dumps(rows) if args.json else text)
+        _write(args.out, "seed-calibration-sensitivity", text, rows)
+        return 0
     res = validate()
     text = markdown(res)
     print(json.dumps(res["summary"]) if args.json else text)
@@ -289,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--out", default=None, help="write DIR/seed-validation.{md,json}")
     q.add_argument("--calibrate", action="store_true", help="first refit the V100 device files' GEMM efficiency on "
                    "their calibration cells (writes workload/devices/v100-*.json)")
+    q.add_argument("--sensitivity", action="store_true", help="instead: every cell of a precision as its one "
+                   "calibration cell in turn, the validation's median and largest error for each (a few minutes; "
+                   "--out writes DIR/seed-calibration-sensitivity.{md,json})")
     q.set_defaults(fn=_validate_seed)
     q = sub.add_parser("scenario", help="a run on a GPU cluster described by a scenario file (predict.scenario)")
     q.add_argument("file", help="the scenario (TOML)")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from predict.scenario import load, predict_scenario
-from predict.seed_tables import CALIBRATION, OOM, calibration_cells, cells, validate
+from predict.seed_tables import (CALIBRATION, OOM, calibration_cells, cells, consistency_floor, sensitivity,
+                                 sensitivity_markdown, validate)
 from workload.compute import find_device
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "predict" / "scenarios"
@@ -49,10 +50,76 @@ def test_the_one_node_fp32_table_ranks_its_fastest_layout_first(result):
     assert fastest_pred["name"] == fastest_seed["name"]
 
 
-def test_terapipes_175b_speedup_over_gpipe():
-    """GPT-3 175B on 48 p3.16xlarge, T-8 P-48, batch 2 (TeraPipe's setting): the paper measured 5.0x."""
+def test_terapipes_175b_speedup_over_gpipe(result):
+    """GPT-3 175B on 48 p3.16xlarge, T-8 P-48, batch 2 (TeraPipe's setting): the paper measured 5.0x;
+    validate-seed reports the pair as the scenario files predict it."""
     gpipe = predict_scenario(load(SCENARIOS / "terapipe-175b-t8-p48-gpipe.toml"))
     ours = predict_scenario(load(SCENARIOS / "terapipe-175b-t8-p48-ours.toml"))
     speedup = gpipe["step_time_s"] / ours["step_time_s"]
     assert 3.75 <= speedup <= 6.25, speedup
     assert ours["n_slices"] > 1
+    reported = result["terapipe"][0]
+    assert reported["layout"] == "T-8 P-48" and reported["speedup"] == pytest.approx(speedup)
+    assert reported["slices"] == ours["slices"]
+
+
+def test_each_8gpu_node_tables_fastest_layout_is_named_measured_and_predicted(result):
+    """validate-seed names, per Megatron table, the layout of the cell the seed measured fastest and of the
+    cell predicted fastest (among the cells that ran and the seed does not doubt), and counts the rights."""
+    fastest = result["fastest"]
+    assert len(fastest) == 4 == result["summary"]["fastest_layout_tables"]
+    for table, f in fastest.items():
+        ran = [r for r in result["rows"] if r["table"] == table and isinstance(r["seed"], float) and not r["unsure"]]
+        assert f["seed_s"] == min(r["seed"] for r in ran)
+        assert f["predicted_s"] == min(r["predicted"] for r in ran if r["predicted"] != OOM)
+        assert f["seed_cell"].endswith(" " + f["seed"]) and f["predicted_cell"].endswith(" " + f["predicted"])
+        assert f["right"] == (f["seed"] == f["predicted"])
+    assert result["summary"]["fastest_layout_right"] == sum(f["right"] for f in fastest.values())
+    assert fastest["Megatron, one p3.16xlarge, fp32 + recompute"]["right"]
+
+
+def test_the_consistency_floor_binds_every_model_whose_t8_step_does_not_grow_with_the_micro_batch():
+    """Each floor is what the best such pair of predictions (the larger micro-batch's no slower) misses
+    by: checked against a grid of such pairs, and reached by 2ab / (a + b)."""
+    floor = consistency_floor()
+    assert floor and all(f["layout"] == "T-8" and f["larger_s"] > f["smaller_s"] for f in floor)
+    top = floor[0]
+    assert top["smaller_s"] == 9.19 and top["larger_s"] == 20.68 and top["floor"] == pytest.approx(0.385, abs=1e-3)
+    for f in floor:
+        a, b = f["smaller_s"], f["larger_s"]
+        best = 2 * a * b / (a + b)
+        assert max(abs(best - a) / a, abs(best - b) / b) == pytest.approx(f["floor"])
+        for i in range(60):
+            p_small = a * (0.5 + i / 40)
+            for j in range(i + 1):
+                p_large = a * (0.5 + j / 40)  # p_large <= p_small
+                assert max(abs(p_small - a) / a, abs(p_large - b) / b) >= f["floor"] - 1e-12
+
+
+def test_the_calibration_sensitivity_refits_on_each_candidate_and_reproduces_the_committed_choice(result):
+    other = "megatron 6-node fp16 recompute mb3 P-8"
+    rows = sensitivity({"fp16": [CALIBRATION["fp16"], other], "fp32": ["gpipe dp4 d5-2g"]})
+    committed, moved, unfit = rows
+    # the central PS at 5 ms / 2 Gbit/s: slower predicted than measured even at the fp32 peak
+    assert "unfit" in unfit and "even at efficiency 1.00" in unfit["unfit"] and not unfit["committed"]
+    assert "cannot calibrate" in sensitivity_markdown(rows)
+    assert committed["committed"] and not moved["committed"]
+    assert committed["median"] == pytest.approx(result["summary"]["median_error"], rel=1e-3)
+    assert committed["largest"] == pytest.approx(result["summary"]["largest_error"], rel=1e-3)
+    # the P-8 cell is slower for its work than T-4 P-2's: a lower GEMM efficiency fits it
+    assert moved["efficiency"] < committed["efficiency"]
+    assert moved["median"] != committed["median"]
+
+
+def test_six_nodes_against_one_divides_the_same_layout_and_micro_batch(result):
+    from predict.seed_tables import MEGATRON_1NODE_FP32, MEGATRON_6NODE
+
+    scale = result["scale"]
+    assert {(r["micro_batch"], r["layout"]) for r in scale} == {(mb, lay) for mb in (1, 2) for lay in
+                                                                 ("T-8", "P-8", "T-4 P-2", "T-2 P-4")}
+    rows = {r["name"]: r for r in result["rows"]}
+    for r in scale:
+        mb, lay = r["micro_batch"], r["layout"]
+        assert r["seed"] == pytest.approx(MEGATRON_6NODE["fp32", True][mb][lay] / MEGATRON_1NODE_FP32[mb][lay])
+        assert r["predicted"] == pytest.approx(rows[f"megatron 6-node fp32 recompute mb{mb} {lay}"]["predicted"]
+                                               / rows[f"megatron 1-node fp32 recompute mb{mb} {lay}"]["predicted"])
