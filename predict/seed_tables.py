@@ -315,7 +315,7 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
 def sensitivity_markdown(rows: list[dict]) -> str:
     lines = ["# The seed validation's calibration cells, each in turn",
              "",
-             "`python -m predict validate-seed --sensitivity --out results/predict`: for each precision, every "
+             "`python -m predict validate-seed --sensitivity [--out DIR]`: for each precision, every "
              "cell of that precision the seed ran (not its `??` cells) as the one calibration cell, the other "
              "precision's as committed; the V100 refitted on it, every other cell predicted and scored. The "
              "committed choice in bold.",
