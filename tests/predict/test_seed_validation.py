@@ -123,3 +123,16 @@ def test_six_nodes_against_one_divides_the_same_layout_and_micro_batch(result):
         assert r["seed"] == pytest.approx(MEGATRON_6NODE["fp32", True][mb][lay] / MEGATRON_1NODE_FP32[mb][lay])
         assert r["predicted"] == pytest.approx(rows[f"megatron 6-node fp32 recompute mb{mb} {lay}"]["predicted"]
                                                / rows[f"megatron 1-node fp32 recompute mb{mb} {lay}"]["predicted"])
+
+
+def test_validate_seed_refuses_calibrate_with_sensitivity_before_writing_anything(capsys):
+    """--calibrate writes the device files; --sensitivity refits on other cells without writing: asked
+    together, one line and exit 2, the device files untouched."""
+    from predict.__main__ import main
+    from workload.compute import DEVICES
+
+    before = {p: p.read_bytes() for p in DEVICES.glob("v100-*.json")}
+    assert main(["validate-seed", "--calibrate", "--sensitivity"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m predict validate-seed: error: give --calibrate or --sensitivity, not both"]
+    assert {p: p.read_bytes() for p in DEVICES.glob("v100-*.json")} == before
