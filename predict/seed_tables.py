@@ -273,7 +273,10 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
     choice marked ``committed``."""
     from workload.compute import find_device
 
+    committed = calibrate()
     device = find_device(GPU)
+    for p, eff in committed.items():
+        device = device.with_gemm(p, eff)
     all_cells = cells()
     precision = {c.name: _precision(c) for c in all_cells}
     base = {r["name"]: r for r in validate(device)["rows"]}
@@ -295,7 +298,7 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
             for p, eff in fitted.items():
                 dev = dev.with_gemm(p, eff)
             # a cell of a precision whose efficiency did not move is predicted as before
-            same = {p for p, eff in fitted.items() if eff == device.gemm_curve(p)[0]}
+            same = {p for p, eff in fitted.items() if eff == committed[p]}
             res = validate(dev, calibration=choice,
                            _rows={n: r for n, r in base.items() if precision[n] in same})
             s = res["summary"]
