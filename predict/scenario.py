@@ -34,6 +34,7 @@ defaults, and its predicted step (``python -m predict scenario FILE.toml [--json
                            # torch_pipe and fairscale fsdp)
     n_slices = "auto"      # ours: a number of equal token slices, or "auto" (the planner)
     attention = "materialized"  # optional: "flash" or "materialized" (default: the GPU's era)
+    optimizer = "adam"     # optional: "adam" (default), "sgd" (no state) or "sgd_momentum" (one buffer)
 
 A required key that is missing, an unknown key or a value that cannot be is a ``ScenarioError`` (one
 line naming the key). The answer: the step time and its parts, the fullest GPU's memory, and
@@ -47,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from predict.run_spec import Cluster, Link, RunSpec
-from workload.compute import Device, DeviceError, GpuCompute, default_attention, find_device, read_data
+from workload.compute import (UPDATE_RULES, Device, DeviceError, GpuCompute, default_attention, find_device,
+                              read_data)
 from workload.configs import ModelConfig
 from workload.memory import GB, Memory, rank_memory
 
@@ -62,7 +64,7 @@ KEYS = {
                 "inter_gbps": False, "inter_delay_ms": False, "matrix": False},
     "run": {"system": True, "tp": True, "pp": True, "dp": True, "batch": True, "micro_batch": True,
             "precision": True, "recompute": False, "schedule": False, "dp_mode": False, "n_slices": False,
-            "attention": False, "virtual_pp": False},
+            "attention": False, "virtual_pp": False, "optimizer": False},
 }
 # Inside a node, when the scenario does not say: NCCL's all-reduce bus bandwidth over the part's NVLink
 # (DGX-1-class V100 SXM2 hybrid cube mesh; NVSwitch on A100 / H100 / H200), per GPU.
@@ -95,6 +97,7 @@ class Scenario:
     attention: str
     virtual_pp: int = 1
     source: dict = field(default_factory=dict)
+    optimizer: str = "adam"
 
     @property
     def batch_per_pipeline(self) -> int:
@@ -248,6 +251,9 @@ def parse(data: dict, name: str = "scenario", base: Path = Path(".")) -> Scenari
     if attention not in ("flash", "materialized"):
         raise ScenarioError(f"[run] attention must be \"flash\" or \"materialized\", got {attention!r}")
     virtual_pp = _positive("run", "virtual_pp", _get(r, "run", "virtual_pp", int, 1))
+    optimizer = _get(r, "run", "optimizer", str, "adam")
+    if optimizer not in UPDATE_RULES:
+        raise ScenarioError(f"[run] optimizer must be one of {', '.join(UPDATE_RULES)}, got {optimizer!r}")
     if virtual_pp > 1 and schedule != "interleaved":
         raise ScenarioError("[run] virtual_pp > 1 needs schedule = \"interleaved\"")
     if tp > 1 and system in ("torch_pipe", "fairscale_fsdp"):
@@ -264,7 +270,7 @@ def parse(data: dict, name: str = "scenario", base: Path = Path(".")) -> Scenari
         raise ScenarioError(f"[run] T-{tp} P-{pp} D-{dp} needs {tp * pp * dp} GPUs; the cluster has "
                             f"{nodes} x {per_node}")
     return Scenario(name, model, head, device, cluster, system, tp, pp, dp, batch, micro, precision, recompute,
-                    schedule, dp_mode, n_slices, attention, virtual_pp, source=data)
+                    schedule, dp_mode, n_slices, attention, virtual_pp, source=data, optimizer=optimizer)
 
 
 def load(path: str | Path) -> Scenario:
@@ -274,7 +280,7 @@ def load(path: str | Path) -> Scenario:
 
 def compute_of(sc: Scenario) -> GpuCompute:
     return GpuCompute(sc.device, sc.model, sc.precision, sc.attention,
-                      "fused" if sc.system == "megatron" else "single")
+                      "fused" if sc.system == "megatron" else "single", update_rule=sc.optimizer)
 
 
 def memory_of(sc: Scenario, slices: tuple[int, ...] | None = None) -> Memory:
@@ -283,7 +289,7 @@ def memory_of(sc: Scenario, slices: tuple[int, ...] | None = None) -> Memory:
                        n_micro=sc.batch_per_pipeline // sc.micro_batch, precision=sc.precision,
                        recompute=sc.recompute, schedule=sc.schedule, attention=sc.attention,
                        dropout=sc.attention == "materialized", dp_mode=dp_mode, head=sc.head,
-                       virtual_pp=sc.virtual_pp)
+                       virtual_pp=sc.virtual_pp, update_rule=sc.optimizer)
 
 
 def spec_of(sc: Scenario, slices: tuple[int, ...] | None = None) -> RunSpec:

@@ -10,6 +10,13 @@ each GPipe stage keeps of a micro-batch under recompute. Every table ran on V100
 between them); PyTorch's Pipe on one p3.16xlarge (8 GPUs, NVLink); Megatron on one p3.16xlarge and
 on six (25 Gbit/s between them, DP 6, batch 252). The PyTorch Pipe + Fairscale table and Megatron's
 one-node fp16 table have no numbers.
+
+The optimizers, as the seed's scripts ran them (DS3Lab's Decentralized_FM_alpha, spring 2022): DT-FM's
+GPipe and PyTorch's Pipe plain SGD (``torch.optim.SGD(params, lr)``: no state); Megatron
+``--optimizer sgd`` (apex's FusedSGD with Megatron's default momentum 0.9: one buffer) in every
+six-node version of ``local_test_multi_GPU_megatron_QQP.sh``. The one-node script ran Adam until
+2022-03-28 and SGD from then on, and the seed does not say which version made its one-node fp32 table:
+its last fp32 one (SGD) is taken; Adam would predict the same Fail (OOM) cells.
 """
 from __future__ import annotations
 
@@ -74,8 +81,11 @@ class Cell:
         return parse(self.scenario, self.name)
 
 
+OPTIMIZER = {"gpipe": "sgd", "torch_pipe": "sgd", "megatron": "sgd_momentum"}  # as the seed's scripts ran
+
+
 def _scenario(cluster: dict, **run) -> dict:
-    return dict(model=dict(MODEL), cluster=dict(gpu=GPU, **cluster), run=run)
+    return dict(model=dict(MODEL), cluster=dict(gpu=GPU, **cluster), run=dict(run, optimizer=OPTIMIZER[run["system"]]))
 
 
 def _cell(name: str, table: str, scenario: dict, value) -> Cell:

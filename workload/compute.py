@@ -43,6 +43,7 @@ DEVICES = Path(__file__).resolve().parent / "devices"
 PRECISIONS = ("fp32", "bf16", "fp16")
 ATTENTION = ("flash", "materialized")
 OPTIMIZERS = ("single", "fused")
+UPDATE_RULES = ("adam", "sgd", "sgd_momentum")  # what the optimizer keeps and touches per parameter
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,8 @@ class GpuCompute(ComputeModel):
     accumulated and the optimizer run in fp32); attention: ``flash`` (one fused kernel, causal blocks
     skipped) or ``materialized`` (scores written out, a softmax and a dropout pass over them, as the
     V100-era stacks ran); optimizer: ``single`` (torch's Adam, a few kernels per parameter tensor) or
-    ``fused`` (one multi-tensor kernel, apex's as Megatron runs it); overhead: per-system Overheads."""
+    ``fused`` (one multi-tensor kernel, apex's as Megatron runs it); overhead: per-system Overheads;
+    update_rule: ``adam``, ``sgd`` (plain: no state) or ``sgd_momentum`` (one momentum buffer)."""
 
     device: Device
     model: ModelConfig
@@ -322,6 +324,7 @@ class GpuCompute(ComputeModel):
     attention: str = "flash"
     optimizer_kind: str = "single"
     overhead: dict = field(default_factory=dict)
+    update_rule: str = "adam"
     name = "gpu"
 
     def __post_init__(self) -> None:
@@ -331,6 +334,8 @@ class GpuCompute(ComputeModel):
             raise DeviceError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         if self.optimizer_kind not in OPTIMIZERS:
             raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer_kind!r}")
+        if self.update_rule not in UPDATE_RULES:
+            raise DeviceError(f"update rule must be one of {', '.join(UPDATE_RULES)}, got {self.update_rule!r}")
 
     # -- primitives ------------------------------------------------------------------------------
     @property
@@ -486,20 +491,25 @@ class GpuCompute(ComputeModel):
         return self.phase(fwd) + self.phase(bwd)
 
     def optimizer(self, params):
-        """Adam over ``params`` parameters: fused, 28 bytes a parameter (weight, gradient and two
-        moments read, three written), 4 more to keep the half copy in mixed precision; torch's
-        single-tensor Adam makes about seven passes more (72 bytes) in a few kernels per tensor."""
-        per = 28 if self.optimizer_kind == "fused" else 72
+        """The update of ``params`` parameters. Adam: fused, 28 bytes a parameter (weight, gradient and
+        two moments read, three written); torch's single-tensor Adam makes about seven passes more (72
+        bytes) in a few kernels per tensor. SGD: 12 bytes (weight and gradient read, weight written), with
+        momentum 20 (the buffer read and written too; single-tensor: one pass more, 28). Mixed precision:
+        4 bytes more to keep the half copy."""
+        fused = self.optimizer_kind == "fused"
+        per, passes = {"adam": (28 if fused else 72, 7), "sgd": (12, 1),
+                       "sgd_momentum": (20 if fused else 28, 2)}[self.update_rule]
         if self.precision != "fp32":
             per += 4
-        kernels = 2 if self.optimizer_kind == "fused" else max(1, int(7 * params / 4e6))
+        kernels = 2 if fused else max(1, int(passes * params / 4e6))
         return self.memory(params * per, kernels)
 
     def overheads(self, system):
         return self.overhead.get(system, Overheads())
 
     def with_device(self, device: Device) -> "GpuCompute":
-        return GpuCompute(device, self.model, self.precision, self.attention, self.optimizer_kind, self.overhead)
+        return GpuCompute(device, self.model, self.precision, self.attention, self.optimizer_kind, self.overhead,
+                          self.update_rule)
 
 
 def gpu_compute(device: str | Device, model: ModelConfig, precision: str = "fp32", attention: str | None = None,

@@ -2,11 +2,12 @@
 keeps, for the fullest stage. The simulator predicts ``oom`` where this exceeds what a device can hold
 (``workload.compute.Device.usable_bytes``); ours' layout planner drops such layouts.
 
-Parameters, per parameter of the rank (``workload.compute.stage_params``):
+Parameters, per parameter of the rank (``workload.compute.stage_params``), with Adam:
 - fp32: weights 4 B, gradients 4 B, Adam's two moments 8 B;
 - mixed precision, Megatron and the seed's GPipe: half weights 2 B, half gradients 2 B, fp32 master
   weights and moments 12 B (ZeRO's accounting); torch's autocast (torch_pipe, fairscale, ours): fp32
   weights and gradients and the moments (16 B) plus the half copies of the weights a step casts (2 B);
+- SGD keeps no moments, SGD with momentum one buffer (4 B) instead of Adam's two (8 B);
 - sharded: FSDP (torch_pipe and fairscale at D > 1) keeps 1/D of all of it, plus one layer gathered
   whole; Megatron's distributed optimizer 1/D of the master weights and moments; ours' central PS keeps
   the optimizer on dp_rank 0 only (the fullest rank), its sharded PS 1/D of it on each.
@@ -80,24 +81,28 @@ def in_flight(system: str, schedule: str, stage: int, pp: int, n_micro: int, vir
     return min(n_micro, pp - stage)
 
 
-def param_bytes(system: str, precision: str) -> tuple[float, float, float]:
+STATE_BYTES = {"adam": 8, "sgd": 0, "sgd_momentum": 4}  # the update rule's fp32 state per parameter
+
+
+def param_bytes(system: str, precision: str, update_rule: str = "adam") -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter, unsharded."""
+    state = STATE_BYTES[update_rule]
     if precision == "fp32":
-        return 4, 4, 8
+        return 4, 4, state
     if system in ("megatron", "gpipe"):
-        return 2, 2, 12
-    return 6, 4, 8
+        return 2, 2, 4 + state  # the fp32 master weights and the state
+    return 6, 4, state
 
 
 def rank_memory(model: ModelConfig, *, system: str, tp: int, pp: int, dp: int, micro_batch: int, n_micro: int,
                 precision: str, recompute: bool, schedule: str, attention: str, dropout: bool = False,
                 dp_mode: str = "allreduce", head: int | None = None, virtual_pp: int = 1,
-                distributed_optimizer: bool = False) -> Memory:
+                distributed_optimizer: bool = False, update_rule: str = "adam") -> Memory:
     """The fullest GPU of the run (see the module docstring)."""
     a = 4 if precision == "fp32" else 2
     layers = model.n_layer // pp
     s = model.seq_len
-    w, g, o = param_bytes(system, precision)
+    w, g, o = param_bytes(system, precision, update_rule)
     best = None
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1

@@ -120,12 +120,18 @@ class NodeSetup:
         except BaseException:
             with signals_deferred():
                 self._stopping.set()
-                with self._lock:
-                    procs = list(self._procs)
-                for p in procs:
-                    p.kill()
+                # kill until every thread has ended: a step a thread started as the interruption came
+                # (past its check of _stopping, not yet in _procs) is killed on a later round
+                end = time.monotonic() + 10
+                while any(t.is_alive() for t in threads) and time.monotonic() < end:
+                    with self._lock:
+                        procs = list(self._procs)
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+                    time.sleep(0.02)
                 for t in threads:
-                    t.join(timeout=10)
+                    t.join(timeout=1)
             raise
         return results
 

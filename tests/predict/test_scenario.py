@@ -61,6 +61,7 @@ def test_a_bad_scenario_names_what_is_wrong():
         "run__recompute": ("yes", "must be true or false"),
         "cluster__inter_delay_ms": (-1, "must be >= 0"),
         "run__extra": (1, "unknown key extra"),
+        "run__optimizer": ("lamb", "optimizer must be one of adam, sgd, sgd_momentum"),
     }
     for key, (value, message) in cases.items():
         with pytest.raises(ScenarioError) as exc:
@@ -132,3 +133,29 @@ def test_two_sites_of_a_per_link_matrix_are_predicted():
     for system in ("ours", "gpipe"):
         res = predict_scenario(load(SCENARIOS / f"two-sites-gpt3-xl-{system}.toml"))
         assert res["status"] == "ok" and res["parts"]["dp_sync"] > 1.0  # 67 ms / 0.79 Gbit/s between the sites
+
+
+def test_the_optimizer_sets_the_state_each_gpu_keeps_and_the_update_it_runs():
+    """Adam keeps two fp32 moments a parameter, SGD with momentum one buffer, plain SGD none (the seed's
+    GPipe and Pipe ran it); the update touches 28, 20 and 12 bytes a parameter (fused, fp32)."""
+    from predict.scenario import compute_of, memory_of
+
+    runs = {rule: parse(scenario(run__optimizer=rule, run__precision="fp32"))
+            for rule in ("adam", "sgd_momentum", "sgd")}
+    assert parse(scenario()).optimizer == "adam"
+    mem = {rule: memory_of(sc) for rule, sc in runs.items()}
+    params = (mem["adam"].weights) / 4  # fp32 weights: 4 bytes a parameter
+    assert mem["adam"].optimizer == pytest.approx(8 * params)
+    assert mem["sgd_momentum"].optimizer == pytest.approx(4 * params)
+    assert mem["sgd"].optimizer == 0
+    assert {r: mem[r].weights + mem[r].gradients + mem[r].activations for r in mem} == pytest.approx(
+        {r: mem["adam"].weights + mem["adam"].gradients + mem["adam"].activations for r in mem})
+    half = memory_of(parse(scenario(run__optimizer="sgd")))  # bf16 Megatron: the fp32 master weights stay
+    assert half.optimizer == pytest.approx(4 * half.weights / 2)
+    n = 10**8
+    t = {rule: compute_of(sc).optimizer(n) for rule, sc in runs.items()}
+    assert t["adam"] / t["sgd"] == pytest.approx(28 / 12, rel=0.02)
+    assert t["sgd_momentum"] / t["sgd"] == pytest.approx(20 / 12, rel=0.02)
+    res = {rule: predict_scenario(sc) for rule, sc in runs.items()}
+    opt = {rule: r["parts"]["optimizer"] for rule, r in res.items()}
+    assert opt["sgd"] < opt["sgd_momentum"] < opt["adam"]
