@@ -157,10 +157,12 @@ def _row(cell: Cell, device, calibrating: set) -> dict:
     return row
 
 
-def validate(device=None, calibration: dict[str, str] | None = None, _rows: dict | None = None) -> dict:
+def validate(device=None, calibration: dict[str, str] | None = None, _rows: dict | None = None,
+             headline: bool = True) -> dict:
     """Every cell predicted (``device``: a Device to use instead of the device file's), scored where it
     is neither a calibration cell (``calibration``: {precision: cell name}, default ``CALIBRATION``) nor
-    one the seed doubts. ``_rows``: rows already predicted with this device, by cell name (reused)."""
+    one the seed doubts. ``_rows``: rows already predicted with this device, by cell name (reused);
+    ``headline``: TeraPipe's pair too (``terapipe``, from the device files)."""
     calibrating = set((calibration or CALIBRATION).values())
     rows = []
     for cell in cells():
@@ -190,7 +192,7 @@ def validate(device=None, calibration: dict[str, str] | None = None, _rows: dict
     floor = consistency_floor()
     summary["floor"] = max((f["floor"] for f in floor), default=0.0)
     return dict(rows=rows, summary=summary, tables=per_table, fastest=fastest, floor=floor, scale=scale,
-                terapipe=terapipe())
+                terapipe=terapipe() if headline else [])
 
 
 def terapipe() -> list[dict]:
@@ -289,7 +291,15 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
         device = device.with_gemm(p, eff)
     all_cells = cells()
     precision = {c.name: _precision(c) for c in all_cells}
-    base = {r["name"]: r for r in validate(device)["rows"]}
+    base: dict[str, dict] = {}
+
+    def base_rows(precisions: set) -> dict[str, dict]:
+        """The committed calibration's rows of cells of ``precisions`` (predicted once, when first asked)."""
+        for c in all_cells:
+            if precision[c.name] in precisions and c.name not in base:
+                base[c.name] = _row(c, device, set())
+        return {n: r for n, r in base.items() if precision[n] in precisions}
+
     out = []
     if candidates is None:
         candidates = {prec: [c.name for c in all_cells if precision[c.name] == prec and isinstance(c.seed, float)
@@ -298,7 +308,8 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
         for name in names:
             choice = {**CALIBRATION, prec: name}
             try:
-                fitted = calibrate(calibration=choice)
+                fitted = calibrate(calibration=choice, known={p: eff for p, eff in committed.items()
+                                                              if choice[p] == CALIBRATION[p]})
             except ValueError as exc:  # no efficiency up to the peak reaches the cell's time
                 out.append(dict(precision=prec, cell=name, committed=False, unfit=str(exc)))
                 if progress:
@@ -309,8 +320,7 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
                 dev = dev.with_gemm(p, eff)
             # a cell of a precision whose efficiency did not move is predicted as before
             same = {p for p, eff in fitted.items() if eff == committed[p]}
-            res = validate(dev, calibration=choice,
-                           _rows={n: r for n, r in base.items() if precision[n] in same})
+            res = validate(dev, calibration=choice, _rows=base_rows(same), headline=False)
             s = res["summary"]
             mine = [abs(r["error"]) for r in res["rows"]
                     if r["scored"] and "error" in r and precision[r["name"]] == prec]
@@ -425,10 +435,11 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def calibrate(write: bool = False, calibration: dict[str, str] | None = None) -> dict:
+def calibrate(write: bool = False, calibration: dict[str, str] | None = None,
+              known: dict[str, float] | None = None) -> dict:
     """The V100's GEMM efficiency per precision fitted on its one calibration cell (``calibration``,
-    default ``CALIBRATION``), fp32 first; with ``write``, into the V100 SXM2 device files (16 and 32 GB:
-    one chip). Returns {precision: efficiency}."""
+    default ``CALIBRATION``), fp32 first (``known``: precisions already fitted, taken as given); with
+    ``write``, into the V100 SXM2 device files (16 and 32 GB: one chip). Returns {precision: efficiency}."""
     import json
     from dataclasses import replace
 
@@ -439,9 +450,11 @@ def calibrate(write: bool = False, calibration: dict[str, str] | None = None) ->
     device = find_device(GPU)
     fitted = {}
     for prec, cell in calibration_cells(calibration).items():
-        sc = replace(cell.load(), device=device)
-        eff = fit_efficiency(spec_of(sc), compute_of(sc), cell.seed)
-        fitted[prec] = round(eff, 4)
+        if known and prec in known:
+            fitted[prec] = known[prec]
+        else:
+            sc = replace(cell.load(), device=device)
+            fitted[prec] = round(fit_efficiency(spec_of(sc), compute_of(sc), cell.seed), 4)
         device = device.with_gemm(prec, fitted[prec])
     if write:
         for path in sorted(DEVICES.glob("v100-sxm2-*.json")):
