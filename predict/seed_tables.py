@@ -141,7 +141,15 @@ def _precision(cell: Cell) -> str:
     return cell.scenario["run"]["precision"]
 
 
-def _row(cell: Cell, device, calibrating: set) -> dict:
+def _layout(cell: Cell) -> tuple[str | None, int]:
+    """(layout as the seed's Megatron tables name it, or None elsewhere; micro-batch) of a cell."""
+    run = cell.scenario["run"]
+    names = {v: k for k, v in LAYOUTS.items()}
+    return names.get((run["tp"], run["pp"])) if run["system"] == "megatron" else None, run["micro_batch"]
+
+
+def _row(cell: Cell, device) -> dict:
+    """A cell predicted (``device``: instead of the device file's); validate marks calibration and scoring."""
     sc = cell.load()
     if device is not None:
         from dataclasses import replace
@@ -149,11 +157,11 @@ def _row(cell: Cell, device, calibrating: set) -> dict:
         sc = replace(sc, device=device)
     res = predict_scenario(sc)
     pred = res["step_time_s"] if res["status"] == "ok" else OOM
-    row = dict(name=cell.name, table=cell.table, seed=cell.seed, predicted=pred, memory_gb=res["memory_gb"],
-               calibration=cell.name in calibrating, unsure=cell.unsure)
+    layout, micro = _layout(cell)
+    row = dict(name=cell.name, table=cell.table, layout=layout, micro_batch=micro, seed=cell.seed, predicted=pred,
+               memory_gb=res["memory_gb"], unsure=cell.unsure)
     if isinstance(cell.seed, float) and isinstance(pred, float):
         row["error"] = (pred - cell.seed) / cell.seed
-    row["scored"] = not row["calibration"] and not cell.unsure
     return row
 
 
@@ -166,7 +174,7 @@ def validate(device=None, calibration: dict[str, str] | None = None, _rows: dict
     calibrating = set((calibration or CALIBRATION).values())
     rows = []
     for cell in cells():
-        row = dict(_rows[cell.name]) if _rows and cell.name in _rows else _row(cell, device, calibrating)
+        row = dict(_rows[cell.name]) if _rows and cell.name in _rows else _row(cell, device)
         row["calibration"] = cell.name in calibrating
         row["scored"] = not row["calibration"] and not cell.unsure
         rows.append(row)
@@ -212,8 +220,11 @@ def six_nodes_against_one(rows: list[dict]) -> list[dict]:
     """Megatron fp32 with recompute, per layout and micro-batch both tables ran: the six-node step (42
     sequences a pipeline, DP 6 across nodes) over the one-node step (64 sequences), as the seed measured
     it and as predicted: what crossing nodes costs each layout beyond its share of the work."""
-    one = {_layout(r["name"]): r for r in rows if r["table"].startswith("Megatron, one p3.16xlarge")}
-    six = {_layout(r["name"]): r for r in rows if r["table"] == "Megatron, 6 x p3.16xlarge, fp32 recompute"}
+    def by_layout(table: str) -> dict[tuple, dict]:
+        return {(r["layout"], r["micro_batch"]): r for r in rows if r["table"] == table}
+
+    one = by_layout("Megatron, one p3.16xlarge, fp32 + recompute")
+    six = by_layout("Megatron, 6 x p3.16xlarge, fp32 recompute")
     out = []
     for key, r6 in six.items():
         r1 = one.get(key)
@@ -223,13 +234,6 @@ def six_nodes_against_one(rows: list[dict]) -> list[dict]:
         out.append(dict(layout=key[0], micro_batch=key[1], seed=r6["seed"] / r1["seed"],
                         predicted=r6["predicted"] / r1["predicted"]))
     return sorted(out, key=lambda r: (r["micro_batch"], list(LAYOUTS).index(r["layout"])))
-
-
-def _layout(name: str) -> tuple[str, int]:
-    """(layout, micro-batch) of a Megatron cell's name ("... mb2 T-4 P-2")."""
-    words = name.split()
-    i = next(k for k, w in enumerate(words) if w.startswith("mb") and w[2:].isdigit())
-    return " ".join(words[i + 1:]), int(words[i][2:])
 
 
 def fastest_layouts(rows: list[dict]) -> dict[str, dict]:
@@ -243,10 +247,9 @@ def fastest_layouts(rows: list[dict]) -> dict[str, dict]:
             continue
         seed = min(ran, key=lambda r: r["seed"])
         pred = min(fit, key=lambda r: r["predicted"])
-        out[table] = dict(seed=_layout(seed["name"])[0], seed_cell=seed["name"], seed_s=seed["seed"],
-                          predicted=_layout(pred["name"])[0], predicted_cell=pred["name"],
-                          predicted_s=pred["predicted"],
-                          right=_layout(seed["name"])[0] == _layout(pred["name"])[0])
+        out[table] = dict(seed=seed["layout"], seed_cell=seed["name"], seed_s=seed["seed"],
+                          predicted=pred["layout"], predicted_cell=pred["name"], predicted_s=pred["predicted"],
+                          right=seed["layout"] == pred["layout"])
     return out
 
 
@@ -263,16 +266,16 @@ def consistency_floor() -> list[dict]:
     for c in cells():
         if not c.table.startswith("Megatron") or c.name in calibrating or c.unsure or not isinstance(c.seed, float):
             continue
-        layout, mb = _layout(c.name)
         if c.scenario["run"]["pp"] == 1:
-            by_table.setdefault((c.table, layout), []).append(c)
+            by_table.setdefault((c.table, _layout(c)[0]), []).append(c)
     out = []
     for (table, layout), cs in by_table.items():
-        cs.sort(key=lambda c: _layout(c.name)[1])
+        cs.sort(key=lambda c: _layout(c)[1])
         for i, a in enumerate(cs):
             for b in cs[i + 1:]:
                 if b.seed > a.seed:
-                    out.append(dict(table=table, layout=layout, smaller=a.name, larger=b.name, smaller_s=a.seed,
+                    out.append(dict(table=table, layout=layout, smaller=a.name, larger=b.name,
+                                    smaller_mb=_layout(a)[1], larger_mb=_layout(b)[1], smaller_s=a.seed,
                                     larger_s=b.seed, floor=(b.seed - a.seed) / (a.seed + b.seed)))
     return sorted(out, key=lambda f: -f["floor"])
 
@@ -297,7 +300,7 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
         """The committed calibration's rows of cells of ``precisions`` (predicted once, when first asked)."""
         for c in all_cells:
             if precision[c.name] in precisions and c.name not in base:
-                base[c.name] = _row(c, device, set())
+                base[c.name] = _row(c, device)
         return {n: r for n, r in base.items() if precision[n] in precisions}
 
     out = []
@@ -307,9 +310,9 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
     for prec, names in candidates.items():
         for name in names:
             choice = {**CALIBRATION, prec: name}
+            same = set(CALIBRATION) - {prec}  # the other precision keeps its fit and its cells' predictions
             try:
-                fitted = calibrate(calibration=choice, known={p: eff for p, eff in committed.items()
-                                                              if choice[p] == CALIBRATION[p]})
+                fitted = calibrate(calibration=choice, known={p: committed[p] for p in same})
             except ValueError as exc:  # no efficiency up to the peak reaches the cell's time
                 out.append(dict(precision=prec, cell=name, committed=False, unfit=str(exc)))
                 if progress:
@@ -318,8 +321,6 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
             dev = device
             for p, eff in fitted.items():
                 dev = dev.with_gemm(p, eff)
-            # a cell of a precision whose efficiency did not move is predicted as before
-            same = {p for p, eff in fitted.items() if eff == committed[p]}
             res = validate(dev, calibration=choice, _rows=base_rows(same), headline=False)
             s = res["summary"]
             mine = [abs(r["error"]) for r in res["rows"]
@@ -427,9 +428,8 @@ def markdown(res: dict) -> str:
                   "model can do, off by (b - a) / (a + b) each (`predict.seed_tables.consistency_floor`):", "",
                   "| table | layout | smaller micro-batch | larger | floor |", "| --- | --- | --- | --- | --- |"]
         for f in res["floor"]:
-            lines.append(f"| {f['table']} | {f['layout']} | {f['smaller'].split()[-2 - f['layout'].count(' ')]} "
-                         f"{f['smaller_s']:.2f} s | {f['larger'].split()[-2 - f['layout'].count(' ')]} "
-                         f"{f['larger_s']:.2f} s | {f['floor'] * 100:.1f} % |")
+            lines.append(f"| {f['table']} | {f['layout']} | mb{f['smaller_mb']} {f['smaller_s']:.2f} s | "
+                         f"mb{f['larger_mb']} {f['larger_s']:.2f} s | {f['floor'] * 100:.1f} % |")
         lines += ["", "So no model whose T-8 step does not grow with the micro-batch scores every cell within "
                   f"{s['floor'] * 100:.1f} %."]
     return "\n".join(lines) + "\n"
