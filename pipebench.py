@@ -41,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"pipebench: error: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    return importlib.import_module(COMMANDS[name][0]).main(rest)
+    command = importlib.import_module(COMMANDS[name][0]).main
+    if name == "report":  # its usage and errors name the command typed
+        return command(rest, prog="pipebench report")
+    return command(rest)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ drifts of a shared machine hit every system alike). Each run is the real run com
 subprocess, writing its record to a temporary file; the step time of a configuration is the median
 over repetitions of each run's median_step_time, with its interval (``contract.estimate``, the
 report's statistics: min-max below 8 repetitions, bootstrap from 8), and a difference is claimed only
-where the intervals separate. Prints the step times, the ratio
-GPipe / ours (of the medians, and paired: the median over repetitions of the ratio within one
-repetition), and the pipeline efficiency T_ref / (P * T) against the single-process reference. Before
-each repetition it measures how many cores the machine really gives P processes at once
+where the intervals separate. Prints the step times, the ratio GPipe / ours (of the medians, and
+paired: the median of the ratios of neighbouring launches, the report's comparison,
+``contract.estimate.paired``), and the pipeline efficiency T_ref / (P * T) against the single-process
+reference. Before each repetition it measures how many cores the machine really gives P processes at once
 (``bench.machine``) and warns when that is short of P: on a shared host that hurts a pipeline that
 keeps every rank busy more than GPipe at batch 1, which keeps one rank busy at a time.
 
@@ -30,12 +30,15 @@ intervals, the ratio megatron / ours (of the medians, and paired) and whether th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass, field
 
+from tabulate import tabulate
+
 from baselines.torch_pipe import SCHEDULES
-from contract.estimate import INTERVAL_RULE, Estimate, estimate, no_difference, separated
+from contract.estimate import INTERVAL_RULE, Estimate, Paired, estimate, no_difference, paired, separated
 from ours import slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
 from bench import network_slope, plan_evaluation
@@ -52,6 +55,7 @@ class Run:
     peak_memory: tuple[int, ...]  # peak memory of every rank (bytes; peak RSS on CPU)
     busy: tuple[float, ...] = ()  # every rank's busy share of its step time (CPU runs; the rest is waiting)
     details: str = ""  # the record's details (ours' auto: the K it kept, 'auto, tuned: K=8 (128x8)')
+    launched: int = 0  # its place in the sitting's launches (neighbouring launches pair: ``Sitting.paired``)
 
 
 def run_once(args: list[str], timeout: float) -> Run | None:
@@ -105,11 +109,15 @@ class Sitting:
         v = [r.minimum for r in self.ok(name)]
         return min(v) if v else None
 
-    def paired(self, base: str, name: str) -> float | None:
-        """The median over repetitions of base's / name's step time within the same repetition."""
-        pairs = zip(self.runs.get(base, []), self.runs.get(name, []))
-        v = [a.median / b.median for a, b in pairs if a is not None and b is not None]
-        return statistics.median(v) if v else None
+    def paired(self, base: str, name: str) -> Paired | None:
+        """``name`` against ``base`` from their neighbouring launches, the report's comparison
+        (``contract.estimate.paired``): base's / name's step time, the median over the pairs."""
+        return paired(*([(r.launched, r.median) for r in self.ok(n)] for n in (base, name)))
+
+    def paired_text(self, base: str, name: str) -> str:
+        """'1.23x': the paired ratio (``paired``), or '-' where no launches pair."""
+        p = self.paired(base, name)
+        return f"{p.ratio.median:.2f}x" if p else "-"
 
     def peak_memory(self, name: str) -> tuple[int, ...]:
         """Every rank's peak memory, the largest over the repetitions."""
@@ -137,6 +145,7 @@ def run_alternating(batch: int, configs: dict[str, list[str]], common: list[str]
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             r = run_once(configs[name] + common, opts.timeout)
+            r = r and dataclasses.replace(r, launched=sum(map(len, sitting.runs.values())))
             sitting.runs[name].append(r)
             print(f"batch {batch} rep {rep + 1}/{opts.reps} {name}: "
                   f"{'failed' if r is None else f'median {r.median * 1e3:.0f} ms, min {r.minimum * 1e3:.0f} ms'}"
@@ -156,6 +165,11 @@ def print_machine(capacities: list[float], P: int, what: str) -> None:
         print(f"warning: in some repetitions the {P} ranks did not get {P} full cores (shared host); a pipeline "
               f"that keeps every rank busy loses more from that than {what}, so the ratios above understate ours "
               f"on a machine with {P} free cores")
+
+
+def print_table(rows: list[list], headers: list[str]) -> None:
+    """A benchmark's table as aligned text (``tabulate``), its first column (the batch) a number."""
+    print(tabulate(rows, headers=headers, tablefmt="presto", disable_numparse=list(range(1, len(headers)))))
 
 
 def ours_args(P: int, batch: int, k: int | str | None = None, slices: str | None = None) -> list[str]:
@@ -187,34 +201,33 @@ def ours_vs_gpipe(opts: argparse.Namespace) -> int:
                 else f"{opts.gpipe_system} (standing in for GPipe)")
     print(f"\nours vs {gp_label} on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating reps "
           f"(step ms: {INTERVAL_RULE}; min: fastest step of any run; efficiency = T_ref / (P * T))")
-    print(f"{'batch':>5} | {'config':<34} | {'step ms':>12} | {'min ms':>7} | {'runs':>4} | {'efficiency':>10} | "
-          f"{'gpipe / this':>12} | {'paired':>6} | against gpipe")
-    print("-" * 140)
+    rows, best = [], []
+    ours_names = [f"ours K={k}" for k in opts.slices] + [f"ours {sl}" for sl in opts.ours_slices]
     for batch in opts.batch:
         s = sittings[batch]
         ref, gp = s.median("reference"), s.median("gpipe")
-        ours_names = [f"ours K={k}" for k in opts.slices] + [f"ours {sl}" for sl in opts.ours_slices]
         for name in ([] if opts.no_reference else ["reference"]) + ["gpipe"] + ours_names:
             t = s.median(name)
             n = len(s.ok(name))
             label = gp_label if name == "gpipe" else name
             if t is None:
-                print(f"{batch:>5} | {label:<34} | {'failed':>12} | {'':>7} | {n:>4} |")
+                rows.append([batch, label, "failed", "", n, "", "", "", ""])
                 continue
             p = 1 if name == "reference" or (name == "gpipe" and opts.gpipe_system == "reference") else P
-            eff = f"{ref / (p * t):.2f}" if ref else "-"
-            ratio = f"{gp / t:.2f}x" if gp and name.startswith("ours") else "-"
-            pr = s.paired("gpipe", name) if name.startswith("ours") else None
-            pr = f"{pr:.2f}x" if pr else "-"
-            vs = s.versus("gpipe", name) if name.startswith("ours") else ""
-            print(f"{batch:>5} | {label:<34} | {s.ms(name):>12} | {s.best(name) * 1e3:7.0f} | {n:>4} | {eff:>10} | "
-                  f"{ratio:>12} | {pr:>6} | {vs}")
+            mine = name.startswith("ours")
+            rows.append([batch, label, s.ms(name), f"{s.best(name) * 1e3:.0f}", n,
+                         f"{ref / (p * t):.2f}" if ref else "-", f"{gp / t:.2f}x" if gp and mine else "-",
+                         s.paired_text("gpipe", name) if mine else "-", s.versus("gpipe", name) if mine else ""])
         ours = [(s.median(n), n) for n in ours_names if s.median(n)]
         if ours and gp:
             t, n = min(ours)
-            print(f"{batch:>5} | best: {n}, {gp_label} / ours = {gp / t:.2f}x (by median step time; "
-                  f"{s.versus('gpipe', n)})")
-    print("paired: median over repetitions of GPipe's / this configuration's step time within the same repetition")
+            best.append(f"batch {batch} best: {n}, {gp_label} / ours = {gp / t:.2f}x (by median step time; "
+                        f"{s.versus('gpipe', n)})")
+    print_table(rows, ["batch", "config", "step ms", "min ms", "runs", "efficiency", "gpipe / this", "paired",
+                       "against gpipe"])
+    print("\n".join(best))
+    print("paired: GPipe's / this configuration's step time, the median over their neighbouring launches "
+          "(contract.estimate.paired)")
     print_machine(capacities, P, "GPipe at batch 1, which keeps one rank busy at a time")
     return 0
 
@@ -270,10 +283,7 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
     print(f"\nours vs the fastest Torch Pipe schedule on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating "
           f"reps (step ms: {INTERVAL_RULE}; min: fastest step of any run; peak MB: peak memory of each rank, RSS on "
           f"CPU, largest over the reps)")
-    print(f"{'batch':>5} | {'config':<26} | {'step ms':>12} | {'min ms':>7} | {'runs':>4} | {'peak MB per rank':>16} | "
-          f"{'busy % per rank':>15} | {'best baseline / this':>20}")
-    print("-" * 126)
-    summary = []
+    rows, summary = [], []
     for batch in opts.batch:
         s = sittings[batch]
         baselines = [(s.median(n), n) for n in s.runs if n.startswith("torch_pipe") and s.median(n)]
@@ -282,32 +292,29 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
         for name in s.runs:
             t = s.median(name)
             if t is None:
-                print(f"{batch:>5} | {name:<26} | {'failed':>12} |")
+                rows.append([batch, name, "failed", "", len(s.ok(name)), "", "", ""])
                 continue
-            ratio = f"{base_t / t:.2f}x" if base_t and name.startswith("ours") else "-"
-            print(f"{batch:>5} | {name:<26} | {s.ms(name):>12} | {s.best(name) * 1e3:7.0f} | {len(s.ok(name)):>4} | "
-                  f"{megabytes(s.peak_memory(name)):>16} | {percents(s.busy(name)):>15} | {ratio:>20}")
+            rows.append([batch, name, s.ms(name), f"{s.best(name) * 1e3:.0f}", len(s.ok(name)),
+                         megabytes(s.peak_memory(name)), percents(s.busy(name)),
+                         f"{base_t / t:.2f}x" if base_t and name.startswith("ours") else "-"])
         if baselines and ours:
             t, name = min(ours)
-            summary.append((batch, base, base_t, name, t, s.paired(base, name), s.peak_memory(base),
-                            s.peak_memory(name)))
+            goal = GOALS.get(batch)
+            schedule = base.removeprefix("torch_pipe ")
+            summary.append([batch, SCHEDULE_NAMES.get(schedule, schedule), s.ms(base), name.removeprefix("ours "),
+                            s.ms(name), f"{base_t / t:.2f}x", s.paired_text(base, name),
+                            "" if goal is None else f"{goal:.1f}x " + ("met" if base_t / t >= goal else "missed"),
+                            megabytes(s.peak_memory(base)), megabytes(s.peak_memory(name)), s.versus(base, name)])
+    print_table(rows, ["batch", "config", "step ms", "min ms", "runs", "peak MB per rank", "busy % per rank",
+                       "best baseline / this"])
     print("\nper batch: the fastest baseline schedule against ours at its fastest K (by median step time)")
-    print(f"{'batch':>5} | {'best baseline':<26} | {'ms':>11} | {'ours':<10} | {'ms':>11} | {'ratio':>6} | "
-          f"{'paired':>6} | "
-          f"{'goal':>5} | {'peak MB baseline':>16} | {'peak MB ours':>12} | beyond noise?")
-    for batch, base, base_t, name, t, paired, base_mem, ours_mem in summary:
-        s = sittings[batch]
-        goal = GOALS.get(batch)
-        verdict = "" if goal is None else f"{goal:.1f}x " + ("met" if base_t / t >= goal else "missed")
-        schedule = base.removeprefix("torch_pipe ")
-        print(f"{batch:>5} | {SCHEDULE_NAMES.get(schedule, schedule):<26} | {s.ms(base):>11} | "
-              f"{name.removeprefix('ours '):<10} | {s.ms(name):>11} | {base_t / t:5.2f}x | "
-              f"{f'{paired:.2f}x' if paired else '-':>6} | {verdict:>5} | {megabytes(base_mem):>16} | "
-              f"{megabytes(ours_mem):>12} | {s.versus(base, name)}")
+    print_table(summary, ["batch", "best baseline", "ms", "ours", "ms", "ratio", "paired", "goal", "peak MB baseline",
+                          "peak MB ours", "beyond noise?"])
     auto_against_fixed(sittings)
-    print("ratio: best baseline's / ours' median step time; paired: the median over repetitions of the same ratio "
-          "within one repetition; goal: the ratio issue #15 asks for; busy %: the share of each rank's step time it "
-          "was computing (its process's CPU time over its step time; the rest is bubbles, messages, the barrier)")
+    print("ratio: best baseline's / ours' median step time; paired: the same ratio, the median over their "
+          "neighbouring launches (contract.estimate.paired); goal: the ratio issue #15 asks for; busy %: the share "
+          "of each rank's step time it was computing (its process's CPU time over its step time; the rest is "
+          "bubbles, messages, the barrier)")
     print_machine(capacities, P, "a schedule that leaves ranks idle")
     return 0
 
@@ -315,19 +322,18 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
 def auto_against_fixed(sittings: dict[int, Sitting]) -> None:
     """Per batch and order of units, ``--n-slices auto`` against the fastest fixed K it ran beside: within
     noise, or slower or faster beyond it (the done-when of issue #26)."""
-    lines = []
+    rows = []
     for batch, s in sittings.items():
         for auto in [n for n in s.runs if n.startswith("ours") and n.endswith("K=auto") and s.median(n)]:
             prefix = auto.removesuffix("auto")
             fixed = [(s.median(n), n) for n in s.runs if n.startswith(prefix) and n != auto and s.median(n)]
             if fixed:
                 _, best = min(fixed)
-                lines.append(f"{batch:>5} | {auto:<22} {s.ms(auto):>11} | best fixed {best:<14} {s.ms(best):>11} | "
-                             f"{s.versus(best, auto)}")
-    if lines:
+                rows.append([batch, auto, s.ms(auto), best, s.ms(best), s.versus(best, auto)])
+    if rows:
         print("\nauto against the best fixed K (auto times a few K during warm-up and keeps the fastest; "
               "ours.plan.tune)")
-        print("\n".join(lines))
+        print_table(rows, ["batch", "auto", "step ms", "best fixed", "step ms", "against it"])
 
 
 def ours_vs_megatron_tp(opts: argparse.Namespace) -> int:
@@ -345,22 +351,22 @@ def ours_vs_megatron_tp(opts: argparse.Namespace) -> int:
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
     print(f"\nours T-{T} vs megatron T-{T} on {opts.model}, P=1, micro-batch 1, {opts.reps} alternating reps "
           f"(step ms: {INTERVAL_RULE})")
-    print(f"{'batch':>5} | {'config':<12} | {'step ms':>12} | {'min ms':>7} | {'runs':>4} | {'megatron / this':>15} | "
-          f"{'paired':>6} | against megatron")
-    print("-" * 100)
+    rows = []
     for batch, s in sittings.items():
         meg = s.median("megatron")
         for name in s.runs:
             t = s.median(name)
             if t is None:
-                print(f"{batch:>5} | {name:<12} | {'failed':>12} |")
+                rows.append([batch, name, "failed", "", len(s.ok(name)), "", "", ""])
                 continue
             ours = name.startswith("ours")
-            ratio = f"{meg / t:.2f}x" if meg and ours else "-"
-            pr = s.paired("megatron", name) if ours else None
-            print(f"{batch:>5} | {name:<12} | {s.ms(name):>12} | {s.best(name) * 1e3:7.0f} | {len(s.ok(name)):>4} | "
-                  f"{ratio:>15} | {f'{pr:.2f}x' if pr else '-':>6} | {s.versus('megatron', name) if ours else ''}")
-    print("paired: the median over repetitions of megatron's / ours' step time within the same repetition")
+            rows.append([batch, name, s.ms(name), f"{s.best(name) * 1e3:.0f}", len(s.ok(name)),
+                         f"{meg / t:.2f}x" if meg and ours else "-", s.paired_text("megatron", name) if ours else "-",
+                         s.versus("megatron", name) if ours else ""])
+    print_table(rows, ["batch", "config", "step ms", "min ms", "runs", "megatron / this", "paired",
+                       "against megatron"])
+    print("paired: megatron's / ours' step time, the median over their neighbouring launches "
+          "(contract.estimate.paired)")
     print_machine(capacities, T, "megatron")
     return 0
 

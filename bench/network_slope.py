@@ -41,6 +41,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tabulate import tabulate
+
 from contract.records import read_records
 from runners.invoke import run_command
 from contract.estimate import estimate
@@ -184,6 +186,12 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
 
 
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    """A table as aligned text (``tabulate``): the configuration on the left, its numbers right-aligned."""
+    return tabulate(rows, headers=headers, tablefmt="presto", disable_numparse=True,
+                    colalign=("left",) + ("right",) * (len(headers) - 1))
+
+
 def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -206,10 +214,7 @@ def report(records: list[dict], wire_bytes: int, loads: list[float]) -> None:
           f"repetitions of the record's median step; delays paid: least-squares slope of step time against "
           f"one-way delay, split into schedule, DP sync and closing barrier; fastest: the same fit of each "
           f"run's fastest step)")
-    head = " | ".join(f"{f'{d:g} ms':>8}" for d in delays)
-    print(f"{'configuration':<30} | {head} | {'delays paid':>11} | {'schedule':>8} | {'DP sync':>7} | {'barrier':>7} | "
-          f"{'fastest':>7} | runs")
-    print("-" * (30 + 11 * len(delays) + 65))
+    head = [f"{d:g} ms" for d in delays]
 
     def medians(rs: list[dict], key) -> list[float | None]:
         out = []
@@ -218,34 +223,36 @@ def report(records: list[dict], wire_bytes: int, loads: list[float]) -> None:
             out.append(estimate(v).median if v else None)  # the report's statistics (contract.estimate)
         return out
 
+    rows = []
     for c, rs in by_label.values():
         ss = [sample_of(r) for r in rs]
-        cells = " | ".join(f"{_ms(m):>8}" for m in medians(rs, lambda r: r["median_step_time"]))
+        cells = [_ms(m) for m in medians(rs, lambda r: r["median_step_time"])]
         if len({s.delay_ms for s in ss}) < 2:
-            print(f"{c.label:<30} | {cells} | {'-':>11} | {'-':>8} | {'-':>7} | {'-':>7} | {'-':>7} | {len(ss)}")
+            rows.append([c.label, *cells, "-", "-", "-", "-", "-", str(len(ss))])
             continue
         sl = slope_of(ss)
         fastest = None
         if all(s.fastest is not None for s in ss):
             fastest = fit_slope([s.delay_ms * 1e-3 for s in ss], [s.fastest for s in ss])
-        print(f"{c.label:<30} | {cells} | {sl.total:11.1f} | {_num(sl.schedule):>8} | {sl.dp_sync:7.1f} | "
-              f"{_num(sl.barrier):>7} | {_num(fastest):>7} | {len(ss)}")
+        rows.append([c.label, *cells, f"{sl.total:.1f}", _num(sl.schedule), f"{sl.dp_sync:.1f}", _num(sl.barrier),
+                     _num(fastest), str(len(ss))])
+    print(_table(rows, ["configuration", *head, "delays paid", "schedule", "DP sync", "barrier", "fastest", "runs"]))
 
     dp_configs = [(c, rs) for c, rs in by_label.values() if c.dp > 1]
     if not dp_configs:
         return
     print(f"\nDP sync against the wire (bound = bytes over the busiest host's link / bandwidth, at {wire_bytes} "
           f"bytes per parameter; DP sync: the record's, the slowest rank's per step)")
-    print(f"{'configuration':<30} | {'stage MiB':>9} | {'bound ms':>8} | {head} | DP sync / bound (each delay)")
+    rows = []
     for c, rs in dp_configs:
         shape = rs[0]["model_shape"]
         overrides = {k: shape[k] for k in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size")}
         stage_bytes = max(stage_param_counts(rs[0]["model"], rs[0]["layout"]["pp"], overrides)) * wire_bytes
         bound = busiest_link_bytes(c.dp_mode, c.dp, stage_bytes) * 8 / (link_of(rs[0])[1] * 1e9)
         meds = medians(rs, lambda r: r.get("dp_sync_time") or 0.0)
-        cells = " | ".join(f"{_ms(m):>8}" for m in meds)
         ratios = ", ".join("-" if m is None else f"{m / bound:.2f}x" for m in meds)
-        print(f"{c.label:<30} | {stage_bytes / 2**20:9.1f} | {bound * 1e3:8.1f} | {cells} | {ratios}")
+        rows.append([c.label, f"{stage_bytes / 2**20:.1f}", f"{bound * 1e3:.1f}", *map(_ms, meds), ratios])
+    print(_table(rows, ["configuration", "stage MiB", "bound ms", *head, "DP sync / bound (each delay)"]))
     if loads:
         print(f"load average (1 min) at each repetition's start and at the end: {', '.join(f'{l:.2f}' for l in loads)}")
 

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tabulate import tabulate
+
 from ours import uniform_slices
 from ours.plan.auto import cache_key, profile_path
 from ours.plan.latency import StageLink
@@ -161,18 +163,17 @@ def markdown(res: dict) -> str:
         f"measured median = median over rounds of each run's median step; "
         f"slicing granularity {res['granularity']}.",
         "",
-        "| slicing | slices | predicted pipeline (ms) | predicted step, raw (ms) | measured median (ms) "
-        "| measured min (ms) | error raw | error, LOO constant | error, LOO scale | error raw vs min |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    rows = []
     for r in res["rows"]:
         sl = ",".join(map(str, r["slices"]))
-        if len(sl) > 60:
-            sl = sl[:57] + "..."
-        lines.append(f"| {r['name']} | {sl} | {_ms(r['predicted_pipeline'])} | {_ms(r['predicted_raw'])} | "
-                     f"{_ms(r['measured'])} | {_ms(r.get('measured_min'))} | {_pct(r.get('error_raw'))} | "
-                     f"{_pct(r.get('error_loo'))} | {_pct(r.get('error_loo_scale'))} | "
-                     f"{_pct(r.get('error_raw_min'))} |")
+        rows.append([r["name"], sl if len(sl) <= 60 else sl[:57] + "...", _ms(r["predicted_pipeline"]),
+                     _ms(r["predicted_raw"]), _ms(r["measured"]), _ms(r.get("measured_min")), _pct(r.get("error_raw")),
+                     _pct(r.get("error_loo")), _pct(r.get("error_loo_scale")), _pct(r.get("error_raw_min"))])
+    lines.append(tabulate(rows, headers=["slicing", "slices", "predicted pipeline (ms)", "predicted step, raw (ms)",
+                                         "measured median (ms)", "measured min (ms)", "error raw",
+                                         "error, LOO constant", "error, LOO scale", "error raw vs min"],
+                          tablefmt="github", disable_numparse=True))
     lines += [
         "",
         f"Median absolute prediction error: raw {_abs(s['median_abs_error_raw'])}; with a per-step constant "

@@ -222,7 +222,7 @@ def predict_run(argv: list[str]) -> int:
 def predict_sweep(argv: list[str]) -> int:
     """The sweep file's runs predicted, shown as report.py shows measured ones."""
     from contract import ConfigError
-    from report import render
+    from reporting import render
     from predict.from_config import NotModelled, OutOfMemory
     from runners.record import build_record
     from runners.request import parse_request

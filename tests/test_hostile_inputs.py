@@ -243,7 +243,7 @@ def test_labels_and_summaries_say_what_ran():
     reached its target within its warm-up said 'ok (this node's ranks finished ...)' on its one node.
     Item 16: a --prefetch that 'auto' lowered was not said."""
     from ours import describe_run
-    from report import render
+    from reporting import render
     from runners.run import summary
 
     sim = RunConfig(system="reference", model=get_model_config("tiny"), batch_size=1, micro_batch_size=1, dp=2,
@@ -270,7 +270,7 @@ def test_labels_and_summaries_say_what_ran():
 
 def test_no_quality_winner_from_single_runs():
     """Item 12: the time-to-quality section claimed '1.03x faster' from one run of each, both shown 0.05 s."""
-    from report import quality_section
+    from reporting import quality_section
     from tests.test_report_quality import _rec
 
     text = quality_section([_rec("ours", "d50-1g", 0, [5.6, 3.4], 0.05, 100, dp_mode="sharded_ps"),

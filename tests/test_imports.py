@@ -1,11 +1,11 @@
 """The suite's import graph, every module of every package (module level and inside functions): no
 cycle anywhere, and the layers (``LAYERS``): the workload imports nothing of the suite, the contract
-only the workload, a system only the contract, the workload and its own package, the report only the
-contract and the workload, the harness (``runners``) never the simulator, the benchmarks, the report or
-the tools; the tools (``tools``: the GPU check, the verification spread, rehearsals, virtual nodes) stand
-above the harness, and nothing of the suite but themselves imports them (nor the command, ``pipebench``,
-which runs the modules' mains); and every name imported from
-the suite exists."""
+only the workload, a system only the contract, the workload and its own package, the report (the
+command ``report`` and its package ``reporting``) only the contract and the workload, the harness
+(``runners``) never the simulator, the benchmarks, the report or the tools; the tools (``tools``: the
+GPU check, the verification spread, rehearsals, virtual nodes) stand above the harness, and nothing of
+the suite but themselves imports them (nor the command, ``pipebench``, which runs the modules' mains);
+and every name imported from the suite exists."""
 from __future__ import annotations
 
 import ast
@@ -20,14 +20,16 @@ import pytest
 from contract.registry import systems
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict", "bench", "tools")
+PACKAGES = ("contract", "workload", "runners", "baselines", "ours", "network_emulation", "predict", "bench", "tools",
+            "reporting")
 # part -> (what its modules may import, or None: anything but what the second set names)
 LAYERS: dict[str, tuple[set[str] | None, set[str]]] = {
     "workload": ({"workload"}, set()),
     "contract": ({"contract", "workload"}, set()),
     "network_emulation": ({"network_emulation"}, set()),
-    "report": ({"report", "contract", "workload"}, set()),
-    "runners": (None, {"predict", "bench", "report", "tools"}),  # the harness: a run never calls the simulator
+    "report": ({"report", "reporting", "contract", "workload"}, set()),  # the command over the package
+    "reporting": ({"reporting", "contract", "workload"}, set()),
+    "runners": (None, {"predict", "bench", "report", "reporting", "tools"}),  # a run never calls the simulator
 }
 # parts every other part keeps clear of: only they themselves import them (the tests aside)
 TOP = ("tools", "pipebench")
@@ -179,6 +181,7 @@ def test_every_module_keeps_to_its_layer():
     assert system_packages() == ["baselines.fairscale_fsdp", "baselines.megatron", "baselines.reference",
                                  "baselines.torch_pipe", "ours", "ours.diloco"]
     assert {m.split(".")[0] for m in g} >= set(PACKAGES) | {"report", "pipebench"}
+    assert g["report"] <= {m for m in g if m.split(".")[0] in ("reporting", "contract")}  # a command over the package
     assert layering_violations(g, system_packages()) == []
 
 
@@ -192,6 +195,9 @@ def test_the_layering_fails_on_the_wrong_way_imports_the_house_removed():
                "report": g["report"] | {"runners.registry"}}
     found = layering_violations(predict, systems_)
     assert "runners.predict.__main__ imports report" in found and "report imports runners.registry" in found
+    # the report's package reaching for the harness's record (the report reads records, never makes them)
+    package = {**g, "reporting.frame": g["reporting.frame"] | {"runners.record"}}
+    assert "reporting.frame imports runners.record" in layering_violations(package, systems_)
     # and the run command calling the simulator
     run = {**g, "runners.run": g["runners.run"] | {"predict.this_machine"}}
     assert "runners.run imports predict.this_machine" in layering_violations(run, systems_)

@@ -28,7 +28,7 @@ def test_help_lists_every_subcommand_and_each_runs_its_modules_main():
 
 def test_a_subcommand_is_its_module_with_the_rest_of_the_arguments(capsys, tmp_path):
     assert pipebench.main(["report", str(tmp_path / "missing.jsonl")]) == 2
-    assert "python report.py: error: no such file or directory" in capsys.readouterr().err
+    assert "pipebench report: error: no such file or directory" in capsys.readouterr().err
     assert pipebench.main(["predict", "--system", "fairscale_fsdp", "--model", "tiny", "--batch-size", "2",
                            "--micro-batch-size", "1"]) == 2
 

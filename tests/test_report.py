@@ -3,7 +3,9 @@ import re
 import subprocess
 import sys
 
-from report import render
+import pytest
+
+from reporting import render
 from contract import RunConfig
 from runners.record import append_record, build_record
 from contract.registry import get_system
@@ -311,7 +313,7 @@ def test_records_of_one_config_on_different_hardware_never_share_a_cell(tmp_path
 def test_runs_under_one_matrix_file_with_other_contents_are_rows_of_their_own(tmp_path, capsys):
     """Issue #31, items 3 and 4: the 5 ms and the 40 ms runs of one edited net.json shared a row, and
     a heterogeneous matrix was plotted at its link 0 -> 1 (0.1 ms)."""
-    from report import plot_networks, to_frame
+    from reporting import plot_networks, to_frame
 
     def under(matrix: dict, t: float, system: str = "ours"):
         d = _rec(system=system, pp=2, network="net.json", t=t).__dict__
@@ -426,3 +428,95 @@ def test_loss_and_faults_are_rows_and_headings_of_their_own():
     text = render([recs[1].__dict__, {**slow, "config": cfg.to_dict(), "key": cfg.key()}])
     assert "| faults " in text and "rank 1 2x slower" in text
     assert "| faults " not in render([r.__dict__ for r in recs])  # no column where no run has faults
+
+
+def test_a_directory_is_read_for_run_records_only(tmp_path, capsys):
+    """Issue #54, item 21: the report on results/ warned ten lines about each of the project's own files
+    that hold no run record (a probe's loads, a study's samples). A file named on the command line is
+    still read as records, and each line that is not one is told."""
+    from report import main
+
+    append_record(tmp_path / "runs.jsonl", _rec(pp=8, t=19.71))
+    (tmp_path / "spread.jsonl").write_text("".join(json.dumps({"case": "reference", "seed": s}) + "\n"
+                                                   for s in range(30)))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "loads.jsonl").write_text('{"load": 1.5}\n' * 20)
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main([str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "19.71 s" in out
+    told = [line for line in err.splitlines() if not line.startswith("report.py: warning: ")]  # provenance's
+    assert told == [f"report.py: skipped 2 files that hold no run record: {tmp_path / 'spread.jsonl'}, "
+                                f"{tmp_path / 'sub' / 'loads.jsonl'}"]
+    assert main([str(tmp_path / "spread.jsonl")]) == 0
+    err = capsys.readouterr().err
+    assert "spread.jsonl:1: not a run record" in err and "hold no run record" not in err
+
+
+def test_claims_are_made_within_one_commit():
+    """Issue #54, item 21: records of 7 commits were pooled into one claim, with a warning only. Each
+    commit's records are tables and claims of their own, and the summary says which commit a claim is of."""
+    def of(commit: str, recs: list[dict]) -> list[dict]:
+        for r in recs:
+            r["environment"] = {**r["environment"], "git_commit": commit * 40, "git_dirty": False}
+        return recs
+
+    older = of("a", _round_robin(_reps(system="ours", pp=2, t=1.0), _reps(system="torch_pipe", pp=2, t=1.3)))
+    newer = of("b", _round_robin(_reps(system="ours", pp=2, t=1.3), _reps(system="torch_pipe", pp=2, t=1.0)))
+    assert ("Every claim is of the records' one code version (commit aaaaaaaaaaaa)."
+            in render(older).split("## Summary")[1])
+    text = render(older + newer)
+    summary = text.split("## Summary")[1].split("\n## ")[0]
+    assert ("The records come from 2 code versions (commit aaaaaaaaaaaa, commit bbbbbbbbbbbb): claims are made per "
+            "commit, never across two") in summary
+    blocks = summary.split("- **Layouts**, ")[1:]
+    assert len(blocks) == 2
+    a = next(b for b in blocks if "; code: commit aaaaaaaaaaaa:" in b)
+    b = next(b for b in blocks if "; code: commit bbbbbbbbbbbb:" in b)
+    assert "ours `ours P-2` 1.00 s ±2 % against the best baseline `torch_pipe gpipe P-2` 1.30 s ±2 %: **1.30x** " \
+           "faster" in a
+    assert "ours `ours P-2` 1.30 s ±2 % against the best baseline `torch_pipe gpipe P-2` 1.00 s ±2 %: **1.30x** " \
+           "slower" in b
+    tables = text.split("## Layouts (no network emulation)")[1].split("## Every run")[0].split("### ")[1:]
+    assert len(tables) == 2 and all(t.count("±2 %") == 2 for t in tables)  # a cell of both commits: ±25 %
+    every = text.split("## Every run")[1]
+    assert "| code " in every.splitlines()[4] and every.count("commit bbbbbbbbbbbb") == 2
+
+
+def test_the_usage_names_the_command_typed(capsys):
+    """Issue #54, item 23: through pipebench, the usage line named `python report.py`."""
+    import pipebench
+    from report import main
+
+    with pytest.raises(SystemExit) as typed:
+        pipebench.main(["report", "--help"])
+    assert typed.value.code == 0 and capsys.readouterr().out.startswith("usage: pipebench report [-h]")
+    with pytest.raises(SystemExit) as bad:
+        pipebench.main(["report", "--target", "x"])
+    assert bad.value.code == 2 and capsys.readouterr().err.startswith("pipebench report: error: argument --target")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python report.py [-h]")
+
+
+def test_the_network_plot_draws_each_column_over_every_delay_with_its_interval(tmp_path, capsys):
+    """Issue #53, item 8: one line per system and layout, a point per delay (four here), each with its
+    repetitions' interval; a lossy link is not a point of the plain link at its delay."""
+    from reporting import plot_networks, to_frame
+    from reporting.plots import network_lines
+
+    recs = []
+    for net, t in (("default", 1.0), ("d1-5g", 1.1), ("d5-2g", 1.3), ("d10-1g", 1.6)):
+        recs += _round_robin(_reps(system="ours", pp=2, network=net, t=t),
+                             _reps(system="torch_pipe", pp=2, network=net, t=1.2 * t))
+    recs += _reps(system="ours", pp=2, network="delay 10ms bandwidth 1Gbps loss 1%", t=3.0)
+    ((_, fixed, lines, left),) = network_lines(to_frame(recs))
+    assert list(lines) == ["ours P-2", "torch_pipe gpipe P-2"] and fixed["model"] == "gpt3-xl"
+    ours = lines["ours P-2"]
+    assert ours["delay"].tolist() == [0.1, 1.0, 5.0, 10.0] and ours["bandwidth"].tolist() == [10.0, 5.0, 2.0, 1.0]
+    assert ours["median"].tolist() == pytest.approx([1.0, 1.1, 1.3, 1.6])
+    assert ours["low"].tolist() == pytest.approx([0.98 * t for t in (1.0, 1.1, 1.3, 1.6)])
+    assert ours["high"].tolist() == pytest.approx([1.02 * t for t in (1.0, 1.1, 1.3, 1.6)])
+    assert len(left) == 1 and left[0].startswith("delay 10ms bandwidth 1Gbps loss 1%: its link loses")
+    (path,) = plot_networks(to_frame(recs), tmp_path)
+    assert path.stat().st_size > 0 and "plot: left out delay 10ms bandwidth 1Gbps loss 1%" in capsys.readouterr().err

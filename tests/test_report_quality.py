@@ -1,12 +1,13 @@
-"""The time-to-quality section of the report (``report.quality_section``), from records with eval points."""
+"""The time-to-quality section of the report (``reporting.quality``), from records with eval points."""
 from __future__ import annotations
 
 import json
 
 from contract import RunConfig
 from contract.registry import get_system
-from report import (against_synchronous, crossing, main, plot_quality, quality_frame, quality_section,
-                    quality_target_lines, quality_targets, render)
+from report import main
+from reporting import (against_synchronous, crossing, plot_quality, quality_frame, quality_section,
+                       quality_target_lines, quality_targets, render)
 from runners.record import build_record
 from workload.configs import get_model_config
 

@@ -4,11 +4,12 @@ token slices for a few K and keep the fastest.
 Why measure rather than model: the planner's latency model (``ours.plan.latency``, fitted from a
 one-process profile) and the simulator (``predict``) both missed what slicing costs with every rank
 busy: at cpu-small batch 2 the planner's K = 15 ran 6-22 % slower than K = 4, the simulator's 2 x 512
-16 % slower (results/predict/NOTE.md). A fixed per-slice cost fitted from the same profile would not
-see the contention either. A step timed inside the run sees everything the run pays (the host as it
-is now, the emulated network, data parallelism's other replicas), and steps within one launch agree
-to a few per cent while launches differ by 10-15 %: within-launch timing is the sharpest comparison
-this host allows, so auto lands within that noise of the best fixed K by construction.
+16 % slower (the simulator's first note, in git: ``git log --follow -- results/predict/NOTE.md``). A
+fixed per-slice cost fitted from the same profile would not see the contention either. A step timed
+inside the run sees everything the run pays (the host as it is now, the emulated network, data
+parallelism's other replicas), and steps within one launch agree to a few per cent while launches
+differ by 10-15 %: within-launch timing is the sharpest comparison this host allows, so auto lands
+within that noise of the best fixed K by construction.
 
 The search (``descend``): K in ``CANDIDATES`` (1, 2, 4, 8, 16; those the sequence can be cut into),
 starting from the one nearest the planner's choice (``ours.plan.auto``: simulator, fitted model or

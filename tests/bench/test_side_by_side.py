@@ -58,3 +58,20 @@ def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_si
     assert float(best[5].strip().rstrip("x")) > 0 and best[7].strip().startswith("1.3x ")
     # one repetition: a step time without an interval, and no claim beyond noise
     assert best[2].strip().endswith("(1 run)") and best[10].strip() == "no claim: a single run has no interval"
+
+
+def test_the_paired_ratio_is_the_reports():
+    """Issue #53, item 3: the benchmarks paired launches by repetition index, a second definition of the
+    report's paired ratio; now they pair neighbouring launches as ``contract.estimate.paired`` does."""
+    from bench.__main__ import Run, Sitting
+    from contract.estimate import paired
+
+    def run(median: float, launched: int) -> Run:
+        return Run(median, median, (), launched=launched)
+
+    # launched a b | b a | a b: the neighbours' ratios a / b are 1.25, 1.2 and 9 / 7
+    s = Sitting(1, {"a": [run(1.0, 0), run(1.2, 3), run(0.9, 4)], "b": [run(0.8, 1), run(1.0, 2), run(0.7, 5)]})
+    p = s.paired("a", "b")
+    assert p.ratio.median == pytest.approx(1.25) and p.ratio.low == pytest.approx(1.2) and p.ratio.n == 3
+    assert p == paired([(0, 1.0), (3, 1.2), (4, 0.9)], [(1, 0.8), (2, 1.0), (5, 0.7)])
+    assert s.paired_text("a", "b") == "1.25x" and Sitting(1, {"a": [], "b": []}).paired_text("a", "b") == "-"

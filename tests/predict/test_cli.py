@@ -113,7 +113,7 @@ def _calibrated(tmp_path, monkeypatch, speed=0.05):
 def test_without_this_hosts_calibration_every_run_is_not_modelled_and_one_line_says_why(tmp_path):
     import json
 
-    import report
+    from reporting import load_records, render
     from contract.records import predictions_path
     from predict.this_machine import predict_records
 
@@ -124,7 +124,7 @@ def test_without_this_hosts_calibration_every_run_is_not_modelled_and_one_line_s
     kept = json.loads(predictions_path(records).read_text())
     assert set(kept) == {lines[0].run_id, lines[2].run_id}  # a GPU run is not this machine's to predict
     assert all("no calibration of this host" in v["not_modelled"] for v in kept.values())
-    text = report.render(report.load_records([str(records)]))
+    text = render(load_records([str(records)]))
     assert "(not modelled)" in text and "(pred " not in text
     p = predict_cli("records", str(tmp_path / "missing.jsonl"))
     assert p.returncode == 2
@@ -133,7 +133,7 @@ def test_without_this_hosts_calibration_every_run_is_not_modelled_and_one_line_s
 def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp_path, monkeypatch):
     import json
 
-    import report
+    from reporting import load_records, render
     from contract.records import predictions_path
     from predict import this_machine as local
 
@@ -162,7 +162,7 @@ def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp
     made = local.predict_records(records, directory=tmp_path, log=said.append)
     assert said == [] and set(made) == {lines[0].run_id, lines[2].run_id}
     assert all(p["source"] == f"predict, {cal.name}" and cal.identity["code"] in p["source"] for p in made.values())
-    assert "(pred " in report.render(report.load_records([str(records)]))
+    assert "(pred " in render(load_records([str(records)]))
     # the host got 30 % faster than at its calibration: refused in one line, every run not modelled
     monkeypatch.setattr(local, "speed_probe", lambda: 0.065)
     assert local.predict_records(records, directory=tmp_path, log=said.append) == {}
