@@ -321,19 +321,30 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
 
 def auto_against_fixed(sittings: dict[int, Sitting]) -> None:
     """Per batch and order of units, ``--n-slices auto`` against the fastest fixed K it ran beside: within
-    noise, or slower or faster beyond it (the done-when of issue #26)."""
-    rows = []
+    noise, or slower or faster beyond it (the done-when of issue #26); then auto against every fixed K,
+    paired (neighbouring launches), with the spread of the pairs."""
+    rows, pairs = [], []
     for batch, s in sittings.items():
         for auto in [n for n in s.runs if n.startswith("ours") and n.endswith("K=auto") and s.median(n)]:
             prefix = auto.removesuffix("auto")
             fixed = [(s.median(n), n) for n in s.runs if n.startswith(prefix) and n != auto and s.median(n)]
             if fixed:
                 _, best = min(fixed)
-                rows.append([batch, auto, s.ms(auto), best, s.ms(best), s.versus(best, auto)])
+                chosen = {r.details for r in s.ok(auto)}
+                rows.append([batch, auto, ", ".join(sorted(chosen)), s.ms(auto), best, s.ms(best),
+                             s.versus(best, auto)])
+            for _, name in sorted(fixed, key=lambda x: x[1]):
+                p = s.paired(name, auto)
+                if p is not None:
+                    spread = p.interval() if p.ratio.has_interval else "1 pair"
+                    pairs.append([batch, name, f"{p.ratio.median:.3f}x", spread])
     if rows:
-        print("\nauto against the best fixed K (auto times a few K during warm-up and keeps the fastest; "
-              "ours.plan.tune)")
-        print_table(rows, ["batch", "auto", "step ms", "best fixed", "step ms", "against it"])
+        print("\nauto (the planner's slicing, ours.plan.auto) against the best fixed K")
+        print_table(rows, ["batch", "auto", "auto ran", "step ms", "best fixed", "step ms", "against it"])
+    if pairs:
+        print("\nauto against each fixed K, paired: the fixed K's / auto's step time over neighbouring launches "
+              "(above 1: auto faster)")
+        print_table(pairs, ["batch", "fixed", "paired ratio", "pairs"])
 
 
 def ours_vs_megatron_tp(opts: argparse.Namespace) -> int:
@@ -396,8 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--reps", type=int, default=3, help="alternating repetitions of every configuration")
     b.add_argument("--slices", type=slice_count, nargs="+", default=[2, 4, 8], metavar="K|auto",
                    help="token slice counts K of ours to run ('auto': the planner's slicing)")
-    b.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
-                   help="the Torch Pipe schedules to run (each where it can run the batch)")
+    b.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=SCHEDULES,
+                   help="the Torch Pipe schedules to run (each where it can run the batch; none given: ours "
+                        "alone, for auto against the fixed K)")
     b.add_argument("--ours-schedules", nargs="+", default=["1f1b"], choices=OURS_SCHEDULES,
                    help="the orders of ours' units to run (ours.schedule; gpipe only where the batch has several "
                         "batch slices: with one they are the same)")

@@ -75,14 +75,14 @@ class _Step:
         return stage_params(self.spec.model, layers, first, last, tp, self.width)
 
     # ---- the math of one stage chunk on one micro-batch -------------------------------------
-    def forward(self, chunk: int, b: int, l: int, c: int) -> list:
+    def forward(self, chunk: int, b: int, l: int, c: int, stage: float | None = None) -> list:
         """Ops of a chunk's forward on b x l tokens after c (first chunk: embeddings; the last chunk of
-        the baselines also runs the head and the loss here)."""
+        the baselines also runs the head and the loss here); ``stage``: its layers' time (``_layers``)."""
         cm, tp, L = self.cm, self.tp, self.layers
         ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
         if chunk == 0:
             ops.append(Compute(cm.embed(b * l) / 3, "embed"))
-        ops += self._layers("forward", L, b, l, c)
+        ops += self._layers("forward", L, b, l, c, stage)
         if chunk == self.n_chunks - 1 and self.spec.system not in TOKEN_PIPELINE:
             ops.append(Compute(cm.head_forward(b * l, tp, self.width), "head"))
             ops += self._tp_comm(b * l, "head")
@@ -104,9 +104,13 @@ class _Step:
             ops.append(Compute(cm.embed(b * l) * 2 / 3, "embed"))
         return ops
 
-    def _layers(self, kind: str, L: int, b: int, l: int, c: int) -> list:
+    def _layers(self, kind: str, L: int, b: int, l: int, c: int, stage: float | None = None) -> list:
+        """A chunk's L layers of ``kind`` on b x l tokens after c: each layer's time from the compute
+        model, or ``stage`` / L (ours: its cost of a slice, ``ComputeModel.slice_cost``)."""
         cm, tp = self.cm, self.tp
-        if kind == "backward":
+        if stage is not None:
+            t = stage / L
+        elif kind == "backward":
             t = cm.layer_backward_input(b, l, c, tp) + cm.layer_wgrad(b, l, tp)
         elif kind == "backward-input":  # ours: the weight gradients deferred
             t = cm.layer_backward_input(b, l, c, tp)
@@ -591,10 +595,11 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
     for kind, b, i in unit_order(spec.schedule, nbs, len(slices), s, P):
         u = b * len(slices) + i
         l, c = slices[i], ctx[i]
+        cost = cm.slice_cost(mb, l, c, L, tp)  # the planner's cost of a slice (ours.plan.latency)
         if kind == "F":
             if not first:  # the engine waits for an activation like for a gradient (over gloo)
                 ops.append(FillWait(_key(st.step, "f", d, s - 1, u), "wgrad"))
-            ops += st.forward(s, mb, l, c)
+            ops += st.forward(s, mb, l, c, cost.forward)
             if not last:
                 key = _key(st.step, "f", d, s, u)
                 ops.append(Send(key, nxt, st.act_bytes(mb, l)))
@@ -607,11 +612,11 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
             ops.append(Compute(cm.head_forward(mb * l, tp, st.width) + cm.head_backward_input(mb * l, tp, st.width),
                                "head"))
         if spec.recompute:
-            ops += st._layers("recompute", L, mb, l, c)
-        ops += st._layers("backward-input", L, mb, l, c)
+            ops += st._layers("recompute", L, mb, l, c, cost.forward)
+        ops += st._layers("backward-input", L, mb, l, c, cost.backward)
         if first:
             ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
-        chunks = [cm.layer_wgrad(mb, l, tp) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
+        chunks = [cost.wgrad / (4 * L)] * (4 * L)  # one per linear (ours drains one stash entry at a time)
         if last:
             chunks.append(cm.head_wgrad(mb * l, tp, st.width))
         for k, t in enumerate(chunks):

@@ -4,15 +4,18 @@
 A slice of b sequences, l tokens after c tokens of context, on a stage of ``layers`` layers split over
 ``tp`` tensor-parallel ranks takes
 
-    t(b, l, c) = layers x (forward + backward)(b, l, c)   (the forward twice under recompute)
-                 + 2 x (a + bytes / bandwidth)              (its activations out, their gradients back)
+    t(b, l, c) = forward + backward + weight gradients   (``ComputeModel.slice_cost``: the layers' math
+                                                          of ours' engine and its own time per unit; the
+                                                          forward again under recompute)
+                 + 2 x (a + bytes / bandwidth)            (its activations out, their gradients back)
 
-where the forward and backward come from the compute model (a GPU's device file, or this machine's
-profile) and bytes = b l hidden x the bytes of an element, over the link to the next stage (latency a);
-on T tensor-parallel ranks each layer adds its all-reduces of the slice's activations (rings over the
-group's link).
+where bytes = b l hidden x the bytes of an element, over the link to the next stage (latency a); on T
+tensor-parallel ranks each layer adds its all-reduces of the slice's activations (rings over the group's
+link). Its fill f(b, l, c) is the part the other stages wait for: t without the weight gradients, which
+ours' engine defers into its waits (the last stage waits for a slice's forward through the earlier
+stages, the first stage at the end of a step for its input gradient through the later ones).
 The pipeline of K stages and M = B / b batch slices sharing one slicing then takes
-T = M sum_i t_i + (K - 1) max_i t_i (``ours.plan.solve``).
+T = M sum_i t_i + (K - 1) max_i f_i (``ours.plan.solve``).
 """
 from __future__ import annotations
 
@@ -42,31 +45,38 @@ def ring_allreduce(link: StageLink, n: int, nbytes: float) -> float:
     return 2 * (n - 1) * (link.latency + nbytes / n / link.bandwidth) if n > 1 else 0.0
 
 
-def slice_time(cm: ComputeModel, hidden: int, b: int, l: int, c: int, *, layers: int, n_stages: int, tp: int = 1,
-               recompute: bool = False, link: StageLink | None = None, element_bytes: int = BYTES_PER_ELEMENT,
-               tp_link: StageLink | None = None, act_bytes: int = 4) -> float:
-    """t(b, l, c) of one slice on one stage (see the module docstring); with ``tp_link``, the tensor-parallel
-    group's all-reduces of the slice's activations (two per layer forward, two backward, two more under
-    recompute), each a ring over the group."""
-    t = layers * cm.layer_step(b, l, c, tp, recompute)
+def slice_times(cm: ComputeModel, hidden: int, b: int, l: int, c: int, *, layers: int, n_stages: int, tp: int = 1,
+                recompute: bool = False, link: StageLink | None = None, element_bytes: int = BYTES_PER_ELEMENT,
+                tp_link: StageLink | None = None, act_bytes: int = 4) -> tuple[float, float]:
+    """(t, f)(b, l, c) of one slice on one stage: its time and its fill (see the module docstring); with
+    ``tp_link``, the tensor-parallel group's all-reduces of the slice's activations (two per layer
+    forward, two backward, two more under recompute), each a ring over the group."""
+    cost = cm.slice_cost(b, l, c, layers, tp, recompute)
+    extra = 0.0
     if tp > 1 and tp_link is not None:
-        t += layers * (4 + (2 if recompute else 0)) * ring_allreduce(tp_link, tp, b * l * hidden * act_bytes)
+        extra += layers * (4 + (2 if recompute else 0)) * ring_allreduce(tp_link, tp, b * l * hidden * act_bytes)
     if n_stages > 1 and link is not None:
-        t += 2 * link.time(b * l * hidden * element_bytes)
-    return t
+        extra += 2 * link.time(b * l * hidden * element_bytes)
+    return cost.total + extra, cost.critical + extra
+
+
+def slice_time(cm: ComputeModel, hidden: int, b: int, l: int, c: int, **kw) -> float:
+    """t(b, l, c) of one slice on one stage (``slice_times``)."""
+    return slice_times(cm, hidden, b, l, c, **kw)[0]
 
 
 def slice_table(cm: ComputeModel, hidden: int, seq_len: int, granularity: int, b: int,
-                **kw) -> tuple[np.ndarray, np.ndarray]:
-    """(boundary token positions, table[s, e] = t of the slice from boundary s to boundary e; inf where
-    s >= e), the boundaries every ``granularity`` tokens and at the sequence's end."""
+                **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(boundary token positions, table[s, e] = t of the slice from boundary s to boundary e, fill[s, e]
+    its fill; inf where s >= e), the boundaries every ``granularity`` tokens and at the sequence's end."""
     pos = np.asarray(list(range(0, seq_len, granularity)) + [seq_len], dtype=np.int64)
     n = len(pos)
     table = np.full((n, n), math.inf)
+    fill = np.full((n, n), math.inf)
     for i in range(n):
         for j in range(i + 1, n):
-            table[i, j] = slice_time(cm, hidden, b, int(pos[j] - pos[i]), int(pos[i]), **kw)
-    return pos, table
+            table[i, j], fill[i, j] = slice_times(cm, hidden, b, int(pos[j] - pos[i]), int(pos[i]), **kw)
+    return pos, table, fill
 
 
 def fit_comm(nbytes, times) -> tuple[float, float]:

@@ -1,13 +1,14 @@
 """The optimal (batch slice, token slicing) of a pipeline, from the compute model: TeraPipe's
-latency model (``ours.plan.latency``) tabled over slice boundaries and solved exactly
-(``ours.plan.solve``)."""
+latency model (``ours.plan.latency``: each slice's time and fill by ours' cost of a slice) tabled over
+slice boundaries and solved exactly (``ours.plan.solve``), for every batch slice size asked, so that
+the batch split and the token slicing (one slice included) are chosen together."""
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import asdict, dataclass
 
-from ours.plan.latency import BYTES_PER_ELEMENT, StageLink, slice_table, slice_time
+from ours.plan.latency import BYTES_PER_ELEMENT, StageLink, slice_table, slice_times
 from ours.plan.solve import pipeline_latency, solve_table
 from workload.compute import ComputeModel
 from workload.configs import ModelConfig
@@ -20,7 +21,7 @@ class Plan:
     n_stages: int
     batch_size: int
     granularity: int
-    predicted_pipeline: float  # T = (B/b) * sum t_i + (K - 1) * max t_i, seconds
+    predicted_pipeline: float  # T = (B/b) * sum t_i + (K - 1) * max f_i, seconds
     solve_seconds: float
     candidates: int
     evaluated: int
@@ -49,14 +50,16 @@ def default_granularity(seq_len: int) -> int:
 def pipeline_time(cm: ComputeModel, model: ModelConfig, slices, *, b: int, batch_size: int, n_stages: int, tp: int = 1,
                   recompute: bool = False, link: StageLink | None = None,
                   element_bytes: int = BYTES_PER_ELEMENT) -> float:
-    """T of a given slicing (``ours.plan.solve.pipeline_latency`` over its slices' t)."""
+    """T of a given slicing (``ours.plan.solve.pipeline_latency`` over its slices' t and f)."""
     ctx = 0
-    times = []
+    times, fills = [], []
     for l in slices:
-        times.append(slice_time(cm, model.n_embd, b, int(l), ctx, layers=model.n_layer // n_stages,
-                                n_stages=n_stages, tp=tp, recompute=recompute, link=link, element_bytes=element_bytes))
+        t, f = slice_times(cm, model.n_embd, b, int(l), ctx, layers=model.n_layer // n_stages, n_stages=n_stages,
+                           tp=tp, recompute=recompute, link=link, element_bytes=element_bytes)
+        times.append(t)
+        fills.append(f)
         ctx += int(l)
-    return pipeline_latency(times, n_stages, batch_size // b)
+    return pipeline_latency(times, n_stages, batch_size // b, fills=fills)
 
 
 def plan(cm: ComputeModel, model: ModelConfig, *, n_stages: int, batch_size: int, tp: int = 1, recompute: bool = False,
@@ -78,10 +81,10 @@ def plan(cm: ComputeModel, model: ModelConfig, *, n_stages: int, batch_size: int
     best = None  # (T, b, solution, pos)
     cand = ev = 0
     for b in sorted(bs):
-        pos, table = slice_table(cm, model.n_embd, seq_len, g, b, layers=model.n_layer // n_stages, n_stages=n_stages,
-                                 tp=tp, recompute=recompute, link=link, element_bytes=element_bytes, tp_link=tp_link,
-                                 act_bytes=act_bytes)
-        sol = solve_table(table, n_stages, batch_size // b, upper_bound=best[0] if best else math.inf)
+        pos, table, fill = slice_table(cm, model.n_embd, seq_len, g, b, layers=model.n_layer // n_stages,
+                                       n_stages=n_stages, tp=tp, recompute=recompute, link=link,
+                                       element_bytes=element_bytes, tp_link=tp_link, act_bytes=act_bytes)
+        sol = solve_table(table, n_stages, batch_size // b, upper_bound=best[0] if best else math.inf, fill=fill)
         if sol is None:
             continue
         cand += sol.candidates
