@@ -307,9 +307,10 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
                             megabytes(s.peak_memory(base)), megabytes(s.peak_memory(name)), s.versus(base, name)])
     print_table(rows, ["batch", "config", "step ms", "min ms", "runs", "peak MB per rank", "busy % per rank",
                        "best baseline / this"])
-    print("\nper batch: the fastest baseline schedule against ours at its fastest K (by median step time)")
-    print_table(summary, ["batch", "best baseline", "ms", "ours", "ms", "ratio", "paired", "goal", "peak MB baseline",
-                          "peak MB ours", "beyond noise?"])
+    if summary:  # none where no baseline schedule ran (``--schedules`` with none)
+        print("\nper batch: the fastest baseline schedule against ours at its fastest K (by median step time)")
+        print_table(summary, ["batch", "best baseline", "ms", "ours", "ms", "ratio", "paired", "goal",
+                              "peak MB baseline", "peak MB ours", "beyond noise?"])
     auto_against_fixed(sittings)
     print("ratio: best baseline's / ours' median step time; paired: the same ratio, the median over their "
           "neighbouring launches (contract.estimate.paired); goal: the ratio issue #15 asks for; busy %: the share "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ours.plan.latency import StageLink, slice_times
+from ours.plan.latency import StageLink, hidden_at_end, slice_times
 from ours.plan.planner import plan
 from predict.run_spec import Link, RunSpec
 from predict.step_time import predict
@@ -52,25 +52,30 @@ def test_the_engines_cost_per_unit_makes_the_planner_cut_fewer_slices():
 def test_one_slice_where_slicing_cannot_pay():
     assert _plan(_profile(), stages=1).slices == (SEQ,)  # one stage: nothing to fill
     # the engine's time per unit is more than the fill a second slice would save
-    assert _plan(_profile(engine=(5e-4, 5e-4, 2e-4))).slices == (SEQ,)
+    assert _plan(_profile(engine=(1e-3, 1e-3, 5e-4))).slices == (SEQ,)
 
 
 def test_the_batch_split_and_the_token_slicing_are_chosen_together():
-    """Batch 4 on 2 stages: four batch slices of one sequence already fill the pipeline, so splitting the
-    batch beats cutting one batch slice of four sequences into tokens."""
-    best = _plan(_profile(), batch=4)
-    tokens = _plan(_profile(), batch=4, batch_slices=[4])
+    """Batch 4 on 2 stages, a unit costing the engine 0.5 ms: four batch slices of one sequence already
+    fill the pipeline, so splitting the batch beats cutting one batch slice of four sequences into tokens."""
+    prof = _profile(engine=(2e-4, 2e-4, 1e-4))
+    best = _plan(prof, batch=4)
+    tokens = _plan(prof, batch=4, batch_slices=[4])
     assert (best.batch_slice, best.slices) == (1, (SEQ,))
     assert len(tokens.slices) > 1 and tokens.predicted_pipeline > best.predicted_pipeline
 
 
 def test_the_fill_leaves_out_the_deferred_weight_gradients_and_keeps_the_engines_time():
     cm = CpuCompute(_profile(engine=(3e-4, 4e-4, 1e-4)))
-    t, f = slice_times(cm, 64, 1, 16, 32, layers=2, n_stages=2, link=LINK)
+    st = slice_times(cm, 64, 1, 16, 32, layers=2, n_stages=2, link=LINK)
     fwd, bwd, w = cm.slice_layer(1, 16, 32)
-    msgs = 2 * LINK.time(16 * 64 * 4)
-    assert f == pytest.approx(2 * (fwd + bwd) + 7e-4 + msgs)
-    assert t == pytest.approx(f + 2 * w + 1e-4)
+    msg = LINK.time(16 * 64 * 4)
+    assert st.fill == pytest.approx(2 * (fwd + bwd) + 7e-4 + 2 * msg)
+    assert st.backward == pytest.approx(2 * bwd + 4e-4 + msg)
+    assert st.time == pytest.approx(st.fill + 2 * w + 1e-4)
+    # at the step's end the last stage's deferred weight gradients hide the first stage's last wait
+    assert hidden_at_end(st, 1.0, 2) == st.backward and hidden_at_end(st, 1e-6, 2) == 1e-6
+    assert hidden_at_end(st, 1.0, 1) == 0.0
     # the engine's time is its own: a model scaled for a system's kernels scales the math only
     assert Scaled(cm, 2.0).slice_cost(1, 16, 32, 2).forward == pytest.approx(2 * 2 * fwd + 3e-4)
 
