@@ -85,12 +85,6 @@ class SliceCost:
         """The unit's work on the stage: what every unit adds to a stage's step."""
         return self.forward + self.backward + self.wgrad
 
-    @property
-    def critical(self) -> float:
-        """The part other stages wait for (the forward the next stage needs, the input gradient the
-        previous one needs); the weight gradients are not: the engine defers them into its waits."""
-        return self.forward + self.backward
-
 
 class ComputeModel:
     """The interface every compute model implements (seconds of one rank)."""

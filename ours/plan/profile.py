@@ -20,8 +20,9 @@ calibration (``python -m predict calibrate``).
   foreach=False);
 - a gloo message between two local processes (a ping-pong), fitted to latency + bytes / bandwidth.
 
-Every point is the minimum of a few repetitions (contention on a shared machine only slows a
-measurement down). The result is a JSON dict (``kind: ours.plan.profile``).
+Every point is the minimum of a few repetitions, taken in rounds over the whole grid (contention on
+a shared machine only slows a measurement down, and a slow spell falls on one round of many points).
+The result is a JSON dict (``kind: ours.plan.profile``).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ours.kernels import DeferredLinear, MaskCache, SliceAttention, WeightGrad
 from ours.plan.latency import fit_comm
 from ours.plan.ping_pong import ping_pong
+from workload.compute import ENGINE_PHASES
 from workload.configs import ModelConfig
 from workload.flops import cpu_name
 from workload.model import Block, block_forward, merge_heads, split_heads
@@ -222,10 +224,12 @@ class SliceTimer:
         t3 = time.perf_counter()
         return t1 - t0, t2 - t1, t3 - t2
 
-    def point(self, b: int, l: int, c: int, reps: int) -> dict:
-        self.once(b, l, c)
-        runs = [self.once(b, l, c) for _ in range(max(1, 2 * reps))]
-        f, bi, w = (min(r[k] for r in runs) for k in range(3))
+    def sample(self, b: int, l: int, c: int) -> tuple[float, ...]:
+        return self.once(b, l, c)
+
+    @staticmethod
+    def summary(b: int, l: int, c: int, samples: list[tuple[float, ...]]) -> dict:
+        f, bi, w = (min(s[k] for s in samples) for k in range(3))
         return dict(b=b, l=l, c=c, fwd=f, bwd_in=bi, wgrad=w)
 
 
@@ -291,9 +295,10 @@ def engine_costs(cfg: ModelConfig, compute, layers: tuple[int, ...] = (1, 2), sl
     on a batch of two sequences (two batch slices) in K equal token slices, traced (``ours.trace``).
     Per unit and phase the least of ``reps`` steps of its span (forward: F, backward: B, on both stages;
     weight gradients: the step's wgrad spans over its units) less the slice's math (``slice_layer``),
-    the first stage's embeddings and the last stage's head and loss; per phase, the residuals fitted by
-    non-negative least squares to unit + layer x layers + scale x the slice's math (a unit's own cost,
-    and what the engine's layers take beyond the isolated layer's in a run)."""
+    the first stage's embeddings and the last stage's head and loss; per phase, the residuals (a row per
+    rank, stage size and slicing: its units' medians) fitted by non-negative least squares, relative to
+    the math, to unit + layer x layers + scale x the slice's math (a unit's own cost, and what the
+    engine's layers take beyond the isolated layer's in a two-rank run)."""
     import numpy as np
     import torch.multiprocessing as mp
     from scipy.optimize import nnls
@@ -307,7 +312,6 @@ def engine_costs(cfg: ModelConfig, compute, layers: tuple[int, ...] = (1, 2), sl
     from ours import uniform_slices
 
     S = cfg.seq_len
-    rows: dict[str, list[tuple[int, float, float]]] = {"forward": [], "backward": [], "wgrad": []}  # (L, math, resid)
     points = []
     for rank, res in enumerate(runs):
         for run in res:
@@ -324,17 +328,24 @@ def engine_costs(cfg: ModelConfig, compute, layers: tuple[int, ...] = (1, 2), sl
                 else:
                     head = compute.head_forward(l) + compute.head_backward_input(l) if rank == 1 else 0.0
                     m, r = L * bi, dur - L * bi - head - embed * 2 / 3
-                rows["forward" if kind == "F" else "backward"].append((L, m, r))
                 points.append(dict(rank=rank, layers=L, k=run["k"], l=l, c=c, phase=kind, math=m, residual=r))
             math_w += 2 * sum(L * compute.slice_layer(1, l, 0, 1)[2] for l in slices)
-            rows["wgrad"].append((L, math_w / run["units"], (run["wgrad"] - math_w) / run["units"]))
             points.append(dict(rank=rank, layers=L, k=run["k"], phase="W", math=math_w / run["units"],
                                residual=(run["wgrad"] - math_w) / run["units"]))
     fit: dict = {"layers": list(layers), "slicings": list(slicings), "points": points}
-    for phase, data in rows.items():
-        A = np.array([[1.0, L, m] for L, m, _ in data])
-        y = np.array([r for _, _, r in data])
-        if len({L for L, _, _ in data}) < 2:
+    for phase, kind in zip(ENGINE_PHASES, "FBW"):
+        # a row per rank, stage size and slicing: the medians of its units (a unit slowed by the host's
+        # other work does not pull the fit), divided by its math (a thin slice's row, where a unit's own
+        # cost shows, weighs as much as a wide one's)
+        groups: dict[tuple, list] = {}
+        for p in points:
+            if p["phase"] == kind and p["math"] > 0:
+                groups.setdefault((p["rank"], p["layers"], p["k"]), []).append(p)
+        rows = [(key[1], statistics.median(p["math"] for p in g), statistics.median(p["residual"] for p in g))
+                for key, g in groups.items()]
+        A = np.array([[1.0 / m, L / m, 1.0] for L, m, _ in rows])
+        y = np.array([r / m for _, m, r in rows])
+        if len({L for L, _, _ in rows}) < 2:
             A[:, 1] = 0.0
         (unit, layer, scale), _ = nnls(A, y)  # each part >= 0: a unit costs the engine time, never saves it
         fit[phase] = dict(unit=float(unit), layer=float(layer), scale=float(scale))
@@ -370,19 +381,35 @@ class LayerTimer:
             p.grad = None
         return t1 - t0, t2 - t1
 
-    def point(self, b: int, l: int, c: int, reps: int) -> dict:
-        self.once(b, l, c, True)
-        fwd, full, bin_ = [], [], []
-        for _ in range(reps):
-            f, bw = self.once(b, l, c, True)
-            fwd.append(f)
-            full.append(bw)
-            f2, bw2 = self.once(b, l, c, False)
-            fwd.append(f2)
-            bin_.append(bw2)
-        fwd_t, full_t, bin_t = min(fwd), min(full), min(bin_)
+    def sample(self, b: int, l: int, c: int) -> tuple[float, ...]:
+        """(forward, backward with weight gradients, forward, backward without) of two passes."""
+        return (*self.once(b, l, c, True), *self.once(b, l, c, False))
+
+    @staticmethod
+    def summary(b: int, l: int, c: int, samples: list[tuple[float, ...]]) -> dict:
+        fwd_t = min(min(s[0], s[2]) for s in samples)
+        full_t, bin_t = min(s[1] for s in samples), min(s[3] for s in samples)
         return dict(b=b, l=l, c=c, fwd=fwd_t, bwd_full=full_t, bwd_in=min(bin_t, full_t),
                     wgrad=max(0.0, full_t - bin_t))
+
+
+def measure_grids(timers: dict, grids: dict, rounds: int, bar=None) -> dict:
+    """Every grid's points (``grids``: name -> (b, l, c) points, ``timers``: name -> its timer), round by
+    round: each point once a round, the layer's and the slice's at the same (b, l, c) next to each other,
+    the order reversed every other round, a first round untimed (allocations); each quantity the least
+    over the rounds. A slow spell of a shared host then falls on one round of many points, not on every
+    repetition of a few (which would bend the table, e.g. a context term from points slowed unlike
+    their c = 0 neighbours)."""
+    jobs = sorted((pt, name) for name, pts in grids.items() for pt in pts)
+    samples: dict = {job: [] for job in jobs}
+    for r in range(max(1, rounds) + 1):
+        for pt, name in (jobs if r % 2 == 0 else jobs[::-1]):
+            s = timers[name].sample(*pt)
+            if r:
+                samples[pt, name].append(s)
+            if bar:
+                bar.update()
+    return {name: [timers[name].summary(*pt, samples[pt, name]) for pt in pts] for name, pts in grids.items()}
 
 
 def head_rates(cfg: ModelConfig, reps: int = 3, tokens: int | None = None) -> dict:
@@ -440,23 +467,16 @@ def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(pts) + len(spts) + 3, desc=f"profile {cfg.name}", unit="pt")
-        layer, sliced = [], []
-        for b, l, c in pts:
-            layer.append(timer.point(b, l, c, reps))
-            if bar:
-                bar.update()
-        for b, l, c in spts:
-            sliced.append(slicer.point(b, l, c, reps))
-            if bar:
-                bar.update()
+            bar = tqdm(total=(max(1, reps) + 1) * (len(pts) + len(spts)) + 3, desc=f"profile {cfg.name}", unit="pt")
+        measured = measure_grids({"layer": timer, "slice": slicer}, {"layer": pts, "slice": spts}, reps, bar)
+        layer, sliced = measured["layer"], measured["slice"]
         head = head_rates(cfg, reps)
         rates = overhead_rates(cfg, torch.device("cpu"), reps)
         if bar:
             bar.update()
-        measured = CpuCompute(dict(layer=layer, slice=sliced, head=head, embed_per_token=rates["embed_per_token"],
-                                   model=dict(vocab_size=cfg.vocab_size)))
-        engine_fit = engine_costs(cfg, measured, reps=reps) if engine else None
+        math = CpuCompute(dict(layer=layer, slice=sliced, head=head, embed_per_token=rates["embed_per_token"],
+                               model=dict(vocab_size=cfg.vocab_size)))
+        engine_fit = engine_costs(cfg, math, reps=reps) if engine else None
         if bar:
             bar.update()
         p2p_points = measure_p2p([2 ** k for k in range(10, 23, 3)], 8) if p2p else []
