@@ -252,7 +252,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     model_args(q)
     q.add_argument("--devices", type=POSITIVE_INT, default=None, help="devices in all (with --intra / --inter; "
                    "with --matrix, its size)")
-    q.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1)
+    q.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1, help="devices a node (the links inside a node: "
+                   "--intra)")
     q.add_argument("--intra", type=_link, default=None,
                    help="the links inside a node: LATENCY,BANDWIDTH, e.g. 5us,300GB/s")
     q.add_argument("--inter", type=_link, default=None, help="the links between nodes, e.g. 10ms,1Gbps")

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from contract.cli import DefaultsShown
+from contract.cli import Parser
 from network_emulation.profiles import SEED_PROFILES
 from network_emulation.signals import cli_status, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
@@ -33,8 +33,7 @@ from runners.sweep.slurm import SlurmExecutor, read_allocation
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog or "python -m runners.sweep", description=__doc__.split("\n\n")[1],
-                                 formatter_class=DefaultsShown)
+    ap = Parser(prog=prog or "python -m runners.sweep", description=__doc__.split("\n\n")[1])
     ap.add_argument("sweep", nargs="?", help="a sweep file (TOML), e.g. sweeps/local.toml")
     ap.add_argument("--out", default=None, help="the record file (default results/<sweep name>.jsonl)")
     ap.add_argument("--dry-run", action="store_true", help="print the run commands, run nothing")
