@@ -8,9 +8,8 @@
 
 Each subcommand is the module's own ``main(argv, prog)`` with the rest of the arguments (``pipebench run
 --help``) and its name as typed (``prog="pipebench run"``): its usage and its errors name ``pipebench
-run``, as ``python -m runners.run`` names itself. A subcommand's module
-is imported only when it runs: ``pipebench run`` launches without torch, as ``python -m runners.run``
-does.
+run``, as ``python -m runners.run`` names itself. A subcommand's module is imported only when it runs:
+``pipebench run`` launches without torch, as ``python -m runners.run`` does.
 """
 from __future__ import annotations
 

@@ -358,6 +358,8 @@ NAMED = [
     (["run", "--help"], "usage: pipebench run "),
     (["run", "--bogus"], "pipebench run: error: "),
     (["sweep", "--help"], "usage: pipebench sweep "),
+    (["sweep", "--bogus"], "pipebench sweep: error: "),
+    (["report", "--help"], "usage: pipebench report "),
     (["predict", "--help"], "usage: pipebench predict "),
     (["predict", "scenario", "--help"], "usage: pipebench predict scenario "),
     (["predict", "scenario", "/nonexistent.toml"], "pipebench predict scenario: error: "),

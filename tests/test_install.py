@@ -131,10 +131,11 @@ def test_the_wheel_installs_and_its_command_runs_from_another_directory(tmp_path
         return subprocess.run([str(venv / "bin" / "pipebench"), *args], cwd=elsewhere, capture_output=True,
                               text=True, timeout=300, env=env)
 
-    where = subprocess.run([python, "-c", "import runners.worker, predict, pipebench, sys; print(runners.worker."
-                            "__file__, predict.__file__, pipebench.__file__, *sys.path, sep='\\n')"],
-                           cwd=elsewhere, capture_output=True, text=True, env=env, check=True).stdout.split("\n")
-    assert all(Path(p).is_relative_to(site) for p in where[:3]) and str(REPO) not in where[3:], where
+    where = subprocess.run([python, "-c", "import runners.worker, predict, pipebench, report, sys; print(runners."
+                            "worker.__file__, predict.__file__, pipebench.__file__, report.__file__, *sys.path, "
+                            "sep='\\n')"], cwd=elsewhere, capture_output=True, text=True, env=env, check=True).stdout
+    where = where.split("\n")
+    assert all(Path(p).is_relative_to(site) for p in where[:4]) and str(REPO) not in where[4:], where
 
     scenario = pipebench("predict", "scenario", "seed-gpipe-default", "--json")
     assert scenario.returncode == 0, scenario.stderr

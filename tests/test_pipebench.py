@@ -80,10 +80,12 @@ def _parsers():
     from ours.plan.__main__ import build_parser as plan
     from predict.__main__ import build_parser as predict, run_parser
     from runners.request import build_parser as run
+    from report import parser as report
     from runners.sweep.__main__ import build_parser as sweep
 
     yield run()
     yield sweep()
+    yield report()
     yield run_parser()
     for top in (predict(), plan()):
         yield top
