@@ -130,17 +130,20 @@ def _preexec(cgroup: Path | None):
 
 
 class Agents:
-    """The agents of one launch, started and stopped together; their output goes to stderr."""
+    """The agents of one launch, started and stopped together; their output goes to stderr. They run in
+    the run command's directory (a relative --data or --trace means what it meant when the request was
+    judged) and import the suite from where this module lies (a checkout or an installed copy)."""
 
     def __init__(self) -> None:
         self.procs: list[tuple[Agent, subprocess.Popen]] = []
         self.pumps: list[Pump] = []
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # PYTHONSAFEPATH: the directory they run in never shadows the suite on PYTHONPATH
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1")
         self.env["PYTHONPATH"] = str(REPO) + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
 
     def start(self, agent: Agent, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         p = subprocess.Popen(agent.argv, env={**self.env, **agent.env, **(extra_env or {})}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                             stderr=subprocess.STDOUT, start_new_session=True,
                              preexec_fn=_preexec(agent.cgroup))
         self.procs.append((agent, p))
         self.pumps.append(Pump(p.stdout, [sys.stderr]))

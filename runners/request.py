@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec, option
+from contract.cli import Parser, old_names
 from contract.registry import get_system, systems
 from network_emulation.profiles import MatrixProfile, ProfileError, check_emulable, parse_profile
 from network_emulation.traces import load_trace, trace_from
@@ -26,11 +27,7 @@ from workload.corpus import BUILTIN, split_sizes
 OPTION_PREFIX = "option:"  # argparse dest of a system option
 MULTI_NODE = "multi-node (passed through to torchrun)"
 GROUP_TITLES = {"model": "model overrides (any field of the model config)"}  # a dataclass field's own flags
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line on stderr, exit status 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
+PROG = "python -m runners.run"  # the run command's name where pipebench does not give its own
 
 
 @dataclass(frozen=True)
@@ -69,9 +66,15 @@ def _flags(f: dataclasses.Field) -> tuple[str, ...]:
 
 
 def _add_flag(group, f: dataclasses.Field, hint, *, dest: str, help: str | None, default=argparse.SUPPRESS,
-              choices=None, required: bool = False) -> None:
-    """One field as a flag: a switch for a bool, else a value parsed as the field declares."""
+              choices=None, required: bool = False, default_said: str | None = None) -> None:
+    """One field as a flag: a switch for a bool, else a value parsed as the field declares. Its first
+    flag is its name; the others are old names, kept for one release (its help says so). Its help ends
+    with its default (``contract.cli``), or ``default_said`` where that is not a value."""
     flags = _flags(f)
+    if help:
+        help += old_names(flags)
+    if help and default_said:
+        help += f" (default: {default_said})"
     kwargs = dict(dest=dest, default=default, help=help or None)
     if hint is bool:
         kwargs.update(action="store_true")
@@ -112,7 +115,8 @@ def _add_fields(p: argparse.ArgumentParser, cls, choices: dict[str, list[str]] |
             g = group(GROUP_TITLES.get(f.name, f.metadata.get("group")))
             for sub, sub_hint in _flag_fields(hint):
                 default = None if f.metadata.get("choices") or sub.default is dataclasses.MISSING else sub.default
-                _add_flag(g, sub, sub_hint, dest=_dest(sub), help=sub.metadata["help"], default=default)
+                _add_flag(g, sub, sub_hint, dest=_dest(sub), help=sub.metadata["help"], default=default,
+                          default_said=f"the --{f.name}'s" if default is None else None)
 
 
 def option_owners(specs: dict[str, SystemSpec]) -> dict[str, list[str]]:
@@ -158,11 +162,11 @@ def _add_system_options(p: argparse.ArgumentParser, specs: dict[str, SystemSpec]
             _add_flag(g, f, hints[f.name], dest=OPTION_PREFIX + f.name, help=help_text)
 
 
-def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.ArgumentParser:
-    """The run command's parser: RunConfig's flags, --out, the placement's, every system's options."""
+def build_parser(specs: dict[str, SystemSpec] | None = None, prog: str | None = None) -> argparse.ArgumentParser:
+    """The run command's parser (named ``prog``, default ``PROG``): RunConfig's flags, --out, the
+    placement's, every system's options; each flag's help with its default."""
     specs = systems() if specs is None else specs
-    p = Parser(prog="python -m runners.run",
-               description="Train one system on the shared GPT workload and record one run.")
+    p = Parser(prog=prog or PROG, description="Train one system on the shared GPT workload and record one run.")
     _add_fields(p, RunConfig, choices={"system": list(specs)})
     run = next(g for g in p._action_groups if g.title == "run")
     run.add_argument("--out", default="results/runs.jsonl", help="the JSON-lines file the run record is appended to")

@@ -204,8 +204,8 @@ def summary(rec: RunRecord, node0: bool = True) -> str:
             f"{rec.tokens_per_s:.0f} tokens/s, {rec.tflops_per_device:.3f} TFLOP/s per device, MFU {rec.mfu:.1%}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog=prog)
     args = parser.parse_args(argv)
     try:
         spec = get_system(args.system)

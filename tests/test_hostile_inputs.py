@@ -293,3 +293,104 @@ def test_sbatch_saying_submitted_in_plain_words_is_a_submission(tmp_path, monkey
     (fake / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed' >&2\nexit 1\n")
     assert submit(tmp_path / "s.sbatch", [], str(tmp_path / "s-%j.out")) == 2
     assert "sbatch refused the job: sbatch: error: Batch job submission failed" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round three (issue #54), the command line: plan solve's refusals (item 6), plan layout's --devices beside a
+# --matrix and K for slices only (item 20), every usage naming the command typed (item 23).
+# ---------------------------------------------------------------------------------------------------------------
+SOLVE = ["solve", "--model", "gpt3-xl", "--device-file", "V100 SXM2 16GB", "--batch-size", "8", "--pp", "2"]
+WHOLE = "takes a finite whole number >= 1, got"
+# argv after SOLVE (a later flag overrides SOLVE's), and the one line; before: a traceback, or the bad value
+# silently ignored (--granularity 0, --micro-batch-size 0) or accepted (--tp 3 with 16 heads)
+SOLVE_REFUSED = [
+    (["--pp", "0"], f"argument --pp: {WHOLE} '0'"),  # ZeroDivisionError
+    (["--tp", "0"], f"argument --tp: {WHOLE} '0'"),  # ZeroDivisionError
+    (["--batch-size", "0"], f"argument --batch-size: {WHOLE} '0'"),  # ValueError: no feasible slicing
+    (["--pp", "5"], "24 layers do not divide into 5 pipeline stages (--pp 5)"),  # ValueError
+    (["--granularity", "-64"], f"argument --granularity: {WHOLE} '-64'"),  # ValueError
+    (["--granularity", "0"], f"argument --granularity: {WHOLE} '0'"),  # the default used instead
+    (["--micro-batch-size", "3"], "--batch-size 8 is not divisible by --micro-batch-size 3"),  # ValueError
+    (["--micro-batch-size", "0"], f"argument --micro-batch-size: {WHOLE} '0'"),  # every divisor tried
+    (["--batch-slices", "0"], "argument --batch-slices: takes comma-separated whole numbers >= 1, got '0'"),
+    (["--batch-slices", "3"], "batch slice 3 does not divide the batch size 8"),  # ValueError
+    (["--tp", "3"], "--tp 3 must divide the heads (16) and the hidden size (2048)"),  # planned
+    (["--micro-batch-size", "2", "--batch-slices", "1,2"], "give --micro-batch-size (one batch slice) or "
+     "--batch-slices (the sizes to try), not both"),  # --batch-slices won silently
+]
+
+
+@pytest.mark.parametrize("argv, says", SOLVE_REFUSED, ids=[" ".join(a) for a, _ in SOLVE_REFUSED])
+def test_plan_solve_refuses_a_layout_in_one_line(capsys, argv, says):
+    """Item 6: each was a traceback, ignored or planned; now one line, exit 2, as plan layout and the run
+    command refuse (the layout judged by ours' own SystemSpec.validate)."""
+    status = _exit_status(_main("ours.plan.__main__"), [*SOLVE, *argv])
+    err = capsys.readouterr().err
+    assert status == 2 and err == f"python -m ours.plan solve: error: {says}\n", err
+
+
+def test_plan_layout_refuses_devices_that_disagree_with_its_matrix(tmp_path, capsys):
+    """Item 20: --devices 4 beside a matrix of 2 devices was ignored (the matrix's 2 planned); the same
+    number is honoured."""
+    matrix = tmp_path / "m.json"
+    matrix.write_text(json.dumps({"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[100, 1], [1, 100]]}))
+    layout = ["layout", "--model", "tiny", "--batch-size", "2", "--matrix", str(matrix)]
+    assert _exit_status(_main("ours.plan.__main__"), [*layout, "--devices", "4"]) == 2
+    assert capsys.readouterr().err == (f"python -m ours.plan layout: error: --devices 4, but --matrix {matrix} is of "
+                                       "2 devices (the matrix says how many: leave out --devices)\n")
+    assert _exit_status(_main("ours.plan.__main__"), [*layout, "--devices", "2"]) == 0
+    assert "tiny, 2 x V100 SXM2 16GB" in capsys.readouterr().out
+
+
+def test_plan_solve_says_p_for_stages_and_k_for_token_slices(capsys):
+    """Item 20: solve printed K=2 for two stages beside '6 slices'; K means token slices everywhere."""
+    import re
+
+    assert _main("ours.plan.__main__")(["solve", "--model", "cpu-small", "--pp", "2", "--batch-size", "2",
+                                        "--micro-batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    found = re.match(r"P=2 B=2 b=1 g=\d+: K=(\d+) token slices \[([\d,]+)\]", out)
+    assert found and int(found[1]) == len(found[2].split(",")), out
+
+
+# (argv after `pipebench`, what the usage or the one line begins with): before, each named python -m ...
+NAMED = [
+    (["run", "--help"], "usage: pipebench run "),
+    (["run", "--bogus"], "pipebench run: error: "),
+    (["sweep", "--help"], "usage: pipebench sweep "),
+    (["sweep", "--bogus"], "pipebench sweep: error: "),
+    (["report", "--help"], "usage: pipebench report "),
+    (["predict", "--help"], "usage: pipebench predict "),
+    (["predict", "scenario", "--help"], "usage: pipebench predict scenario "),
+    (["predict", "scenario", "/nonexistent.toml"], "pipebench predict scenario: error: "),
+    (["predict", "sweep", "--help"], "usage: pipebench predict sweep "),
+    (["predict", "run", "--help"], "usage: pipebench predict run "),
+    (["predict", "--system", "nope"], "pipebench predict run: error: argument --system: invalid choice"),
+    (["predict", "validate-seed", "--calibrate", "--sensitivity"], "pipebench predict validate-seed: error: "),
+    (["plan", "--help"], "usage: pipebench plan "),
+    (["plan", "layout", "--help"], "usage: pipebench plan layout "),
+    (["plan", "solve", *SOLVE[1:], "--tp", "3"], "pipebench plan solve: error: --tp 3 must divide"),
+]
+
+
+@pytest.mark.parametrize("argv, begins", NAMED, ids=[" ".join(a[:2]) + f"-{i}" for i, (a, _) in enumerate(NAMED)])
+def test_every_usage_and_error_names_the_command_typed(capsys, argv, begins):
+    """Item 23: every subcommand's usage and errors named python -m runners.run, python -m predict, ...
+    where pipebench was typed; python -m still names itself."""
+    import pipebench
+
+    status = _exit_status(pipebench.main, argv)
+    out, err = capsys.readouterr()
+    said = out if "--help" in argv else err
+    assert status == (0 if "--help" in argv else 2) and said.startswith(begins), said[:300]
+
+
+def test_python_m_keeps_its_own_name(capsys):
+    """Item 23, the other way: run as python -m, a command names itself so."""
+    for module, argv, prog in (("runners.run", ["--bogus"], "python -m runners.run"),
+                               ("runners.sweep.__main__", ["--bogus"], "python -m runners.sweep"),
+                               ("predict.__main__", ["scenaro"], "python -m predict"),
+                               ("predict.__main__", ["--system", "nope"], "python -m predict run"),
+                               ("ours.plan.__main__", [*SOLVE, "--pp", "5"], "python -m ours.plan solve")):
+        assert _exit_status(_main(module), argv) == 2
+        assert capsys.readouterr().err.startswith(f"{prog}: error: "), module

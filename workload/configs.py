@@ -19,7 +19,7 @@ class ModelConfig:
     n_layer: int = _flag("transformer layers", "--num-layers", "--n-layer")
     n_embd: int = _flag("hidden size", "--hidden-size", "--embedding-dim")
     n_head: int = _flag("attention heads", "--num-heads", "--n-head")
-    seq_len: int = _flag("sequence length (tokens)", "--seq-length")
+    seq_len: int = _flag("sequence length (tokens)", "--seq-length", "--seq-len")
     vocab_size: int = _flag("vocabulary size", "--vocab-size", default=50304)
 
     @property

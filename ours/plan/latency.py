@@ -11,8 +11,8 @@ where the forward and backward come from the compute model (a GPU's device file,
 profile) and bytes = b l hidden x the bytes of an element, over the link to the next stage (latency a);
 on T tensor-parallel ranks each layer adds its all-reduces of the slice's activations (rings over the
 group's link).
-The pipeline of K stages and M = B / b batch slices sharing one slicing then takes
-T = M sum_i t_i + (K - 1) max_i t_i (``ours.plan.solve``).
+The pipeline of P stages and M = B / b batch slices sharing one slicing then takes
+T = M sum_i t_i + (P - 1) max_i t_i (``ours.plan.solve``).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ class Plan:
     n_stages: int
     batch_size: int
     granularity: int
-    predicted_pipeline: float  # T = (B/b) * sum t_i + (K - 1) * max t_i, seconds
+    predicted_pipeline: float  # T = (B/b) * sum t_i + (P - 1) * max t_i, seconds (P stages, K = len(slices))
     solve_seconds: float
     candidates: int
     evaluated: int
@@ -32,8 +32,8 @@ class Plan:
 
     def summary(self) -> str:
         s = ",".join(map(str, self.slices))
-        return (f"K={self.n_stages} B={self.batch_size} b={self.batch_slice} g={self.granularity}: "
-                f"{len(self.slices)} slices [{s}] predicted pipeline {self.predicted_pipeline * 1e3:.1f} ms "
+        return (f"P={self.n_stages} B={self.batch_size} b={self.batch_slice} g={self.granularity}: "
+                f"K={len(self.slices)} token slices [{s}] predicted pipeline {self.predicted_pipeline * 1e3:.1f} ms "
                 f"(solved in {self.solve_seconds:.3f} s)")
 
 

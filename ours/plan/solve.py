@@ -1,19 +1,20 @@
-"""The optimal token slicing: minimise the pipeline latency T = M * sum_i t_i + (K - 1) * max_i t_i.
+"""The optimal token slicing: minimise the pipeline latency T = M * sum_i t_i + (P - 1) * max_i t_i.
 
-K is the number of pipeline stages and M the number of batch slices that share one token slicing
-(M = 1 for token slicing only). ``t_i`` is the latency of slice i on one stage; the latency of a
-slice depends on where it starts (its context) and where it ends, so it is given as a table
-``t[s, e]`` over boundary positions s < e (in units of the granularity).
+P is the number of pipeline stages (K, as everywhere in the suite, the token slices a slicing makes)
+and M the number of batch slices that share one token slicing (M = 1 for token slicing only).
+``t_i`` is the latency of slice i on one stage; the latency of a slice depends on where it starts
+(its context) and where it ends, so it is given as a table ``t[s, e]`` over boundary positions
+s < e (in units of the granularity).
 
 The exact algorithm (TeraPipe's): every slicing has some maximum slice latency, which is one value
 of the table. For a bound tau, F(tau) = the least sum over slicings whose every slice is <= tau (a
-DP over prefix lengths). Then T* = min over tau of M * F(tau) + (K - 1) * tau, because F(tau) is
+DP over prefix lengths). Then T* = min over tau of M * F(tau) + (P - 1) * tau, because F(tau) is
 achieved by a slicing whose max is <= tau, and the optimum's own max is one of the candidates.
 
 Fast and still exact, by branch and bound over the sorted candidates:
 - F is non-increasing in tau, so for a candidate tau_j the value F at any evaluated tau_k > tau_j is
   a lower bound of F(tau_j); also sum_i t_i >= max_i t_i. Hence
-  T(tau_j) >= M * max(F(tau_k), tau_j) + (K - 1) * tau_j, and a candidate whose bound reaches the
+  T(tau_j) >= M * max(F(tau_k), tau_j) + (P - 1) * tau_j, and a candidate whose bound reaches the
   best T found is dropped (the bound grows with tau_j, so this also stops the ascending scan).
 - Candidates still alive are evaluated a batch at a time, the batch being a leading dimension of a
   numpy DP, and evenly spread over the alive ones, so that each round tightens the bounds of all.
@@ -32,7 +33,7 @@ INF = math.inf
 @dataclass(frozen=True)
 class Solution:
     cuts: tuple[int, ...]  # boundary indices 0 = c_0 < c_1 < ... < c_n = n (positions in the table)
-    latency: float  # T = M * sum + (K - 1) * max
+    latency: float  # T = M * sum + (P - 1) * max
     total: float  # sum_i t_i of one batch slice
     max_slice: float  # max_i t_i
     evaluated: int = 0  # candidate bounds whose DP was run (diagnostics)
@@ -99,7 +100,7 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
                 upper_bound: float = INF, fill_factor: float = 1.0) -> Solution | None:
     """The exact optimal slicing for a latency table ``table[s, e]`` (entries with s >= e ignored).
 
-    ``fill_factor`` (>= 0) weighs the max term: T = M * sum + fill_factor * (K - 1) * max (1: TeraPipe).
+    ``fill_factor`` (>= 0) weighs the max term: T = M * sum + fill_factor * (P - 1) * max (1: TeraPipe).
 
     Returns None only if no slicing beats ``upper_bound`` (a T found elsewhere, e.g. for another
     batch slice size) or if the table has no finite slicing.
@@ -109,8 +110,8 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
     t = _check_table(table)
     if fill_factor < 0:
         raise ValueError("fill_factor must be >= 0")
-    K, M = n_stages, n_batch_slices
-    W = fill_factor * (K - 1)  # weight of the max term
+    P, M = n_stages, n_batch_slices
+    W = fill_factor * (P - 1)  # weight of the max term
     finite = t[np.isfinite(t)]
     if finite.size == 0:
         return None
@@ -160,7 +161,7 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
         return None
     cuts, total = _dp_argmin(t, float(taus[best_tau]))
     times = [t[a, b] for a, b in zip(cuts[:-1], cuts[1:])]
-    return Solution(cuts=cuts, latency=pipeline_latency(times, K, M, fill_factor), total=total, max_slice=max(times),
+    return Solution(cuts=cuts, latency=pipeline_latency(times, P, M, fill_factor), total=total, max_slice=max(times),
                     evaluated=evaluated, candidates=Q)
 
 
