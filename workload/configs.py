@@ -31,7 +31,7 @@ class ModelConfig:
     n_head: int = _flag("attention heads", "--num-heads", "--n-head")
     seq_len: int = _flag("sequence length (tokens)", "--seq-length", "--seq-len")
     vocab_size: int = _flag("vocabulary size", "--vocab-size", default=50304)
-    family: str = "gpt"
+    family: str = _flag("the architecture: gpt or llama (workload/configs.py)", "--family", default="gpt")
     """The architecture: ``gpt`` or ``llama`` (see the module docstring); set by the model's name."""
     kv_heads: int | None = _flag("key/value heads of grouped-query attention (llama; default: --num-heads)",
                                  "--kv-heads", default=None)
@@ -41,8 +41,7 @@ class ModelConfig:
     """The MLP's hidden width; None: the family's (``ffn_dim``)."""
     rope_theta: float = _flag("the rotary positions' base (llama)", "--rope-theta", default=500000.0)
     """The base of the rotary frequencies (Llama 3's 500000); unused by ``gpt``."""
-    norm_eps: float = 1e-5
-    """The epsilon of every LayerNorm (gpt) or RMSNorm (llama)."""
+    norm_eps: float = _flag("the epsilon of every LayerNorm (gpt) or RMSNorm (llama)", "--norm-eps", default=1e-5)
 
     @property
     def head_dim(self) -> int:
