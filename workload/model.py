@@ -88,7 +88,7 @@ def rotary(qkv: torch.Tensor, head_dim: int, group: int, theta: float, offset: i
     B, T, W = qkv.shape
     heads = W // head_dim
     n_v = heads // (group + 2)
-    x = qkv.view(B, T, heads, head_dim)
+    x = qkv.reshape(B, T, heads, head_dim)
     qk, v = x[:, :, : heads - n_v], x[:, :, heads - n_v :]
     angles = rotary_angles(offset, T, head_dim, theta, qkv.device)[:, None, :]  # (T, 1, D)
     cos, sin = angles.cos().to(qkv.dtype), angles.sin().to(qkv.dtype)
