@@ -33,11 +33,11 @@ class ModelConfig:
     vocab_size: int = _flag("vocabulary size", "--vocab-size", default=50304)
     family: str = _flag("the architecture: gpt or llama (workload/configs.py)", "--family", default="gpt")
     """The architecture: ``gpt`` or ``llama`` (see the module docstring); set by the model's name."""
-    kv_heads: int | None = _flag("key/value heads of grouped-query attention (llama; default: --num-heads)",
+    kv_heads: int | None = _flag("key/value heads of grouped-query attention (llama); unset: one per query head",
                                  "--kv-heads", default=None)
     """Key/value heads; None: as many as query heads (multi-head attention, GPT's). Read ``n_kv_head``."""
-    ffn_hidden: int | None = _flag("the MLP's hidden width (default: 4 x hidden for gpt; llama: 2/3 of that, "
-                                   "rounded up to a multiple of 256)", "--ffn-hidden-size", default=None)
+    ffn_hidden: int | None = _flag("the MLP's hidden width; unset: 4 x hidden (gpt), 2/3 of that rounded up to "
+                                   "a multiple of 256 (llama)", "--ffn-hidden-size", default=None)
     """The MLP's hidden width; None: the family's (``ffn_dim``)."""
     rope_theta: float = _flag("the rotary positions' base (llama)", "--rope-theta", default=500000.0)
     """The base of the rotary frequencies (Llama 3's 500000); unused by ``gpt``."""
