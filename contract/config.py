@@ -127,7 +127,8 @@ class RunConfig:
     order under its heading (keyword-only, so that the fields stand in the order ``--help`` shows)."""
 
     system: str = option(help="the system to train (its own options: under its heading below)")
-    model: ModelConfig = option(help="the model by name (the GPT-3 family, or tiny and cpu-small for CPUs)",
+    model: ModelConfig = option(help="the model by name (the GPT-3 family, tiny and cpu-small for CPUs; the llama "
+                                     "family: llama3-8b, llama3-70b, llama-tiny, llama-cpu-small)",
                                 choices=tuple(sorted(MODEL_CONFIGS)))
     pp: int = option(1, "pipeline stages (fairscale_fsdp: devices in each process's pipe)", group=LAYOUT)
     tp: int = option(1, "tensor-parallel degree", group=LAYOUT)
@@ -230,6 +231,9 @@ class RunConfig:
         d = _plain(asdict(self.replace(options=SystemOptions())))
         for name in VOLATILE_FIELDS:
             del d[name]
+        for f in dataclasses.fields(ModelConfig):  # the family's fields where unset: gpt's identity as it always was
+            if f.name in FAMILY_FIELDS and d["model"][f.name] == f.default:
+                del d["model"][f.name]
         if self.p2p_semantics == "gloo":  # the identity of every run before the field is as it always was
             del d["p2p_semantics"]
         if self.tokenizer == "byte":  # likewise
@@ -263,6 +267,10 @@ def _digest(contents: dict[str, Any] | None) -> str | None:
         return None
     return hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()[:16]
 
+
+# The model's fields that came with the llama family: a run's identity holds them only where set (the
+# identity of every gpt run is as it was before they existed)
+FAMILY_FIELDS = frozenset({"family", "kv_heads", "ffn_hidden", "rope_theta", "norm_eps"})
 
 # Fields of RunConfig that do not change what a run measures (declared ``identity=False``): two runs
 # that differ only in these are the same measurement (a sweep runs it once; a report keeps the newest).

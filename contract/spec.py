@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from contract.config import P2P_SEMANTICS, PRECISIONS, ConfigError, RunConfig, SystemOptions
 from contract.faults import check_faults
+from workload.configs import FAMILIES, ModelConfig
 from workload.tokens import check_vocab
 
 if TYPE_CHECKING:  # torch: only the ranks import it
@@ -142,6 +143,23 @@ class SystemSpec:
         config.options.check(config)
 
 
+def check_family(m: ModelConfig) -> None:
+    """The family's own fields (``workload.configs``): grouped-query attention and rotary positions are
+    llama's; a key/value head serves a whole number of query heads."""
+    if m.family not in FAMILIES:
+        raise ConfigError(f"model {m.name!r}: unknown family {m.family!r}; choose from {', '.join(FAMILIES)}")
+    if m.kv_heads is not None and (not 1 <= m.kv_heads <= m.n_head or m.n_head % m.kv_heads):
+        raise ConfigError(f"--kv-heads {m.kv_heads} must divide --num-heads {m.n_head}")
+    if not m.llama and m.n_kv_head != m.n_head:
+        raise ConfigError(f"--kv-heads {m.kv_heads}: grouped-query attention is the llama family's (model {m.name!r} "
+                          f"is gpt: one key/value head per query head)")
+    if m.ffn_hidden is not None and m.ffn_hidden < 1:
+        raise ConfigError(f"--ffn-hidden-size must be >= 1, got {m.ffn_hidden}")
+    if m.llama and (m.head_dim % 2 or not 0 < m.rope_theta < float("inf")):
+        raise ConfigError(f"rotary positions need an even head width (--hidden-size {m.n_embd} / --num-heads "
+                          f"{m.n_head} = {m.head_dim}) and a finite --rope-theta > 0, got {m.rope_theta}")
+
+
 def check_common(config: RunConfig) -> None:
     """The fields every run has (ConfigError names the run command's flag)."""
     m = config.model
@@ -165,6 +183,7 @@ def check_common(config: RunConfig) -> None:
         raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {config.timeout}")
     if m.n_embd % m.n_head:
         raise ConfigError(f"--hidden-size {m.n_embd} is not divisible by --num-heads {m.n_head}")
+    check_family(m)
     if config.batch_size % config.micro_batch_size:
         raise ConfigError(f"--batch-size {config.batch_size} is not divisible by --micro-batch-size "
                           f"{config.micro_batch_size}")

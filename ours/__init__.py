@@ -102,6 +102,8 @@ class OursOptions(SystemOptions):
 
     def check(self, config: RunConfig) -> None:
         seq = config.model.seq_len
+        if config.model.llama:
+            raise ConfigError("ours does not run the llama family yet")
         if self.prefetch < 0:
             raise ConfigError(f"--prefetch must be >= 0 forwards, got {self.prefetch}")
         self._check_effect(config)

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from workload.configs import ModelConfig
+from workload.configs import ModelConfig, block_params, norm_params
 from workload.flops import GPU_PEAK_TFLOPS, gpu_model
 
 DEVICES = Path(__file__).resolve().parent / "devices"
@@ -372,18 +372,29 @@ class GpuCompute(ComputeModel):
     # -- a layer ---------------------------------------------------------------------------------
     def layer_ops(self, kind: str, b: int, l: int, c: int, tp: int = 1) -> list[tuple[str, float, int]]:
         """(operation, GPU seconds, kernels) of one layer's ``kind`` (forward, backward_input, wgrad)
-        on b x l tokens after c, on one of tp tensor-parallel ranks."""
+        on b x l tokens after c, on one of tp tensor-parallel ranks. The family's shapes: q of the
+        query heads, k and v of the key/value heads (``qkv_rows``); gpt's MLP c_fc and c_proj with GELU
+        between, llama's gate and up (fused, 2 x ffn wide) and down with SwiGLU between, its query and
+        key heads rotated, no biases."""
         m, h = self.model, self.model.n_embd
         T, a = b * l, self.act_bytes
         heads = max(1, m.n_head // tp)
+        kv_heads = max(1, m.n_kv_head // tp)
         hd = m.head_dim
-        ht = h / tp  # this rank's share of the heads' width and of the MLP's (x 4)
+        ht = h / tp  # this rank's share of the query heads' width
+        qkv = ht * (1 + 2 * m.n_kv_head / m.n_head)  # of the fused q, k and v (gpt: 3 ht)
+        kvt = ht * m.n_kv_head / m.n_head  # of k (and of v)
+        ft = m.ffn_dim / h * ht  # of the MLP's hidden width (gpt: 4 ht)
+        fc = 2 * ft if m.llama else ft  # of c_fc's output (llama: gate and up)
         keys = c + l  # the keys each query of the slice is scored against
         mem, gemm = self.memory, self.gemm
         mat = self.attention == "materialized"
+        act, rope = ("swiglu", 3) if m.llama else ("gelu", 2)  # the activation and the elements it moves per ft
         if kind == "forward":
-            ops = [("ln_1", mem(2 * T * h * a), 1), ("qkv", gemm(T, 3 * ht, h), 1),
-                   ("split heads", mem(2 * T * 3 * ht * a), 1)]
+            ops = [("ln_1", mem(2 * T * h * a), 1), ("qkv", gemm(T, qkv, h), 1),
+                   ("split heads", mem(2 * T * qkv * a), 1)]
+            if m.llama:
+                ops.append(("rotary", mem(2 * T * (ht + kvt) * a), 1))
             if mat:
                 s = b * heads * l * keys  # score elements
                 ops += [("scores", gemm(l, keys, hd, b * heads), 1),
@@ -391,15 +402,16 @@ class GpuCompute(ComputeModel):
                         ("attention dropout", mem(2 * s * a + s), 1),
                         ("context", gemm(l, hd, keys, b * heads), 1)]
             else:
-                ops.append(("attention", self._flash(b, l, c, heads, hd, 1.0), 1))
+                ops.append(("attention", self._flash(b, l, c, heads, hd, 1.0, kv_heads), 1))
             ops += [("merge heads", mem(2 * T * ht * a), 1), ("proj", gemm(T, h, ht), 1),
                     ("residual", mem(3 * T * h * a), 1), ("ln_2", mem(2 * T * h * a), 1),
-                    ("fc", gemm(T, 4 * ht, h), 1), ("gelu", mem(2 * T * 4 * ht * a), 1),
-                    ("fc proj", gemm(T, h, 4 * ht), 1), ("residual", mem(3 * T * h * a), 1)]
+                    ("fc", gemm(T, fc, h), 1), (act, mem(rope * T * ft * a), 1),
+                    ("fc proj", gemm(T, h, ft), 1), ("residual", mem(3 * T * h * a), 1)]
             return ops
         if kind == "backward_input":
-            ops = [("residual", mem(2 * T * h * a), 1), ("fc proj dgrad", gemm(T, 4 * ht, h), 1),
-                   ("gelu", mem(3 * T * 4 * ht * a), 1), ("fc dgrad", gemm(T, h, 4 * ht), 1),
+            ops = [("residual", mem(2 * T * h * a), 1), ("fc proj dgrad", gemm(T, ft, h), 1),
+                   (act, mem((rope + 1) * T * ft * a + (T * ft * a if m.llama else 0)), 1),
+                   ("fc dgrad", gemm(T, h, fc), 1),
                    ("ln_2", mem(5 * T * h * a), 2), ("proj dgrad", gemm(T, ht, h), 1),
                    ("merge heads", mem(2 * T * ht * a), 1)]
             if mat:
@@ -411,28 +423,33 @@ class GpuCompute(ComputeModel):
                         ("query grad", gemm(l, hd, keys, b * heads), 1),
                         ("key grad", gemm(keys, hd, l, b * heads), 1)]
             else:
-                ops.append(("attention", self._flash(b, l, c, heads, hd, 2.5), 2))
+                ops.append(("attention", self._flash(b, l, c, heads, hd, 2.5, kv_heads), 2))
             if c:  # the context's key and value gradients, accumulated for the earlier slices
-                ops.append(("context kv grad", mem(3 * b * c * 2 * ht * 4), 1))
-            ops += [("split heads", mem(2 * T * 3 * ht * a), 1), ("qkv dgrad", gemm(T, h, 3 * ht), 1),
+                ops.append(("context kv grad", mem(3 * b * c * 2 * kvt * 4), 1))
+            if m.llama:
+                ops.append(("rotary", mem(2 * T * (ht + kvt) * a), 1))
+            ops += [("split heads", mem(2 * T * qkv * a), 1), ("qkv dgrad", gemm(T, h, qkv), 1),
                     ("ln_1", mem(5 * T * h * a), 2)]
             return ops
-        if kind == "wgrad":  # each linear's weight gradient over the slice's tokens, summed in fp32
+        if kind == "wgrad":  # each linear's weight gradient over the slice's tokens, summed in fp32 (and its bias's)
             ops = []
-            for name, n_in, n_out in (("qkv", h, 3 * ht), ("proj", ht, h), ("fc", h, 4 * ht), ("fc proj", 4 * ht, h)):
-                ops += [(f"{name} wgrad", gemm(n_in, n_out, T, out_bytes=4, accumulate=True), 1),
-                        (f"{name} bias grad", mem(T * n_out * a + 8 * n_out), 1)]
+            for name, n_in, n_out in (("qkv", h, qkv), ("proj", ht, h), ("fc", h, fc), ("fc proj", ft, h)):
+                ops.append((f"{name} wgrad", gemm(n_in, n_out, T, out_bytes=4, accumulate=True), 1))
+                if not m.llama:
+                    ops.append((f"{name} bias grad", mem(T * n_out * a + 8 * n_out), 1))
             return ops
         raise ValueError(f"unknown layer phase {kind!r}")
 
-    def _flash(self, b: int, l: int, c: int, heads: int, hd: int, factor: float) -> float:
+    def _flash(self, b: int, l: int, c: int, heads: int, hd: int, factor: float, kv_heads: int | None = None) -> float:
         """A fused attention kernel: the slice's queries against its c + l keys (the causal square's
         masked half skipped), ``factor`` times the forward's math (2.5 for the backward, which
-        recomputes the scores), its bytes those of q, k, v and the output."""
+        recomputes the scores), its bytes those of q and the output (``heads``) and of k and v
+        (``kv_heads``, None: ``heads``)."""
+        kv_heads = heads if kv_heads is None else kv_heads
         e_max, half = self.device.gemm_curve(self.precision)
         eff = FLASH_SHARE * e_max * tile_efficiency(l, hd, c + l, b * heads, self.device.sms, half)
         flops = factor * 4.0 * b * heads * l * (c + l / 2) * hd
-        nbytes = factor * b * heads * hd * (2 * l + 2 * (c + l)) * self.act_bytes
+        nbytes = factor * b * hd * (2 * l * heads + 2 * (c + l) * kv_heads) * self.act_bytes
         t = max(flops / (self.device.peak_flops(self.precision) * eff),
                 nbytes / (self.device.bandwidth_gbs * 1e9 * self.device.memory_efficiency))
         return t + self.device.kernel_us * 1e-6
@@ -480,13 +497,13 @@ class GpuCompute(ComputeModel):
         return self._cached(("hw", tokens, tp, width), lambda: self.phase(self.head_ops("wgrad", tokens, tp, width)))
 
     def embed(self, tokens):
-        """Token and position embeddings: the gather and sum forward; backward a dense gradient of the
+        """Token and (gpt) position embeddings: the gather and sum forward; backward a dense gradient of the
         whole table (zeroed, then the tokens' rows added: eager PyTorch's embedding backward)."""
         m, a = self.model, self.act_bytes
         if not m.vocab_size:
             return 0.0
         fwd = [("embed", self.memory(tokens * m.n_embd * (3 * a)), 2)]
-        table = (m.vocab_size + m.seq_len) * m.n_embd * 4 * 2
+        table = (m.vocab_size + (0 if m.llama else m.seq_len)) * m.n_embd * 4 * 2  # llama: no position table
         bwd = [("embed grad", self.memory(table + 2 * tokens * m.n_embd * 4), 3)]
         return self.phase(fwd) + self.phase(bwd)
 
@@ -713,11 +730,11 @@ def stage_params(model: ModelConfig, layers: int, first: bool, last: bool, tp: i
     """Parameters a stage (or one tensor-parallel rank of it) holds; ``head``: the output layer's width
     (None: the vocabulary; 0: none)."""
     h = model.n_embd
-    n = layers * (12 * h * h + 13 * h) // tp
+    n = layers * block_params(model) // tp
     if first and model.vocab_size:  # vocabulary 0: no embeddings
-        n += (model.vocab_size * h) // tp + model.seq_len * h
+        n += (model.vocab_size * h) // tp + (0 if model.llama else model.seq_len * h)
     if last:
-        n += 2 * h + ((model.vocab_size if head is None else head) * h) // tp
+        n += norm_params(model) + ((model.vocab_size if head is None else head) * h) // tp
     return n
 
 

@@ -60,7 +60,10 @@ GPU_MODELS: tuple[tuple[str, str], ...] = (
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """6N + 12·L·h·s: N parameters without embeddings, forward and backward, attention included."""
+    """6N + 12·L·h·s: N parameters without embeddings (``count_params``: llama's k and v by its
+    key/value heads, its MLP's three matrices), forward and backward, attention included (its scores
+    and their product with the values go by the query heads, n_head x head_dim = h wide, whatever the
+    key/value heads)."""
     return 6.0 * count_params(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
 

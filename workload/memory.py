@@ -15,7 +15,9 @@ Parameters, per parameter of the rank (``workload.compute.stage_params``), with 
 Activations of one layer for one micro-batch of b sequences of s tokens, hidden h, a bytes an element
 (2 under mixed precision, else 4), t tensor-parallel ranks (Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models", 2022, generalised to a): s b h a (4 + 12 / t) for the
-inputs the linears, norms and GELU keep, 2 s b h for the two dropout masks where dropout runs, and
+inputs the linears, norms and GELU keep (the llama family: s b h a (4 + w / t), w = 2 + 2 kv / n + 3 f / h
+with kv key/value heads of n and an MLP f wide: ``split_width``), 2 s b h for the two dropout masks
+where dropout runs, and
 for materialised attention (2a + 1) n s^2 b / t (softmax output, dropout mask and output; fused
 attention keeps its output's log-sum-exp only). Under full recompute a layer keeps its input (s b h
 a) and the backward holds one layer's activations again (Megatron, ours), or a stage keeps its input
@@ -57,10 +59,19 @@ class Memory:
         return f"{self.total / GB:.1f} GiB (stage {self.stage}: {parts})"
 
 
+def split_width(model: ModelConfig) -> float:
+    """The width, in multiples of h, of the inputs a layer keeps that tensor parallelism splits: q, k
+    and v (k and v by the key/value heads), the output projection's input, and the MLP's: GELU's input
+    and c_proj's (2 x ffn), or SwiGLU's gate and up and c_proj's input (3 x ffn). gpt: 12."""
+    kv = model.n_kv_head / model.n_head
+    return 2 + 2 * kv + (3 if model.llama else 2) * model.ffn_dim / model.n_embd
+
+
 def layer_activations(model: ModelConfig, b: int, s: int, a: int, tp: int, attention: str, dropout: bool) -> float:
-    """Bytes one layer keeps for its backward, for b sequences of s tokens (see the module docstring)."""
+    """Bytes one layer keeps for its backward, for b sequences of s tokens (see the module docstring;
+    the scores and the log-sum-exp go by the query heads)."""
     h = model.n_embd
-    out = s * b * h * a * (4 + 12 / tp)
+    out = s * b * h * a * (4 + split_width(model) / tp)
     if dropout:
         out += 2 * s * b * h
     if attention == "materialized":

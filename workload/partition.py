@@ -1,4 +1,4 @@
-"""Split the shared GPT into pipeline stages from outside: a stage is the full model with what it
+"""Split the shared model into pipeline stages from outside: a stage is the full model with what it
 does not own removed, so parameter names stay those of the single-process reference."""
 from __future__ import annotations
 
@@ -57,9 +57,15 @@ def build_stage(cfg: ModelConfig, spec: StageSpec, seed: int, device: torch.devi
 Unit = tuple[str, ...]  # the shared model's module names of one unit
 
 
-def stage_units(n_layer: int, pp: int, stage: int) -> list[Unit]:
+def embedding_names(cfg: ModelConfig) -> Unit:
+    """The modules of the first stage's embeddings unit: the tokens', and gpt's learned positions."""
+    return ("wte",) if cfg.llama else ("wte", "wpe")
+
+
+def stage_units(n_layer: int, pp: int, stage: int, embeddings: Unit = ("wte", "wpe")) -> list[Unit]:
+    """The stage's units in model order; ``embeddings``: the model's (``embedding_names``)."""
     spec = stage_specs(n_layer, pp)[stage]
-    units: list[Unit] = [("wte", "wpe")] if spec.is_first else []
+    units: list[Unit] = [embeddings] if spec.is_first else []
     units += [(f"blocks.{i}",) for i in range(spec.first_layer, spec.end_layer)]
     return units + ([("ln_f", "lm_head")] if spec.is_last else [])
 
@@ -83,7 +89,7 @@ def fragment_names(cfg: ModelConfig, pp: int, n: int) -> list[list[str]]:
         model = GPT(cfg)
     names: list[list[str]] = [[] for _ in range(n)]
     for stage in range(pp):
-        for f, group in enumerate(split_units(stage_units(cfg.n_layer, pp, stage), n)):
+        for f, group in enumerate(split_units(stage_units(cfg.n_layer, pp, stage, embedding_names(cfg)), n)):
             for unit in group:
                 for name in unit:
                     names[f] += [f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters()]

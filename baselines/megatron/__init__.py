@@ -1,4 +1,4 @@
-"""megatron-core (0.16.1) tensor, pipeline and data parallelism on the shared GPT workload. The
+"""megatron-core (0.16.1) tensor, pipeline and data parallelism on the shared workload (gpt and llama). The
 training code is ``baselines.megatron.train``; the weight conversion ``convert``; the CPU shim
 ``cpu_shim`` (active only where CUDA is absent, installed before megatron is first imported)."""
 from __future__ import annotations
@@ -32,6 +32,9 @@ class MegatronOptions(PipelineOptions):
         if self.schedule == "interleaved" and config.pp < 2:
             raise ConfigError("megatron's interleaved schedule needs --pp >= 2")
         super().check(config)
+        if config.model.n_kv_head % config.tp:
+            raise ConfigError(f"megatron splits the key/value heads over --tp {config.tp}: --kv-heads "
+                              f"{config.model.n_kv_head} must divide by it")
         if config.model.vocab_size % config.tp:
             raise ConfigError(f"megatron splits the vocabulary over --tp {config.tp}: --vocab-size "
                               f"{config.model.vocab_size} must divide by it")

@@ -1,9 +1,14 @@
-"""megatron-core (0.16.1) tensor, pipeline and data parallelism on the shared GPT workload.
+"""megatron-core (0.16.1) tensor, pipeline and data parallelism on the shared workload (both families).
 
 Ranks are laid out by ``parallel_state.initialize_model_parallel(tp, pp, virtual_pp)`` (megatron's
 default order: TP fastest, then DP, then PP). The model is megatron's ``GPTModel`` with the local
-(non-transformer-engine) layer spec: LayerNorm (eps 1e-5), biases, exact GELU, dropout 0, learned
-absolute position embeddings, an untied output layer. Its weights are the shared model's
+(non-transformer-engine) layer spec, configured by its ``TransformerConfig`` for the family
+(``transformer_config``): gpt: LayerNorm (eps 1e-5), biases, exact GELU, dropout 0, learned absolute
+position embeddings; llama: ``normalization="RMSNorm"``, no biases, ``gated_linear_unit`` with
+``F.silu`` (SwiGLU) and ``ffn_hidden_size``, ``num_query_groups`` = the key/value heads, and the
+``GPTModel``'s ``position_embedding_type="rope"`` with ``rotary_base`` (megatron-core 0.16.1 keeps
+both on the model, not the config), its unfused ``apply_rotary_pos_emb`` (``apply_rope_fusion=False``:
+the fused kernels are CUDA's); an untied output layer either way. Its weights are the shared model's
 (``workload.model.init_weights``), converted to megatron's layout and TP shards by
 ``baselines.megatron_convert``. Training uses megatron's ``get_forward_backward_func()`` (1F1B, or
 the interleaved 1F1B with ``--schedule interleaved``: ``virtual_pp`` model chunks per rank),
@@ -19,10 +24,12 @@ tokens, as ``workload.model.lm_loss`` on the whole batch.
 DistributedOptimizer (Adam only): gradients reduce-scattered over DP, each DP rank updates its
 shard of the fp32 main parameters and optimizer state, then the parameters are all-gathered.
 ``--sequence-parallel`` (TP > 1, the sequence length divisible by TP): the activations outside the
-tensor-parallel matmuls (LayerNorms, dropout, residuals) are split along the sequence over the TP
-ranks; megatron's own torch LayerNorm refuses it, so the layer spec and the block's final norm use
-``SequenceParallelLayerNorm`` (torch's LayerNorm with parameters marked ``sequence_parallel``, whose
-gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowParallel biases).
+tensor-parallel matmuls (norms, dropout, residuals) are split along the sequence over the TP
+ranks; megatron's own torch norm refuses it, so the layer spec and the block's final norm use
+``TorchNorm`` (torch's LayerNorm or RMSNorm with parameters marked ``sequence_parallel``, whose
+gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowParallel biases); the
+llama family's spec uses it always (megatron's block would otherwise take apex's LayerNorm where
+installed, which has no RMSNorm).
 
 ``--recompute``: full activation recomputation of every layer (granularity full, method uniform,
 one layer per group). ``--precision bf16 | fp16``: megatron's own mixed precision (Float16Module:
@@ -77,11 +84,14 @@ def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
     m = cfg.model
     fp16, bf16 = cfg.precision == "fp16", cfg.precision == "bf16"
     dtype = compute_dtype(cfg.precision)
+    family = dict(normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False, gated_linear_unit=True,
+                  activation_func=torch.nn.functional.silu, num_query_groups=m.n_kv_head) if m.llama else \
+        dict(normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
+             activation_func=torch.nn.functional.gelu)
     kwargs = dict(
-        num_layers=m.n_layer, hidden_size=m.n_embd, num_attention_heads=m.n_head, ffn_hidden_size=4 * m.n_embd,
-        kv_channels=m.n_embd // m.n_head, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
-        normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
-        activation_func=torch.nn.functional.gelu, init_method_std=0.02,
+        num_layers=m.n_layer, hidden_size=m.n_embd, num_attention_heads=m.n_head, ffn_hidden_size=m.ffn_dim,
+        kv_channels=m.head_dim, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=m.norm_eps,
+        **family, init_method_std=0.02,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.options.virtual_pp if cfg.options.virtual_pp > 1 else None,
         sequence_parallel=cfg.options.sequence_parallel, use_cpu_initialization=True, perform_initialization=False,
@@ -121,29 +131,33 @@ def chunk_first_layer(chunk: GPTModel) -> int:
     return min((layer.layer_number - 1 for layer in layers), default=0)
 
 
-class SequenceParallelLayerNorm(torch.nn.LayerNorm):
-    """torch's LayerNorm, built as megatron's specs build a norm, with its weight and bias marked
-    ``sequence_parallel`` when sequence parallelism is on: each TP rank then normalises only its
-    slice of the sequence, and ``finalize_model_grads`` sums their gradients over the TP group."""
+class TorchNorm:
+    """torch's LayerNorm or RMSNorm (``config.normalization``), built as megatron's specs build a
+    norm, with its parameters marked ``sequence_parallel`` when sequence parallelism is on: each TP
+    rank then normalises only its slice of the sequence, and ``finalize_model_grads`` sums their
+    gradients over the TP group."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
-        super().__init__(hidden_size, eps=eps)
-        for p in self.parameters():
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
+        kind = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = kind(hidden_size, eps=eps)
+        for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def layer_spec(config: TransformerConfig, vp_stage: int | None) -> ModuleSpec:
-    """The local (non-TE) GPT layer spec; with sequence parallelism, the whole block's spec with
-    ``SequenceParallelLayerNorm`` for the layers' two norms and the block's final norm."""
-    layer = get_gpt_layer_local_spec()
-    if not config.sequence_parallel:
+    """The local (non-TE) GPT layer spec for the config's normalisation; with sequence parallelism
+    or RMSNorm, the whole block's spec with ``TorchNorm`` for the layers' two norms and the block's
+    final norm."""
+    layer = get_gpt_layer_local_spec(normalization=config.normalization if config.normalization != "LayerNorm"
+                                     else None)
+    if not config.sequence_parallel and config.normalization == "LayerNorm":
         return layer
-    sub = dataclasses.replace(layer.submodules, input_layernorm=SequenceParallelLayerNorm,
-                              pre_mlp_layernorm=SequenceParallelLayerNorm)
+    sub = dataclasses.replace(layer.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     layer = dataclasses.replace(layer, submodules=sub)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer] * n, layer_norm=SequenceParallelLayerNorm))
+        layer_specs=[layer] * n, layer_norm=TorchNorm))
 
 
 def build_chunks(cfg: RunConfig, config: TransformerConfig) -> list[GPTModel]:
@@ -156,8 +170,9 @@ def build_chunks(cfg: RunConfig, config: TransformerConfig) -> list[GPTModel]:
             max_sequence_length=cfg.model.seq_len,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
-            parallel_output=True, vp_stage=vp_stage))
+            share_embeddings_and_output_weights=False, parallel_output=True, vp_stage=vp_stage,
+            **(dict(position_embedding_type="rope", rotary_base=cfg.model.rope_theta) if cfg.model.llama else
+               dict(position_embedding_type="learned_absolute"))))
     return chunks
 
 
@@ -167,12 +182,13 @@ def load_shared_weights(cfg: RunConfig, chunks: list[GPTModel]) -> None:
     layers = {layer.layer_number - 1 for c in chunks for layer in getattr(c.decoder, "layers", [])}
     first = any(c.pre_process for c in chunks)
     last = any(c.post_process for c in chunks)
-    full = conv.shared_to_megatron(shared_weights(cfg.model, cfg.seed, layers, first, last), cfg.model.n_head)
+    m = cfg.model
+    full = conv.shared_to_megatron(shared_weights(m, cfg.seed, layers, first, last), m.n_head, m.n_kv_head)
     for c in chunks:
         offset = chunk_first_layer(c)
         for name, p in c.named_parameters():
             gname = conv.global_name(name, offset)
-            p.copy_(conv.shard(gname, full.pop(gname), tp, tp_rank).to(p.dtype))
+            p.copy_(conv.shard(gname, full.pop(gname), tp, tp_rank, gated=m.llama).to(p.dtype))
     if full:
         raise RuntimeError(f"shared weights with no megatron parameter: {sorted(full)[:3]}")
 
@@ -210,9 +226,31 @@ def gather_grads(cfg: RunConfig, chunks: list[GPTModel], of: str = "grad") -> di
             if tp > 1 and conv.tp_dim(gname) is not None:
                 parts = [torch.empty_like(g) for _ in range(tp)]
                 dist.all_gather(parts, g, group=tp_group)
-                g = conv.unshard(gname, parts)
+                g = conv.unshard(gname, parts, gated=cfg.model.llama)
             out[gname] = g.clone()
-    return conv.megatron_to_shared(out, cfg.model.n_head)
+    return conv.megatron_to_shared(out, cfg.model.n_head, cfg.model.n_kv_head)
+
+
+def _kind(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def describe_modules(chunk: GPTModel) -> dict:
+    """What megatron-core built for the model (from its modules, for the record): the first layer's
+    classes, norm, attention heads and query groups per TP rank, MLP gating and activation, whether
+    its linears have biases, and the positions (rotary: the RotaryEmbedding and its base)."""
+    rotary = getattr(chunk, "rotary_pos_emb", None)
+    out: dict = {"positions": chunk.position_embedding_type, "rotary": _kind(rotary) if rotary else None,
+                 "rotary_base": chunk.rotary_base if rotary else None}
+    layers = getattr(chunk.decoder, "layers", [])
+    if layers:
+        layer = layers[0]
+        attn, mlp = layer.self_attention, layer.mlp
+        out.update(layer=_kind(layer), norm=_kind(layer.input_layernorm), attention=_kind(attn), mlp=_kind(mlp),
+                   heads=attn.num_attention_heads_per_partition, query_groups=attn.num_query_groups_per_partition,
+                   gated=mlp.config.gated_linear_unit, activation=mlp.config.activation_func.__name__,
+                   fc1_rows=mlp.linear_fc1.weight.shape[0], biases=attn.linear_qkv.bias is not None)
+    return out
 
 
 def train(cfg: RunConfig, ctx: Context) -> Measurements:
@@ -316,6 +354,7 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     result.extra["megatron_optimizer"] = "+".join(sorted({type(o).__name__ for o in inner}))
     result.extra["megatron_layout"] = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
                                            pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank)
+    result.extra["megatron_modules"] = describe_modules(models[0])
     if cfg.verify:
         if distributed_optimizer:
             gather_grad_shards(chunks)
