@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from contract.config import P2P_SEMANTICS, PRECISIONS, ConfigError, RunConfig, SystemOptions
 from contract.faults import check_faults
+from workload.configs import OPTIMIZERS
 from workload.tokens import check_vocab
 
 if TYPE_CHECKING:  # torch: only the ranks import it
@@ -175,8 +176,8 @@ def check_common(config: RunConfig) -> None:
     if config.p2p_semantics not in P2P_SEMANTICS:
         raise ConfigError(f"unknown --p2p-semantics {config.p2p_semantics!r}; choose from {', '.join(P2P_SEMANTICS)}")
     opt = config.optimizer
-    if opt.kind not in ("adam", "sgd"):
-        raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from adam, sgd")
+    if opt.kind not in OPTIMIZERS:
+        raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from {', '.join(OPTIMIZERS)}")
     if not 0 < opt.lr < float("inf"):
         raise ConfigError(f"--lr must be a finite number > 0, got {opt.lr}")
     if config.data is not None and check_vocab(config.tokenizer, m.vocab_size):

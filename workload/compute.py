@@ -36,14 +36,13 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from workload.configs import ModelConfig
+from workload.configs import OPTIMIZERS, ModelConfig
 from workload.flops import GPU_PEAK_TFLOPS, gpu_model
 
 DEVICES = Path(__file__).resolve().parent / "devices"
 PRECISIONS = ("fp32", "bf16", "fp16")
 ATTENTION = ("flash", "materialized")
-OPTIMIZERS = ("single", "fused")
-UPDATE_RULES = ("adam", "sgd", "sgd_momentum")  # what the optimizer keeps and touches per parameter
+OPTIMIZER_KERNELS = ("single", "fused")
 
 
 @dataclass(frozen=True)
@@ -332,10 +331,10 @@ class GpuCompute(ComputeModel):
             raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.attention not in ATTENTION:
             raise DeviceError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
-        if self.optimizer_kind not in OPTIMIZERS:
-            raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer_kind!r}")
-        if self.update_rule not in UPDATE_RULES:
-            raise DeviceError(f"update rule must be one of {', '.join(UPDATE_RULES)}, got {self.update_rule!r}")
+        if self.optimizer_kind not in OPTIMIZER_KERNELS:
+            raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZER_KERNELS)}, got {self.optimizer_kind!r}")
+        if self.update_rule not in OPTIMIZERS:
+            raise DeviceError(f"update rule must be one of {', '.join(OPTIMIZERS)}, got {self.update_rule!r}")
 
     # -- primitives ------------------------------------------------------------------------------
     @property
