@@ -120,9 +120,11 @@ class SystemSpec:
     def run_details(self, options: dict[str, Any]) -> str:
         return self.details(options) if self.details else ""
 
-    def validate(self, config: RunConfig) -> None:
+    def validate(self, config: RunConfig, build: bool = True) -> None:
         """Raise ConfigError (one line) if this system cannot run ``config``: the fields every run
-        has, then the system's own options (their choices, then ``options.check``)."""
+        has, then the system's own options (their choices, then ``options.check``), then what this
+        repository's build of it cannot run (``options.check_build``; ``build=False``: the system as
+        published, which a prediction describes)."""
         if config.system != self.name:
             raise ConfigError(f"config of system {config.system!r} given to {self.name!r}")
         if not isinstance(config.options, self.options):
@@ -141,6 +143,8 @@ class SystemSpec:
                 raise ConfigError(f"{self.name}: unknown --{f.name.replace('_', '-')} {value!r}; "
                                   f"choose from {', '.join(choices)}")
         config.options.check(config)
+        if build:
+            config.options.check_build(config)
 
 
 def check_common(config: RunConfig) -> None:

@@ -135,7 +135,7 @@ def _plan_check(args) -> int:
 
 def _target(device_file: str | None, cfg, in_flight: int | None):
     """(compute model, link, cores, transport) of a prediction: this machine, or a GPU's device file."""
-    from workload.compute import CpuCompute, gpu_compute
+    from workload.compute import CpuCompute
     from predict.this_machine import find_profile, load_calibration
 
     if device_file is None:
@@ -143,11 +143,11 @@ def _target(device_file: str | None, cfg, in_flight: int | None):
         print(f"with the {cal.name}", file=sys.stderr)
         return (CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)),
                 cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo")
-    from predict.from_config import single_link
+    from predict.from_config import gpu_compute_of, single_link
     from predict.run_spec import Link
     from predict.scenario import NVLINK_DELAY_MS, NVLINK_GBPS
 
-    compute = gpu_compute(device_file, cfg.model, cfg.precision)
+    compute = gpu_compute_of(cfg, device_file)
     link = single_link(cfg.network, cfg.network_matrix)
     if link is None:
         nvlink = NVLINK_GBPS.get(compute.device.part.split()[0], 1000.0)

@@ -9,13 +9,19 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ours.schedule import SCHEDULES as OURS_SCHEDULES
+from contract.config import PRECISIONS
+from ours import OursOptions
 from workload.configs import ModelConfig
 
-SYSTEMS = ("torch_pipe", "megatron", "ours", "gpipe", "fairscale_fsdp")
-PRECISIONS = ("fp32", "bf16", "fp16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("allreduce", "central_ps", "sharded_ps", "chain_ps", "fsdp")
+# What the simulator has a program for (``predict.programs``): per system (``predict.systems``), the
+# schedules its program runs, the default first. ours' engine (ours, and the seed's GPipe at one token
+# slice) runs each of ours' orders; a system not named here, or another of its schedules, is not modelled.
+MODELLED = {"torch_pipe": ("gpipe", "1f1b", "interleaved"), "fairscale_fsdp": ("gpipe",),
+            "megatron": ("1f1b", "interleaved"), "ours": OursOptions.choices("schedule"),
+            "gpipe": ("gpipe",) + tuple(s for s in OursOptions.choices("schedule") if s != "gpipe")}
+# Data parallelism: ours' modes (the baselines' all-reduce, FSDP's reduce-scatter run by their programs),
+# and ``chain_ps``, the seed's (DT-FM's) central PS.
+SYNCS = OursOptions.choices("dp_mode") + ("chain_ps",)
 TRANSPORTS = ("gloo", "nccl")
 
 
@@ -144,15 +150,16 @@ class RunSpec:
     cluster: Cluster | None = None
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEMS:
-            raise ValueError(f"unknown system {self.system!r}; the simulator knows {', '.join(SYSTEMS)}")
+        if self.system not in MODELLED:
+            raise ValueError(f"the simulator has no program for {self.system!r}; it models {', '.join(MODELLED)}")
         if self.schedule is None:
-            object.__setattr__(self, "schedule", "1f1b" if self.system in ("ours", "megatron") else "gpipe")
+            object.__setattr__(self, "schedule", MODELLED[self.system][0])
         if self.precision == "mixed":
             object.__setattr__(self, "precision", "fp16")
-        if self.schedule not in (OURS_SCHEDULES if self.system in ("ours", "gpipe") else SCHEDULES):
-            raise ValueError(f"unknown schedule {self.schedule!r} for {self.system}")
-        if self.dp_mode not in DP_MODES:
+        if self.schedule not in MODELLED[self.system]:
+            raise ValueError(f"{self.system}'s {self.schedule!r} schedule is not modelled (the simulator runs its "
+                             f"{', '.join(MODELLED[self.system])})")
+        if self.dp_mode not in SYNCS:
             raise ValueError(f"unknown dp_mode {self.dp_mode!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}")

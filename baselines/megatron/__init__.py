@@ -32,12 +32,14 @@ class MegatronOptions(PipelineOptions):
         if self.schedule == "interleaved" and config.pp < 2:
             raise ConfigError("megatron's interleaved schedule needs --pp >= 2")
         super().check(config)
-        if config.model.vocab_size % config.tp:
-            raise ConfigError(f"megatron splits the vocabulary over --tp {config.tp}: --vocab-size "
-                              f"{config.model.vocab_size} must divide by it")
         if self.schedule == "interleaved" and config.n_micro_batches % config.pp:
             raise ConfigError(f"megatron's interleaved schedule needs the micro-batch count ({config.n_micro_batches}) "
                               f"to divide by --pp {config.pp}")
+
+    def check_build(self, config: RunConfig) -> None:
+        if config.model.vocab_size % config.tp:  # Megatron-LM pads it (make_vocab_size_divisible_by x tp)
+            raise ConfigError(f"megatron splits the vocabulary over --tp {config.tp}: --vocab-size "
+                              f"{config.model.vocab_size} must divide by it")
 
 
 def label(options: MegatronOptions) -> str:
