@@ -10,7 +10,10 @@ runs (predicted against measured), and the predictions the report shows.
         sequence); a case is modelled where its median error is <= 10 % and each error within 20 %;
     predict_records(): the predictions the report shows beside a records file: only with this host's
         and code version's calibration, only while the host's speed is within ``SPEED_BOUND`` of it
-        (else one line, and no prediction), and only for modelled cases; every other run "not modelled".
+        (else one line, no prediction, and an earlier file of predictions kept), and only for modelled
+        cases; every other run "not modelled";
+    at_host_speed(): a one-run prediction here at the host's speed now (stretched, with a warning, where
+        it moved from its calibration's).
 
 Runs go through ``python -m runners.run`` (a subprocess, an argument list), each appending its record
 to a JSON-lines file; the record's median step time is the measurement. The host is shared: while a
@@ -103,6 +106,29 @@ def speed_moved(cal: "Calibration", now: float | None = None) -> str | None:
                 f"{now * 1e3:.1f} against {then * 1e3:.1f} GFLOP/s; bound ±{SPEED_BOUND:.0%}): "
                 "python -m predict calibrate")
     return None
+
+
+def at_host_speed(cm: CpuCompute, cal: "Calibration", log=print):
+    """``cm`` (``cal``'s compute model) at this host's speed now: where the speed probe (``speed_probe``)
+    has moved beyond ``SPEED_BOUND`` from the calibration's, its math and its overheads' seconds
+    stretched by the calibration's speed over today's, said in one line (``log``); else ``cm``."""
+    then = (cal.identity or {}).get("speed_tflops")
+    if not then:
+        log(f"warning: {speed_moved(cal)}: predicted at its speed, whatever this host's now")
+        return cm
+    now = speed_probe()
+    why = speed_moved(cal, now)
+    if why is None:
+        return cm
+    from workload.compute import Scaled
+
+    stretch = then / now
+    overhead = {k: dataclasses.replace(o, step=o.step * stretch, unit=o.unit * stretch,
+                                       unit_layer=o.unit_layer * stretch, dp=o.dp * stretch)
+                for k, o in cm.overhead.items()}
+    log(f"warning: {why.removesuffix(': python -m predict calibrate')}; predicted with its compute and overheads "
+        f"stretched {stretch:.2f}x (python -m predict calibrate: a calibration at this speed)")
+    return Scaled(CpuCompute(cm.profile, overhead), stretch)
 
 
 @dataclass(frozen=True)
@@ -532,16 +558,25 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
     a case its validation found modelled (``validate_records``) on runs other than this one (a run the
     validation scored gets none: a prediction is never shown beside a run it was judged on); every other
     run gets {"not_modelled": why}. Where the calibration is missing or the host's speed has moved, one line
-    says so. An earlier file of predictions is replaced. Returns the predictions made."""
+    says so, and an earlier file of predictions (made while they held) is kept as it is; so it is where
+    the records hold no ok CPU run; else it is replaced. Returns the predictions made."""
     records = [r for r in read_records(path, warn=_warn) if _cpu_ok(r)]
+    out = predictions_path(path)
+    if not records:
+        if out.exists():
+            log(f"predict records: {path} has no ok CPU run to predict; its earlier predictions are kept ({out})")
+        return {}
     why_not = None
     try:
         cal = load_calibration(directory, strict=True)
         why_not = speed_moved(cal)
     except FileNotFoundError as exc:
         cal, why_not = None, str(exc)
-    if why_not and records:
-        log(f"predict records: not predicting {path}: {why_not}")
+    if why_not:
+        earlier = f"; its earlier predictions are kept ({out})" if out.exists() else ""
+        log(f"predict records: not predicting {path}: {why_not}{earlier}")
+        if earlier:
+            return {}
     cases = {} if cal is None else modelled_cases(cal, directory)
     kept: dict[str, dict] = {}
     for rec in records:
@@ -576,11 +611,7 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
             continue
         p = record_prediction(cfg, (rec["environment"].get("network") or {}).get("measured_link"), cal)
         kept[rec["run_id"]] = {**p, "case": case} if p else {"not_modelled": f"{case}: the simulator has no program"}
-    out = predictions_path(path)
-    if kept:
-        out.write_text(json.dumps(kept, indent=1) + "\n")
-    else:
-        out.unlink(missing_ok=True)
+    out.write_text(json.dumps(kept, indent=1) + "\n")
     return {k: v for k, v in kept.items() if "step_time" in v}
 
 
