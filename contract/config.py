@@ -18,13 +18,10 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, Callable
 
-from workload.configs import MODEL_CONFIGS, ModelConfig, OptimizerConfig
+from workload.configs import MODEL_CONFIGS, PRECISIONS, ModelConfig, OptimizerConfig
 from workload.tokens import TOKENIZERS
 
 P2P_SEMANTICS = ("gloo", "nccl")  # --p2p-semantics: gloo's own, or NCCL's rules followed on gloo
-# The precision policies (RunConfig.precision): every system runs each, --verify judges each against
-# the reference under the same policy (workload.training holds what each means).
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):

@@ -175,7 +175,7 @@ def _target(device_file: str | None, cfg, in_flight: int | None):
                                 log=lambda line: print(line, file=sys.stderr))
         return compute, cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo"
     from predict.from_config import gpu_compute_of, single_link
-    from predict.run_spec import Link
+    from contract.links import Link
     from predict.scenario import NVLINK_DELAY_MS, NVLINK_GBPS
 
     compute = gpu_compute_of(cfg, device_file)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from contract import RunConfig
 from contract.registry import get_system
 from network_emulation.profiles import LinkSpec, link_classes, parse_profile
-from predict.run_spec import MODELLED, Cluster, Link, RunSpec
+from contract.links import Link
+from predict.run_spec import MODELLED, Cluster, RunSpec
 
 CALIBRATED = ("torch_pipe", "megatron", "ours")  # the systems this machine's calibration fits
 

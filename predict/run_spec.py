@@ -6,10 +6,10 @@ command's RunConfig; tests and the seed tables build them directly.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
 from contract.config import PRECISIONS
+from contract.links import Link
 from ours import OursOptions
 from workload.configs import ModelConfig
 
@@ -23,47 +23,6 @@ MODELLED = {"torch_pipe": ("gpipe", "1f1b", "interleaved"), "fairscale_fsdp": ("
 # and ``chain_ps``, the seed's (DT-FM's) central PS.
 SYNCS = OursOptions.choices("dp_mode") + ("chain_ps",)
 TRANSPORTS = ("gloo", "nccl")
-
-
-@dataclass(frozen=True)
-class Link:
-    """One direction of a link between two hosts.
-
-    latency: one-way delay in seconds (wire and software: the time from a message's last byte leaving
-        the sender to its arrival); bandwidth: bytes per second of the sender's egress (shared by every
-        message the host sends); in_flight: how many messages may be on the way on this link and
-        direction at once (a message starts only when fewer than that are still travelling), None for
-        no limit; stall_bytes: where an emulated link holds messages back, the last byte of an n-byte
-        message cannot arrive before min(1, n / stall_bytes) one-way delays plus the latency after it
-        started, however fast the wire (``predict.gloo_stall`` measures it with gloo; the
-        virtual cluster had one of about 25 KiB before it set TCP CUBIC and no slow start after idle,
-        and has none since); None: no stall."""
-
-    latency: float
-    bandwidth: float
-    in_flight: int | None = None
-    stall_bytes: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.latency >= 0 and math.isfinite(self.latency)):
-            raise ValueError(f"link latency must be a finite number >= 0 s, got {self.latency!r}")
-        if not self.bandwidth > 0:
-            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-        if self.in_flight is not None and self.in_flight < 1:
-            raise ValueError(f"link in_flight must be >= 1 or None, got {self.in_flight!r}")
-
-    @classmethod
-    def from_ms_gbps(cls, delay_ms: float, gbps: float, in_flight: int | None = None) -> "Link":
-        return cls(delay_ms / 1e3, gbps * 1e9 / 8, in_flight)
-
-    def stall(self, nbytes: float) -> float:
-        if not self.stall_bytes:
-            return 0.0
-        return self.latency * min(1.0, nbytes / self.stall_bytes)
-
-    def transfer(self, nbytes: float) -> float:
-        """Seconds from the first byte leaving to the last byte arriving, on an idle link."""
-        return max(nbytes / self.bandwidth, self.stall(nbytes)) + self.latency
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ from pathlib import Path
 from contract import ConfigError, RunConfig
 from network_emulation.profiles import MAX_BANDWIDTH_GBPS, MAX_DELAY_MS
 from predict.from_config import NotModelled, gpu_compute_of, memory_of as config_memory, spec_from_config
-from predict.run_spec import Cluster, Link, RunSpec
+from contract.links import Link
+from predict.run_spec import Cluster, RunSpec
 from predict.systems import prediction_systems
 from workload.compute import Device, DeviceError, GpuCompute, default_attention, find_device, read_data
 from workload.configs import ModelConfig

@@ -40,7 +40,8 @@ from workload.compute import CpuCompute, Overheads
 from predict.from_config import (NotModelled, check_faults_modelled, config_of_record, single_link, spec_from_config,
                                  spec_from_record)
 from predict.step_time import predict
-from predict.run_spec import Link, Prediction
+from contract.links import Link
+from predict.run_spec import Prediction
 from contract.registry import read_options
 from workload.configs import ModelConfig, get_model_config
 from workload.flops import cpu_name
@@ -86,11 +87,12 @@ SPEED_PROBE = f"workload.cpu_peak: cpu-small ops at 256 tokens, 1 thread, best o
 
 
 def speed_probe() -> float:
-    """The host's speed now, quickly (1-3 s): one thread's best model-FLOP rate on cpu-small's
-    operations at 256 tokens (``workload.cpu_peak``), in TFLOP/s, the best of ``SPEED_TRIALS`` trials."""
-    from workload.cpu_peak import best_times, model_ops, model_peak
+    """The host's speed now, quickly (1-3 s): one thread's best model-FLOP rate on the host's operations
+    (``workload.cpu_peak.host_ops``: cpu-small's at 256 tokens), in TFLOP/s, the best of
+    ``SPEED_TRIALS`` trials."""
+    from workload.cpu_peak import best_times, host_ops, model_peak
 
-    ops = model_ops(get_model_config("cpu-small").with_overrides(seq_len=256), 1)
+    ops = host_ops()
     return model_peak(ops, best_times(ops, trials=SPEED_TRIALS, budget_s=3.0))
 
 

@@ -34,11 +34,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from workload.configs import PRECISIONS
+
 REPO = Path(__file__).resolve().parent.parent
 WIDTHS = {"gpt3-xl": (2048, 16), "gpt3-2.7b": (2560, 32), "gpt3-6.7b": (4096, 32), "gpt3-13b": (5120, 40)}
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 CONTEXTS = (0, 512, 1536)
-PRECISIONS = ("fp32", "bf16", "fp16")
 PARTS = ("gemm", "attention", "layer", "systems")
 SYSTEM_RUNS = {  # label -> the run command's system arguments at one rank
     "reference": ["--system", "reference"],

@@ -36,11 +36,10 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from workload.configs import OPTIMIZERS, ModelConfig
+from workload.configs import OPTIMIZERS, PRECISIONS, ModelConfig
 from workload.flops import GPU_PEAK_TFLOPS, gpu_model
 
 DEVICES = Path(__file__).resolve().parent / "devices"
-PRECISIONS = ("fp32", "bf16", "fp16")
 ATTENTION = ("flash", "materialized")
 OPTIMIZER_KERNELS = ("single", "fused")
 

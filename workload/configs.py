@@ -39,6 +39,9 @@ def count_params(cfg: ModelConfig, include_embeddings: bool = False) -> int:
     return n
 
 
+# The precision policies (``RunConfig.precision``): every system runs each, the compute and memory
+# models charge each (``workload.training`` holds what each means).
+PRECISIONS = ("fp32", "bf16", "fp16")
 # The optimizers every system runs (``OptimizerConfig.kind``; ``workload.training.make_optimizer``): Adam,
 # plain SGD (no state), SGD with momentum ``SGD_MOMENTUM`` (one buffer a parameter: the seed's Megatron
 # runs, apex's FusedSGD with Megatron's default momentum). What each keeps and touches per parameter is
