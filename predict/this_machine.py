@@ -104,7 +104,7 @@ def speed_moved(cal: "Calibration", now: float | None = None) -> str | None:
         return f"the calibration {cal.name} has no speed probe to compare with"
     now = speed_probe() if now is None else now
     if abs(now / then - 1) > SPEED_BOUND:
-        return (f"this host runs at {now / then:.2f}x the speed of its calibration {cal.name} (speed probe "
+        return (f"this host runs at {now / then:.2f}x the speed of its {cal.name} (speed probe "
                 f"{now * 1e3:.1f} against {then * 1e3:.1f} GFLOP/s; bound ±{SPEED_BOUND:.0%}): "
                 "python -m predict calibrate")
     return None

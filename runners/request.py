@@ -332,8 +332,9 @@ def config_from_table(table: dict, specs: dict[str, SystemSpec] | None = None,
     placed = sorted(PLACEMENT_FLAGS & {ALIASES.get(k, k) for k in table})
     if placed:
         raise ConfigError(f"{where}: {placed[0]!r} says where a run is launched or written, not what it is")
+    flags = table_flags(table, keys, where)
     try:
-        ns = parser.parse_args(table_flags(table, keys, where))
+        ns = parser.parse_args(flags)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     spec = specs[ns.system]
