@@ -18,13 +18,10 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, Callable
 
-from workload.configs import MODEL_CONFIGS, ModelConfig, OptimizerConfig
+from workload.configs import MODEL_CONFIGS, PRECISIONS, ModelConfig, OptimizerConfig
 from workload.tokens import TOKENIZERS
 
 P2P_SEMANTICS = ("gloo", "nccl")  # --p2p-semantics: gloo's own, or NCCL's rules followed on gloo
-# The precision policies (RunConfig.precision): every system runs each, --verify judges each against
-# the reference under the same policy (workload.training holds what each means).
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -58,6 +55,12 @@ class SystemOptions:
     def check(self, config: RunConfig) -> None:
         """Raise ConfigError (one line) if the system cannot run ``config``. Systems override it."""
 
+    def check_build(self, config: RunConfig) -> None:
+        """Raise ConfigError (one line) for what this repository's build of the system cannot run
+        though the system as its authors run it can (megatron: megatron-core's vocabulary split over
+        --tp unpadded, where Megatron-LM pads it). A prediction of the system as published (a
+        scenario) leaves this out; the run command judges it. Systems override it."""
+
     def lossy(self) -> str | None:
         """What these options round beyond the precision policy (e.g. 'bf16 wire'), or None: the run
         is exact. ``--verify`` judges a lossy run with a tolerance of its own and says so."""
@@ -66,6 +69,11 @@ class SystemOptions:
     @classmethod
     def declared(cls) -> tuple[dataclasses.Field, ...]:
         return dataclasses.fields(cls)
+
+    @classmethod
+    def choices(cls, name: str) -> tuple[str, ...]:
+        """The values option ``name`` takes (its declared choices)."""
+        return tuple(next(f.metadata["choices"] for f in cls.declared() if f.name == name))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from contract.config import P2P_SEMANTICS, PRECISIONS, ConfigError, RunConfig, SystemOptions
 from contract.faults import check_faults
-from workload.configs import FAMILIES, ModelConfig
+from workload.configs import FAMILIES, OPTIMIZERS, ModelConfig
 from workload.tokens import check_vocab
 
 if TYPE_CHECKING:  # torch: only the ranks import it
@@ -120,9 +120,11 @@ class SystemSpec:
     def run_details(self, options: dict[str, Any]) -> str:
         return self.details(options) if self.details else ""
 
-    def validate(self, config: RunConfig) -> None:
+    def validate(self, config: RunConfig, build: bool = True) -> None:
         """Raise ConfigError (one line) if this system cannot run ``config``: the fields every run
-        has, then the system's own options (their choices, then ``options.check``)."""
+        has, then the system's own options (their choices, then ``options.check``), then what this
+        repository's build of it cannot run (``options.check_build``; ``build=False``: the system as
+        published, which a prediction describes)."""
         if config.system != self.name:
             raise ConfigError(f"config of system {config.system!r} given to {self.name!r}")
         if not isinstance(config.options, self.options):
@@ -141,6 +143,8 @@ class SystemSpec:
                 raise ConfigError(f"{self.name}: unknown --{f.name.replace('_', '-')} {value!r}; "
                                   f"choose from {', '.join(choices)}")
         config.options.check(config)
+        if build:
+            config.options.check_build(config)
 
 
 def check_family(m: ModelConfig) -> None:
@@ -194,8 +198,8 @@ def check_common(config: RunConfig) -> None:
     if config.p2p_semantics not in P2P_SEMANTICS:
         raise ConfigError(f"unknown --p2p-semantics {config.p2p_semantics!r}; choose from {', '.join(P2P_SEMANTICS)}")
     opt = config.optimizer
-    if opt.kind not in ("adam", "sgd"):
-        raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from adam, sgd")
+    if opt.kind not in OPTIMIZERS:
+        raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from {', '.join(OPTIMIZERS)}")
     if not 0 < opt.lr < float("inf"):
         raise ConfigError(f"--lr must be a finite number > 0, got {opt.lr}")
     if config.data is not None and check_vocab(config.tokenizer, m.vocab_size):

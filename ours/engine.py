@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from contract.links import Link, posts_ahead
+from contract.links import Ends, posts_ahead
 from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
 from ours.schedule import unit_order
 from ours.tp import COLUMN_PARALLEL, CopyToTP, ReduceFromTP, VocabParallelCrossEntropy, rank_of, shard_start
@@ -56,7 +56,7 @@ from workload.training import autocast, compute_dtype
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-def pipeline_links(pp: int, dp: int, tp: int = 1) -> list[Link]:
+def pipeline_links(pp: int, dp: int, tp: int = 1) -> list[Ends]:
     """Every link of the D x T pipelines of P stages (``ours.tp.rank_of``: global rank =
     (dp_rank * P + stage) * T + tp_rank), both ways: stage s to s + 1 (activations), s + 1 to s
     (their gradients), between ranks of the same tp_rank."""
@@ -120,7 +120,7 @@ class StageEngine:
                  device: torch.device, rank: int, prev_rank: int | None, next_rank: int | None, tracer: Tracer,
                  precision: str = "fp32", recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
                  schedule: str = "1f1b", grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None,
-                 links: Mapping[Link, dist.ProcessGroup] | None = None, tp: int = 1,
+                 links: Mapping[Ends, dist.ProcessGroup] | None = None, tp: int = 1,
                  tp_rank: int = 0, tp_group: dist.ProcessGroup | None = None):
         cfg = model.config
         self.model, self.spec, self.device, self.rank = model, spec, device, rank

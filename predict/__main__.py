@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -53,6 +54,10 @@ def _calibrate(args) -> int:
 def _validate(args) -> int:
     from predict.this_machine import NothingToValidate, validate_records
 
+    if args.name is not None and not _plain_name(args.name):
+        print(f"{args.prog}: error: --name {args.name!r}: a plain name (letters, digits, '.', '_', "
+              "'-'; no path): the check is kept as results/predict/NAME.{md,json}", file=sys.stderr)
+        return 2
     missing = [p for p in args.records if not Path(p).is_file()]
     if missing:
         print(f"{args.prog}: error: no such file: {', '.join(missing)} (run the main job first: "
@@ -68,6 +73,26 @@ def _validate(args) -> int:
         print("(nothing written: --name validation keeps it as predict/calibration/validation.{md,json}, the one the "
               "report's predictions are gated by; another name: results/predict/NAME.{md,json})", file=sys.stderr)
     return 0
+
+
+def _plain_name(name: str) -> bool:
+    """A name that stays a file's name inside its folder: no path, no hidden or parent entry."""
+    return bool(re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", name))
+
+
+def _out_dir_error(out: str | None) -> str | None:
+    """Why ``--out DIR`` cannot take a check's report (a file, not a folder; a folder not creatable), judged
+    before any work; None where it can (it is created)."""
+    if out is None:
+        return None
+    d = Path(out)
+    if d.exists() and not d.is_dir():
+        return f"--out {out} is a file: give a folder (DIR/NAME.md and .json are written in it)"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--out {out}: cannot make the folder ({exc.strerror or exc.__class__.__name__})"
+    return None
 
 
 def _write(out: str | None, stem: str, text: str, data) -> None:
@@ -86,6 +111,9 @@ def _validate_seed(args) -> int:
 
     if args.calibrate and args.sensitivity:
         print(f"{args.prog}: error: give --calibrate or --sensitivity, not both", file=sys.stderr)
+        return 2
+    if _out_dir_error(args.out):
+        print(f"{args.prog}: error: {_out_dir_error(args.out)}", file=sys.stderr)
         return 2
     if args.calibrate:
         fitted = calibrate(write=True)
@@ -135,19 +163,22 @@ def _plan_check(args) -> int:
 
 def _target(device_file: str | None, cfg, in_flight: int | None):
     """(compute model, link, cores, transport) of a prediction: this machine, or a GPU's device file."""
-    from workload.compute import CpuCompute, gpu_compute
+    from workload.compute import CpuCompute
     from predict.this_machine import find_profile, load_calibration
 
     if device_file is None:
+        from predict.this_machine import at_host_speed
+
         cal = load_calibration()
         print(f"with the {cal.name}", file=sys.stderr)
-        return (CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)),
-                cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo")
-    from predict.from_config import single_link
-    from predict.run_spec import Link
+        compute = at_host_speed(CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)), cal,
+                                log=lambda line: print(line, file=sys.stderr))
+        return compute, cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo"
+    from predict.from_config import gpu_compute_of, single_link
+    from contract.links import Link
     from predict.scenario import NVLINK_DELAY_MS, NVLINK_GBPS
 
-    compute = gpu_compute(device_file, cfg.model, cfg.precision)
+    compute = gpu_compute_of(cfg, device_file)
     link = single_link(cfg.network, cfg.network_matrix)
     if link is None:
         nvlink = NVLINK_GBPS.get(compute.device.part.split()[0], 1000.0)
@@ -203,6 +234,7 @@ def predict_run(argv: list[str], prog: str = f"{PROG} run") -> int:
     """One run from the run command's own flags: its predicted step time and breakdown."""
     from contract import ConfigError
     from predict.from_config import NotModelled, OutOfMemory
+    from predict.simulator import SimulationError
     from contract.registry import get_system
     from runners.request import config_from_args, judge
     from workload.compute import DeviceError
@@ -217,12 +249,12 @@ def predict_run(argv: list[str], prog: str = f"{PROG} run") -> int:
         p = _predict(cfg, target.device_file, target.in_flight)
     except OutOfMemory as exc:
         oom = exc
-    except (ConfigError, NotModelled, FileNotFoundError, DeviceError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+    except (ConfigError, NotModelled, FileNotFoundError, DeviceError, SimulationError) as exc:
+        print(f"{parser.prog}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     where = target.device_file or "this machine"
-    print(f"{cfg.system} {cfg.model.name} pp={cfg.pp} tp={cfg.tp} dp={cfg.dp} mb={cfg.micro_batch_size} "
-          f"batch={cfg.batch_size} network {cfg.network} on {where}:")
+    print(f"{cfg.system} {cfg.model.name} {cfg.precision} pp={cfg.pp} tp={cfg.tp} dp={cfg.dp} "
+          f"mb={cfg.micro_batch_size} batch={cfg.batch_size} network {cfg.network} on {where}:")
     if oom is not None:
         print(f"predicted: {oom}")
         return 0
@@ -277,8 +309,11 @@ def _records(args) -> int:
             print(f"{args.prog}: error: no such file: {path}", file=sys.stderr)
             return 2
     for path in args.records:
+        out = predictions_path(path)
+        before = out.stat().st_mtime_ns if out.exists() else None
         predicted = predict_records(Path(path), log=lambda line: print(line, file=sys.stderr))
-        where = predictions_path(path) if predictions_path(path).exists() else "nothing written"
+        after = out.stat().st_mtime_ns if out.exists() else None
+        where = "nothing written" if after is None else (f"{out} kept as it was" if after == before else out)
         print(f"{path}: {len(predicted)} run(s) predicted ({where})")
     return 0
 

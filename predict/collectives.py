@@ -12,16 +12,17 @@ builds its rings: one crossing of each host's network card per direction): all-r
 reduce-scatter and all-gather n-1, each step a chunk of S/n to the next member and one from the
 previous; reduce and broadcast a chain that streams S in ``CHAIN_PIECES`` pieces, each forwarded as it
 arrives. Every message goes over the link it crosses (NVLink inside a node, the nodes' network cards
-between them), so concurrent collectives share what they share. ``closed_form`` gives the same costs
-over one idle link: ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather (n-1)(a + S/(nB));
-chain reduce / broadcast (n-1) a + S/B; groups of more than ``MAX_RING`` ranks take it (a ``Group``).
+between them), so concurrent collectives share what they share. ``Link.collective`` gives the same costs
+over one idle link (``contract.links``: ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather
+(n-1)(a + S/(nB)); chain reduce / broadcast (n-1) a + S/B); groups of more than ``MAX_RING`` ranks take
+it (a ``Group``).
 """
 from __future__ import annotations
 
 from typing import Hashable
 
 from predict.simulator import Group, Recv, Send, Wait
-from predict.run_spec import Link
+from contract.links import Link
 
 MAX_SEGMENT = 1 << 20  # gloo's kMaxSegmentSize for reduce and allreduce
 ELEMENT = 4
@@ -111,21 +112,6 @@ def allgather(ranks, me, tag, nbytes: int, kind: str) -> list:
     return ops
 
 
-# ---- closed forms (nccl) ---------------------------------------------------------------------
-def closed_form(op: str, n: int, nbytes: float, link: Link) -> float:
-    """Seconds of one collective over n ranks joined by ``link`` (see the module docstring)."""
-    if n < 2:
-        return 0.0
-    a, B = link.latency, link.bandwidth
-    if op == "allreduce":
-        return 2 * (n - 1) * (a + nbytes / (n * B))
-    if op in ("reduce_scatter", "allgather"):
-        return (n - 1) * (a + nbytes / (n * B))
-    if op in ("reduce", "broadcast"):
-        return (n - 1) * a + nbytes / B
-    raise ValueError(f"unknown collective {op!r}")
-
-
 CHAIN_PIECES = 16
 MAX_RING = 128
 
@@ -174,7 +160,7 @@ def collective(transport: str, op: str, ranks, me: int, tag, nbytes: float, link
         return []
     if transport == "nccl":
         if len(ranks) > MAX_RING or host is None:
-            return [Group((tag, op), ranks, closed_form(op, len(ranks), nbytes, link), kind)]
+            return [Group((tag, op), ranks, link.collective(op, len(ranks), nbytes), kind)]
         order = tuple(sorted(ranks, key=lambda r: (host(r), r)))
         if op in ("reduce", "broadcast"):  # the chain starts at the root, ranks[0]
             order = (ranks[0],) + tuple(r for r in order if r != ranks[0])

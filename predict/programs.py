@@ -9,8 +9,9 @@
   (kept until the last), the last backward reduce-scatters the gradients (the stage's root parameters
   are gathered once and reduce-scattered once).
 - megatron (megatron-core): 1F1B (P - s - 1 warm-up forwards, blocking sends and receives in pairs)
-  or interleaved; tensor parallelism: per layer two all-reduces in the forward (after attention and
-  after the MLP), two in the backward, two more in the recomputed forward; a tensor-parallel group is
+  or interleaved; tensor parallelism: per layer and pass the all-reduces of ``ours.plan.latency``'s
+  count (after attention and after the MLP), in the forward, the backward and the recomputed forward; a
+  tensor-parallel group is
   simulated as one rank (its members run in lock-step) that stands for tp processes; data parallel:
   the gradient all-reduce in finalize_model_grads.
 - ours (``ours.engine``): every receive of a step posted a step ahead (the engine's at the end of the
@@ -38,11 +39,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract.links import Link
 from predict import collectives as coll
 from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
 from predict.run_spec import RunSpec
 from predict.placement import hosts_of
 from ours.dp import BUCKET_BYTES, bucket_ranges, bucket_starts, layout_of
+from ours.plan.latency import TP_ALLREDUCES_PER_PASS
 from ours.schedule import unit_order
 from workload.compute import ComputeModel, Overheads, Scaled, stage_params
 
@@ -116,9 +119,9 @@ class _Step:
         if tp == 1:
             return [Compute(L * t, label)]
         ops = []
-        for _ in range(L):  # two all-reduces per layer, each after half of the layer's math
-            for _half in range(2):
-                ops.append(Compute(t / 2, label))
+        for _ in range(L):  # a layer's all-reduces in a pass, each after its share of the layer's math
+            for _part in range(TP_ALLREDUCES_PER_PASS):
+                ops.append(Compute(t / TP_ALLREDUCES_PER_PASS, label))
                 ops += self._tp_comm(b * l, kind)
         return ops
 
@@ -132,12 +135,9 @@ class _Step:
         c = self.spec.cluster
         if c is not None and self.tp > c.gpus_per_node:  # the group spans nodes: its ring crosses their cards
             link = c.inter or min((l for row in c.matrix for l in row if l), key=lambda l: l.bandwidth)
-        if self.net.transport == "gloo":  # gloo's ring: a receive-posted handshake per step
-            a = 2 * link.latency
-            t = 2 * (self.tp - 1) * (a + nbytes / (self.tp * link.bandwidth))
-        else:
-            t = coll.closed_form("allreduce", self.tp, nbytes, link)
-        return [Compute(t, "tp_comm")]
+        if self.net.transport == "gloo":  # gloo's ring: a receive-posted handshake per step, two delays
+            link = Link(2 * link.latency, link.bandwidth)
+        return [Compute(link.collective("allreduce", self.tp, nbytes), "tp_comm")]
 
     def optimizer(self, params: int) -> list:
         return [Compute(self.cm.optimizer(params), "optimizer")]

@@ -6,58 +6,23 @@ command's RunConfig; tests and the seed tables build them directly.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ours.schedule import SCHEDULES as OURS_SCHEDULES
+from contract.config import PRECISIONS
+from contract.links import Link
+from ours import OursOptions
 from workload.configs import ModelConfig
 
-SYSTEMS = ("torch_pipe", "megatron", "ours", "gpipe", "fairscale_fsdp")
-PRECISIONS = ("fp32", "bf16", "fp16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-DP_MODES = ("allreduce", "central_ps", "sharded_ps", "chain_ps", "fsdp")
+# What the simulator has a program for (``predict.programs``): per system (``predict.systems``), the
+# schedules its program runs, the default first. ours' engine (ours, and the seed's GPipe at one token
+# slice) runs each of ours' orders; a system not named here, or another of its schedules, is not modelled.
+MODELLED = {"torch_pipe": ("gpipe", "1f1b", "interleaved"), "fairscale_fsdp": ("gpipe",),
+            "megatron": ("1f1b", "interleaved"), "ours": OursOptions.choices("schedule"),
+            "gpipe": ("gpipe",) + tuple(s for s in OursOptions.choices("schedule") if s != "gpipe")}
+# Data parallelism: ours' modes (the baselines' all-reduce, FSDP's reduce-scatter run by their programs),
+# and ``chain_ps``, the seed's (DT-FM's) central PS.
+SYNCS = OursOptions.choices("dp_mode") + ("chain_ps",)
 TRANSPORTS = ("gloo", "nccl")
-
-
-@dataclass(frozen=True)
-class Link:
-    """One direction of a link between two hosts.
-
-    latency: one-way delay in seconds (wire and software: the time from a message's last byte leaving
-        the sender to its arrival); bandwidth: bytes per second of the sender's egress (shared by every
-        message the host sends); in_flight: how many messages may be on the way on this link and
-        direction at once (a message starts only when fewer than that are still travelling), None for
-        no limit; stall_bytes: where an emulated link holds messages back, the last byte of an n-byte
-        message cannot arrive before min(1, n / stall_bytes) one-way delays plus the latency after it
-        started, however fast the wire (``predict.gloo_stall`` measures it with gloo; the
-        virtual cluster had one of about 25 KiB before it set TCP CUBIC and no slow start after idle,
-        and has none since); None: no stall."""
-
-    latency: float
-    bandwidth: float
-    in_flight: int | None = None
-    stall_bytes: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (self.latency >= 0 and math.isfinite(self.latency)):
-            raise ValueError(f"link latency must be a finite number >= 0 s, got {self.latency!r}")
-        if not self.bandwidth > 0:
-            raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-        if self.in_flight is not None and self.in_flight < 1:
-            raise ValueError(f"link in_flight must be >= 1 or None, got {self.in_flight!r}")
-
-    @classmethod
-    def from_ms_gbps(cls, delay_ms: float, gbps: float, in_flight: int | None = None) -> "Link":
-        return cls(delay_ms / 1e3, gbps * 1e9 / 8, in_flight)
-
-    def stall(self, nbytes: float) -> float:
-        if not self.stall_bytes:
-            return 0.0
-        return self.latency * min(1.0, nbytes / self.stall_bytes)
-
-    def transfer(self, nbytes: float) -> float:
-        """Seconds from the first byte leaving to the last byte arriving, on an idle link."""
-        return max(nbytes / self.bandwidth, self.stall(nbytes)) + self.latency
 
 
 @dataclass(frozen=True)
@@ -144,15 +109,16 @@ class RunSpec:
     cluster: Cluster | None = None
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEMS:
-            raise ValueError(f"unknown system {self.system!r}; the simulator knows {', '.join(SYSTEMS)}")
+        if self.system not in MODELLED:
+            raise ValueError(f"the simulator has no program for {self.system!r}; it models {', '.join(MODELLED)}")
         if self.schedule is None:
-            object.__setattr__(self, "schedule", "1f1b" if self.system in ("ours", "megatron") else "gpipe")
+            object.__setattr__(self, "schedule", MODELLED[self.system][0])
         if self.precision == "mixed":
             object.__setattr__(self, "precision", "fp16")
-        if self.schedule not in (OURS_SCHEDULES if self.system in ("ours", "gpipe") else SCHEDULES):
-            raise ValueError(f"unknown schedule {self.schedule!r} for {self.system}")
-        if self.dp_mode not in DP_MODES:
+        if self.schedule not in MODELLED[self.system]:
+            raise ValueError(f"{self.system}'s {self.schedule!r} schedule is not modelled (the simulator runs its "
+                             f"{', '.join(MODELLED[self.system])})")
+        if self.dp_mode not in SYNCS:
             raise ValueError(f"unknown dp_mode {self.dp_mode!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}")

@@ -8,8 +8,8 @@ the 400 MB of two layers); "Storage of a micro-batch: 16 MB" is a 1 x 2048 x 204
 each GPipe stage keeps of a micro-batch under recompute. Every table ran on V100 SXM2 16 GB: GPipe
 (DT-FM's, with its central PS for DP 4) on p3.2xlarge nodes (one GPU each, the emulated network
 between them); PyTorch's Pipe on one p3.16xlarge (8 GPUs, NVLink); Megatron on one p3.16xlarge and
-on six (25 Gbit/s between them, DP 6, batch 252). The PyTorch Pipe + Fairscale table and Megatron's
-one-node fp16 table have no numbers.
+on six (25 Gbit/s between them, DP 6: a global batch of 252, 42 sequences a pipeline). The PyTorch
+Pipe + Fairscale table and Megatron's one-node fp16 table have no numbers.
 
 The optimizers, as the seed's scripts ran them (DS3Lab's Decentralized_FM_alpha, spring 2022): DT-FM's
 GPipe and PyTorch's Pipe plain SGD (``torch.optim.SGD(params, lr)``: no state); Megatron
@@ -26,7 +26,8 @@ from pathlib import Path
 
 from predict.scenario import Scenario, load, parse, predict_scenario
 
-MODEL = dict(layers=24, hidden=2048, heads=16, seq_len=2048, vocab=28996, head="classifier:2")
+MODEL = dict(model="gpt3-xl", vocab_size=28996)  # GPT-3 XL's shape, QQP's (BERT's) vocabulary
+HEAD = "classifier:2"  # QQP's two classes: the output layer (a scenario's [predict] head)
 GPU = "V100 SXM2 16GB"
 NETWORKS = {  # the seed's labels: (one-way delay ms, Gbit/s)
     "default": (0.1, 10.0), "d1-5g": (1.0, 5.0), "d5-2g": (5.0, 2.0), "d10-1g": (10.0, 1.0), "d50-1g": (50.0, 1.0)}
@@ -85,7 +86,10 @@ OPTIMIZER = {"gpipe": "sgd", "torch_pipe": "sgd", "megatron": "sgd_momentum"}  #
 
 
 def _scenario(cluster: dict, **run) -> dict:
-    return dict(model=dict(MODEL), cluster=dict(gpu=GPU, **cluster), run=dict(run, optimizer=OPTIMIZER[run["system"]]))
+    """A cell's scenario: ``run`` (batch_size per pipeline, as every run's) with the seed's workload and
+    the optimizer its script ran, on V100s."""
+    return dict(run=dict(MODEL, **run, optimizer=OPTIMIZER[run["system"]]), cluster=dict(gpu=GPU, **cluster),
+                predict=dict(head=HEAD))
 
 
 def _cell(name: str, table: str, scenario: dict, value) -> Cell:
@@ -100,22 +104,23 @@ def cells() -> list[Cell]:
     for net, t in GPIPE.items():
         d, g = NETWORKS[net]
         sc = _scenario(dict(nodes=12, gpus_per_node=1, inter_gbps=g, inter_delay_ms=d), system="gpipe", tp=1, pp=12,
-                       dp=1, batch=64, micro_batch=1, precision="fp32", recompute=True)
+                       dp=1, batch_size=64, micro_batch_size=1, precision="fp32", recompute=True)
         out.append(_cell(f"gpipe {net}", "GPipe P-12, 12 x p3.2xlarge", sc, t))
     for net, t in GPIPE_DP4.items():
         d, g = NETWORKS[net]
         sc = _scenario(dict(nodes=48, gpus_per_node=1, inter_gbps=g, inter_delay_ms=d), system="gpipe", tp=1, pp=12,
-                       dp=4, batch=256, micro_batch=1, precision="fp32", recompute=True, dp_mode="central_ps")
+                       dp=4, batch_size=64, micro_batch_size=1, precision="fp32", recompute=True,
+                       dp_mode="central_ps")
         out.append(_cell(f"gpipe dp4 {net}", "GPipe P-12 + central PS D-4, 48 x p3.2xlarge", sc, t))
     for mb, t in TORCH_PIPE.items():
-        sc = _scenario(dict(nodes=1, gpus_per_node=8), system="torch_pipe", tp=1, pp=8, dp=1, batch=64,
-                       micro_batch=mb, precision="fp32", recompute=True)
+        sc = _scenario(dict(nodes=1, gpus_per_node=8), system="torch_pipe", tp=1, pp=8, dp=1, batch_size=64,
+                       micro_batch_size=mb, precision="fp32", recompute=True)
         out.append(_cell(f"torch pipe mb{mb}", "PyTorch Pipe P-8, one p3.16xlarge", sc, t))
     for mb, row in MEGATRON_1NODE_FP32.items():
         for layout, t in row.items():
             tp, pp = LAYOUTS[layout]
-            sc = _scenario(dict(nodes=1, gpus_per_node=8), system="megatron", tp=tp, pp=pp, dp=1, batch=64,
-                           micro_batch=mb, precision="fp32", recompute=True)
+            sc = _scenario(dict(nodes=1, gpus_per_node=8), system="megatron", tp=tp, pp=pp, dp=1, batch_size=64,
+                           micro_batch_size=mb, precision="fp32", recompute=True)
             out.append(_cell(f"megatron 1-node fp32 recompute mb{mb} {layout}",
                              "Megatron, one p3.16xlarge, fp32 + recompute", sc, t))
     for (prec, rec), rows in MEGATRON_6NODE.items():
@@ -125,8 +130,8 @@ def cells() -> list[Cell]:
                 tp, pp = LAYOUTS[layout]
                 sc = _scenario(dict(nodes=6, gpus_per_node=8, inter_gbps=P3_16XLARGE_GBPS,
                                     inter_delay_ms=P3_16XLARGE_DELAY_MS),
-                               system="megatron", tp=tp, pp=pp, dp=6, batch=252, micro_batch=mb, precision=prec,
-                               recompute=rec)
+                               system="megatron", tp=tp, pp=pp, dp=6, batch_size=42, micro_batch_size=mb,
+                               precision=prec, recompute=rec)
                 out.append(_cell(f"megatron 6-node {label} mb{mb} {layout}", f"Megatron, 6 x p3.16xlarge, {label}",
                                  sc, t))
     return out
@@ -145,7 +150,7 @@ def _layout(cell: Cell) -> tuple[str | None, int]:
     """(layout as the seed's Megatron tables name it, or None elsewhere; micro-batch) of a cell."""
     run = cell.scenario["run"]
     names = {v: k for k, v in LAYOUTS.items()}
-    return names.get((run["tp"], run["pp"])) if run["system"] == "megatron" else None, run["micro_batch"]
+    return names.get((run["tp"], run["pp"])) if run["system"] == "megatron" else None, run["micro_batch_size"]
 
 
 def _row(cell: Cell, device) -> dict:

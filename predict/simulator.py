@@ -41,7 +41,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from predict.run_spec import Link
+from contract.links import Link
 
 
 @dataclass(frozen=True, slots=True)

@@ -394,3 +394,143 @@ def test_python_m_keeps_its_own_name(capsys):
                                ("ours.plan.__main__", [*SOLVE, "--pp", "5"], "python -m ours.plan solve")):
         assert _exit_status(_main(module), argv) == 2
         assert capsys.readouterr().err.startswith(f"{prog}: error: "), module
+
+
+# ---- issue #54, the simulator's side: scenarios, device files, predict's commands ----------------------
+def _scenario_text(run: str = "", cluster: str = "", extra: str = "") -> str:
+    """A small valid scenario (megatron T-2 P-2 on two A100 nodes), with lines added to its tables."""
+    return ('[run]\nsystem = "megatron"\nmodel = "gpt3-xl"\nnum_layers = 8\ntp = 2\npp = 2\nbatch_size = 8\n'
+            f'micro_batch_size = 1\nprecision = "bf16"\n{run}\n[cluster]\ngpu = "A100 SXM4 80GB"\nnodes = 2\n'
+            f'gpus_per_node = 4\n{cluster}\n{extra}')
+
+
+INTER = "inter_gbps = 100\ninter_delay_ms = 0.01\n"
+MATRIX = '[cluster.matrix]\ndelay_ms = [[0, 1], [1, 0]]\nbandwidth_gbps = [[0, 10], [10, 0]]\n'
+SCENARIOS_54 = [
+    (3, _scenario_text(extra=MATRIX + "loss_pct = [[0, 1], [1, 0]]\n"), "matrix loss_pct: not modelled"),
+    (3, _scenario_text(extra=MATRIX + "jitter_ms = [[0, 1], [1, 0]]\n"), "matrix jitter_ms: not modelled"),
+    (3, _scenario_text(extra=MATRIX + "colour = 1\n"), "matrix colour: unknown"),
+    (4, '[run]\nsystem = "megatron"\nmodel = "gpt3-xl"\npp = 6\nschedule = "interleaved"\nvirtual_pp = 2\n'
+        'batch_size = 64\nmicro_batch_size = 1\n' + _scenario_text(cluster=INTER)[_scenario_text().index("[cluster]"):],
+     "interleaved schedule needs the micro-batch count (64) to divide by --pp 6"),
+    (16, _scenario_text(cluster="inter_gbps = 10\ninter_delay_ms = 1e300\n"), "delay 1e+300 ms is absurd"),
+    (17, _scenario_text('n_slices = true', INTER).replace('"megatron"', '"ours"'), "'n_slices' must be a string"),
+    (17, _scenario_text(extra="[cluster.matrix]\ndelay_ms = 5\nbandwidth_gbps = 1\n"), "matrix must be 2 x 2"),
+]
+
+
+@pytest.mark.parametrize("item, text, says", SCENARIOS_54, ids=[f"item{c[0]}-{i}" for i, c in enumerate(SCENARIOS_54)])
+def test_54_a_bad_scenario_is_one_line(tmp_path, capsys, item, text, says):
+    f = tmp_path / "s.toml"
+    f.write_text(text)
+    assert _exit_status(_main("predict.__main__"), ["scenario", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, err
+
+
+DEVICE_FIELDS = [("bandwidth_gbs", 0, "bandwidth_gbs must be a finite number > 0"),
+                 ("memory_efficiency", 0, "memory_efficiency must be a finite number > 0"),
+                 ("sms", 0, "sms must be a whole number >= 1"), ("sms", -3, "sms must be a whole number >= 1"),
+                 ("gemm", {"fp32": {"efficiency": "0.8"}}, "gemm 'fp32': a precision"),
+                 ("gemm", [1, 2], "gemm must map each precision"),
+                 ("memory_gb", "80", "memory_gb must be a finite number > 0"),
+                 ("memory_gb", -5, "memory_gb must be a finite number > 0"),
+                 ("kernel_us", -5, "kernel_us must be a finite number >= 0")]
+
+
+@pytest.mark.parametrize("key, value, says", DEVICE_FIELDS, ids=[f"{k}={v!r}" for k, v, _ in DEVICE_FIELDS])
+def test_54_item5_a_device_files_bad_field_is_one_line_in_predict_and_plan(tmp_path, capsys, key, value, says):
+    d = json.loads((REPO / "workload" / "devices" / "h100-sxm.json").read_text())
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps({**d, key: value}))
+    for module, argv in (("predict.__main__", [*OURS, "--gpu", str(f)]),
+                         ("ours.plan.__main__", [*LAYOUT, "--devices", "8", "--gpus-per-node", "8", "--intra",
+                                                 "5us,300GB/s", "--gpu", str(f)])):
+        assert _exit_status(_main(module), argv) == 2, module
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, (module, err)
+
+
+def test_54_item1_fairscale_is_predicted_on_a_gpu_and_a_sweep_lists_what_it_cannot(tmp_path, capsys):
+    predict = _main("predict.__main__")
+    argv = ["--system", "fairscale_fsdp", "--pp", "2", "--model", "cpu-small", "--batch-size", "2",
+            "--micro-batch-size", "1", "--gpu", "H100 SXM"]
+    assert predict(argv) == 0 and "predicted step" in capsys.readouterr().out
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP.replace('"tiny"', '"cpu-small"').replace('layouts = ["1"]', 'layouts = ["P-2"]')
+                     .replace('name = "reference"', 'name = "fairscale_fsdp"\n  [[experiment.systems]]\n'
+                                                    '  name = "torch_pipe"\n  schedule = "zbv"'))
+    assert predict(["sweep", str(sweep), "--gpu", "H100 SXM"]) == 0
+    out = capsys.readouterr()
+    row = next(line.split("|") for line in out.out.splitlines() if line.startswith("| fairscale_fsdp "))
+    assert [c.strip() for c in row][3:5] == ["fp32", "P-2"] and "Traceback" not in out.err
+    assert "not predicted: [a] --system torch_pipe" in out.err and "'zbv' schedule is not modelled" in out.err
+
+
+def test_54_item9_predict_records_keeps_predictions_it_does_not_replace(tmp_path, capsys):
+    from contract.records import predictions_path
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    predictions_path(empty).write_text('{"x": {"not_modelled": "made earlier"}}\n')
+    assert _main("predict.__main__")(["records", str(empty)]) == 0
+    out = capsys.readouterr()
+    assert predictions_path(empty).read_text() == '{"x": {"not_modelled": "made earlier"}}\n'
+    assert "kept as it was" in out.out and "earlier predictions are kept" in out.err
+    assert "nothing written" not in out.out
+
+
+def test_54_items11_24_predict_refuses_an_output_it_cannot_write_before_any_work(tmp_path, capsys, monkeypatch):
+    import predict.seed_tables as seed
+
+    monkeypatch.setattr(seed, "validate", lambda *a, **k: pytest.fail("validate-seed worked before refusing"))
+    f = tmp_path / "out"
+    f.write_text("mine")
+    assert _main("predict.__main__")(["validate-seed", "--out", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "is a file: give a folder" in err and f.read_text() == "mine"
+    monkeypatch.chdir(tmp_path)
+    for name in ("../../x", "/tmp/x", ".hidden", "a/b"):
+        assert _main("predict.__main__")(["validate", "--name", name, str(f)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "a plain name" in err, err
+
+
+def test_54_item14_a_v100_runs_bf16_gemms_at_its_fp32_rate():
+    """V100 has no bf16 units: its bf16 GEMMs run at the fp32 peak and curve, never slower than fp32."""
+    from workload.compute import find_device, gpu_compute
+    from workload.configs import get_model_config
+
+    v100, model = find_device("V100 SXM2 16GB"), get_model_config("gpt3-xl")
+    assert v100.gemm_curve("bf16") == v100.gemm_curve("fp32") and v100.peak_flops("bf16") == v100.peak_flops("fp32")
+    g = {p: gpu_compute(v100, model, p).gemm(2048, 8192, 2048) for p in ("fp32", "bf16")}
+    assert g["bf16"] <= g["fp32"]
+
+
+def test_54_item15_the_calibration_scenario_is_the_calibration_cell():
+    from predict.scenario import load, memory_of
+    from predict.seed_tables import CALIBRATION, calibration_cells
+
+    sc = load(REPO / "predict" / "scenarios" / "seed-gpipe-default.toml")
+    cell = calibration_cells()["fp32"].load()
+    assert CALIBRATION["fp32"] == "gpipe default" and sc.config == cell.config and sc.head == cell.head
+    assert sc.config.optimizer.kind == "sgd" and memory_of(sc).total == memory_of(cell).total
+
+
+def test_54_items19_26_a_one_run_prediction_names_its_precision_and_the_hosts_speed(capsys, monkeypatch):
+    """A one-run prediction on this machine probes the host's speed first (predict records' probe): where
+    it moved beyond the bound from the calibration's, the prediction is stretched and a warning says so."""
+    import predict.this_machine as here
+
+    then = here.load_calibration().identity["speed_tflops"]
+    run = ["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1",
+           "--n-slices", "4"]
+    steps = {}
+    for speed in (1.0, 1 / 3):
+        monkeypatch.setattr(here, "speed_probe", lambda s=speed: then * s)
+        assert _main("predict.__main__")(run) == 0
+        out = capsys.readouterr()
+        assert out.out.startswith("ours tiny fp32 pp=2"), out.out
+        steps[speed] = float(out.out.split("predicted step ")[1].split()[0])
+        assert ("warning: this host runs at 0.33x the speed of its calibration" in out.err) == (speed < 1), out.err
+    assert 2.5 < steps[1 / 3] / steps[1.0] < 3.5

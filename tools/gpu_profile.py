@@ -34,11 +34,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from workload.configs import PRECISIONS
+
 REPO = Path(__file__).resolve().parent.parent
 WIDTHS = {"gpt3-xl": (2048, 16), "gpt3-2.7b": (2560, 32), "gpt3-6.7b": (4096, 32), "gpt3-13b": (5120, 40)}
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 CONTEXTS = (0, 512, 1536)
-PRECISIONS = ("fp32", "bf16", "fp16")
 PARTS = ("gemm", "attention", "layer", "systems")
 SYSTEM_RUNS = {  # label -> the run command's system arguments at one rank
     "reference": ["--system", "reference"],
@@ -240,12 +241,12 @@ def predicted_systems(device, rows: list[dict]) -> list[dict]:
             out.append(r)
             continue
         system = r["label"].split()[0]
-        run = dict(system=system, tp=1, pp=1, dp=1, batch=SYSTEM_BATCH, micro_batch=1, precision="bf16",
-                   attention="flash")
+        run = dict(system=system, model="gpt3-xl", num_layers=SYSTEM_LAYERS, seq_length=2048, batch_size=SYSTEM_BATCH,
+                   micro_batch_size=1, precision="bf16")  # the run's own flags (``common`` above)
         if system == "ours":
             run["n_slices"] = int(r["label"].split("K=")[1])
-        sc = dict(model=dict(layers=SYSTEM_LAYERS, hidden=2048, heads=16, seq_len=2048, vocab=50304),
-                  cluster=dict(gpu=device.path or device.name, nodes=1, gpus_per_node=1), run=run)
+        sc = dict(run=run, cluster=dict(gpu=device.path or device.name, nodes=1, gpus_per_node=1),
+                  predict=dict(attention="flash"))
         pred = predict_scenario(parse(sc, r["label"]))["step_time_s"]
         out.append(dict(r, predicted=pred, error=None if pred is None else pred / r["step"] - 1))
     return out

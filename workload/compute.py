@@ -36,14 +36,12 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from workload.configs import ModelConfig, block_params, norm_params
+from workload.configs import OPTIMIZERS, PRECISIONS, ModelConfig, block_params, norm_params
 from workload.flops import GPU_PEAK_TFLOPS, gpu_model
 
 DEVICES = Path(__file__).resolve().parent / "devices"
-PRECISIONS = ("fp32", "bf16", "fp16")
 ATTENTION = ("flash", "materialized")
-OPTIMIZERS = ("single", "fused")
-UPDATE_RULES = ("adam", "sgd", "sgd_momentum")  # what the optimizer keeps and touches per parameter
+OPTIMIZER_KERNELS = ("single", "fused")
 
 
 @dataclass(frozen=True)
@@ -178,6 +176,12 @@ class Device:
         return (peaks.get(precision) or peaks["fp32"]) * 1e12
 
     def gemm_curve(self, precision: str) -> tuple[float, float]:
+        """(e_max, half) of ``precision``'s GEMMs: its own curve; a precision the part has no peak for
+        runs at the fp32 rate (``peak_flops``), so at fp32's curve too (V100's bf16); bf16 without a
+        curve of its own, fp16's (the same tensor cores)."""
+        peaks = self.peak_tflops or GPU_PEAK_TFLOPS[self.part]
+        if not peaks.get(precision):
+            precision = "fp32"
         g = self.gemm.get(precision) or self.gemm.get("fp16" if precision == "bf16" else "fp32")
         if not g:
             raise DeviceError(f"device file {self.path}: no GEMM efficiency for {precision}")
@@ -198,6 +202,48 @@ class Device:
 
 
 _REQUIRED = ("name", "part", "memory_gb", "bandwidth_gbs", "sms", "gemm")
+# A device file's numbers: (field, the least it may be, whether it may be that least, an integer).
+_BOUNDS = (("memory_gb", 0.0, False, False), ("bandwidth_gbs", 0.0, False, False), ("sms", 1, True, True),
+           ("memory_efficiency", 0.0, False, False), ("kernel_us", 0.0, True, False), ("host_op_us", 0.0, True, False),
+           ("reserved_gb", 0.0, True, False))
+
+
+def _is_number(v, integer: bool = False) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int if integer else (int, float)) and math.isfinite(v)
+
+
+def _check_fields(d: dict, path: Path) -> None:
+    """DeviceError (one line) for a field of the wrong kind or out of its range."""
+    for key in ("name", "part"):
+        if not isinstance(d[key], str):
+            raise DeviceError(f"device file {path}: {key} must be a string, got {d[key]!r}")
+    for key, least, inclusive, integer in _BOUNDS:
+        v = d.get(key, least if inclusive else 1)
+        if not _is_number(v, integer) or v < least or (v == least and not inclusive):
+            what = "a whole number" if integer else "a finite number"
+            raise DeviceError(f"device file {path}: {key} must be {what} {'>=' if inclusive else '>'} {least:g}, "
+                              f"got {v!r}")
+    if d.get("memory_efficiency", 0.8) > 1:
+        raise DeviceError(f"device file {path}: memory_efficiency is a share of the bandwidth, at most 1, "
+                          f"got {d['memory_efficiency']!r}")
+    if d.get("reserved_gb", 0.75) >= d["memory_gb"]:
+        raise DeviceError(f"device file {path}: reserved_gb {d.get('reserved_gb', 0.75)!r} leaves nothing of "
+                          f"memory_gb {d['memory_gb']!r}")
+    curves = d["gemm"]
+    if not isinstance(curves, dict) or not curves or not all(isinstance(c, dict) for c in curves.values()):
+        raise DeviceError(f"device file {path}: gemm must map each precision to {{\"efficiency\": e, \"half\": k}}, "
+                          f"got {curves!r}")
+    for prec, c in curves.items():
+        e, h = c.get("efficiency"), c.get("half", 32.0)
+        if prec not in PRECISIONS or not _is_number(e) or not _is_number(h) or not (0 < e <= 1 and h > 0):
+            raise DeviceError(f"device file {path}: gemm {prec!r}: a precision ({', '.join(PRECISIONS)}) with an "
+                              f"efficiency in (0, 1] and a half > 0, got {c!r}")
+    peaks = d.get("peak_tflops")
+    if peaks is not None and not (isinstance(peaks, dict) and all(_is_number(v) and v > 0 for v in peaks.values())):
+        raise DeviceError(f"device file {path}: peak_tflops must map precisions to peaks > 0, got {peaks!r}")
+    for key in ("calibrated_on", "sources"):
+        if not isinstance(d.get(key, {}), dict):
+            raise DeviceError(f"device file {path}: {key} must be an object, got {d[key]!r}")
 
 
 def read_data(path: Path, what: str, error: type[Exception], parse=json.loads):
@@ -224,18 +270,14 @@ def read_device(path: str | Path) -> Device:
     missing = [k for k in _REQUIRED if k not in d]
     if missing:
         raise DeviceError(f"device file {path} lacks {', '.join(missing)}")
+    _check_fields(d, path)
     if d["part"] not in GPU_PEAK_TFLOPS:
         raise DeviceError(f"device file {path}: unknown part {d['part']!r} (known: {', '.join(GPU_PEAK_TFLOPS)})")
     fields = {k: v for k, v in d.items() if k in Device.__dataclass_fields__ and k != "path"}
     try:
-        dev = Device(**fields, path=str(path))
+        return Device(**fields, path=str(path))
     except TypeError as exc:
         raise DeviceError(f"device file {path}: {exc}") from None
-    for p in PRECISIONS:
-        e, h = dev.gemm_curve(p) if (dev.gemm.get(p) or dev.gemm.get("fp32")) else (None, None)
-        if e is not None and not (0 < e <= 1 and h > 0):
-            raise DeviceError(f"device file {path}: GEMM efficiency for {p} must lie in (0, 1], got {e}")
-    return dev
 
 
 def device_files() -> list[Path]:
@@ -332,10 +374,10 @@ class GpuCompute(ComputeModel):
             raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.attention not in ATTENTION:
             raise DeviceError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
-        if self.optimizer_kind not in OPTIMIZERS:
-            raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer_kind!r}")
-        if self.update_rule not in UPDATE_RULES:
-            raise DeviceError(f"update rule must be one of {', '.join(UPDATE_RULES)}, got {self.update_rule!r}")
+        if self.optimizer_kind not in OPTIMIZER_KERNELS:
+            raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZER_KERNELS)}, got {self.optimizer_kind!r}")
+        if self.update_rule not in OPTIMIZERS:
+            raise DeviceError(f"update rule must be one of {', '.join(OPTIMIZERS)}, got {self.update_rule!r}")
 
     # -- primitives ------------------------------------------------------------------------------
     @property

@@ -107,11 +107,23 @@ def count_params(cfg: ModelConfig, include_embeddings: bool = False) -> int:
     return n
 
 
+# The precision policies (``RunConfig.precision``): every system runs each, the compute and memory
+# models charge each (``workload.training`` holds what each means).
+PRECISIONS = ("fp32", "bf16", "fp16")
+# The optimizers every system runs (``OptimizerConfig.kind``; ``workload.training.make_optimizer``): Adam,
+# plain SGD (no state), SGD with momentum ``SGD_MOMENTUM`` (one buffer a parameter: the seed's Megatron
+# runs, apex's FusedSGD with Megatron's default momentum). What each keeps and touches per parameter is
+# what the compute and memory models charge (``workload.compute``, ``workload.memory``).
+OPTIMIZERS = ("adam", "sgd", "sgd_momentum")
+SGD_MOMENTUM = 0.9
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The same optimizer for every system (Megatron's distributed optimizer takes only Adam)."""
 
-    kind: str = _flag("adam | sgd", "--optimizer", dest="optimizer", default="adam")
+    kind: str = _flag(" | ".join(OPTIMIZERS) + f" (SGD with momentum {SGD_MOMENTUM:g})", "--optimizer",
+                      dest="optimizer", default="adam")
     lr: float = _flag("learning rate", "--lr", default=1e-4)
     beta1: float = 0.9
     beta2: float = 0.95

@@ -111,6 +111,36 @@ def model_peak(ops: list[Op], times: list[float]) -> float:
     return sum(op.flops * op.count for op in ops) / sum(t * op.count for t, op in zip(times, ops)) / 1e12
 
 
+def host_ops() -> list[Op]:
+    """The host's speed, as every check of it times it: cpu-small's operations at one sequence of 256
+    tokens (a whole step's in tens of milliseconds on one thread): the speed probe of a calibration
+    (``predict.this_machine.speed_probe``, the best of trials) and the cores a benchmark finds at once
+    (``bench.machine``, sustained over seconds)."""
+    from workload.configs import get_model_config
+
+    return model_ops(get_model_config("cpu-small").with_overrides(seq_len=256), 1)
+
+
+def sustained_tflops(ops: list[Op], seconds: float) -> float:
+    """One thread's model-FLOP rate (TFLOP/s) running ``ops`` round after round for ``seconds`` (at least
+    one round, after an untimed one): the rate it gets while the host is shared, not its best."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for op in ops:
+            op.run()
+        flops, began = 0.0, time.perf_counter()
+        while True:
+            for op in ops:
+                for _ in range(op.count):
+                    op.run()
+            flops += sum(op.flops * op.count for op in ops)
+            if (elapsed := time.perf_counter() - began) >= seconds:
+                return flops / elapsed / 1e12
+    finally:
+        torch.set_num_threads(threads)
+
+
 @contextmanager
 def _locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)

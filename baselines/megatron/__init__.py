@@ -35,12 +35,14 @@ class MegatronOptions(PipelineOptions):
         if config.model.n_kv_head % config.tp:
             raise ConfigError(f"megatron splits the key/value heads over --tp {config.tp}: --kv-heads "
                               f"{config.model.n_kv_head} must divide by it")
-        if config.model.vocab_size % config.tp:
-            raise ConfigError(f"megatron splits the vocabulary over --tp {config.tp}: --vocab-size "
-                              f"{config.model.vocab_size} must divide by it")
         if self.schedule == "interleaved" and config.n_micro_batches % config.pp:
             raise ConfigError(f"megatron's interleaved schedule needs the micro-batch count ({config.n_micro_batches}) "
                               f"to divide by --pp {config.pp}")
+
+    def check_build(self, config: RunConfig) -> None:
+        if config.model.vocab_size % config.tp:  # Megatron-LM pads it (make_vocab_size_divisible_by x tp)
+            raise ConfigError(f"megatron splits the vocabulary over --tp {config.tp}: --vocab-size "
+                              f"{config.model.vocab_size} must divide by it")
 
 
 def label(options: MegatronOptions) -> str:

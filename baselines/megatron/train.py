@@ -13,7 +13,7 @@ the fused kernels are CUDA's); an untied output layer either way. Its weights ar
 ``baselines.megatron_convert``. Training uses megatron's ``get_forward_backward_func()`` (1F1B, or
 the interleaved 1F1B with ``--schedule interleaved``: ``virtual_pp`` model chunks per rank),
 megatron's DistributedDataParallel (fp32 grad buffers, all-reduce averaged over DP in
-``finalize_model_grads``) and megatron's optimizer (Adam, or SGD without momentum, with the
+``finalize_model_grads``) and megatron's optimizer (Adam, or SGD with or without momentum, with the
 shared hyperparameters, no weight decay, no clipping).
 
 Loss: the model returns per-token losses; each micro-batch's loss is their mean and megatron's
@@ -75,7 +75,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from baselines.megatron import convert as conv  # noqa: E402
 from contract import RunConfig  # noqa: E402
 from contract.rank import Context, Measurements, StepOutput, run_steps  # noqa: E402
-from workload.configs import ModelConfig  # noqa: E402
+from workload.configs import SGD_MOMENTUM, ModelConfig  # noqa: E402
 from workload.model import GPT, init_weights  # noqa: E402
 from workload.training import LOSS_SCALING, compute_dtype  # noqa: E402
 
@@ -304,8 +304,9 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
         c.start_param_sync = timed(c.start_param_sync)
     opt_cfg = cfg.optimizer
     opt_config = OptimizerConfig(
-        optimizer=opt_cfg.kind, lr=opt_cfg.lr, min_lr=opt_cfg.lr, weight_decay=0.0, adam_beta1=opt_cfg.beta1,
-        adam_beta2=opt_cfg.beta2, adam_eps=opt_cfg.eps, sgd_momentum=0.0, clip_grad=0.0, fp16=config.fp16,
+        optimizer="adam" if opt_cfg.kind == "adam" else "sgd", lr=opt_cfg.lr, min_lr=opt_cfg.lr, weight_decay=0.0,
+        adam_beta1=opt_cfg.beta1, adam_beta2=opt_cfg.beta2, adam_eps=opt_cfg.eps,
+        sgd_momentum=SGD_MOMENTUM if opt_cfg.kind == "sgd_momentum" else 0.0, clip_grad=0.0, fp16=config.fp16,
         bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
         # fp16's loss scaling as every system's (megatron's defaults: 2^32, halved after 2 overflows in a row)
         initial_loss_scale=LOSS_SCALING["init_scale"], loss_scale_window=LOSS_SCALING["growth_interval"],

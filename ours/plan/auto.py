@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ours.plan.latency import StageLink
+from contract.links import Link
 from ours.plan.planner import plan_for
 from workload.compute import ComputeModel, CpuCompute, Device, DeviceError, GpuCompute, default_attention, find_device
 from workload.configs import ModelConfig
@@ -63,7 +63,7 @@ def host_device(peak_tflops: float) -> Device:
                   host_op_us=15.0, reserved_gb=0.0, peak_tflops={"fp32": peak_tflops})
 
 
-def compute_model(config, device) -> tuple[ComputeModel, StageLink | None, str]:
+def compute_model(config, device) -> tuple[ComputeModel, Link | None, str]:
     """(compute model, link between stages, its name) of ``config``'s run on ``device`` (a torch.device,
     or "cpu" / "cuda")."""
     m = config.model
@@ -83,7 +83,7 @@ def compute_model(config, device) -> tuple[ComputeModel, StageLink | None, str]:
     if path is not None:
         prof = json.loads(path.read_text())
         fit = prof.get("p2p_fit") or {}
-        link = StageLink(fit.get("latency", 0.0), fit.get("bandwidth", float("inf"))) if fit else None
+        link = Link(max(0.0, fit.get("latency", 0.0)), fit.get("bandwidth", float("inf"))) if fit else None
         return CpuCompute(prof), link, f"profile {path.name}"
     from workload.cpu_peak import cpu_peak_tflops
 

@@ -17,42 +17,34 @@ T = M sum_i t_i + (P - 1) max_i t_i (``ours.plan.solve``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
+from contract.links import Link
 from workload.compute import ComputeModel
 
 BYTES_PER_ELEMENT = 4  # ours sends fp32 activations unless --wire-dtype says otherwise
+# Megatron-style tensor parallelism (``ours.tp``, megatron): a layer's all-reduces in each pass, one after
+# attention and one after the MLP; a step runs its forward, its backward and, under recompute, the forward
+# again.
+TP_ALLREDUCES_PER_PASS = 2
 
 
-@dataclass(frozen=True)
-class StageLink:
-    """The link a stage sends its slices over: one-way latency (s) and bandwidth (bytes/s)."""
-
-    latency: float = 0.0
-    bandwidth: float = math.inf
-
-    def time(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-
-def ring_allreduce(link: StageLink, n: int, nbytes: float) -> float:
-    """A ring all-reduce of ``nbytes`` over ``n`` ranks joined by ``link``: 2(n - 1) steps of nbytes / n."""
-    return 2 * (n - 1) * (link.latency + nbytes / n / link.bandwidth) if n > 1 else 0.0
+def tp_allreduces(layers: int, recompute: bool) -> int:
+    """The tensor-parallel all-reduces of ``layers`` layers in one step (forward, backward, recompute)."""
+    return layers * TP_ALLREDUCES_PER_PASS * (3 if recompute else 2)
 
 
 def slice_time(cm: ComputeModel, hidden: int, b: int, l: int, c: int, *, layers: int, n_stages: int, tp: int = 1,
-               recompute: bool = False, link: StageLink | None = None, element_bytes: int = BYTES_PER_ELEMENT,
-               tp_link: StageLink | None = None, act_bytes: int = 4) -> float:
+               recompute: bool = False, link: Link | None = None, element_bytes: int = BYTES_PER_ELEMENT,
+               tp_link: Link | None = None, act_bytes: int = 4) -> float:
     """t(b, l, c) of one slice on one stage (see the module docstring); with ``tp_link``, the tensor-parallel
-    group's all-reduces of the slice's activations (two per layer forward, two backward, two more under
-    recompute), each a ring over the group."""
+    group's all-reduces of the slice's activations (``tp_allreduces``), each a ring over the group."""
     t = layers * cm.layer_step(b, l, c, tp, recompute)
     if tp > 1 and tp_link is not None:
-        t += layers * (4 + (2 if recompute else 0)) * ring_allreduce(tp_link, tp, b * l * hidden * act_bytes)
+        t += tp_allreduces(layers, recompute) * tp_link.collective("allreduce", tp, b * l * hidden * act_bytes)
     if n_stages > 1 and link is not None:
-        t += 2 * link.time(b * l * hidden * element_bytes)
+        t += 2 * link.transfer(b * l * hidden * element_bytes)
     return t
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ours import uniform_slices
-from ours.plan.latency import StageLink
+from contract.links import Link
 from ours.plan.planner import divisors, pipeline_time, plan
 from workload.compute import ComputeModel
 from workload.configs import ModelConfig
@@ -95,7 +95,7 @@ def _shape(seq_len: int, layers: int) -> ModelConfig:
     return ModelConfig("synthetic", layers, 64, 4, seq_len, 128)
 
 
-LINK = StageLink(2e-4, 1e8)
+LINK = Link(2e-4, 1e8)
 
 
 @pytest.mark.parametrize("P,B", [(1, 2), (2, 1), (2, 4), (4, 2), (3, 6)])

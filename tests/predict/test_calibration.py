@@ -12,7 +12,8 @@ from workload.compute import CpuCompute, Overheads, Table3, gpu_compute
 from predict.from_config import spec_from_config
 from predict.this_machine import local_link
 from predict.step_time import predict
-from predict.run_spec import Link, RunSpec
+from contract.links import Link
+from predict.run_spec import RunSpec
 from workload.configs import ModelConfig
 
 TOY = ModelConfig("toy", n_layer=4, n_embd=64, n_head=4, seq_len=64, vocab_size=128)

@@ -32,7 +32,7 @@ def test_every_cell_is_a_scenario_and_calibration_cells_are_not_scored(result):
     assert s["oom_predicted"] >= 8  # at least 80 % of the seed's Fail (OOM) cells
     # the optimizers the seed's scripts ran: DT-FM's GPipe and torch's Pipe plain SGD, Megatron's FusedSGD
     expected = {"gpipe": "sgd", "torch_pipe": "sgd", "megatron": "sgd_momentum"}
-    assert all(c.load().optimizer == expected[c.load().system] for c in cells())
+    assert all(c.load().config.optimizer.kind == expected[c.load().system] for c in cells())
 
 
 def test_the_device_file_is_what_its_calibration_cells_give():

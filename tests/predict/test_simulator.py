@@ -9,7 +9,8 @@ import pytest
 from workload.compute import ComputeModel, Overheads
 from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Simulator, Wait
 from predict.step_time import predict
-from predict.run_spec import Link, RunSpec
+from contract.links import Link
+from predict.run_spec import RunSpec
 from workload.configs import ModelConfig
 
 MODEL = ModelConfig("toy", n_layer=6, n_embd=64, n_head=4, seq_len=128, vocab_size=128)

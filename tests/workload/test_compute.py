@@ -78,7 +78,8 @@ def test_one_compute_model_for_the_simulator_the_latency_model_the_layout_and_au
     from contract import RunConfig
     from ours import OursOptions
     from ours.plan.auto import auto_slicing
-    from predict.run_spec import Cluster as SimCluster, Link, RunSpec
+    from contract.links import Link
+    from predict.run_spec import Cluster as SimCluster, RunSpec
     from predict.step_time import predict
 
     model = XL.with_overrides(n_layer=4)
