@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torchft.checkpointing.pg_transport import PGTransport
 from torchft.coordination import LighthouseClient
 from torchft.local_sgd import DiLoCo
 from torchft.manager import REPLICA_ID_KEY, Manager
@@ -85,7 +86,11 @@ def make_manager(cfg: RunConfig, ctx: Context, dp_rank: int, pp_rank: int) -> tu
         use_async_quorum=False,
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=pp_rank, world_size=P,
         store_addr=store_address, store_port=store_port, replica_id=f"diloco_{dp_rank}", hostname=address,
-        heartbeat_interval=HEARTBEAT, init_sync=False)
+        heartbeat_interval=HEARTBEAT, init_sync=False,
+        # a replica that heals receives its state over the manager's own process group (as torchft's
+        # train_ddp example does): its HTTP transport would advertise the machine's host name, which a
+        # virtual host shares with the others
+        checkpoint_transport=PGTransport(pg, timeout=timeout, device=ctx.device))
     return manager, store
 
 
@@ -154,10 +159,8 @@ def rejoin(inner: torch.optim.Optimizer, state: ReplicaState, o: DiLoCoOptions) 
     too (torchft's own path: it joins the others' next quorum, heals from one of them, and prepares
     its fragment with them). Returns the step the others were running then: this replica's steps go
     on from the next one, in step with theirs."""
-    with warnings.catch_warnings():  # torch, of the state it heals from: "The given buffer is not writable"
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        for _ in range(o.inner_steps // o.fragments - o.sync_delay):
-            inner.step()
+    for _ in range(o.inner_steps // o.fragments - o.sync_delay):
+        inner.step()
     if state.step is None:
         raise RuntimeError("the rejoining replica joined a quorum without healing from another replica "
                            "(the others had no outer step to heal it from)")
@@ -212,8 +215,18 @@ def replica_average(cfg: RunConfig, ctx: Context, pp_rank: int) -> dist.ProcessG
     return mine
 
 
+def quiet_torchft() -> None:
+    """torchft's errors only (e.g. not "Unable to reset NCCL flight recorder" on gloo), and not torch's
+    warnings of what torchft's checkpoint transport does to heal a replica (bytes it only reads, a
+    deprecated pytree check): nothing the run can change."""
+    logging.getLogger("torchft").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+
+
 def train(cfg: RunConfig, ctx: Context) -> Measurements:
-    logging.getLogger("torchft").setLevel(logging.ERROR)  # e.g. "Unable to reset NCCL flight recorder" on gloo
+    quiet_torchft()
     o: DiLoCoOptions = cfg.options
     P, D = cfg.pp, cfg.dp
     # the whole run in one world (rank = replica x P + stage), or this replica alone in its own
