@@ -154,9 +154,9 @@ def learned_short(source: str, vocab_size: int) -> str | None:
     if learned >= vocab_size:
         return None
     return (f"--vocab-size {vocab_size}: the BPE trained on {source}'s training split learned only {learned} tokens "
-            f"(its text has no more pairs seen {BPE_SETTINGS['min_frequency']} times to merge), so a model of "
-            f"{vocab_size} rows would be timed with {vocab_size - learned} no token uses: give --vocab-size {learned} "
-            "or a larger text")
+            f"(its text has no more pairs seen {BPE_SETTINGS['min_frequency']} times to merge), so the model would "
+            f"be built and timed with {vocab_size - learned} vocabulary rows no token uses: give --vocab-size "
+            f"{learned} or a larger text")
 
 
 @lru_cache(maxsize=4)
