@@ -157,7 +157,11 @@ class Agents:
         return p
 
     def mute(self) -> None:
-        """What the agents print from now on goes to the record, not the terminal (they are being stopped)."""
+        """What the agents print from now on goes to the record, not the terminal (they are being
+        stopped); the output of those that have ended is read to its end first (it is the run's)."""
+        for (_, p), pump in zip(self.procs, self.pumps):
+            if p.poll() is not None:
+                pump.join(timeout=2)
         self.withheld.mute()
 
     def stop(self, procs: list[subprocess.Popen] | None = None) -> None:
@@ -196,8 +200,9 @@ def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result
                 time.sleep(2.0)  # torchrun stops its own workers first, writing their error files
                 break
             time.sleep(0.1)
-    finally:  # what the stopping agents and ranks print (an interruption's too) is noise: the record keeps it
-        started.mute()
+    finally:  # what agents being stopped print (an interruption's too) is noise: the record keeps it
+        if any(p.poll() is None for _, p in started.procs):
+            started.mute()
         started.stop()
         if replicas is not None:
             replicas.close()
