@@ -181,7 +181,8 @@ class RunConfig:
     kill_replica: str | None = option(None, "replica R's ranks (rank R at --dp 1) are killed after STEP steps: a "
                                             "synchronous system ends as error, diloco goes on with the others",
                                       group=FAULTS, parse=_kill_replica, metavar="R@STEP")
-    rejoin: bool = option(False, "start the killed replica again: it rejoins the others (diloco)", group=FAULTS)
+    rejoin: bool = option(False, "a standby of the killed replica, started with the run, takes its place: it "
+                                 "rejoins the others at their next quorum (diloco)", group=FAULTS)
     verify: bool = option(False, "also train the single-process reference and compare losses and gradients",
                           group=RUN, identity=False)
     no_link_probe: bool = option(False, "under --network on one machine: start the ranks without first probing the "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec, option
 from contract.cli import Parser, old_names
+from contract.config import FAULTS
 from contract.registry import get_system, systems
 from network_emulation.profiles import MatrixProfile, ProfileError, check_emulable, parse_profile
 from network_emulation.traces import load_trace, trace_from
@@ -88,11 +89,24 @@ def _flags(f: dataclasses.Field) -> tuple[str, ...]:
     return tuple(f.metadata.get("flags") or ()) or ("--" + f.name.replace("_", "-"),)
 
 
+class _Once(argparse.Action):
+    """A flag a run takes once (a fault: a second --kill-replica would silently replace the first):
+    given twice, a one-line error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "_given_" + self.dest, False):
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): a run takes "
+                         f"one {option_string}")
+        setattr(namespace, "_given_" + self.dest, True)
+        setattr(namespace, self.dest, values)
+
+
 def _add_flag(group, f: dataclasses.Field, hint, *, dest: str, help: str | None, default=argparse.SUPPRESS,
               choices=None, required: bool = False, default_said: str | None = None) -> None:
     """One field as a flag: a switch for a bool, else a value parsed as the field declares. Its first
     flag is its name; the others are old names, kept for one release (its help says so). Its help ends
-    with its default (``contract.cli``), or ``default_said`` where that is not a value."""
+    with its default (``contract.cli``), or ``default_said`` where that is not a value. A fault's value
+    is given once (``_Once``)."""
     flags = _flags(f)
     if help:
         help += old_names(flags)
@@ -106,6 +120,8 @@ def _add_flag(group, f: dataclasses.Field, hint, *, dest: str, help: str | None,
     else:
         kwargs.update(type=_parse_with(f.metadata.get("parse") or _flag_type(hint), flags[0]),
                       metavar=f.metadata.get("metavar") or _dest(f).upper())
+        if f.metadata.get("group") == FAULTS:
+            kwargs.update(action=_Once)
     group.add_argument(*flags, required=required, **kwargs)
 
 
@@ -580,6 +596,26 @@ def _check_environment(cfg: RunConfig, out: str | None) -> None:
         if have is not None and size > have:  # one byte a token, the file mapped once for every rank
             raise ConfigError(f"--data {cfg.data}: its {size / 2**30:.1f} GiB of byte tokens do not fit this "
                               f"machine's memory ({have / 2**30:.1f} GiB)")
+    _check_cache(cfg)
+
+
+def _check_cache(cfg: RunConfig) -> None:
+    """The suite's cache keeps what the run needs (a CPU's peak, a BPE's tokens: ``workload.cache``);
+    a BPE is made there now (or checked, and made again if damaged), and must have learned every
+    token of --vocab-size."""
+    from workload.cache import CacheError, cache_dir, writable
+
+    try:
+        if cfg.device != "cuda":  # the CPU's peak is measured once and kept (workload.cpu_peak)
+            writable(cache_dir())
+        if cfg.data is not None and cfg.tokenizer == "bpe":
+            from workload.tokens import learned_short
+
+            short = learned_short(cfg.data, cfg.model.vocab_size)
+            if short:
+                raise ConfigError(f"--tokenizer bpe {short}")
+    except CacheError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> RunConfig:

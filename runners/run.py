@@ -165,6 +165,7 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> tuple[Run
             env["faults"] = result.faults
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
+        record.withheld_output = result.withheld
     finally:
         result.remove_run_dir()
     return record, verification
@@ -255,6 +256,8 @@ def _run(cfg: RunConfig, spec: SystemSpec, placement: Placement, out: str | None
         print(f"{prog}: interrupted by {signal.Signals(signum).name}: ranks stopped, no record written",
               file=sys.stderr)
         return 128 + signum
+    for warning in record.warnings:
+        print(f"{prog}: warning: {warning}", file=sys.stderr)
     print(summary(record, placement.node_rank == 0))
     if verification is not None:
         print(verification.line())

@@ -534,3 +534,39 @@ def test_54_items19_26_a_one_run_prediction_names_its_precision_and_the_hosts_sp
         steps[speed] = float(out.out.split("predicted step ")[1].split()[0])
         assert ("warning: this host runs at 0.33x the speed of its calibration" in out.err) == (speed < 1), out.err
     assert 2.5 < steps[1 / 3] / steps[1.0] < 3.5
+
+
+# ---- issue #54, the run side's faults (items 2, 4, 5, 7, 8, 13, 22, 25): the requests refused here; the
+# records, the cache, the terminal and the rejoin are tested beside their modules (tests/runners/test_records.py,
+# tests/runners/test_output.py, tests/workload/test_tokens.py, tests/runners/test_injected_faults.py)
+
+DILOCO_KILL = [*DILOCO, "--dp", "2", "--inner-steps", "2", "--steps", "8"]
+RUN_SIDE_REFUSED = [
+    (7, "runners.run", [*OURS, "--network", "{BINARY}"], "matrix profile '{BINARY}' is not UTF-8 text (byte 0xff"),
+    (7, "predict.__main__", [*OURS, "--network", "{BINARY}"], "matrix profile '{BINARY}' is not UTF-8 text"),
+    (7, "runners.run", [*OURS, "--network", "delay 1ms bandwidth 1Gbps", "--network-trace", "{BINARY}"],
+     "trace '{BINARY}' is not UTF-8 text"),
+    (13, "runners.run", [*DILOCO_KILL, "--kill-replica", "1@3", "--kill-replica", "0@5"],
+     "--kill-replica given twice (1@3 and 0@5): a run takes one --kill-replica"),
+    (13, "runners.run", [*OURS, "--slow-rank", "1:2", "--slow-rank", "0:3"], "--slow-rank given twice"),
+    (4, "runners.run", [*DILOCO_KILL, "--kill-replica", "1@1", "--rejoin"],
+     "replica 1 dies before the first outer step (after step 2)"),
+    (4, "runners.run", [*DILOCO_KILL, "--kill-replica", "1@9", "--rejoin"],
+     "the others' next quorum after it dies comes at step 10 of 10, too late to rejoin"),
+]
+
+
+@pytest.mark.parametrize("item, module, argv, says", RUN_SIDE_REFUSED,
+                         ids=[f"item{c[0]}-{c[1].split('.')[0]}-{i}" for i, c in enumerate(RUN_SIDE_REFUSED)])
+def test_run_side_requests_are_refused_in_one_line(tmp_path, capsys, monkeypatch, item, module, argv, says):
+    """Item 7: a --network or --network-trace file that is not UTF-8 was a UnicodeDecodeError before
+    launch; item 13: a second --kill-replica replaced the first without a word; item 4: a --rejoin that
+    could not happen was run and reported as rejoining."""
+    binary = tmp_path / "x.json"
+    binary.write_bytes(b'\xff\xfe{"delay_ms": 1}')
+    monkeypatch.chdir(REPO)
+    status = _exit_status(_main(module), [a.format(BINARY=binary) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and says.format(BINARY=binary) in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]

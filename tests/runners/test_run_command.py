@@ -109,11 +109,14 @@ def test_timeout_records_timeout_and_leaves_no_process(out_file):
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(4)
     family = _descendants(proc.pid)
-    proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     (rec,) = read_records(out_file)
     assert rec["status"] == "timeout" and "timed out" in rec["error"]
     assert _alive(family) == []
+    # issue #54 item 22: what the stopped torchrun and ranks print (torchrun's traceback) is the record's
+    assert "Traceback" not in err and out.strip() == "reference: timeout: timed out after 8 s", err[-3000:]
+    assert "SignalException" in rec["withheld_output"]
 
 
 @pytest.mark.multiprocess
