@@ -192,7 +192,8 @@ class _Step:
         if c is not None and c.inter is not None and len(group) > coll.MAX_RING:
             on_node = sum(1 for g in group if self.net.host(g) == self.net.host(rank))
             link = c.crossing(min(on_node, max(1, c.nics_per_node // self.tp)))  # each of tp rings its own cards
-        return coll.collective(self.net.transport, op, group, rank, key, nbytes, link, kind, host)
+        card = (lambda r: self.net.cards[self.net.gpus_of(r)]) if self.net.cards is not None else None
+        return coll.collective(self.net.transport, op, group, rank, key, nbytes, link, kind, host, card)
 
 
 def _key(step: int, *parts) -> tuple:

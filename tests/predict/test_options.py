@@ -86,24 +86,25 @@ def test_the_distributed_optimizer_shards_its_state_and_replaces_the_all_reduce(
 
 
 def test_overlap_grad_reduce_hides_the_dp_collectives_behind_the_backward():
-    """Over a slow link between the nodes (the replicas on different nodes): the buckets' collectives
-    leave as the last backward finishes them, the same bytes, a shorter step, less DP wait; the
-    parameter all-gather behind the next forward shortens it again."""
-    slow = dict(inter_gbps=25)
-    runs = {"plain": scenario(run=dict(distributed_optimizer=True), cluster=slow),
-            "grad": scenario(run=dict(distributed_optimizer=True, overlap_grad_reduce=True), cluster=slow),
-            "both": scenario(run=dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
-                             cluster=slow)}
+    """T-2 D-4, a node of 2 GPUs per replica, one micro-batch: the buckets' collectives leave as the
+    backward finishes them (the same bytes, a shorter step, less DP wait); the parameter all-gather
+    behind the next forward shortens it again."""
+    layout, slow = dict(pp=1, dp=4, batch_size=4, micro_batch_size=4), dict(nodes=4, gpus_per_node=2)
+    runs = {k: scenario(run=dict(layout, distributed_optimizer=True, **extra), cluster=slow)
+            for k, extra in (("plain", {}), ("grad", dict(overlap_grad_reduce=True)),
+                             ("both", dict(overlap_grad_reduce=True, overlap_param_gather=True)))}
     res = {k: predict_scenario(parse(d)) for k, d in runs.items()}
     assert res["both"]["step_time_s"] < res["grad"]["step_time_s"] < res["plain"]["step_time_s"]
-    assert res["grad"]["parts"]["dp_sync"] < res["plain"]["parts"]["dp_sync"]
+    assert res["both"]["parts"]["dp_sync"] < res["grad"]["parts"]["dp_sync"] < res["plain"]["parts"]["dp_sync"]
     assert {k: dp_sends(d)[1] for k, d in runs.items()} == pytest.approx({k: dp_sends(runs["plain"])[1] for k in runs})
-    # buckets of up to 40M parameters over the last stage (T-2): its output layer and norm, then its 4 layers of 25M
+    # buckets of up to 40M parameters (T-2): the output layer and final norm, each of the 8 layers of 25M, the
+    # embeddings (tokens split, positions whole), in the order the backward finishes them
     sc = parse(runs["grad"])
     spec = spec_of(sc)
     st = _Step(spec, compute_of(sc), network_of(spec), 0)
     layer = stage_params(spec.model, 1, False, False, 2)
-    assert _MegatronDDP(st, 1).buckets[0] == [(32000 * 2048 // 2 + 2 * 2048, 0)] + [(layer, u) for u in range(1, 5)]
+    assert _MegatronDDP(st, 0).buckets[0] == [(32000 * 2048 // 2 + 2 * 2048, 0)] + [(layer, u) for u in range(1, 9)] \
+        + [(32000 * 2048 // 2 + 2048 * 2048, 9)]
 
 
 def test_tp_comm_overlap_hides_tensor_parallel_time_up_to_the_gemms():
@@ -143,6 +144,11 @@ def test_a_network_card_per_gpu_speeds_collectives_across_nodes():
     one, rail = run(1, tp=8, dp=2), run(8, tp=8, dp=2)
     assert rail["dp"] < one["dp"] / 4
     assert run(8, tp=16, dp=1, num_heads=16)["tp_comm"] < run(1, tp=16, dp=1, num_heads=16)["tp_comm"] / 2  # + delays
+    # torch_pipe D-16 (FSDP over 16 GPUs, 8 a node): one ring, several GPUs of a node on it: a channel a card
+    fsdp = {nics: detail(scenario(run=dict(system="torch_pipe", tp=1, pp=1, dp=16, batch_size=1, num_layers=2),
+                                  cluster=dict(nodes=2, gpus_per_node=8, inter_gbps=100, nics_per_node=nics)))
+            for nics in (1, 8)}
+    assert fsdp[8]["fsdp"] < fsdp[1]["fsdp"] / 4
     with pytest.raises(ScenarioError, match="must divide gpus_per_node"):
         parse(scenario(cluster=dict(nics_per_node=3)))
 
@@ -179,3 +185,12 @@ def test_the_llama_scenarios_parse_and_predict(path):
     res = predict_scenario(load(path))
     assert res["status"] in ("ok", "oom") and res["memory_gb"] > 0
     assert (res["step_time_s"] is None) == (res["status"] == "oom")
+
+
+def test_ours_on_the_llama_family_is_refused_in_a_scenario_as_in_a_run():
+    """ours' engine does not run the family yet: its options refuse it, and a prediction of it too (its
+    program's per-linear weight gradients and messages are those of its gpt engine)."""
+    d = copy.deepcopy(load(SCENARIOS / "llama3-8b-8xh100-torch_pipe.toml").source)
+    d["run"] = dict(system="ours", model="llama3-8b", pp=4, batch_size=64, micro_batch_size=1, precision="bf16")
+    with pytest.raises(ScenarioError, match="ours does not run the llama family"):
+        parse(d)
