@@ -7,7 +7,7 @@ from contract import RunConfig
 from contract.registry import get_system
 from network_emulation.profiles import LinkSpec, link_classes, parse_profile
 from contract.links import Link
-from predict.run_spec import MODELLED, Cluster, RunSpec
+from predict.run_spec import MEGATRON_ONLY, MODELLED, Cluster, RunSpec
 
 CALIBRATED = ("torch_pipe", "megatron", "ours")  # the systems this machine's calibration fits
 
@@ -55,6 +55,11 @@ def sync_of(cfg: RunConfig) -> str:
     return mode if cfg.system == "ours" else "allreduce"
 
 
+def megatron_options(cfg: RunConfig) -> dict:
+    """RunSpec's megatron-only fields (``MEGATRON_ONLY``) from the run's options of the same names."""
+    return {name: getattr(cfg.options, name) for name in MEGATRON_ONLY if hasattr(cfg.options, name)}
+
+
 def _ours_slices(cfg: RunConfig, link: Link, compute) -> tuple[int, ...]:
     o = cfg.options
     if o.search:
@@ -89,26 +94,33 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", comput
         slices = (cfg.model.seq_len,)
     if compute is None and cfg.precision != "fp32":
         raise NotModelled(f"--precision {cfg.precision} on this machine: its calibration is of fp32 runs")
+    mine = megatron_options(cfg)
+    if compute is None and cfg.recompute and mine.get("recompute_granularity") == "selective":
+        raise NotModelled("--recompute-granularity selective on this machine: its profile times a layer whole, not "
+                          "its attention core apart")
     schedule, virtual_pp = schedule_of(cfg)
     try:
         return RunSpec(system=cfg.system, model=cfg.model, batch_size=cfg.batch_size,
                        micro_batch_size=cfg.micro_batch_size, link=link, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
                        schedule=schedule, virtual_pp=virtual_pp, slices=slices, dp_mode=sync_of(cfg),
                        precision=cfg.precision, recompute=cfg.recompute, transport=transport,
-                       head_classes=head, cluster=cluster)
+                       head_classes=head, cluster=cluster, **mine)
     except ValueError as exc:
         raise NotModelled(str(exc)) from None
 
 
-def gpu_compute_of(cfg: RunConfig, device, attention: str | None = None):
+def gpu_compute_of(cfg: RunConfig, device, attention: str | None = None, gemm_precision: str | None = None):
     """The compute model of ``cfg``'s ranks on a GPU (``device``: a Device, or a device file's name or
     path): its precision, the attention kernels (None: the GPU's era's), megatron's fused optimizer,
-    the run's optimizer's update."""
+    the run's optimizer's update, megatron's sequence parallelism, the GEMMs' own precision (None: the
+    run's; ``fp8``)."""
     from workload.compute import Device, GpuCompute, default_attention, find_device
 
     dev = device if isinstance(device, Device) else find_device(device)
     return GpuCompute(dev, cfg.model, cfg.precision, attention or default_attention(dev),
-                      "fused" if cfg.system == "megatron" else "single", update_rule=cfg.optimizer.kind)
+                      "fused" if cfg.system == "megatron" else "single", update_rule=cfg.optimizer.kind,
+                      sequence_parallel=bool(getattr(cfg.options, "sequence_parallel", False)),
+                      gemm_precision=gemm_precision)
 
 
 def memory_of(cfg: RunConfig, attention: str, head: int | None = None, dropout: bool = False):
@@ -125,7 +137,9 @@ def memory_of(cfg: RunConfig, attention: str, head: int | None = None, dropout: 
                        else "1f1b", attention=attention, dropout=dropout, dp_mode=dp_mode, head=head,
                        virtual_pp=virtual_pp,
                        distributed_optimizer=bool(getattr(cfg.options, "distributed_optimizer", False)),
-                       update_rule=cfg.optimizer.kind)
+                       update_rule=cfg.optimizer.kind,
+                       sequence_parallel=bool(getattr(cfg.options, "sequence_parallel", False)),
+                       recompute_granularity=getattr(cfg.options, "recompute_granularity", "full"))
 
 
 class OutOfMemory(Exception):

@@ -37,24 +37,30 @@ simulator runs two steps and times the second (ranks enter it as the first one l
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from contract.links import Link
 from predict import collectives as coll
 from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
 from predict.run_spec import RunSpec
-from predict.placement import hosts_of
+from predict.placement import cards_of, hosts_of
 from ours.dp import BUCKET_BYTES, bucket_ranges, bucket_starts, layout_of
 from ours.plan.latency import TP_ALLREDUCES_PER_PASS
 from ours.schedule import unit_order
 from workload.compute import ComputeModel, Overheads, Scaled, stage_params
+from workload.configs import block_params, norm_params, qkv_rows
 
 
 @dataclass(frozen=True)
 class Built:
+    """Every simulated rank's program; the first ``timed`` are the step's ranks, the rest their
+    communication streams (``Network.streams``)."""
+
     programs: list
     procs: list[int]
     network: Network
+    timed: int = 0
 
 
 class _Step:
@@ -73,6 +79,7 @@ class _Step:
         factor = self.o.compute * (self.o.tp if self.tp > 1 else 1.0)
         self.cm = cm if factor == 1.0 else Scaled(cm, factor)
         self.width = spec.head_classes  # None: the vocabulary
+        self.ddp: _MegatronDDP | None = None  # megatron's data parallelism, where it joins the passes
 
     def params(self, layers: int, first: bool, last: bool, tp: int = 1) -> int:
         return stage_params(self.spec.model, layers, first, last, tp, self.width)
@@ -80,35 +87,52 @@ class _Step:
     # ---- the math of one stage chunk on one micro-batch -------------------------------------
     def forward(self, chunk: int, b: int, l: int, c: int) -> list:
         """Ops of a chunk's forward on b x l tokens after c (first chunk: embeddings; the last chunk of
-        the baselines also runs the head and the loss here)."""
+        the baselines also runs the head and the loss here). Where megatron's parameter all-gather runs
+        behind the step's first forwards (``_MegatronDDP.gate``), each part waits for its bucket."""
         cm, tp, L = self.cm, self.tp, self.layers
+        gate = self.ddp.gate(chunk) if self.ddp is not None else None
         ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
         if chunk == 0:
-            ops.append(Compute(cm.embed(b * l) / 3, "embed"))
-        ops += self._layers("forward", L, b, l, c)
+            ops += (gate(L + 1) if gate else []) + [Compute(cm.embed(b * l) / 3, "embed")]
+        if gate is None:
+            ops += self._layers("forward", L, b, l, c)
+        else:
+            for j in range(L):  # the layers in forward order: units L .. 1 (``_megatron_order``)
+                ops += gate(L - j) + self._layers("forward", 1, b, l, c)
         if chunk == self.n_chunks - 1 and self.spec.system not in TOKEN_PIPELINE:
-            ops.append(Compute(cm.head_forward(b * l, tp, self.width), "head"))
+            ops += (gate(0) if gate else []) + [Compute(cm.head_forward(b * l, tp, self.width), "head")]
             ops += self._tp_comm(b * l, "head")
         return ops
 
     def backward(self, chunk: int, b: int, l: int, c: int) -> list:
+        """Ops of a chunk's backward (the head first on the last chunk, the embeddings last on the
+        first; under recompute each layer's forward again before its backward). Where megatron's
+        gradient buckets leave as they become final (``_MegatronDDP.signal``), the chunk's last backward
+        runs part by part, each followed by the signals of the buckets it completes."""
         cm, tp, L = self.cm, self.tp, self.layers
-        ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
+        head = []
         if chunk == self.n_chunks - 1:
             if self.spec.system in TOKEN_PIPELINE:
-                ops.append(Compute(cm.head_forward(b * l, 1, self.width), "head"))
-            ops.append(Compute(cm.head_backward_input(b * l, tp, self.width) + cm.head_wgrad(b * l, tp, self.width),
-                               "head"))
-            ops += self._tp_comm(b * l, "head")
-        if self.spec.recompute:
-            ops += self._layers("recompute", L, b, l, c)
-        ops += self._layers("backward", L, b, l, c)
-        if chunk == 0:
-            ops.append(Compute(cm.embed(b * l) * 2 / 3, "embed"))
+                head.append(Compute(cm.head_forward(b * l, 1, self.width), "head"))
+            head.append(Compute(cm.head_backward_input(b * l, tp, self.width) + cm.head_wgrad(b * l, tp, self.width),
+                                "head"))
+            head += self._tp_comm(b * l, "head")
+        embed = [Compute(cm.embed(b * l) * 2 / 3, "embed")] if chunk == 0 else []
+        ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
+        signal = self.ddp.signal(chunk) if self.ddp is not None else None
+        if signal is None:
+            ops += head + (self._layers("recompute", L, b, l, c) if self.spec.recompute else [])
+            return ops + self._layers("backward", L, b, l, c) + embed
+        layer = (self._layers("recompute", 1, b, l, c) if self.spec.recompute else []) + \
+            self._layers("backward", 1, b, l, c)
+        for u, part in enumerate([head] + [layer] * L + [embed]):  # units in backward order (``_megatron_order``)
+            ops += part + signal(u)
         return ops
 
     def _layers(self, kind: str, L: int, b: int, l: int, c: int) -> list:
         cm, tp = self.cm, self.tp
+        if kind == "recompute" and self.spec.recompute_granularity == "selective":
+            return [Compute(L * cm.attention_forward(b, l, c, tp), kind)]  # the attention core alone, no TP comm
         if kind == "backward":
             t = cm.layer_backward_input(b, l, c, tp) + cm.layer_wgrad(b, l, tp)
         elif kind == "backward-input":  # ours: the weight gradients deferred
@@ -118,26 +142,35 @@ class _Step:
         label = "backward" if kind == "backward-input" else kind
         if tp == 1:
             return [Compute(L * t, label)]
+        hidden = 0.0  # TransformerEngine's overlap: a collective hidden behind its part's linear GEMMs
+        if self.spec.tp_comm_overlap:
+            phases = ("backward_input", "wgrad") if kind == "backward" else ("forward",)
+            hidden = sum(cm.linear_time(p, b, l, c, tp) for p in phases) / TP_ALLREDUCES_PER_PASS
         ops = []
         for _ in range(L):  # a layer's all-reduces in a pass, each after its share of the layer's math
             for _part in range(TP_ALLREDUCES_PER_PASS):
                 ops.append(Compute(t / TP_ALLREDUCES_PER_PASS, label))
-                ops += self._tp_comm(b * l, kind)
+                ops += self._tp_comm(b * l, kind, hidden)
         return ops
 
-    def _tp_comm(self, tokens: int, what: str) -> list:
-        """One tensor-parallel all-reduce of b*l*h activations, in closed form (the group is one
-        simulated rank)."""
+    def _tp_comm(self, tokens: int, what: str, hidden: float = 0.0) -> list:
+        """One tensor-parallel all-reduce of b*l*h activations (under sequence parallelism a
+        reduce-scatter and an all-gather: the same bytes on a ring), in closed form (the group is one
+        simulated rank), less ``hidden`` seconds of it that overlap GEMMs."""
         if self.tp == 1 or what == "head":
             return []
         nbytes = tokens * self.h * self.spec.activation_bytes
         link = self.net.intra_link or self.net.link
         c = self.spec.cluster
         if c is not None and self.tp > c.gpus_per_node:  # the group spans nodes: its ring crosses their cards
-            link = c.inter or min((l for row in c.matrix for l in row if l), key=lambda l: l.bandwidth)
+            link = c.crossing(c.gpus_per_node)
         if self.net.transport == "gloo":  # gloo's ring: a receive-posted handshake per step, two delays
             link = Link(2 * link.latency, link.bandwidth)
-        return [Compute(link.collective("allreduce", self.tp, nbytes), "tp_comm")]
+        if self.spec.sequence_parallel:
+            t = link.collective("reduce_scatter", self.tp, nbytes) + link.collective("allgather", self.tp, nbytes)
+        else:
+            t = link.collective("allreduce", self.tp, nbytes)
+        return [Compute(t - hidden, "tp_comm")] if t > hidden else []
 
     def optimizer(self, params: int) -> list:
         return [Compute(self.cm.optimizer(params), "optimizer")]
@@ -152,9 +185,15 @@ class _Step:
         return n
 
     def collective(self, op: str, group: tuple, rank: int, key: tuple, nbytes: float, kind: str) -> list:
-        """One collective of this rank's over ``group`` (NCCL: rings ordered host by host)."""
+        """One collective of this rank's over ``group`` (NCCL: rings ordered host by host; a group too
+        large for that in closed form, over the cards one of its rings can use)."""
         host = self.net.host if self.net.gpu else None
-        return coll.collective(self.net.transport, op, group, rank, key, nbytes, self.net.link, kind, host)
+        link, c = self.net.link, self.spec.cluster
+        if c is not None and c.inter is not None and len(group) > coll.MAX_RING:
+            on_node = sum(1 for g in group if self.net.host(g) == self.net.host(rank))
+            link = c.crossing(min(on_node, max(1, c.nics_per_node // self.tp)))  # each of tp rings its own cards
+        card = (lambda r: self.net.cards[self.net.gpus_of(r)]) if self.net.cards is not None else None
+        return coll.collective(self.net.transport, op, group, rank, key, nbytes, link, kind, host, card)
 
 
 def _key(step: int, *parts) -> tuple:
@@ -163,15 +202,10 @@ def _key(step: int, *parts) -> tuple:
 
 # ---- torch_pipe ------------------------------------------------------------------------------------
 def _fsdp_sizes(spec: RunSpec, s: int) -> tuple[int, int]:
-    """(bytes of one block's parameters, bytes of the stage's root parameters)."""
-    h, m = spec.model.n_embd, spec.model
-    block = (12 * h * h + 13 * h) * 4
-    root = 0
-    if s == 0:
-        root += (m.vocab_size * h + m.seq_len * h) * 4
-    if s == spec.pp - 1:
-        root += (2 * h + (m.vocab_size if spec.head_classes is None else spec.head_classes) * h) * 4
-    return block, root
+    """(bytes of one block's parameters, bytes of the stage's root parameters: the embeddings on the
+    first stage, the final norm and the output layer on the last), fp32, of the model's family."""
+    m = spec.model
+    return block_params(m) * 4, stage_params(m, 0, s == 0, s == spec.pp - 1, 1, spec.head_classes) * 4
 
 
 class _Stage:
@@ -377,7 +411,7 @@ def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
     if pending:
         ops.append(Wait(tuple(pending)))
     layers = st.layers * V
-    return ops + st.optimizer(st.params(layers, s == 0, s == P - 1))
+    return ops + st.optimizer(st.params(layers, s == 0, s == P - 1, st.tp))
 
 
 # ---- megatron ------------------------------------------------------------------------------------
@@ -385,9 +419,10 @@ def megatron(st: _Step, rank: int) -> list:
     spec = st.spec
     P, D, m = spec.pp, spec.dp, spec.n_micro_batches
     d, s = divmod(rank, P)
+    st.ddp = _MegatronDDP(st, rank) if D > 1 else None
     if spec.schedule == "interleaved":
         ops = _interleaved(st, rank, d, s)
-        opt = ops.pop()
+        ops.pop()  # its optimizer: megatron's is below
     else:
         mb, seq = spec.micro_batch_size, st.seq
         nb = st.act_bytes(mb, seq)
@@ -426,30 +461,150 @@ def megatron(st: _Step, rank: int) -> list:
             ops += pair([], [(bk(j, s + 1), nxt)] if s < P - 1 else [])
             ops += st.backward(s, mb, seq, 0)
             ops += pair([(bk(j, s), prev)] if s > 0 else [], [])
-        opt = st.optimizer(st.params(st.layers, s == 0, s == P - 1, st.tp))[0]
-    if D > 1:
-        dp_group = tuple(k * P + s for k in range(D))
-        # the gradient buffers: fp32, or the half type's under mixed precision (Megatron's DDP)
-        grads = st.params(st.layers * st.V, s == 0, s == P - 1, st.tp) * (4 if spec.precision == "fp32" else 2)
-        ops += st.collective("allreduce", dp_group, rank, _key(st.step, "dp", s), grads, "dp")
-    return ops + [opt]
+    params = st.params(st.layers * st.V, s == 0, s == P - 1, st.tp)
+    return ops + (st.ddp.finish(params) if st.ddp is not None else st.optimizer(params))
+
+
+def _megatron_order(st: _Step, vs: int) -> list[tuple[int, int]]:
+    """A megatron model chunk's (virtual stage ``vs``) parameters on one tensor-parallel rank in the
+    order its backward finishes them (megatron-core's buffers take them in reverse order of
+    registration): (elements, unit), units as ``_Step.backward`` runs them: 0 the output layer and
+    final norm (the last chunk), 1 .. L its layers from the last, L + 1 the embeddings (the first)."""
+    m, tp, L = st.spec.model, st.tp, st.layers
+    out = [(stage_params(m, 0, False, True, tp, st.width), 0)] if vs == st.n_chunks - 1 else []
+    out += [(block_params(m) // tp, u) for u in range(1, L + 1)]
+    if vs == 0:
+        out.append((stage_params(m, 0, True, False, tp), L + 1))
+    return [(n, u) for n, u in out if n]
+
+
+MEGATRON_BUCKET = 40_000_000  # megatron-core's default bucket: max(40M, 1M x D) parameters
+
+
+class _MegatronDDP:
+    """megatron-core's DistributedDataParallel (and distributed optimizer) on one rank of stage s, replica
+    d: its gradient buckets per model chunk (``_buckets`` over ``_megatron_order``; with
+    overlap_grad_reduce the first chunk's of max(40M, 1M x D) parameters, every other chunk one bucket,
+    as Megatron-LM disables bucketing beyond the first; without it one bucket), in the gradients' type
+    (fp32, or the half one under mixed precision), the parameters gathered in theirs.
+
+    Without overlap the rank all-reduces its gradients after the schedule (or reduce-scatters them,
+    steps 1/D of the parameters and all-gathers them: the distributed optimizer). With
+    overlap_grad_reduce the collectives run on the rank's communication stream (``Network.streams``),
+    each bucket as soon as the chunk's last backward has finished it (``signal``), and the rank waits
+    for the last before its optimizer; with overlap_param_gather the stream also all-gathers the
+    previous step's parameters, bucket by bucket, at the step's start, each part of the first forward
+    of a chunk waiting for its bucket (``gate``)."""
+
+    def __init__(self, st: _Step, rank: int):
+        spec = st.spec
+        self.st, self.rank = st, rank
+        self.s = rank % spec.pp
+        self.group = tuple(k * spec.pp + self.s for k in range(spec.dp))
+        self.stream = st.net.streams + rank if st.net.streams is not None else None
+        self.grad_bytes = self.param_bytes = 4 if spec.precision == "fp32" else 2
+        size = max(MEGATRON_BUCKET, 1_000_000 * spec.dp) * 4 if spec.overlap_grad_reduce else math.inf
+        self.buckets = [_buckets(_megatron_order(st, v * spec.pp + self.s), size if v == 0 else math.inf)
+                        for v in range(spec.virtual_pp)]
+        self.forwards = [0] * spec.virtual_pp
+        self.backwards = [0] * spec.virtual_pp
+        self.gathered: set = set()
+
+    def _ring(self, what: str, v: int, i: int) -> tuple:  # a collective's tag, the same on every replica
+        return _key(self.st.step, "ddp", self.s, what, v, i)
+
+    def _signal(self, what: str, v: int = 0, i: int = 0) -> tuple:  # between this rank and its stream
+        return _key(self.st.step, "ddp signal", self.rank, what, v, i)
+
+    def signal(self, vs: int):
+        """Called by each backward of virtual stage ``vs``: for the chunk's last, unit -> the ops that
+        hand the buckets that unit finishes to the stream; else None."""
+        spec, v = self.st.spec, vs // self.st.spec.pp
+        self.backwards[v] += 1
+        if self.stream is None or self.backwards[v] != spec.n_micro_batches:
+            return None
+        return lambda u: [Send(self._signal("go", v, i), self.stream, 0)
+                          for i, (_, at) in enumerate(self.buckets[v]) if at == u]
+
+    def gate(self, vs: int):
+        """Called by each forward of virtual stage ``vs``: for the chunk's first under
+        overlap_param_gather, unit -> the wait for that unit's bucket of parameters (once); else None."""
+        v = vs // self.st.spec.pp
+        self.forwards[v] += 1
+        if not self.st.spec.overlap_param_gather or self.forwards[v] != 1:
+            return None
+
+        def wait(u: int) -> list:
+            i = next(i for i, (_, at) in enumerate(self.buckets[v]) if at >= u)
+            if (v, i) in self.gathered:
+                return []
+            self.gathered.add((v, i))
+            key = self._signal("gathered", v, i)
+            return [Recv(key, self.stream, 0), Wait((key,), "dp")]
+        return wait
+
+    def finish(self, params: int) -> list:
+        """After the schedule: the gradients' collectives (or the wait for the stream's last), the
+        optimizer over the parameters this rank updates, the distributed optimizer's all-gather."""
+        st, spec = self.st, self.st.spec
+        op = "reduce_scatter" if spec.distributed_optimizer else "allreduce"
+        if self.stream is not None:
+            key = self._signal("done")
+            ops = [Recv(key, self.stream, 0), Wait((key,), "dp")]
+        else:
+            ops = st.collective(op, self.group, self.rank, self._ring(op, 0, 0), params * self.grad_bytes, "dp")
+        if not spec.distributed_optimizer:
+            return ops + st.optimizer(params)
+        ops += st.optimizer(params // spec.dp)
+        if not spec.overlap_param_gather:
+            ops += st.collective("allgather", self.group, self.rank, self._ring("allgather", 0, 0),
+                                 params * self.param_bytes, "dp")
+        return ops
+
+    def stream_ops(self) -> list:
+        """The communication stream's step: the previous step's parameters all-gathered bucket by bucket
+        in forward order (overlap_param_gather), then each gradient bucket's collective once the rank
+        hands it over, chunk after chunk as their last backwards end (the last chunk's first), then the
+        signal that all are done."""
+        st, spec = self.st, self.st.spec
+        group = tuple(st.net.streams + g for g in self.group)
+        ops: list = []
+        if spec.overlap_param_gather:
+            for v, buckets in enumerate(self.buckets):
+                for i in reversed(range(len(buckets))):
+                    ops += st.collective("allgather", group, self.stream, self._ring("gather", v, i),
+                                         buckets[i][0] * self.param_bytes, "dp")
+                    ops.append(Send(self._signal("gathered", v, i), self.rank, 0))
+        op = "reduce_scatter" if spec.distributed_optimizer else "allreduce"
+        for v in reversed(range(len(self.buckets))):
+            for i, (n, _) in enumerate(self.buckets[v]):
+                go = self._signal("go", v, i)
+                ops += [Recv(go, self.rank, 0), Wait((go,), "dp")]
+                ops += st.collective(op, group, self.stream, self._ring(op, v, i), n * self.grad_bytes, "dp")
+        return ops + [Send(self._signal("done"), self.rank, 0)]
+
+
 
 
 # ---- ours ----------------------------------------------------------------------------------------
 def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
     """The stage's parameters as ``StageEngine.grad_order`` reports them final: (elements, the index of
     the deferred linear whose gradient finishes it; -1: final when the backward ends). First those
-    autograd accumulates (embeddings, layer norms), then per layer the four linears' weight and bias,
-    then the output layer."""
+    autograd accumulates (embeddings, norms), then per layer the four linears' weight and (gpt) bias
+    (qkv by ``qkv_rows``, the MLP's ``ffn_dim`` wide, llama's gate and up as one), then the output
+    layer."""
     h, m = st.h, st.spec.model
     out = []
     if first and m.vocab_size:
-        out += [(m.vocab_size * h, -1), (m.seq_len * h, -1)]
-    out += [(h, -1)] * (4 * st.layers)  # ln_1, ln_2: weight and bias
+        out += [(m.vocab_size * h, -1)] + ([] if m.llama else [(m.seq_len * h, -1)])
+    norm = [(h, -1)] * (norm_params(m) // h)  # LayerNorm's weight and bias, RMSNorm's weight
+    out += norm * (2 * st.layers)  # ln_1, ln_2
     if last:
-        out += [(h, -1), (h, -1)]  # ln_f
-    for i, (rows, cols) in enumerate([(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)] * st.layers):
-        out += [(rows * cols, i), (rows, i)]
+        out += norm  # ln_f
+    f = m.ffn_dim
+    linears = [(sum(qkv_rows(m)), h), (h, h), ((2 * f if m.llama else f), h), (h, f)]  # (rows, columns)
+    for i, (rows, cols) in enumerate(linears * st.layers):
+        out += [(rows * cols, i)] + ([] if m.llama else [(rows, i)])  # the weight and (gpt) its bias
     if last:
         out.append(((m.vocab_size if st.width is None else st.width) * h, 4 * st.layers))
     return out
@@ -704,17 +859,20 @@ TOKEN_PIPELINE = ("ours", "gpipe")  # ours' engine (the seed's GPipe: at one tok
 
 def network_of(spec: RunSpec) -> Network:
     tp = spec.tp if spec.system in TENSOR_PARALLEL else 1
+    # megatron's overlapped data parallelism: each rank's collectives on a stream of their own
+    streams = spec.pp * spec.dp if spec.system == "megatron" and spec.dp > 1 and spec.overlap_grad_reduce else None
     c = spec.cluster
     if c is not None:
         matrix = None
         if c.matrix is not None:
             matrix = tuple(tuple(c.link(a, b) if a != b else None for b in range(c.nodes)) for a in range(c.nodes))
         return Network(c.inter or c.intra, "nccl", c.intra, hosts=hosts_of(spec), matrix=matrix,
-                       copies=(tp,) * (spec.pp * spec.dp), gpu=True)
+                       copies=(tp,) * (spec.pp * spec.dp), gpu=True,
+                       cards=cards_of(spec) if c.nics_per_node > 1 else None, streams=streams)
     per_host = spec.ranks_per_host
     if spec.system in TENSOR_PARALLEL:  # a tensor-parallel group is one simulated rank
         per_host = max(1, per_host // spec.tp)
-    return Network(spec.link, spec.transport, spec.intra_link, per_host)
+    return Network(spec.link, spec.transport, spec.intra_link, per_host, streams=streams)
 
 
 def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
@@ -747,8 +905,11 @@ def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
                 ops += _barrier(net, world, r, uses[2 * k + 1], uses[2 * k + 2] if 2 * k + 2 < len(uses) else None)
             ops.append(Mark(f"end{k}"))
         programs.append(ops)
-    procs = [spec.tp if spec.system in TENSOR_PARALLEL else 1] * n
-    return Built(programs, procs, net)
+    if net.streams is not None:  # each rank's communication stream, step after step
+        for r in range(n):
+            programs.append([op for k in range(steps) for op in _MegatronDDP(_Step(spec, cm, net, k), r).stream_ops()])
+    procs = [spec.tp if spec.system in TENSOR_PARALLEL else 1] * len(programs)
+    return Built(programs, procs, net, timed=n)
 
 
 # ---- the timing barrier (contract.rank.StepBarrier) ---------------------------------------------

@@ -22,6 +22,9 @@ MODELLED = {"torch_pipe": ("gpipe", "1f1b", "interleaved"), "fairscale_fsdp": ("
 # Data parallelism: ours' modes (the baselines' all-reduce, FSDP's reduce-scatter run by their programs),
 # and ``chain_ps``, the seed's (DT-FM's) central PS.
 SYNCS = OursOptions.choices("dp_mode") + ("chain_ps",)
+# RunSpec's fields that only megatron's program runs (its options of the same names)
+MEGATRON_ONLY = ("sequence_parallel", "recompute_granularity", "distributed_optimizer", "overlap_grad_reduce",
+                 "overlap_param_gather", "tp_comm_overlap")
 TRANSPORTS = ("gloo", "nccl")
 
 
@@ -29,14 +32,18 @@ TRANSPORTS = ("gloo", "nccl")
 class Cluster:
     """GPUs on nodes, as a scenario's ``[cluster]`` describes them: ``gpus_per_node`` GPUs on each of
     ``nodes`` nodes, ``intra`` between two GPUs of a node (NVLink or PCIe, each GPU its own links),
-    ``inter`` between nodes (one network card per node, shared by its GPUs' traffic), or ``matrix``:
-    per pair of nodes a link of its own (a node x node tuple of Links, None on the diagonal)."""
+    ``inter`` between nodes: ``nics_per_node`` network cards a node, each of ``inter``'s bandwidth,
+    the node's GPUs mapped to them round-robin (GPU g on card g mod nics_per_node; 1: one card shared
+    by every GPU of the node; gpus_per_node: a rail-optimized fabric, each GPU its own card), or
+    ``matrix``: per pair of nodes a link of its own (a node x node tuple of Links, None on the
+    diagonal)."""
 
     nodes: int
     gpus_per_node: int
     intra: Link
     inter: Link | None = None
     matrix: tuple | None = None
+    nics_per_node: int = 1
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -46,6 +53,11 @@ class Cluster:
             raise ValueError("a cluster of several nodes needs the link between them (inter or matrix)")
         if self.matrix is not None and len(self.matrix) != self.nodes:
             raise ValueError(f"the matrix has {len(self.matrix)} rows for {self.nodes} nodes")
+        if self.nics_per_node < 1 or self.gpus_per_node % self.nics_per_node:
+            raise ValueError(f"nics_per_node must divide gpus_per_node {self.gpus_per_node}, got {self.nics_per_node}")
+        if self.nics_per_node > 1 and self.matrix is not None:
+            raise ValueError("a per-link matrix gives every pair of nodes a link of its own: no network cards to "
+                             "count (nics_per_node)")
 
     @property
     def gpus(self) -> int:
@@ -54,6 +66,21 @@ class Cluster:
     def link(self, a: int, b: int) -> Link:
         """The link from node a to node b (a != b)."""
         return self.matrix[a][b] if self.matrix is not None else self.inter
+
+    def cards(self, gpu: int, gpus: int = 1) -> tuple[int, ...]:
+        """The network cards of node-local GPUs gpu, gpu + 1, ... (``gpus`` of them, a tensor-parallel
+        group's), round-robin."""
+        return tuple(sorted({(gpu + i) % self.nics_per_node for i in range(min(gpus, self.gpus_per_node))}))
+
+    def crossing(self, gpus_on_node: int) -> Link:
+        """The link between nodes as a closed-form ring sees it whose ``gpus_on_node`` GPUs of a node
+        reach min(nics_per_node, gpus_on_node) cards: NCCL runs a channel over each, so the ring moves
+        that many cards' worth (one card: ``inter`` as it is). A matrix: its slowest link."""
+        if self.inter is None:
+            return min((l for row in self.matrix for l in row if l), key=lambda l: l.bandwidth)
+        k = min(self.nics_per_node, max(1, gpus_on_node))
+        return self.inter if k == 1 else Link(self.inter.latency, self.inter.bandwidth * k, self.inter.in_flight,
+                                              self.inter.stall_bytes)
 
 
 @dataclass(frozen=True)
@@ -85,6 +112,16 @@ class RunSpec:
     seed's QQP workload had), None for a language model.
     message_bytes: bytes per element of the activations and gradients sent between stages; None: what
     the system sends (ours: fp32 always; the baselines: 2 bytes under mixed precision, else 4).
+    Megatron's own (``MEGATRON_ONLY``; its options of the same names): sequence_parallel (the TP
+    all-reduces as a reduce-scatter and an all-gather, the norms' and dropouts' work and activations
+    split by tp: the compute and memory models' part); recompute_granularity (under recompute:
+    ``full``, every layer's forward again, or ``selective``, the attention core's alone);
+    distributed_optimizer (the DP all-reduce as a reduce-scatter of the gradients, the optimizer over
+    1/D of the parameters, an all-gather of the parameters); overlap_grad_reduce (the DP collectives
+    bucket by bucket on a stream of their own as the last backward finishes each bucket);
+    overlap_param_gather (the distributed optimizer's all-gather, bucket by bucket, behind the next
+    step's first forward); tp_comm_overlap (TransformerEngine's: each TP collective hidden behind the
+    linear GEMMs of its layer, up to their time).
     """
 
     system: str
@@ -107,6 +144,12 @@ class RunSpec:
     head_classes: int | None = None
     message_bytes: int | None = None
     cluster: Cluster | None = None
+    sequence_parallel: bool = False
+    recompute_granularity: str = "full"
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.system not in MODELLED:
@@ -133,6 +176,13 @@ class RunSpec:
             raise ValueError(f"{self.model.n_layer} layers do not divide into {self.pp * self.virtual_pp} stages")
         if self.slices is not None and sum(self.slices) != self.model.seq_len:
             raise ValueError(f"slices {self.slices} do not sum to the sequence length {self.model.seq_len}")
+        if self.recompute_granularity not in ("full", "selective"):
+            raise ValueError(f"recompute_granularity must be full or selective, got {self.recompute_granularity!r}")
+        mine = [name for name in MEGATRON_ONLY if getattr(self, name) != RunSpec.__dataclass_fields__[name].default]
+        if mine and self.system != "megatron":
+            raise ValueError(f"{mine[0]} is megatron's; {self.system} has no such option")
+        if self.overlap_param_gather and not (self.distributed_optimizer and self.overlap_grad_reduce):
+            raise ValueError("overlap_param_gather needs the distributed optimizer and overlap_grad_reduce")
 
     @property
     def n_micro_batches(self) -> int:

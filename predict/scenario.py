@@ -23,14 +23,18 @@
     gpus_per_node = 8
     intra_gbps = 1000      # between two GPUs of a node, per GPU (default: the device file's NVLink)
     intra_delay_ms = 0.005
-    inter_gbps = 25        # between nodes: one network card per node, shared by its GPUs
+    inter_gbps = 25        # between nodes: the bandwidth of one network card
     inter_delay_ms = 0.05
+    nics_per_node = 1      # network cards a node (default 1: one card shared by the node's GPUs; = gpus_per_node:
+                           # a rail-optimized fabric, each GPU its own card at inter_gbps), GPUs on cards round-robin
     # or: matrix = "two-sites.json" (beside the scenario) or [cluster.matrix] with delay_ms and
     # bandwidth_gbps, node x node (the run command's per-link format; no loss_pct, no jitter_ms)
 
     [predict]              # optional: what only a prediction has (the run command has no such thing)
     head = "classifier:2"  # the output layer: "lm" (the vocabulary; default), "classifier:N", "none"
     attention = "materialized"   # the attention kernels: "flash" or "materialized" (default: the GPU's era)
+    gemm_precision = "fp8" # the layers' linear GEMMs at fp8 (TransformerEngine's, on H100 / H200; [run]
+                           # precision bf16 or fp16 for everything else); default: the run's precision
 
 ``[run]`` is read and judged as the run command reads ``--config`` and judges a request (one
 judgement; ``runners.request.config_from_table``), but for what this repository's build of a system
@@ -41,6 +45,13 @@ over --tp, which Megatron-LM pads). Its links are the ``[cluster]``'s, so ``netw
 a value that cannot be is a ``ScenarioError`` (one line naming the key); so is a run the simulator
 has no program for. The answer: the step time and its parts, the fullest GPU's memory, and ``oom``
 (with that estimate) where it does not fit the GPU.
+
+Megatron's options as the run command takes them, and what the simulator makes of them:
+``sequence_parallel`` (the TP all-reduces a reduce-scatter and an all-gather, the norms' work and
+activations over tp), ``recompute_granularity`` (``full`` or ``selective``, under ``recompute``),
+``distributed_optimizer``, ``overlap_grad_reduce`` and ``overlap_param_gather`` (its DP collectives
+bucket by bucket behind the backward and the next forward), and ``tp_comm_overlap``
+(TransformerEngine's: accepted here, refused by the run command, which has no TransformerEngine).
 """
 from __future__ import annotations
 
@@ -62,8 +73,8 @@ from workload.memory import GB, Memory
 
 SECTIONS = {"run": True, "cluster": True, "predict": False}  # section -> required
 CLUSTER_KEYS = {"gpu": True, "nodes": True, "gpus_per_node": True, "intra_gbps": False, "intra_delay_ms": False,
-                "inter_gbps": False, "inter_delay_ms": False, "matrix": False}  # key -> required
-PREDICT_KEYS = ("head", "attention")
+                "inter_gbps": False, "inter_delay_ms": False, "matrix": False, "nics_per_node": False}  # -> required
+PREDICT_KEYS = ("head", "attention", "gemm_precision")
 ATTENTION = ("flash", "materialized")
 NOT_A_PREDICTION = {"network": "a scenario's links are its [cluster]'s",
                     "network_trace": "links that change are not modelled",
@@ -91,6 +102,8 @@ class Scenario:
     attention: str
     head: int | None = None
     source: dict = field(default_factory=dict)
+    gemm_precision: str | None = None
+    """The layers' linear GEMMs' precision where not the run's (``fp8``)."""
 
     @property
     def system(self) -> str:
@@ -230,7 +243,13 @@ def _cluster(c: dict, base: Path) -> tuple[Device, Cluster]:
         matrix = _matrix(c["matrix"], base, nodes)
     if nodes > 1 and inter is None and matrix is None:
         raise ScenarioError("[cluster] inter_gbps is missing (the link between nodes; or give matrix)")
-    return device, Cluster(nodes, per_node, intra, inter, matrix)
+    nics = _positive("cluster", "nics_per_node", _number("cluster", c, "nics_per_node", int, 1))
+    if per_node % nics:
+        raise ScenarioError(f"[cluster] nics_per_node {nics} must divide gpus_per_node {per_node} (the GPUs map to "
+                            "the cards round-robin)")
+    if nics > 1 and matrix is not None:
+        raise ScenarioError("[cluster] nics_per_node: a matrix gives every pair of nodes a link of its own")
+    return device, Cluster(nodes, per_node, intra, inter, matrix, nics)
 
 
 def _head(p: dict) -> int | None:
@@ -253,11 +272,29 @@ def parse(data: dict, name: str = "scenario", base: Path = Path(".")) -> Scenari
     attention = p.get("attention", default_attention(device))
     if attention not in ATTENTION:
         raise ScenarioError(f"[predict] attention must be \"flash\" or \"materialized\", got {attention!r}")
+    gemm = _gemm_precision(p, cfg, device)
     gpus = cfg.pp * cfg.tp * cfg.dp
     if gpus > cluster.gpus:
         raise ScenarioError(f"[run] T-{cfg.tp} P-{cfg.pp} D-{cfg.dp} needs {gpus} GPUs; the cluster has "
                             f"{cluster.nodes} x {cluster.gpus_per_node}")
-    return Scenario(name, cfg, device, cluster, attention, _head(p), source=data)
+    return Scenario(name, cfg, device, cluster, attention, _head(p), source=data, gemm_precision=gemm)
+
+
+def _gemm_precision(p: dict, cfg: RunConfig, device: Device) -> str | None:
+    """[predict] gemm_precision: None (the run's precision), or fp8 on a part that has it, inside a half
+    precision run."""
+    value = p.get("gemm_precision", cfg.precision)
+    if value == cfg.precision:
+        return None
+    if value != "fp8":
+        raise ScenarioError(f"[predict] gemm_precision must be the run's precision ({cfg.precision}) or \"fp8\", "
+                            f"got {value!r}")
+    if not device.has_fp8():
+        raise ScenarioError(f"[predict] gemm_precision fp8: the {device.name} has no fp8 GEMMs (H100 and H200 do)")
+    if cfg.precision == "fp32":
+        raise ScenarioError("[predict] gemm_precision fp8 runs the GEMMs of a bf16 or fp16 run: [run] precision "
+                            "is fp32")
+    return value
 
 
 def load(path: str | Path) -> Scenario:
@@ -266,7 +303,7 @@ def load(path: str | Path) -> Scenario:
 
 
 def compute_of(sc: Scenario) -> GpuCompute:
-    return gpu_compute_of(sc.config, sc.device, sc.attention)
+    return gpu_compute_of(sc.config, sc.device, sc.attention, sc.gemm_precision)
 
 
 def memory_of(sc: Scenario) -> Memory:
@@ -308,7 +345,7 @@ def predict_scenario(sc: Scenario) -> dict:
     mem = memory_of(sc)
     usable = sc.device.usable_bytes()
     out = dict(scenario=sc.name, system=cfg.system, layout=f"T-{cfg.tp} P-{cfg.pp} D-{cfg.dp}", gpu=sc.device.name,
-               precision=cfg.precision, attention=sc.attention,
+               precision=cfg.precision, gemm_precision=sc.gemm_precision or cfg.precision, attention=sc.attention,
                memory_gb=round(mem.total / GB, 2), memory=mem.describe(), usable_gb=round(usable / GB, 2))
     if spec.slices is not None and cfg.system == "ours":
         out["slices"] = list(spec.slices)
@@ -338,7 +375,8 @@ def _stage_link(sc: Scenario) -> Link:
 
 def line(res: dict) -> str:
     """One line of a prediction for people."""
-    head = f"{res['scenario']}: {res['system']} {res['layout']} on {res['gpu']} ({res['precision']})"
+    gemm = f", {res['gemm_precision']} GEMMs" if res.get("gemm_precision", res["precision"]) != res["precision"] else ""
+    head = f"{res['scenario']}: {res['system']} {res['layout']} on {res['gpu']} ({res['precision']}{gemm})"
     if res["status"] == "oom":
         return f"{head}: oom ({res['why']}; {res['memory']})"
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in res["parts"].items() if v)

@@ -103,6 +103,9 @@ class Mark:
 Op = Compute | Send | Recv | Wait | Group | Defer | FillWait | Flush | Mark
 
 
+INSTANT = Link(0.0, math.inf)  # between a rank and its communication stream
+
+
 @dataclass(frozen=True)
 class Network:
     """Who is where and how they are linked.
@@ -113,10 +116,15 @@ class Network:
 
     A GPU cluster (``gpu``): a simulated rank stands for ``copies[r]`` GPUs (a tensor-parallel group),
     each of which sends its own copy of every message; inside a host each GPU has links of its own, so
-    the copies travel side by side, while between hosts they all cross the sender's one network card
-    and the receiver's (each carries one message at a time, both ways at once; a per-pair ``matrix``
+    the copies travel side by side, while between hosts they cross the network cards their GPUs use
+    (``cards[r]``, of the host's; default one card a host), the sender's and the receiver's, each card
+    carrying its share of the copies (one message at a time, both ways at once; a per-pair ``matrix``
     gives every pair its own). Without ``gpu`` (the CPU runs), a host's messages leave through one
-    egress per destination kind (its NIC, or its internal links), one copy each."""
+    egress per destination kind (its NIC, or its internal links), one copy each.
+
+    ``streams``: where set, rank ``streams + r`` is rank r's communication stream (NCCL's collectives
+    on a CUDA stream of their own, beside r's computation): on r's GPUs and host, its messages to and
+    from r instant."""
 
     link: Link
     transport: str = "gloo"
@@ -126,11 +134,20 @@ class Network:
     matrix: tuple | None = None
     copies: tuple[int, ...] | None = None
     gpu: bool = False
+    cards: tuple[tuple[int, ...], ...] | None = None
+    streams: int | None = None
+
+    def gpus_of(self, rank: int) -> int:
+        """The simulated rank whose GPUs ``rank`` runs on (itself, or the rank a stream serves)."""
+        return rank - self.streams if self.streams is not None and rank >= self.streams else rank
 
     def host(self, rank: int) -> int:
+        rank = self.gpus_of(rank)
         return self.hosts[rank] if self.hosts is not None else rank // self.ranks_per_host
 
     def between(self, src: int, dst: int) -> Link:
+        if self.gpus_of(src) == self.gpus_of(dst):
+            return INSTANT
         a, b = self.host(src), self.host(dst)
         if a == b and self.intra_link is not None:
             return self.intra_link
@@ -142,11 +159,14 @@ class Network:
         """Bytes that cross the sender's port for one message: every copy where the copies share a
         network card (between hosts of a GPU cluster), one otherwise."""
         if self.gpu and self.copies is not None and self.host(src) != self.host(dst):
-            return nbytes * self.copies[src]
+            r = self.gpus_of(src)
+            return nbytes * self.copies[r] / (len(self.cards[r]) if self.cards is not None else 1)
         return nbytes
 
     def ports(self, src: int, dst: int) -> tuple[tuple, tuple | None]:
         """(the sender's egress, the receiver's ingress or None) a message between them occupies."""
+        if self.gpus_of(src) == self.gpus_of(dst):
+            return ("stream", src, dst), None
         a, b = self.host(src), self.host(dst)
         if not self.gpu:
             return (a, self.intra_link is not None and a == b), None
@@ -154,7 +174,9 @@ class Network:
             return ("gpu", src, dst), None
         if self.matrix is not None:
             return ("pair", a, b), None
-        return ("nic out", a), ("nic in", b)
+        out, into = ((self.cards[self.gpus_of(src)], self.cards[self.gpus_of(dst)]) if self.cards is not None
+                     else ((0,), (0,)))
+        return ("nic out", a, out), ("nic in", b, into)
 
 
 class SimulationError(RuntimeError):

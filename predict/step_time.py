@@ -29,7 +29,7 @@ def predict(spec: RunSpec, compute: ComputeModel, cores: float | tuple | None = 
     built = build(spec, compute, steps=steps)
     res = Simulator(built.programs, built.network, cores, built.procs).run()
     last = steps - 1
-    windows = [res.window(r, f"start{last}", f"end{last}") for r in range(len(built.programs))]
+    windows = [res.window(r, f"start{last}", f"end{last}") for r in range(built.timed)]
     elapsed = [w[0] for w in windows]
     crit = max(range(len(elapsed)), key=lambda r: (elapsed[r], -r))
     acc = windows[crit][1]

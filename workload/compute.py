@@ -24,7 +24,11 @@ Two kinds:
   and softmax, or one fused kernel), the memory-bound operations (layer norms, GELU, softmax, residual
   adds, the optimizer) move their bytes at the memory bandwidth, and a phase takes at least the host's
   time to issue its kernels (eager PyTorch: ``host_op_us`` each). Forward, backward, and the forward
-  again under recompute.
+  again under recompute (``attention_forward``: the attention core alone, what selective recompute
+  runs again). Sequence parallelism (Megatron's) divides the norms', residual adds' and dropouts'
+  work by tp; a GEMM precision of its own (``gemm_precision="fp8"``: TransformerEngine's fp8 GEMMs on
+  Hopper) runs the layers' linear GEMMs at that precision's peak and curve, everything else as the
+  run's precision.
 - ``CpuCompute``: this machine, from a profile of its operations at the model's shape
   (``ours.plan.profile``): measured tables, interpolated.
 """
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -85,6 +89,17 @@ class ComputeModel:
     def layer_backward(self, b: int, l: int, c: int, tp: int = 1) -> float:
         return self.layer_backward_input(b, l, c, tp) + self.layer_wgrad(b, l, tp)
 
+    def attention_forward(self, b: int, l: int, c: int, tp: int = 1) -> float:
+        """The attention core's forward alone (scores, softmax, dropout and context, or the fused kernel):
+        what selective recompute runs again before a layer's backward. A model that cannot tell it
+        apart from the rest of the layer raises NotImplementedError."""
+        raise NotImplementedError(f"{self.name}: the attention core's time is not modelled apart from its layer")
+
+    def linear_time(self, kind: str, b: int, l: int, c: int, tp: int = 1) -> float:
+        """Seconds of a layer's linear GEMMs in one phase (forward, backward_input, wgrad): what a
+        tensor-parallel collective can hide behind where it overlaps them; 0 where not modelled."""
+        return 0.0
+
     def layer_step(self, b: int, l: int, c: int, tp: int = 1, recompute: bool = False) -> float:
         """One layer's forward and backward on a slice (the forward twice under recompute): TeraPipe's
         t(l, ctx) per layer."""
@@ -119,6 +134,12 @@ class Scaled(ComputeModel):
 
     def embed(self, tokens):
         return self.base.embed(tokens) * self.factor
+
+    def attention_forward(self, b, l, c, tp=1):
+        return self.base.attention_forward(b, l, c, tp) * self.factor
+
+    def linear_time(self, kind, b, l, c, tp=1):
+        return self.base.linear_time(kind, b, l, c, tp) * self.factor
 
     def optimizer(self, params):
         return self.base.optimizer(params)
@@ -175,11 +196,18 @@ class Device:
         peaks = self.peak_tflops or GPU_PEAK_TFLOPS[self.part]
         return (peaks.get(precision) or peaks["fp32"]) * 1e12
 
+    def has_fp8(self) -> bool:
+        """Whether the part has fp8 tensor cores (a datasheet fp8 peak) and the file a curve for them."""
+        return bool((self.peak_tflops or GPU_PEAK_TFLOPS[self.part]).get("fp8")) and "fp8" in self.gemm
+
     def gemm_curve(self, precision: str) -> tuple[float, float]:
         """(e_max, half) of ``precision``'s GEMMs: its own curve; a precision the part has no peak for
         runs at the fp32 rate (``peak_flops``), so at fp32's curve too (V100's bf16); bf16 without a
-        curve of its own, fp16's (the same tensor cores)."""
+        curve of its own, fp16's (the same tensor cores). fp8 only where the part has it
+        (``has_fp8``)."""
         peaks = self.peak_tflops or GPU_PEAK_TFLOPS[self.part]
+        if precision == "fp8" and not self.has_fp8():
+            raise DeviceError(f"the {self.name} has no fp8 GEMMs (no fp8 peak or no fp8 curve in {self.path})")
         if not peaks.get(precision):
             precision = "fp32"
         g = self.gemm.get(precision) or self.gemm.get("fp16" if precision == "bf16" else "fp32")
@@ -202,6 +230,8 @@ class Device:
 
 
 _REQUIRED = ("name", "part", "memory_gb", "bandwidth_gbs", "sms", "gemm")
+# What a device file's GEMM curves may be of: a run's precisions, and fp8 (a GEMM precision only).
+GEMM_PRECISIONS = PRECISIONS + ("fp8",)
 # A device file's numbers: (field, the least it may be, whether it may be that least, an integer).
 _BOUNDS = (("memory_gb", 0.0, False, False), ("bandwidth_gbs", 0.0, False, False), ("sms", 1, True, True),
            ("memory_efficiency", 0.0, False, False), ("kernel_us", 0.0, True, False), ("host_op_us", 0.0, True, False),
@@ -235,8 +265,8 @@ def _check_fields(d: dict, path: Path) -> None:
                           f"got {curves!r}")
     for prec, c in curves.items():
         e, h = c.get("efficiency"), c.get("half", 32.0)
-        if prec not in PRECISIONS or not _is_number(e) or not _is_number(h) or not (0 < e <= 1 and h > 0):
-            raise DeviceError(f"device file {path}: gemm {prec!r}: a precision ({', '.join(PRECISIONS)}) with an "
+        if prec not in GEMM_PRECISIONS or not _is_number(e) or not _is_number(h) or not (0 < e <= 1 and h > 0):
+            raise DeviceError(f"device file {path}: gemm {prec!r}: a precision ({', '.join(GEMM_PRECISIONS)}) with an "
                               f"efficiency in (0, 1] and a half > 0, got {c!r}")
     peaks = d.get("peak_tflops")
     if peaks is not None and not (isinstance(peaks, dict) and all(_is_number(v) and v > 0 for v in peaks.values())):
@@ -349,6 +379,12 @@ def tile_efficiency(m: float, n: float, k: float, batch: float, sms: int, k_half
     return best
 
 
+# The layer's linear GEMMs (``GpuCompute.layer_ops``' names): what fp8 speeds up and a tensor-parallel
+# collective can overlap.
+LINEAR_OPS = frozenset(f"{name}{phase}" for name in ("qkv", "proj", "fc", "fc proj")
+                       for phase in ("", " dgrad", " wgrad"))
+
+
 @dataclass(frozen=True)
 class GpuCompute(ComputeModel):
     """A GPU from its device file, operation by operation (see the module docstring).
@@ -358,7 +394,12 @@ class GpuCompute(ComputeModel):
     skipped) or ``materialized`` (scores written out, a softmax and a dropout pass over them, as the
     V100-era stacks ran); optimizer: ``single`` (torch's Adam, a few kernels per parameter tensor) or
     ``fused`` (one multi-tensor kernel, apex's as Megatron runs it); overhead: per-system Overheads;
-    update_rule: ``adam``, ``sgd`` (plain: no state) or ``sgd_momentum`` (one momentum buffer)."""
+    update_rule: ``adam``, ``sgd`` (plain: no state) or ``sgd_momentum`` (one momentum buffer);
+    sequence_parallel: the norms, residual adds and dropouts of a layer (and ln_f) split along the
+    sequence over the tp ranks (Megatron's, Korthikanti et al. 2022); gemm_precision: the precision
+    of the layers' linear GEMMs where it is not ``precision`` (``fp8``: TransformerEngine's, on a part
+    with fp8 tensor cores; a half ``precision`` around it), the attention core, the output layer and
+    every memory-bound operation staying in ``precision``."""
 
     device: Device
     model: ModelConfig
@@ -367,6 +408,8 @@ class GpuCompute(ComputeModel):
     optimizer_kind: str = "single"
     overhead: dict = field(default_factory=dict)
     update_rule: str = "adam"
+    sequence_parallel: bool = False
+    gemm_precision: str | None = None
     name = "gpu"
 
     def __post_init__(self) -> None:
@@ -378,6 +421,13 @@ class GpuCompute(ComputeModel):
             raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZER_KERNELS)}, got {self.optimizer_kind!r}")
         if self.update_rule not in OPTIMIZERS:
             raise DeviceError(f"update rule must be one of {', '.join(OPTIMIZERS)}, got {self.update_rule!r}")
+        if self.gemm_precision not in (None, self.precision, "fp8"):
+            raise DeviceError(f"gemm precision must be the run's ({self.precision}) or fp8, "
+                              f"got {self.gemm_precision!r}")
+        if self.gemm_precision == "fp8":
+            if self.precision == "fp32":
+                raise DeviceError("fp8 GEMMs run inside a half precision (bf16 or fp16), not fp32")
+            self.device.gemm_curve("fp8")  # DeviceError where the part has none
 
     # -- primitives ------------------------------------------------------------------------------
     @property
@@ -385,19 +435,26 @@ class GpuCompute(ComputeModel):
         return 4 if self.precision == "fp32" else 2
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1, out_bytes: float | None = None,
-             accumulate: bool = False) -> float:
-        """Seconds of ``batch`` GEMMs of (m x k) @ (k x n) on the GPU: the slower of its math and its
-        bytes (inputs in the activation type, the output in ``out_bytes`` per element, read back too
-        where it ``accumulate``s), plus one kernel's fixed cost."""
+             accumulate: bool = False, precision: str | None = None) -> float:
+        """Seconds of ``batch`` GEMMs of (m x k) @ (k x n) on the GPU: the slower of its math (at
+        ``precision``'s peak and curve; None: the run's) and its bytes (inputs in the activation type,
+        the output in ``out_bytes`` per element, read back too where it ``accumulate``s), plus one
+        kernel's fixed cost."""
         if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
             return 0.0
         dev = self.device
-        e_max, half = dev.gemm_curve(self.precision)
+        precision = precision or self.precision
+        e_max, half = dev.gemm_curve(precision)
         eff = e_max * tile_efficiency(m, n, k, batch, dev.sms, half)
-        math_s = 2.0 * m * n * k * batch / (dev.peak_flops(self.precision) * eff)
+        math_s = 2.0 * m * n * k * batch / (dev.peak_flops(precision) * eff)
         ob = self.act_bytes if out_bytes is None else out_bytes
         nbytes = batch * ((m * k + k * n) * self.act_bytes + m * n * ob * (2 if accumulate else 1))
         return max(math_s, nbytes / (dev.bandwidth_gbs * 1e9 * dev.memory_efficiency)) + dev.kernel_us * 1e-6
+
+    def linear(self, m: float, n: float, k: float, out_bytes: float | None = None, accumulate: bool = False) -> float:
+        """A layer's linear GEMM (qkv, proj, the MLP's; forward, input or weight gradient): at the GEMM
+        precision (``gemm_precision``)."""
+        return self.gemm(m, n, k, 1, out_bytes, accumulate, self.gemm_precision)
 
     def memory(self, nbytes: float, kernels: int = 1) -> float:
         """Seconds of memory-bound kernels moving ``nbytes`` in all."""
@@ -417,70 +474,82 @@ class GpuCompute(ComputeModel):
         on b x l tokens after c, on one of tp tensor-parallel ranks. The family's shapes: q of the
         query heads, k and v of the key/value heads (``qkv_rows``); gpt's MLP c_fc and c_proj with GELU
         between, llama's gate and up (fused, 2 x ffn wide) and down with SwiGLU between, its query and
-        key heads rotated, no biases."""
+        key heads rotated, no biases. The linears' GEMMs (``LINEAR_OPS``) run at the GEMM precision;
+        under sequence parallelism the norms and residual adds see 1/tp of the tokens."""
         m, h = self.model, self.model.n_embd
         T, a = b * l, self.act_bytes
+        Tn = T / tp if self.sequence_parallel else T  # the tokens a norm or residual add sees
         heads = max(1, m.n_head // tp)
-        kv_heads = max(1, m.n_kv_head // tp)
-        hd = m.head_dim
         ht = h / tp  # this rank's share of the query heads' width
         qkv = ht * (1 + 2 * m.n_kv_head / m.n_head)  # of the fused q, k and v (gpt: 3 ht)
         kvt = ht * m.n_kv_head / m.n_head  # of k (and of v)
         ft = m.ffn_dim / h * ht  # of the MLP's hidden width (gpt: 4 ht)
         fc = 2 * ft if m.llama else ft  # of c_fc's output (llama: gate and up)
         keys = c + l  # the keys each query of the slice is scored against
-        mem, gemm = self.memory, self.gemm
+        mem, lin = self.memory, self.linear
         mat = self.attention == "materialized"
         act, rope = ("swiglu", 3) if m.llama else ("gelu", 2)  # the activation and the elements it moves per ft
         if kind == "forward":
-            ops = [("ln_1", mem(2 * T * h * a), 1), ("qkv", gemm(T, qkv, h), 1),
+            ops = [("ln_1", mem(2 * Tn * h * a), 1), ("qkv", lin(T, qkv, h), 1),
                    ("split heads", mem(2 * T * qkv * a), 1)]
             if m.llama:
                 ops.append(("rotary", mem(2 * T * (ht + kvt) * a), 1))
-            if mat:
-                s = b * heads * l * keys  # score elements
-                ops += [("scores", gemm(l, keys, hd, b * heads), 1),
-                        ("softmax", mem(2 * s * a), 1),
-                        ("attention dropout", mem(2 * s * a + s), 1),
-                        ("context", gemm(l, hd, keys, b * heads), 1)]
-            else:
-                ops.append(("attention", self._flash(b, l, c, heads, hd, 1.0, kv_heads), 1))
-            ops += [("merge heads", mem(2 * T * ht * a), 1), ("proj", gemm(T, h, ht), 1),
-                    ("residual", mem(3 * T * h * a), 1), ("ln_2", mem(2 * T * h * a), 1),
-                    ("fc", gemm(T, fc, h), 1), (act, mem(rope * T * ft * a), 1),
-                    ("fc proj", gemm(T, h, ft), 1), ("residual", mem(3 * T * h * a), 1)]
+            ops += self.attention_ops(b, l, c, tp)
+            ops += [("merge heads", mem(2 * T * ht * a), 1), ("proj", lin(T, h, ht), 1),
+                    ("residual", mem(3 * Tn * h * a), 1), ("ln_2", mem(2 * Tn * h * a), 1),
+                    ("fc", lin(T, fc, h), 1), (act, mem(rope * T * ft * a), 1),
+                    ("fc proj", lin(T, h, ft), 1), ("residual", mem(3 * Tn * h * a), 1)]
             return ops
         if kind == "backward_input":
-            ops = [("residual", mem(2 * T * h * a), 1), ("fc proj dgrad", gemm(T, ft, h), 1),
+            ops = [("residual", mem(2 * Tn * h * a), 1), ("fc proj dgrad", lin(T, ft, h), 1),
                    (act, mem((rope + 1) * T * ft * a + (T * ft * a if m.llama else 0)), 1),
-                   ("fc dgrad", gemm(T, h, fc), 1),
-                   ("ln_2", mem(5 * T * h * a), 2), ("proj dgrad", gemm(T, ht, h), 1),
+                   ("fc dgrad", lin(T, h, fc), 1),
+                   ("ln_2", mem(5 * Tn * h * a), 2), ("proj dgrad", lin(T, ht, h), 1),
                    ("merge heads", mem(2 * T * ht * a), 1)]
             if mat:
                 s = b * heads * l * keys
                 ops += [("attention dropout", mem(2 * s * a + s), 1),
-                        ("context dgrad", gemm(l, keys, hd, b * heads), 1),
-                        ("value grad", gemm(keys, hd, l, b * heads), 1),
+                        ("context dgrad", self.gemm(l, keys, m.head_dim, b * heads), 1),
+                        ("value grad", self.gemm(keys, m.head_dim, l, b * heads), 1),
                         ("softmax", mem(3 * s * a), 1),
-                        ("query grad", gemm(l, hd, keys, b * heads), 1),
-                        ("key grad", gemm(keys, hd, l, b * heads), 1)]
+                        ("query grad", self.gemm(l, m.head_dim, keys, b * heads), 1),
+                        ("key grad", self.gemm(keys, m.head_dim, l, b * heads), 1)]
             else:
-                ops.append(("attention", self._flash(b, l, c, heads, hd, 2.5, kv_heads), 2))
+                ops.append(("attention", self._flash(b, l, c, heads, m.head_dim, 2.5, max(1, m.n_kv_head // tp)), 2))
             if c:  # the context's key and value gradients, accumulated for the earlier slices
                 ops.append(("context kv grad", mem(3 * b * c * 2 * kvt * 4), 1))
             if m.llama:
                 ops.append(("rotary", mem(2 * T * (ht + kvt) * a), 1))
-            ops += [("split heads", mem(2 * T * qkv * a), 1), ("qkv dgrad", gemm(T, h, qkv), 1),
-                    ("ln_1", mem(5 * T * h * a), 2)]
+            ops += [("split heads", mem(2 * T * qkv * a), 1), ("qkv dgrad", lin(T, h, qkv), 1),
+                    ("ln_1", mem(5 * Tn * h * a), 2)]
             return ops
         if kind == "wgrad":  # each linear's weight gradient over the slice's tokens, summed in fp32 (and its bias's)
             ops = []
             for name, n_in, n_out in (("qkv", h, qkv), ("proj", ht, h), ("fc", h, fc), ("fc proj", ft, h)):
-                ops.append((f"{name} wgrad", gemm(n_in, n_out, T, out_bytes=4, accumulate=True), 1))
+                ops.append((f"{name} wgrad", lin(n_in, n_out, T, out_bytes=4, accumulate=True), 1))
                 if not m.llama:
                     ops.append((f"{name} bias grad", mem(T * n_out * a + 8 * n_out), 1))
             return ops
         raise ValueError(f"unknown layer phase {kind!r}")
+
+    def attention_ops(self, b: int, l: int, c: int, tp: int = 1) -> list[tuple[str, float, int]]:
+        """The attention core's forward on one of tp ranks: the scores, their softmax and dropout and the
+        context (materialised), or one fused kernel."""
+        m = self.model
+        heads, hd = max(1, m.n_head // tp), m.head_dim
+        if self.attention != "materialized":
+            return [("attention", self._flash(b, l, c, heads, hd, 1.0, max(1, m.n_kv_head // tp)), 1)]
+        keys, a = c + l, self.act_bytes
+        s = b * heads * l * keys  # score elements
+        return [("scores", self.gemm(l, keys, hd, b * heads), 1), ("softmax", self.memory(2 * s * a), 1),
+                ("attention dropout", self.memory(2 * s * a + s), 1), ("context", self.gemm(l, hd, keys, b * heads), 1)]
+
+    def attention_forward(self, b, l, c, tp=1):
+        return self._cached(("a", b, l, c, tp), lambda: self.phase(self.attention_ops(b, l, c, tp)))
+
+    def linear_time(self, kind, b, l, c, tp=1):
+        return self._cached(("lin", kind, b, l, c, tp),
+                            lambda: sum(t for name, t, _ in self.layer_ops(kind, b, l, c, tp) if name in LINEAR_OPS))
 
     def _flash(self, b: int, l: int, c: int, heads: int, hd: int, factor: float, kv_heads: int | None = None) -> float:
         """A fused attention kernel: the slice's queries against its c + l keys (the causal square's
@@ -517,13 +586,14 @@ class GpuCompute(ComputeModel):
         v = (self.model.vocab_size if width is None else width) / tp
         if v == 0:
             return []
+        tn = tokens / tp if self.sequence_parallel else tokens  # ln_f's tokens
         if kind == "forward":  # ln_f, the logits, the loss on fp32 logits (a cast, log-softmax, the pick)
-            return [("ln_f", self.memory(2 * tokens * h * a), 1), ("logits", self.gemm(tokens, v, h), 1),
+            return [("ln_f", self.memory(2 * tn * h * a), 1), ("logits", self.gemm(tokens, v, h), 1),
                     ("loss", self.memory(tokens * v * (a + 4 * 3)), 3)]
         if kind == "backward_input":
             return [("loss", self.memory(tokens * v * (4 * 2 + 2 * a)), 2),
                     ("logits dgrad", self.gemm(tokens, h, v), 1),
-                    ("ln_f", self.memory(5 * tokens * h * a), 2)]
+                    ("ln_f", self.memory(5 * tn * h * a), 2)]
         if kind == "wgrad":
             return [("logits wgrad", self.gemm(h, v, tokens, out_bytes=4, accumulate=True), 1)]
         raise ValueError(f"unknown head phase {kind!r}")
@@ -567,8 +637,7 @@ class GpuCompute(ComputeModel):
         return self.overhead.get(system, Overheads())
 
     def with_device(self, device: Device) -> "GpuCompute":
-        return GpuCompute(device, self.model, self.precision, self.attention, self.optimizer_kind, self.overhead,
-                          self.update_rule)
+        return replace(self, device=device)
 
 
 def gpu_compute(device: str | Device, model: ModelConfig, precision: str = "fp32", attention: str | None = None,

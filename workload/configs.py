@@ -82,12 +82,14 @@ def qkv_rows(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 def block_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block. gpt: 12h^2 + 13h (qkv, proj, fc and proj weights, their
-    biases, two LayerNorms); llama: the q and output projections (h^2 each), k and v (h x kv_heads x
-    head_dim each), gate, up and down (h x ffn each), two RMSNorms (h each), no biases."""
+    """Parameters of one transformer block. gpt: 4h^2 + 2hf + 9h + f with an MLP f wide (12h^2 + 13h
+    at f = 4h: qkv, proj, fc and proj weights, their biases, two LayerNorms); llama: the q and output
+    projections (h^2 each), k and v (h x kv_heads x head_dim each), gate, up and down (h x ffn each),
+    two RMSNorms (h each), no biases."""
     h = cfg.n_embd
     if not cfg.llama:
-        return 12 * h * h + 13 * h
+        f = cfg.ffn_dim
+        return 4 * h * h + 2 * h * f + 9 * h + f
     kv = cfg.n_kv_head * cfg.head_dim
     return 2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_dim + 2 * h
 

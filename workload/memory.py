@@ -19,8 +19,13 @@ inputs the linears, norms and GELU keep (the llama family: s b h a (4 + w / t), 
 with kv key/value heads of n and an MLP f wide: ``split_width``), 2 s b h for the two dropout masks
 where dropout runs, and
 for materialised attention (2a + 1) n s^2 b / t (softmax output, dropout mask and output; fused
-attention keeps its output's log-sum-exp only). Under full recompute a layer keeps its input (s b h
-a) and the backward holds one layer's activations again (Megatron, ours), or a stage keeps its input
+attention keeps its output's log-sum-exp only). Sequence parallelism (Megatron's) splits what the
+norms, dropouts and residuals keep along the sequence too: every term but attention's over t
+(Korthikanti et al.'s 34 s b h / t at a = 2 with dropout). Selective recompute (Megatron's
+``recompute_granularity="selective"``: the attention core run again in the backward) keeps none of
+the attention core's own activations (the s^2 terms, or the log-sum-exp), everything else as without
+recompute. Under full recompute a layer keeps its input (s b h a, over t with sequence parallelism)
+and the backward holds one layer's activations again (Megatron, ours), or a stage keeps its input
 and recomputes its layers together (torch's Pipe, fairscale's and the seed's GPipe; torch's Pipe keeps
 the last micro-batch whole, checkpoint="except_last", but its backward runs first and frees them before
 any other micro-batch is recomputed). A layer's backward also holds the gradients of its activations
@@ -38,6 +43,7 @@ from workload.configs import ModelConfig
 
 GB = 2**30
 STAGE_CHECKPOINT = ("torch_pipe", "fairscale_fsdp", "gpipe")  # recompute a stage (a Pipe partition) whole
+RECOMPUTE_GRANULARITIES = ("full", "selective")  # Megatron's recompute_granularity
 
 
 @dataclass(frozen=True)
@@ -67,13 +73,19 @@ def split_width(model: ModelConfig) -> float:
     return 2 + 2 * kv + (3 if model.llama else 2) * model.ffn_dim / model.n_embd
 
 
-def layer_activations(model: ModelConfig, b: int, s: int, a: int, tp: int, attention: str, dropout: bool) -> float:
+def layer_activations(model: ModelConfig, b: int, s: int, a: int, tp: int, attention: str, dropout: bool,
+                      sequence_parallel: bool = False, selective: bool = False) -> float:
     """Bytes one layer keeps for its backward, for b sequences of s tokens (see the module docstring;
-    the scores and the log-sum-exp go by the query heads)."""
+    the scores and the log-sum-exp go by the query heads): ``sequence_parallel`` splits the norms',
+    dropouts' and residuals' share over tp too; ``selective`` (selective recompute) keeps nothing of the
+    attention core's own."""
     h = model.n_embd
-    out = s * b * h * a * (4 + split_width(model) / tp)
+    sp = tp if sequence_parallel else 1
+    out = s * b * h * a * (4 / sp + split_width(model) / tp)
     if dropout:
-        out += 2 * s * b * h
+        out += 2 * s * b * h / sp
+    if selective:
+        return out
     if attention == "materialized":
         out += (2 * a + (1 if dropout else 0)) * model.n_head * s * s * b / tp
     else:
@@ -108,8 +120,15 @@ def param_bytes(system: str, precision: str, update_rule: str = "adam") -> tuple
 def rank_memory(model: ModelConfig, *, system: str, tp: int, pp: int, dp: int, micro_batch: int, n_micro: int,
                 precision: str, recompute: bool, schedule: str, attention: str, dropout: bool = False,
                 dp_mode: str = "allreduce", head: int | None = None, virtual_pp: int = 1,
-                distributed_optimizer: bool = False, update_rule: str = "adam") -> Memory:
-    """The fullest GPU of the run (see the module docstring)."""
+                distributed_optimizer: bool = False, update_rule: str = "adam", sequence_parallel: bool = False,
+                recompute_granularity: str = "full") -> Memory:
+    """The fullest GPU of the run (see the module docstring); ``recompute_granularity``: under
+    ``recompute``, ``full`` (a layer's input kept) or ``selective`` (the attention core run again)."""
+    if recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute granularity must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, "
+                         f"got {recompute_granularity!r}")
+    selective = recompute and recompute_granularity == "selective"
+    sp = tp if sequence_parallel else 1
     a = 4 if precision == "fp32" else 2
     layers = model.n_layer // pp
     s = model.seq_len
@@ -124,10 +143,13 @@ def rank_memory(model: ModelConfig, *, system: str, tp: int, pp: int, dp: int, m
         elif dp > 1 and (distributed_optimizer or dp_mode == "sharded_ps"):
             fo = o / dp
         weights = n * fw + (stage_params(model, 1, False, False, tp) * w if dp > 1 and dp_mode == "fsdp" else 0)
-        act_layer = layer_activations(model, micro_batch, s, a, tp, attention, dropout)
+        act_layer = layer_activations(model, micro_batch, s, a, tp, attention, dropout, sequence_parallel)
         held = in_flight(system, schedule, stage, pp, n_micro, virtual_pp)
-        checkpoint = s * micro_batch * model.n_embd * a
-        if not recompute:
+        checkpoint = s * micro_batch * model.n_embd * a / sp
+        if selective:  # the attention core's activations not kept; one layer's made again in its backward
+            acts = held * layers * layer_activations(model, micro_batch, s, a, tp, attention, dropout,
+                                                     sequence_parallel, selective=True)
+        elif not recompute:
             acts = held * layers * act_layer
         elif system in STAGE_CHECKPOINT:  # the stage's input kept, the stage recomputed whole
             acts = held * checkpoint + layers * act_layer

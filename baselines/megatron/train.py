@@ -31,8 +31,14 @@ gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowPa
 llama family's spec uses it always (megatron's block would otherwise take apex's LayerNorm where
 installed, which has no RMSNorm).
 
-``--recompute``: full activation recomputation of every layer (granularity full, method uniform,
-one layer per group). ``--precision bf16 | fp16``: megatron's own mixed precision (Float16Module:
+``--recompute``: activation recomputation, ``--recompute-granularity full`` (every layer: method
+uniform, one layer per group) or ``selective`` (megatron-core's ``recompute_modules=["core_attn"]``:
+the attention core run again in the backward, its activations not kept). ``--overlap-grad-reduce``
+and ``--overlap-param-gather``: megatron-core's DistributedDataParallelConfig fields, the schedule's
+``no_sync_func`` and ``grad_sync_func`` set as Megatron-LM's training loop sets them (gradients
+reduced bucket by bucket during the last micro-batch's backward; the distributed optimizer's
+all-gather started by ``zero_grad`` and waited bucket by bucket by the forward's pre-hooks, finished
+before weights are read). ``--precision bf16 | fp16``: megatron's own mixed precision (Float16Module:
 half-precision parameters and activations, fp32 main parameters and gradients in the optimizer),
 not the reference's autocast (``SystemSpec.half_weights``: --verify compares it with the reference
 run the same way, see ``runners.tolerance``). fp16's dynamic loss scaling is megatron's optimizer's,
@@ -105,9 +111,20 @@ def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
         # Megatron-LM issue 750). The unbatched path orders sends and receives by rank parity.
         batch_p2p_comm=False,
     )
-    if cfg.recompute:
+    if cfg.recompute and cfg.options.recompute_granularity == "selective":
+        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif cfg.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(**kwargs)
+
+
+def ddp_config(cfg: RunConfig) -> DistributedDataParallelConfig:
+    """megatron-core's DDP configuration of the run: fp32 gradient buffers, the distributed optimizer and
+    the overlaps as its options ask."""
+    o = cfg.options
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce,
+                                         overlap_param_gather=o.overlap_param_gather,
+                                         use_distributed_optimizer=o.distributed_optimizer)
 
 
 def shared_weights(m: ModelConfig, seed: int, layers: set[int], first: bool, last: bool) -> dict[str, torch.Tensor]:
@@ -238,7 +255,8 @@ def _kind(obj) -> str:
 def describe_modules(chunk: GPTModel) -> dict:
     """What megatron-core built for the model (from its modules, for the record): the first layer's
     classes, norm, attention heads and query groups per TP rank, MLP gating and activation, whether
-    its linears have biases, and the positions (rotary: the RotaryEmbedding and its base)."""
+    its linears have biases, whether its attention core is recomputed (selective recompute), and the
+    positions (rotary: the RotaryEmbedding and its base)."""
     rotary = getattr(chunk, "rotary_pos_emb", None)
     out: dict = {"positions": chunk.position_embedding_type, "rotary": _kind(rotary) if rotary else None,
                  "rotary_base": chunk.rotary_base if rotary else None}
@@ -249,7 +267,8 @@ def describe_modules(chunk: GPTModel) -> dict:
         out.update(layer=_kind(layer), norm=_kind(layer.input_layernorm), attention=_kind(attn), mlp=_kind(mlp),
                    heads=attn.num_attention_heads_per_partition, query_groups=attn.num_query_groups_per_partition,
                    gated=mlp.config.gated_linear_unit, activation=mlp.config.activation_func.__name__,
-                   fc1_rows=mlp.linear_fc1.weight.shape[0], biases=attn.linear_qkv.bias is not None)
+                   fc1_rows=mlp.linear_fc1.weight.shape[0], biases=attn.linear_qkv.bias is not None,
+                   recomputed_core=attn.checkpoint_core_attention)
     return out
 
 
@@ -283,10 +302,13 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
 
         wrapped = [Float16Module(config, c) for c in models]
     distributed_optimizer = cfg.options.distributed_optimizer
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=distributed_optimizer)
-    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+    ddp = ddp_config(cfg)
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp, module=c, disable_bucketing=i > 0)
               for i, c in enumerate(wrapped)]
+    if ddp.overlap_grad_reduce:  # as Megatron-LM's training loop: sync only the last micro-batch, chunk by chunk
+        one = len(chunks) == 1
+        config.no_sync_func = chunks[0].no_sync if one else [c.no_sync for c in chunks]
+        config.grad_sync_func = chunks[0].start_grad_sync if one else [c.start_grad_sync for c in chunks]
 
     sync = {"t": 0.0}
 
@@ -346,7 +368,13 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
             loss = float(torch.stack([d["loss"] for d in losses]).mean())
         return StepOutput(loss=loss, dp_sync_time=sync["t"])
 
+    def gathered() -> None:  # the distributed optimizer's all-gather, where it overlaps the next forward
+        if ddp.overlap_param_gather:
+            for c in chunks:
+                c.start_param_sync(force_sync=True)
+
     def weights() -> dict[str, torch.Tensor]:  # for --eval-every; TP ranks gather, one pipeline gives
+        gathered()
         held = gather_grads(cfg, models, of="data")
         return held if dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0 else {}
 

@@ -40,13 +40,19 @@ def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):
 
 
 def test_megatron_distributed_optimizer_and_sequence_parallel_match_reference(out_file):
-    """T-2 D-2 in one launch: the distributed optimizer shards its state over the two replicas, sequence
-    parallelism splits each tensor-parallel pair's activations along the sequence."""
+    """T-2 D-2 in one launch: the distributed optimizer shards its state over the two replicas, its
+    gradient reduce-scatter overlapping the backward and its parameter all-gather the next forward,
+    sequence parallelism splits each tensor-parallel pair's activations along the sequence, selective
+    recompute runs each attention core again in the backward."""
     proc = run_cli("--system", "megatron", *TINY, *NCCL_RULES, "--tp", "2", "--dp", "2", "--distributed-optimizer",
-                   "--sequence-parallel", "--batch-size", "4", "--micro-batch-size", "2", "--steps", "3",
-                   "--warmup", "0", "--eval-every", "3", "--verify", "--out", str(out_file))
-    assert_verified(proc)
+                   "--sequence-parallel", "--overlap-grad-reduce", "--overlap-param-gather", "--recompute",
+                   "--recompute-granularity", "selective", "--batch-size", "4", "--micro-batch-size", "2",
+                   "--steps", "3", "--warmup", "0", "--eval-every", "3", "--verify", "--out", str(out_file))
+    assert_verified(proc)  # the held-out loss at step 3 too: the overlapped all-gather finished before it
     (rec,) = read_records(out_file)
     assert rec["options"]["distributed_optimizer"] and rec["options"]["sequence_parallel"]
-    assert rec["label"] == "megatron +distopt +sp" and rec["layout"]["tp"] == 2 and rec["layout"]["dp"] == 2
+    assert rec["options"]["overlap_grad_reduce"] and rec["options"]["overlap_param_gather"]
+    assert rec["label"] == "megatron +distopt +sp +overlap-grad +overlap-param +selective"
+    assert rec["layout"]["tp"] == 2 and rec["layout"]["dp"] == 2
     assert rec["options"]["megatron_optimizer"] == "DistributedOptimizer"
+    assert rec["options"]["megatron_modules"]["recomputed_core"]
