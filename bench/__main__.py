@@ -23,6 +23,9 @@ schedule, the DP sync and the closing barrier (``bench.network_slope``).
 
 plan-evaluation: ours' latency model (``ours.plan``) against measured runs of uniform slicings and the
 planner's optimal one (``bench.plan_evaluation``).
+
+attention: one layer's attention over a token slice and its cached context, ours' kernel against the
+plain masked attention, in one process (``bench.attention``).
 ours-vs-megatron-tp: ours with tensor parallelism (``--tp``, ``ours.tp``) against Megatron at the same
 T (P = 1), on cpu-small, alternating repetitions as above; per batch the step times with their
 intervals, the ratio megatron / ours (of the medians, and paired) and whether the intervals separate.
@@ -41,7 +44,7 @@ from baselines.torch_pipe import SCHEDULES
 from contract.estimate import INTERVAL_RULE, Estimate, Paired, estimate, no_difference, paired, separated
 from ours import slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
-from bench import network_slope, plan_evaluation
+from bench import attention, network_slope, plan_evaluation
 from runners.invoke import run_command
 from bench.machine import parallel_capacity
 
@@ -425,7 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     network_slope.fill_parser(b)
     b = sub.add_parser("plan-evaluation", help="ours' latency model against runs of uniform and optimal slicings")
     plan_evaluation.fill_parser(b)
+    b = sub.add_parser("attention", help="one layer's attention over a slice and its context: ours' kernel against "
+                                         "the masked attention, one process")
+    attention.fill_parser(b)
     opts = p.parse_args(argv)
+    if opts.bench == "attention":
+        return attention.run(opts)
     if opts.bench == "network-slope":
         return network_slope.run(opts)
     if opts.bench == "plan-evaluation":
