@@ -26,7 +26,7 @@ import torch
 from tabulate import tabulate
 
 from contract.estimate import estimate
-from ours.kernels import KVState, MaskCache, SliceAttention
+from ours.kernels import KVState, SliceAttention
 from workload.configs import get_model_config
 
 _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -36,7 +36,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _ours(qkv: torch.Tensor, kv_ctx: torch.Tensor, c: int, H: int, T: int, gout: torch.Tensor) -> tuple[float, float]:
     """SliceAttention's forward and backward (s) on a state whose context [0, c) is ``kv_ctx``."""
-    state = KVState(MaskCache())
+    state = KVState()
     if c:
         state.write(kv_ctx, 0, T)
     x = qkv.detach().requires_grad_()
