@@ -10,11 +10,12 @@ model's length; micro-batch 1, the model's heads and head size), forward and bac
   causal mask, forward and backward (the plain masked attention a slice after the first amounts to);
 
 alternating which of the two runs first, repetition by repetition; and, as the yardstick, the
-reference's causal attention over the whole sequence (one call, forward and backward). Prints per
-(l, c) the median of each over the repetitions with its interval (``contract.estimate``) and the
-paired ratio ours / masked (the median over repetitions of the ratio within one repetition, with
-its min-max); then, per slice length, the whole sequence cut into equal slices of that length (the sum
-over its slices) against the reference's one call.
+reference's causal attention over the whole sequence (one call, forward and backward). A repetition's
+value is the fastest of ``--inner`` calls (a neighbour on a shared core only slows a call down).
+Prints per (l, c) the median of each over the repetitions with its interval (``contract.estimate``)
+and the paired ratio ours / masked (the median over repetitions of the ratio within one repetition,
+with its min-max); then, per slice length, the whole sequence cut into equal slices of that length
+(the sum over its slices' medians) against the reference's one call.
 """
 from __future__ import annotations
 
@@ -64,7 +65,12 @@ def _bottom_right_mask(c: int, l: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(l, c + l, dtype=dtype).masked_fill(~allowed, float("-inf"))
 
 
-def time_point(l: int, c: int, H: int, D: int, T: int, dtype: torch.dtype, reps: int) -> dict:
+def _fastest(fn, inner: int) -> tuple[float, float]:
+    """The (forward, backward) times of the fastest of ``inner`` calls of ``fn``."""
+    return min((fn() for _ in range(inner)), key=sum)
+
+
+def time_point(l: int, c: int, H: int, D: int, T: int, dtype: torch.dtype, reps: int, inner: int) -> dict:
     """Every repetition's (forward, backward) times of ours and masked at slice length l after context c."""
     g = torch.Generator().manual_seed(l * 10007 + c)
     C = H * D
@@ -84,16 +90,16 @@ def time_point(l: int, c: int, H: int, D: int, T: int, dtype: torch.dtype, reps:
     names = list(runs)
     for rep in range(reps):
         for name in names if rep % 2 == 0 else names[::-1]:
-            times[name].append(runs[name]())
+            times[name].append(_fastest(runs[name], inner))
     return times
 
 
-def reference_time(H: int, D: int, T: int, dtype: torch.dtype, reps: int) -> list[float]:
+def reference_time(H: int, D: int, T: int, dtype: torch.dtype, reps: int, inner: int) -> list[float]:
     """The reference's causal attention over the whole sequence, forward + backward (s), per repetition."""
     g = torch.Generator().manual_seed(1)
     q, k, v, dout = (torch.randn(1, H, T, D, generator=g).to(dtype) for _ in range(4))
     _masked(q, k, v, None, dout)
-    return [sum(_masked(q, k, v, None, dout)) for _ in range(reps)]
+    return [sum(_fastest(lambda: _masked(q, k, v, None, dout), inner)) for _ in range(reps)]
 
 
 def _ms(values: list[float]) -> str:
@@ -112,7 +118,7 @@ def run(opts: argparse.Namespace) -> int:
         for c in opts.contexts:
             if c + l > T:
                 continue
-            times = time_point(l, c, H, D, T, dtype, opts.reps)
+            times = time_point(l, c, H, D, T, dtype, opts.reps, opts.inner)
             total = {name: [f + b for f, b in ts] for name, ts in times.items()}
             ratios = [a / b for a, b in zip(total["ours"], total["masked"])]
             rows.append([l, c, _ms([f for f, _ in times["ours"]]), _ms([b for _, b in times["ours"]]),
@@ -121,11 +127,11 @@ def run(opts: argparse.Namespace) -> int:
             per_l.setdefault(l, {})[c] = statistics.median(total["ours"])
     print(f"attention of one layer over a slice after its context, {opts.model} (heads {H}, head size {D}, "
           f"sequence {T}), micro-batch 1, {opts.dtype}, {opts.threads} thread(s), {opts.reps} alternating "
-          f"repetitions (ms: median ± its interval, contract.estimate; paired: the median of the per-repetition "
-          f"ratios, min-max)")
+          f"repetitions, each the fastest of {opts.inner} calls (ms: median ± its interval, contract.estimate; "
+          f"paired: the median of the per-repetition ratios, min-max)")
     print(tabulate(rows, headers=["slice", "context", "ours fwd ms", "ours bwd ms", "ours fwd+bwd ms",
                                   "masked fwd+bwd ms", "ours / masked (paired)"], tablefmt="github"))
-    ref = reference_time(H, D, T, dtype, opts.reps)
+    ref = reference_time(H, D, T, dtype, opts.reps, opts.inner)
     seq = []
     for l, by_c in per_l.items():
         starts = range(0, T, l)
@@ -145,6 +151,7 @@ def fill_parser(p: argparse.ArgumentParser) -> None:
                    help="contexts c (positions before the slice); pairs with c + l past the sequence are skipped")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
     p.add_argument("--reps", type=int, default=9, help="alternating repetitions")
+    p.add_argument("--inner", type=int, default=3, help="calls per repetition (its value: the fastest)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (a rank runs one)")
 
 
