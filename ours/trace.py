@@ -16,7 +16,6 @@ import os
 import time
 
 import torch.distributed as dist
-from torch.profiler import record_function
 
 _NULL = contextlib.nullcontext()
 
@@ -42,6 +41,8 @@ class _Both:
     __slots__ = ("span", "range")
 
     def __init__(self, span, kind: str):
+        from torch.profiler import record_function  # only where a profiler is asked for
+
         self.span, self.range = span, record_function(f"ours::{kind}")
 
     def __enter__(self):
