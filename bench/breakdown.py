@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -195,6 +196,7 @@ def run(opts: argparse.Namespace) -> int:
               "warm-up step)", file=sys.stderr)
         return 2
     command = "python -m bench " + shlex.join(sys.argv[1:])
+    load_before = os.getloadavg()[0]
     rows = []
     for batch in opts.batch:
         for name, args in configurations(batch, opts).items():
@@ -213,6 +215,8 @@ def run(opts: argparse.Namespace) -> int:
         f"# {opts.model}, P={opts.pp}, micro-batch 1, {opts.steps} measured steps after {opts.warmup} warm-up "
         f"(profiled: torch.profiler); each part: the median over the steps in ms (its share of the median step); "
         f"parts as bench/breakdown.py defines them",
+        f"# the host's load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+        f"{os.cpu_count()} cores: one launch per configuration, so a loaded host's share weighs on each row",
         "", table(rows), ""])
     print(text)
     if opts.out:
