@@ -23,6 +23,13 @@ schedule, the DP sync and the closing barrier (``bench.network_slope``).
 
 plan-evaluation: ours' latency model (``ours.plan``) against measured runs of uniform slicings and the
 planner's optimal one (``bench.plan_evaluation``).
+
+attention: one layer's attention over a token slice and its cached context, ours' kernel against the
+plain masked attention, in one process (``bench.attention``).
+
+breakdown: where each rank's step time goes (GEMMs, attention, key/value handling, other compute,
+communication waits, Python and the engine, optimizer, idle) for ours and every Torch Pipe schedule,
+from torch's profiler with the benchmark's own hooks (``bench.breakdown``).
 ours-vs-megatron-tp: ours with tensor parallelism (``--tp``, ``ours.tp``) against Megatron at the same
 T (P = 1), on cpu-small, alternating repetitions as above; per batch the step times with their
 intervals, the ratio megatron / ours (of the medians, and paired) and whether the intervals separate.
@@ -41,7 +48,7 @@ from baselines.torch_pipe import SCHEDULES
 from contract.estimate import INTERVAL_RULE, Estimate, Paired, estimate, no_difference, paired, separated
 from ours import slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
-from bench import network_slope, plan_evaluation
+from bench import attention, breakdown, cannot_run, network_slope, plan_evaluation
 from runners.invoke import run_command
 from bench.machine import parallel_capacity
 
@@ -237,18 +244,6 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 
                   "zbv": "ZBV zero bubble", "dualpipev": "DualPipeV"}
 
 
-def cannot_run(args: list[str]) -> str | None:
-    """Why the run command would refuse ``args`` (its own judgement), or None."""
-    from contract import ConfigError
-    from runners.request import judge, parse_request
-
-    try:
-        judge(*parse_request(args))
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-
 def percents(shares: tuple[float, ...]) -> str:
     return "/".join(f"{100 * b:.0f}" for b in shares) if shares else "-"
 
@@ -425,7 +420,17 @@ def main(argv: list[str] | None = None) -> int:
     network_slope.fill_parser(b)
     b = sub.add_parser("plan-evaluation", help="ours' latency model against runs of uniform and optimal slicings")
     plan_evaluation.fill_parser(b)
+    b = sub.add_parser("attention", help="one layer's attention over a slice and its context: ours' kernel against "
+                                         "the masked attention, one process")
+    attention.fill_parser(b)
+    b = sub.add_parser("breakdown", help="where each rank's step time goes, ours and every Torch Pipe schedule, "
+                                         "cpu-small P=2")
+    breakdown.fill_parser(b)
     opts = p.parse_args(argv)
+    if opts.bench == "breakdown":
+        return breakdown.run(opts)
+    if opts.bench == "attention":
+        return attention.run(opts)
     if opts.bench == "network-slope":
         return network_slope.run(opts)
     if opts.bench == "plan-evaluation":

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from contract.links import Ends, posts_ahead
-from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
+from ours.kernels import DeferredLinear, KVState, SliceAttention, WeightGrad
 from ours.schedule import unit_order
 from ours.tp import COLUMN_PARALLEL, CopyToTP, ReduceFromTP, VocabParallelCrossEntropy, rank_of, shard_start
 from ours.trace import Tracer
@@ -146,7 +146,6 @@ class StageEngine:
         self.tracer = tracer
         self.precision = precision
         self.recompute = recompute
-        self.masks = MaskCache()
         self.low_dtype = compute_dtype(precision)
         self.blocks = list(model.blocks.values())
         # deferred-gradient linears: (weight param, bias param or None, stash)
@@ -302,7 +301,7 @@ class StageEngine:
             arrivals = tuple(_Arrivals([(u, work) for u, (_, work) in posted.items()]) if posted else None
                              for posted in (recvs, grecvs))
         return _Step(inputs=inputs, recvs=recvs, grecvs=grecvs, arrivals=arrivals,
-                     states=[[KVState(self.masks) for _ in self.blocks] for _ in range(self.nb)],
+                     states=[[KVState() for _ in self.blocks] for _ in range(self.nb)],
                      saved=[None] * len(self.units), sends=[],
                      total=torch.zeros((), device=self.device) if self.spec.is_last else None)
 

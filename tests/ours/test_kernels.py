@@ -1,5 +1,7 @@
-"""Quick in-process unit tests of ours' building blocks: the sliced attention Function against plain
-full causal attention, and a single-stage engine step against the shared model's autograd."""
+"""Quick in-process unit tests of ours' building blocks: the attention over a slice's context and its own
+positions (two passes merged by their log-sum-exp) against plain masked attention, the sliced attention
+Function against plain full causal attention, and a single-stage engine step against the shared model's
+autograd."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ours.engine import StageEngine
-from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
+from ours.kernels import (MATH, DeferredLinear, KVState, SliceAttention, WeightGrad, context_attention_backward,
+                          context_attention_forward)
 from ours.trace import Tracer
 from workload.configs import ModelConfig
 from workload.model import build_gpt, lm_loss
@@ -30,7 +33,7 @@ def _check_sliced_against_full(qkv: torch.Tensor, H: int, slices, atol: float) -
     ref.backward(gout)
     ref_grad, qkv.grad = qkv.grad, None
 
-    state, outs, c = KVState(MaskCache()), [], 0
+    state, outs, c = KVState(), [], 0
     for l in slices:
         outs.append((c, l, SliceAttention.apply(qkv[:, c : c + l], state, c, H, T)))
         c += l
@@ -50,10 +53,133 @@ def test_slice_attention_matches_full_attention(slices):
 
 
 def test_slice_attention_float32_flash_path():
-    """The fp32 CPU path (the flash kernel with a bottom-right causal mask), as the engine runs it."""
+    """The fp32 CPU path (the flash kernel, maskless over the context and causal over the slice), as the
+    engine runs it."""
     torch.manual_seed(1)
     qkv = torch.randn(1, 64, 3 * 64, requires_grad=True)
     _check_sliced_against_full(qkv, 4, (20, 28, 16), atol=1e-5)
+
+
+# (context c, slice length l): the first slice, contexts shorter, longer and much longer than the slice,
+# a context of one position, a slice of one row
+CASES = [(0, 24), (16, 16), (40, 24), (64, 8), (1, 31), (100, 28), (33, 1)]
+HALF_AND_FP32 = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _masked_attention(q, k, v, c, dout):
+    """The plain masked attention of queries [c, c + l) over keys [0, c + l) (bottom-right causal mask,
+    grouped heads repeated), by autograd: out, dq, dk, dv."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(c)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _context_attention(q, k, v, c, dout, kernel=None):
+    """ours: the maskless pass over [0, c) and the causal pass over [c, c + l), merged; out, dq, dk, dv."""
+    ctx = (k[:, :, :c], v[:, :, :c]) if c else (None, None)
+    own = (k[:, :, c:], v[:, :, c:])
+    out, lse, aux = context_attention_forward(q, *ctx, *own, kernel=kernel)
+    dq, dk_ctx, dv_ctx, dk, dv = context_attention_backward(dout, q, *ctx, *own, out, lse, aux)
+    if c:
+        dk, dv = torch.cat([dk_ctx, dk], dim=2), torch.cat([dv_ctx, dv], dim=2)
+    return out, dq, dk, dv
+
+
+def _inputs(c, l, H, H_kv, D, device="cpu", scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, H, l, D, generator=g, dtype=torch.float64) * scale
+    k, v = (torch.randn(2, H_kv, c + l, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return [t.to(device) for t in (q, k, v, torch.randn(2, H, l, D, generator=g, dtype=torch.float64))]
+
+
+def _max_errors(got, exact) -> list[float]:
+    return [float((a.double() - e).abs().max()) for a, e in zip(got, exact)]
+
+
+def _check_against_masked(dtype, H_kv, device="cpu", kernel=None, cases=CASES, scale=1.0) -> list[float]:
+    """At every (c, l): ours' output and gradients in ``dtype`` are as far from the exact values (the masked
+    attention in fp64) as three times the masked attention's own in ``dtype`` (plus one epsilon of the
+    type: errors of a few roundings of values of order one): the merge rounds the output once more, dq
+    is the sum of two rounded parts. fp32 at unit scale also within 1e-5 of the exact values
+    (scaled scores lose what fp32 inputs' rounding costs them, the masked attention alike). Returns the
+    largest error of each of out, dq, dk, dv."""
+    worst = [0.0] * 4
+    for c, l in cases:
+        q, k, v, dout = _inputs(c, l, 4, H_kv, 32, device, scale, seed=c * 131 + l)
+        exact = _masked_attention(q, k, v, c, dout)
+        low = [t.to(dtype) for t in (q, k, v, dout)]
+        ref = _max_errors(_masked_attention(*low[:3], c, low[3]), exact)
+        got = _max_errors(_context_attention(*low[:3], c, low[3], kernel=kernel), exact)
+        for name, e, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            assert e <= 3 * r + torch.finfo(dtype).eps, \
+                f"{dtype} c={c} l={l} {name}: error {e:.2e}, the masked attention's {r:.2e}"
+            if dtype == torch.float32 and scale == 1.0:
+                assert e <= 1e-5, f"fp32 c={c} l={l} {name}: error {e:.2e}"
+        worst = [max(w, e) for w, e in zip(worst, got)]
+    return worst
+
+
+@pytest.mark.parametrize("H_kv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", HALF_AND_FP32, ids=str)
+def test_context_attention_equals_masked_attention(dtype, H_kv):
+    """On CPU (the flash kernel for CPU, grouped key / value heads passed to it as they are)."""
+    _check_against_masked(dtype, H_kv)
+
+
+@pytest.mark.parametrize("H_kv", [4, 2], ids=["mha", "gqa"])
+def test_context_attention_merge_exact_in_float64(H_kv):
+    """The merge and both backward passes, on the plain-products kernel in fp64 (the code every kernel
+    shares, also CUDA's, whose kernels take no grouped heads: repeated, their gradients summed back)."""
+    for c, l in CASES[:5]:
+        q, k, v, dout = _inputs(c, l, 4, H_kv, 16, seed=c + l)
+        for got, exact in zip(_context_attention(q, k, v, c, dout, kernel=MATH), _masked_attention(q, k, v, c, dout)):
+            torch.testing.assert_close(got, exact, rtol=0, atol=1e-12)
+
+
+def test_context_attention_merge_is_stable_for_large_scores():
+    """Scores in the hundreds (e^lse far outside fp32's range): the merge works with differences of lse."""
+    _check_against_masked(torch.float32, 4, cases=[(40, 24), (100, 28)], scale=60.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", HALF_AND_FP32, ids=str)
+def test_context_attention_equals_masked_attention_on_cuda(dtype):
+    """CUDA's kernels (flash for bf16 / fp16, memory-efficient for fp32; grouped heads repeated)."""
+    for H_kv in (4, 2):
+        _check_against_masked(dtype, H_kv, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_slice_attention_half_precision(dtype):
+    """SliceAttention slice by slice in bf16 / fp16: output and qkv gradient as far from full causal
+    attention in fp64 as three times full causal attention in the same type (the context's key / value
+    gradients summed over later slices in that type, as the engine keeps them)."""
+    torch.manual_seed(5)
+    slices, H = (10, 30, 20, 36), 4
+    qkv = torch.randn(2, sum(slices), 3 * 4 * 32, dtype=torch.float64)
+    gout = torch.randn(2, sum(slices), 4 * 32, dtype=torch.float64)
+
+    def full(x):
+        x = x.detach().requires_grad_()
+        out = _full_attention(x, H)
+        out.backward(gout.to(x.dtype))
+        return out.detach(), x.grad
+
+    def sliced(x):
+        x = x.detach().requires_grad_()
+        state, outs, c = KVState(), [], 0
+        for l in slices:
+            outs.append((c, l, SliceAttention.apply(x[:, c : c + l], state, c, H, x.shape[1])))
+            c += l
+        for c, l, o in reversed(outs):
+            o.backward(gout[:, c : c + l].to(x.dtype))
+        return torch.cat([o for _, _, o in outs], dim=1).detach(), x.grad
+
+    exact = full(qkv)
+    for e, r in zip(_max_errors(sliced(qkv.to(dtype)), exact), _max_errors(full(qkv.to(dtype)), exact)):
+        assert e <= 3 * r, (e, r)
 
 
 def test_deferred_linear_weight_grads():
