@@ -161,8 +161,8 @@ def test_unequal_stages_set_the_step_as_their_layers_say():
 
 # ---- scenarios: GPT-3 XL on 2 x 8 H100 ---------------------------------------------------------------
 def xl(system: str, schedule: str, **run_keys) -> dict:
-    r = dict(system=system, model="gpt3-xl", pp=4, dp=1, batch_size=8, micro_batch_size=1, precision="bf16",
-             schedule=schedule, **run_keys)
+    r = dict(dict(system=system, model="gpt3-xl", pp=4, dp=1, batch_size=8, micro_batch_size=1, precision="bf16",
+                  schedule=schedule), **run_keys)
     return dict(run=r, cluster=dict(gpu="H100 SXM", nodes=2, gpus_per_node=8, inter_gbps=400, inter_delay_ms=0.005))
 
 
