@@ -310,20 +310,69 @@ def planned_key(key: str) -> tuple[str, str | None]:
     return json.dumps(d, sort_keys=True), hardware
 
 
+ENDS = "ends"  # --layers-per-stage: the first and the last stage one layer fewer
+
+
+def layers_per_stage(text: str) -> tuple[int, ...] | str:
+    """--layers-per-stage: comma-separated layer counts (e.g. 5,7,7,5), or 'ends'."""
+    if text.strip() == ENDS:
+        return ENDS
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--layers-per-stage takes comma-separated layer counts or '{ENDS}', got {text!r}") from None
+
+
+def stage_layer_counts(n_layer: int, n_stages: int, given: tuple[int, ...] | str | None = None) -> tuple[int, ...]:
+    """The layers of each of ``n_stages`` pipeline stages (model chunks with --virtual-pp), in model
+    order: equal (``given`` None), the counts given, or ``ENDS``: the embeddings and the loss each
+    counted as a layer, so that the first and the last stage hold one layer fewer than the others
+    (Megatron-LM's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split).
+    ConfigError (one line) where they do not add up to ``n_layer``."""
+    if given is None:
+        if n_layer % n_stages:
+            raise ConfigError(f"{n_layer} layers do not divide into {n_stages} pipeline stages")
+        return (n_layer // n_stages,) * n_stages
+    if given == ENDS:
+        if n_stages < 2 or (n_layer + 2) % n_stages or (n_layer + 2) // n_stages < 2:
+            raise ConfigError(f"--layers-per-stage {ENDS}: {n_layer} layers and the embeddings and the loss (one layer "
+                              f"each) do not divide into {n_stages} stages of 2 layers or more")
+        k = (n_layer + 2) // n_stages
+        return (k - 1,) + (k,) * (n_stages - 2) + (k - 1,)
+    if len(given) != n_stages or sum(given) != n_layer or min(given) < 1:
+        raise ConfigError(f"--layers-per-stage {','.join(map(str, given))}: needs {n_stages} counts of 1 layer or more "
+                          f"(one per pipeline stage, per model chunk with --virtual-pp) adding up to {n_layer} layers")
+    return tuple(given)
+
+
 @dataclass(frozen=True)
 class PipelineOptions(SystemOptions):
-    """A pipeline schedule and its model chunks per rank, as pipeline systems declare them. A
-    subclass redeclares ``schedule`` with its own default and choices, and lists in ``CHUNKED`` the
-    schedules that place several model chunks on every rank."""
+    """A pipeline schedule, its model chunks per rank and the layers of each stage, as pipeline systems
+    declare them. A subclass redeclares ``schedule`` with its own default and choices, and lists in
+    ``CHUNKED`` the schedules that place several model chunks on every rank."""
 
     CHUNKED = frozenset({"interleaved"})
     schedule: str = option("gpipe", "pipeline schedule")
     virtual_pp: int | None = option(None, "model chunks per rank (default 2 with a schedule that places several "
                                           "per rank, else 1)", parse=int, metavar="V")
+    layers_per_stage: tuple[int, ...] | str | None = option(
+        None, "layers of each pipeline stage (of each model chunk with --virtual-pp), in model order, e.g. 5,7,7,5; "
+              f"'{ENDS}': the first and the last stage one layer fewer (the embeddings and the loss count as one "
+              "layer each); default: equal", parse=layers_per_stage, metavar=f"N1,N2,...|{ENDS}")
 
     def __post_init__(self) -> None:
         if self.virtual_pp is None:
             object.__setattr__(self, "virtual_pp", 2 if self.schedule in self.CHUNKED else 1)
+
+    def identity(self) -> dict[str, Any]:
+        d = super().identity()
+        if self.layers_per_stage is None:  # the identity of every run of equal stages is as it always was
+            del d["layers_per_stage"]
+        return d
+
+    def stage_layers(self, config: RunConfig) -> tuple[int, ...]:
+        """The layers of each of the run's pipeline stages (model chunks), in model order."""
+        return stage_layer_counts(config.model.n_layer, config.pp * self.virtual_pp, self.layers_per_stage)
 
     def check(self, config: RunConfig) -> None:
         if self.schedule in self.CHUNKED and self.virtual_pp < 2:
@@ -331,7 +380,10 @@ class PipelineOptions(SystemOptions):
         if self.schedule not in self.CHUNKED and self.virtual_pp != 1:
             raise ConfigError(f"--virtual-pp > 1 needs a schedule that places several model chunks per rank "
                               f"({', '.join(sorted(self.CHUNKED))})")
-        stages = config.pp * self.virtual_pp
-        if config.model.n_layer % stages:
-            raise ConfigError(f"{config.model.n_layer} layers do not divide into {stages} pipeline stages "
-                              f"(--pp {config.pp} x --virtual-pp {self.virtual_pp})")
+        try:
+            self.stage_layers(config)
+        except ConfigError as exc:
+            if self.layers_per_stage is not None:
+                raise
+            raise ConfigError(f"{exc} (--pp {config.pp} x --virtual-pp {self.virtual_pp}; or give "
+                              f"--layers-per-stage)") from None

@@ -206,7 +206,7 @@ def check_common(config: RunConfig) -> None:
         raise ConfigError(f"--data: {check_vocab(config.tokenizer, m.vocab_size)}")
     if config.tokenizer != "byte" and config.data is None:
         raise ConfigError(f"--tokenizer {config.tokenizer} tokenizes text: it needs --data")
-    if m.n_layer % config.pp:
+    if m.n_layer % config.pp and getattr(config.options, "layers_per_stage", None) is None:
         raise ConfigError(f"{m.n_layer} layers do not divide into {config.pp} pipeline stages (--pp {config.pp})")
     if m.n_head % config.tp or m.n_embd % config.tp:
         raise ConfigError(f"--tp {config.tp} must divide the heads ({m.n_head}) and the hidden size ({m.n_embd})")

@@ -7,6 +7,7 @@ from contract import RunConfig
 from contract.registry import get_system
 from network_emulation.profiles import LinkSpec, link_classes, parse_profile
 from contract.links import Link
+from predict.pipeline_orders import owner
 from predict.run_spec import MEGATRON_ONLY, MODELLED, Cluster, RunSpec
 
 CALIBRATED = ("torch_pipe", "megatron", "ours")  # the systems this machine's calibration fits
@@ -44,6 +45,24 @@ def schedule_of(cfg: RunConfig) -> tuple[str, int]:
     """(schedule, model chunks per rank) of a run: its system's options' (fairscale's Pipe: GPipe)."""
     o = cfg.options
     return getattr(o, "schedule", "gpipe"), getattr(o, "virtual_pp", 1)
+
+
+def stage_layers_of(cfg: RunConfig) -> tuple[int, ...] | None:
+    """The layers of each pipeline stage (model chunk) a run asks for (--layers-per-stage), None: equal."""
+    o = cfg.options
+    return o.stage_layers(cfg) if getattr(o, "layers_per_stage", None) is not None else None
+
+
+def rank_layers_of(cfg: RunConfig) -> tuple[int, ...] | None:
+    """The layers each pipeline rank holds (its model chunks', placed looped or in a V), None: equal."""
+    counts = stage_layers_of(cfg)
+    if counts is None:
+        return None
+    schedule, _ = schedule_of(cfg)
+    held = [0] * cfg.pp
+    for stage, n in enumerate(counts):
+        held[owner(schedule, cfg.pp, stage)] += n
+    return tuple(held)
 
 
 def sync_of(cfg: RunConfig) -> str:
@@ -104,7 +123,7 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", comput
                        micro_batch_size=cfg.micro_batch_size, link=link, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
                        schedule=schedule, virtual_pp=virtual_pp, slices=slices, dp_mode=sync_of(cfg),
                        precision=cfg.precision, recompute=cfg.recompute, transport=transport,
-                       head_classes=head, cluster=cluster, **mine)
+                       head_classes=head, cluster=cluster, layers_per_stage=stage_layers_of(cfg), **mine)
     except ValueError as exc:
         raise NotModelled(str(exc)) from None
 
@@ -133,9 +152,8 @@ def memory_of(cfg: RunConfig, attention: str, head: int | None = None, dropout: 
     dp_mode = "fsdp" if cfg.system in ("torch_pipe", "fairscale_fsdp") else getattr(cfg.options, "dp_mode", "allreduce")
     return rank_memory(cfg.model, system=cfg.system, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
                        micro_batch=cfg.micro_batch_size, n_micro=cfg.n_micro_batches, precision=cfg.precision,
-                       recompute=cfg.recompute, schedule=schedule if schedule in ("gpipe", "1f1b", "interleaved")
-                       else "1f1b", attention=attention, dropout=dropout, dp_mode=dp_mode, head=head,
-                       virtual_pp=virtual_pp,
+                       recompute=cfg.recompute, schedule=schedule, attention=attention, dropout=dropout,
+                       dp_mode=dp_mode, head=head, virtual_pp=virtual_pp, rank_layers=rank_layers_of(cfg),
                        distributed_optimizer=bool(getattr(cfg.options, "distributed_optimizer", False)),
                        update_rule=cfg.optimizer.kind,
                        sequence_parallel=bool(getattr(cfg.options, "sequence_parallel", False)),

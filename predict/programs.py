@@ -4,16 +4,18 @@
   its micro-batch and waited; sends waited at the end of the phase; then all backwards in micro-batch
   order), 1F1B (torch's: stage s warms up with P - s forwards; a forward's send goes out with the next
   backward's receive, a backward's send with the next forward's receive, each pair waited together),
-  interleaved (Megatron's interleaved order, several chunks per rank). D > 1: FSDP2 on each stage's
+  interleaved (Megatron's interleaved order, several chunks per rank); zb, zbv, dualpipev: the actions
+  torch's own schedule classes list for each rank, run as torch's runtime runs them (``_actions``,
+  ``predict.pipeline_orders``). D > 1: FSDP2 on each stage's
   data-parallel group: every forward all-gathers each block, the first backward all-gathers them again
   (kept until the last), the last backward reduce-scatters the gradients (the stage's root parameters
   are gathered once and reduce-scattered once).
 - megatron (megatron-core): 1F1B (P - s - 1 warm-up forwards, blocking sends and receives in pairs)
-  or interleaved; tensor parallelism: per layer and pass the all-reduces of ``ours.plan.latency``'s
-  count (after attention and after the MLP), in the forward, the backward and the recomputed forward; a
-  tensor-parallel group is
-  simulated as one rank (its members run in lock-step) that stands for tp processes; data parallel:
-  the gradient all-reduce in finalize_model_grads.
+  or interleaved, or (predicted only) the zero-bubble ZB-H1 / ZB-H2 of ``predict.pipeline_orders``,
+  run as torch's runtime runs an action list; tensor parallelism: per layer and pass the all-reduces of
+  ``ours.plan.latency``'s count (after attention and after the MLP), in the forward, the backward and the
+  recomputed forward; a tensor-parallel group is simulated as one rank (its members run in lock-step)
+  that stands for tp processes; data parallel: the gradient all-reduce in finalize_model_grads.
 - ours (``ours.engine``): every receive of a step posted a step ahead (the engine's at the end of the
   previous step's backward, the DP sync's after the previous sync; the first step's before the first
   barrier); every unit's (batch slice x token slice) forward and backward in the order of
@@ -30,6 +32,9 @@
   ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours: per 25 MB bucket, once final, a
   chain reduce to dp_rank 0, its Adam step, a chain broadcast.
 
+A stage's forward, backward (whole, or split into its input and its weight gradients) and parameters
+are those of its own layers (``RunSpec.stage_layers``).
+
 Every step is framed like the run command times it (``contract.rank.StepBarrier``): a
 dissemination barrier (ceil(log2 n) rounds of a 1-element message to rank + 2^k, one one-way delay
 per round; over gloo each use's receives posted one use ahead), the step, the closing barrier. The
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 from contract.links import Link
 from predict import collectives as coll
 from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
+from predict.pipeline_orders import TORCH_RUNTIME, ZERO_BUBBLE, order, owner
 from predict.run_spec import RunSpec
 from predict.placement import cards_of, hosts_of
 from ours.dp import BUCKET_BYTES, bucket_ranges, bucket_starts, layout_of
@@ -73,7 +79,7 @@ class _Step:
         self.h, self.seq = m.n_embd, m.seq_len
         self.V = spec.virtual_pp
         self.n_chunks = spec.pp * spec.virtual_pp
-        self.layers = m.n_layer // self.n_chunks  # per model chunk
+        self.stage_layers = spec.stage_layers  # per model chunk (virtual stage), in model order
         self.tp = spec.tp if spec.system in TENSOR_PARALLEL else 1
         # the system's own kernels, and a tensor-parallel rank's math beyond 1/tp of the profiled
         factor = self.o.compute * (self.o.tp if self.tp > 1 else 1.0)
@@ -84,12 +90,18 @@ class _Step:
     def params(self, layers: int, first: bool, last: bool, tp: int = 1) -> int:
         return stage_params(self.spec.model, layers, first, last, tp, self.width)
 
+    def chunk_params(self, chunks, tp: int = 1) -> int:
+        """Parameters of the model chunks (virtual stages) ``chunks``, with the embeddings and the head
+        where they hold the first and the last."""
+        layers = sum(self.stage_layers[c] for c in chunks)
+        return self.params(layers, 0 in chunks, self.n_chunks - 1 in chunks, tp)
+
     # ---- the math of one stage chunk on one micro-batch -------------------------------------
     def forward(self, chunk: int, b: int, l: int, c: int) -> list:
         """Ops of a chunk's forward on b x l tokens after c (first chunk: embeddings; the last chunk of
         the baselines also runs the head and the loss here). Where megatron's parameter all-gather runs
         behind the step's first forwards (``_MegatronDDP.gate``), each part waits for its bucket."""
-        cm, tp, L = self.cm, self.tp, self.layers
+        cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
         gate = self.ddp.gate(chunk) if self.ddp is not None else None
         ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
         if chunk == 0:
@@ -109,7 +121,7 @@ class _Step:
         first; under recompute each layer's forward again before its backward). Where megatron's
         gradient buckets leave as they become final (``_MegatronDDP.signal``), the chunk's last backward
         runs part by part, each followed by the signals of the buckets it completes."""
-        cm, tp, L = self.cm, self.tp, self.layers
+        cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
         head = []
         if chunk == self.n_chunks - 1:
             if self.spec.system in TOKEN_PIPELINE:
@@ -128,6 +140,32 @@ class _Step:
         for u, part in enumerate([head] + [layer] * L + [embed]):  # units in backward order (``_megatron_order``)
             ops += part + signal(u)
         return ops
+
+    def backward_input(self, chunk: int, b: int, l: int, c: int) -> list:
+        """Ops of a chunk's backward split off its weight gradients (a zero-bubble schedule's I): the
+        head's and the layers' input gradients (after the recomputed forward), their tensor-parallel
+        all-reduces, half the backward's framework time."""
+        cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
+        ops = [Compute(self.o.per_unit(L) / 4, "overhead")]
+        if chunk == self.n_chunks - 1:
+            ops.append(Compute(cm.head_backward_input(b * l, tp, self.width), "head"))
+            ops += self._tp_comm(b * l, "head")
+        if self.spec.recompute:
+            ops += self._layers("recompute", L, b, l, c)
+        return ops + self._layers("backward-input", L, b, l, c)
+
+    def weight_grad(self, chunk: int, b: int, l: int) -> list:
+        """Ops of a chunk's weight gradients (a zero-bubble schedule's W): the layers', the head's, the
+        embeddings', the other half of the backward's framework time. Where megatron's gradient buckets
+        leave as they become final (``_MegatronDDP.signal``), the chunk's last W hands them all over."""
+        cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
+        ops = [Compute(self.o.per_unit(L) / 4, "overhead"), Compute(L * cm.layer_wgrad(b, l, tp), "wgrad")]
+        if chunk == self.n_chunks - 1:
+            ops.append(Compute(cm.head_wgrad(b * l, tp, self.width), "head"))
+        if chunk == 0:
+            ops.append(Compute(cm.embed(b * l) * 2 / 3, "embed"))
+        signal = self.ddp.signal(chunk) if self.ddp is not None else None
+        return ops + ([op for u in range(L + 2) for op in signal(u)] if signal else [])
 
     def _layers(self, kind: str, L: int, b: int, l: int, c: int) -> list:
         cm, tp = self.cm, self.tp
@@ -201,11 +239,12 @@ def _key(step: int, *parts) -> tuple:
 
 
 # ---- torch_pipe ------------------------------------------------------------------------------------
-def _fsdp_sizes(spec: RunSpec, s: int) -> tuple[int, int]:
-    """(bytes of one block's parameters, bytes of the stage's root parameters: the embeddings on the
-    first stage, the final norm and the output layer on the last), fp32, of the model's family."""
+def _fsdp_sizes(spec: RunSpec, first: bool, last: bool) -> tuple[int, int]:
+    """(bytes of one block's parameters, bytes of the root parameters of a stage that holds the
+    embeddings (``first``: the first stage) or the final norm and the output layer (``last``)), fp32, of
+    the model's family."""
     m = spec.model
-    return block_params(m) * 4, stage_params(m, 0, s == 0, s == spec.pp - 1, 1, spec.head_classes) * 4
+    return block_params(m) * 4, stage_params(m, 0, first, last, 1, spec.head_classes) * 4
 
 
 class _Stage:
@@ -221,8 +260,9 @@ class _Stage:
         self.prev, self.nxt = rank - 1, rank + 1
         self.first, self.last = self.s == 0, self.s == self.P - 1
         self.group = tuple(k * self.P + self.s for k in range(spec.dp))
-        self.block_bytes, self.root_bytes = _fsdp_sizes(spec, self.s)
+        self.block_bytes, self.root_bytes = _fsdp_sizes(spec, self.first, self.last)
         self.fsdp = spec.dp > 1
+        self.layers = st.stage_layers[self.s]
 
     def fk(self, i: int, src: int) -> tuple:  # activation of micro-batch i leaving stage src
         return _key(self.st.step, "f", self.d, src, i)
@@ -239,18 +279,18 @@ class _Stage:
         if self.fsdp:
             if i == 0 and self.root_bytes:
                 out += self._coll("allgather", ("root",), self.root_bytes)
-            for j in range(st.layers):
+            for j in range(self.layers):
                 out += self._coll("allgather", ("f", i, j), self.block_bytes)
         return out + st.forward(self.s, st.spec.micro_batch_size, st.seq, 0)
 
     def bwd(self, i: int) -> list:
         st, out = self.st, []
         if self.fsdp and i == 0:
-            for j in range(st.layers):
+            for j in range(self.layers):
                 out += self._coll("allgather", ("b", j), self.block_bytes)
         out += st.backward(self.s, st.spec.micro_batch_size, st.seq, 0)
         if self.fsdp and i == self.m - 1:
-            for j in range(st.layers):
+            for j in range(self.layers):
                 out += self._coll("reduce_scatter", ("rs", j), self.block_bytes)
             if self.root_bytes:
                 out += self._coll("reduce_scatter", ("rs", "root"), self.root_bytes)
@@ -261,10 +301,14 @@ def torch_pipe(st: _Step, rank: int) -> list:
     spec = st.spec
     if spec.schedule == "interleaved":
         return _interleaved(st, rank, *divmod(rank, spec.pp))
+    if spec.schedule in TORCH_RUNTIME:
+        ops, chunks = _actions(st, rank, first_in_w=True)
+        params = st.chunk_params(chunks)
+        return ops + st.optimizer(params // spec.dp if spec.dp > 1 else params)
     p = _Stage(st, rank)
     ops = [Compute(st.o.step, "overhead")]
     ops += _gpipe(p) if spec.schedule == "gpipe" else _torch_1f1b(p)
-    params = st.params(st.layers, p.first, p.last)
+    params = st.params(p.layers, p.first, p.last)
     return ops + st.optimizer(params // spec.dp if p.fsdp else params)
 
 
@@ -345,6 +389,77 @@ def _torch_1f1b(p: _Stage) -> list:
     return ops
 
 
+# ---- action lists: torch's runtime schedules and the zero-bubble ones (predict.pipeline_orders) -------
+def _actions(st: _Step, rank: int, first_in_w: bool) -> tuple[list, tuple[int, ...]]:
+    """One rank's step under a schedule that is a list of actions (``predict.pipeline_orders``), run as
+    torch's ``_PipelineScheduleRuntime`` runs it: a receive posted where the list has it, waited by the
+    forward or backward that consumes it (none between two stages of one rank: the V's turn); a send
+    posted after its forward or backward, every send waited at the end of the step; F+B's forward then
+    its backward. I and W split a chunk's backward (``_Step.backward_input``, ``weight_grad``); torch's
+    first stage computes no input gradient (``first_in_w``: its I is empty, its W the whole backward).
+    D > 1 (torch_pipe): each stage one FSDP2 unit, its parameters all-gathered at UNSHARD and its
+    gradients reduce-scattered at REDUCE_GRAD. (ops without the optimizer, the chunks the rank holds)."""
+    spec = st.spec
+    P, n = spec.pp, st.n_chunks
+    d, s = divmod(rank, P)
+    mb, seq = spec.micro_batch_size, st.seq
+    nb = st.act_bytes(mb, seq)
+    actions = order(spec.schedule, P, spec.virtual_pp, spec.n_micro_batches)[s]
+    chunks = tuple(sorted({c.stage for a in actions for c in (a.sub or (a,)) if c.kind in ("F", "UNSHARD")}))
+    group = tuple(k * P + s for k in range(spec.dp))
+
+    def at(stage: int) -> int:  # the simulated rank holding a stage of this pipeline
+        return d * P + owner(spec.schedule, P, stage)
+
+    def key(kind: str, stage: int, i: int) -> tuple:  # the activation (f) or gradient (b) ``stage`` sent
+        return _key(st.step, kind, d, stage, i)
+
+    def fsdp(op: str, stage: int) -> list:
+        if spec.dp == 1:
+            return []
+        block, root = _fsdp_sizes(spec, stage == 0, stage == n - 1)
+        nbytes = block * st.stage_layers[stage] + root
+        uses[stage, op] = uses.get((stage, op), -1) + 1  # a stage evicted and gathered again
+        return st.collective(op, group, rank, _key(st.step, "fsdp", stage, op, uses[stage, op]), nbytes, "fsdp")
+
+    def run(a) -> list:
+        j, i = a.stage, a.mb
+        if a.kind == "F":
+            wait = [Wait((key("f", j - 1, i),))] if j > 0 and owner(spec.schedule, P, j - 1) != s else []
+            return wait + st.forward(j, mb, seq, 0)
+        if a.kind in ("I", "B"):
+            wait = [Wait((key("b", j + 1, i),))] if j < n - 1 and owner(spec.schedule, P, j + 1) != s else []
+            if a.kind == "B":
+                return wait + st.backward(j, mb, seq, 0)
+            return wait + ([] if first_in_w and j == 0 else st.backward_input(j, mb, seq, 0))
+        if a.kind == "W":
+            return st.backward(j, mb, seq, 0) if first_in_w and j == 0 else st.weight_grad(j, mb, seq)
+        if a.kind == "F+B":
+            return [op for sub in a.sub for op in run(sub)]
+        if a.kind == "RECV_F":
+            return [Recv(key("f", j - 1, i), at(j - 1), nb)]
+        if a.kind == "RECV_B":
+            return [Recv(key("b", j + 1, i), at(j + 1), nb)]
+        if a.kind in ("SEND_F", "SEND_B"):
+            k = key("f" if a.kind == "SEND_F" else "b", j, i)
+            sends.append(k)
+            return [Send(k, at(j + 1 if a.kind == "SEND_F" else j - 1), nb)]
+        if a.kind == "UNSHARD":
+            return fsdp("allgather", j)
+        if a.kind == "REDUCE_GRAD":
+            return fsdp("reduce_scatter", j)
+        return []  # RESHARD: frees memory, no message
+
+    sends: list = []
+    uses: dict = {}
+    ops = [Compute(st.o.step, "overhead")]
+    for a in actions:
+        ops += run(a)
+    if sends:
+        ops.append(Wait(tuple(sends)))
+    return ops, chunks
+
+
 # ---- interleaved (Megatron's order; also used for torch's Interleaved1F1B) -------------------------
 def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
     """Megatron's interleaved 1F1B on rank s with V chunks, in rounds of R micro-batches (R = P where P
@@ -410,8 +525,7 @@ def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
         do(j, False)
     if pending:
         ops.append(Wait(tuple(pending)))
-    layers = st.layers * V
-    return ops + st.optimizer(st.params(layers, s == 0, s == P - 1, st.tp))
+    return ops + st.optimizer(st.chunk_params([v * P + s for v in range(V)], st.tp))
 
 
 # ---- megatron ------------------------------------------------------------------------------------
@@ -423,6 +537,8 @@ def megatron(st: _Step, rank: int) -> list:
     if spec.schedule == "interleaved":
         ops = _interleaved(st, rank, d, s)
         ops.pop()  # its optimizer: megatron's is below
+    elif spec.schedule in ZERO_BUBBLE:
+        ops, _ = _actions(st, rank, first_in_w=False)
     else:
         mb, seq = spec.micro_batch_size, st.seq
         nb = st.act_bytes(mb, seq)
@@ -461,7 +577,7 @@ def megatron(st: _Step, rank: int) -> list:
             ops += pair([], [(bk(j, s + 1), nxt)] if s < P - 1 else [])
             ops += st.backward(s, mb, seq, 0)
             ops += pair([(bk(j, s), prev)] if s > 0 else [], [])
-    params = st.params(st.layers * st.V, s == 0, s == P - 1, st.tp)
+    params = st.chunk_params(range(s, st.n_chunks, P), st.tp)
     return ops + (st.ddp.finish(params) if st.ddp is not None else st.optimizer(params))
 
 
@@ -470,7 +586,7 @@ def _megatron_order(st: _Step, vs: int) -> list[tuple[int, int]]:
     order its backward finishes them (megatron-core's buffers take them in reverse order of
     registration): (elements, unit), units as ``_Step.backward`` runs them: 0 the output layer and
     final norm (the last chunk), 1 .. L its layers from the last, L + 1 the embeddings (the first)."""
-    m, tp, L = st.spec.model, st.tp, st.layers
+    m, tp, L = st.spec.model, st.tp, st.stage_layers[vs]
     out = [(stage_params(m, 0, False, True, tp, st.width), 0)] if vs == st.n_chunks - 1 else []
     out += [(block_params(m) // tp, u) for u in range(1, L + 1)]
     if vs == 0:
@@ -587,7 +703,7 @@ class _MegatronDDP:
 
 
 # ---- ours ----------------------------------------------------------------------------------------
-def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
+def _grad_order(st: _Step, first: bool, last: bool, s: int = 0) -> list[tuple[int, int]]:
     """The stage's parameters as ``StageEngine.grad_order`` reports them final: (elements, the index of
     the deferred linear whose gradient finishes it; -1: final when the backward ends). First those
     autograd accumulates (embeddings, norms), then per layer the four linears' weight and (gpt) bias
@@ -597,16 +713,17 @@ def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
     out = []
     if first and m.vocab_size:
         out += [(m.vocab_size * h, -1)] + ([] if m.llama else [(m.seq_len * h, -1)])
+    layers = st.stage_layers[s]
     norm = [(h, -1)] * (norm_params(m) // h)  # LayerNorm's weight and bias, RMSNorm's weight
-    out += norm * (2 * st.layers)  # ln_1, ln_2
+    out += norm * (2 * layers)  # ln_1, ln_2
     if last:
         out += norm  # ln_f
     f = m.ffn_dim
     linears = [(sum(qkv_rows(m)), h), (h, h), ((2 * f if m.llama else f), h), (h, f)]  # (rows, columns)
-    for i, (rows, cols) in enumerate(linears * st.layers):
+    for i, (rows, cols) in enumerate(linears * layers):
         out += [(rows * cols, i)] + ([] if m.llama else [(rows, i)])  # the weight and (gpt) its bias
     if last:
-        out.append(((m.vocab_size if st.width is None else st.width) * h, 4 * st.layers))
+        out.append(((m.vocab_size if st.width is None else st.width) * h, 4 * layers))
     return out
 
 
@@ -632,7 +749,7 @@ class _Sync:
         spec = st.spec
         d, s = divmod(rank, spec.pp)
         D = spec.dp
-        order = _grad_order(st, s == 0, s == spec.pp - 1)
+        order = _grad_order(st, s == 0, s == spec.pp - 1, s)
         buckets = tuple((n, at, bucket_ranges(n, D, layout_of(spec.dp_mode, D))) for n, at in _buckets(order))
         return _Sync(st, d, s, buckets, spec.dp_mode != "allreduce")
 
@@ -733,7 +850,7 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
     nbs = spec.n_micro_batches
     slices = spec.token_slices
     ctx = [sum(slices[:i]) for i in range(len(slices))]
-    L = st.layers
+    L = st.stage_layers[s]
     first, last = s == 0, s == P - 1
     prev, nxt = rank - 1, rank + 1
     ops: list = [Compute(st.o.step, "overhead")]
@@ -828,7 +945,7 @@ def _seed_dp(st: _Step, rank: int, sends: list, after: list[float], wgrad: float
     group = tuple(j * spec.pp + s for j in range(spec.dp))
     mode = "central_ps" if spec.dp_mode == "chain_ps" else spec.dp_mode
     ops: list = []
-    for i, (n, at) in enumerate(_buckets(_grad_order(st, s == 0, s == spec.pp - 1), CHAIN_BUCKET_BYTES)):
+    for i, (n, at) in enumerate(_buckets(_grad_order(st, s == 0, s == spec.pp - 1, s), CHAIN_BUCKET_BYTES)):
         ops.append(Flush("wgrad", keep=after[at] if at >= 0 else wgrad))
         key = _key(st.step, "chain", s, i)
         if mode == "central_ps":

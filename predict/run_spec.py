@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from contract.config import PRECISIONS
+from contract.config import PRECISIONS, ConfigError, stage_layer_counts
 from contract.links import Link
 from ours import OursOptions
 from workload.configs import ModelConfig
@@ -16,9 +16,11 @@ from workload.configs import ModelConfig
 # What the simulator has a program for (``predict.programs``): per system (``predict.systems``), the
 # schedules its program runs, the default first. ours' engine (ours, and the seed's GPipe at one token
 # slice) runs each of ours' orders; a system not named here, or another of its schedules, is not modelled.
-MODELLED = {"torch_pipe": ("gpipe", "1f1b", "interleaved"), "fairscale_fsdp": ("gpipe",),
-            "megatron": ("1f1b", "interleaved"), "ours": OursOptions.choices("schedule"),
+MODELLED = {"torch_pipe": ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev"), "fairscale_fsdp": ("gpipe",),
+            "megatron": ("1f1b", "interleaved", "zb1p", "zb2p"), "ours": OursOptions.choices("schedule"),
             "gpipe": ("gpipe",) + tuple(s for s in OursOptions.choices("schedule") if s != "gpipe")}
+# Model chunks per rank a schedule places (the V's two; the zero-bubble ZB-H1 and ZB-H2 one).
+CHUNKS_PER_RANK = {"zbv": 2, "dualpipev": 2, "zb1p": 1, "zb2p": 1}
 # Data parallelism: ours' modes (the baselines' all-reduce, FSDP's reduce-scatter run by their programs),
 # and ``chain_ps``, the seed's (DT-FM's) central PS.
 SYNCS = OursOptions.choices("dp_mode") + ("chain_ps",)
@@ -87,14 +89,17 @@ class Cluster:
 class RunSpec:
     """A run as the simulator sees it.
 
-    system / schedule: which program each rank runs (torch_pipe: gpipe | 1f1b | interleaved;
-        megatron: 1f1b | interleaved; ours: its token-level pipeline, its units in the order of
+    system / schedule: which program each rank runs (torch_pipe: gpipe | 1f1b | interleaved | zb | zbv |
+        dualpipev; megatron: 1f1b | interleaved, and the zero-bubble zb1p | zb2p it is predicted with
+        (``predict.systems``); ours: its token-level pipeline, its units in the order of
         ``ours.schedule``: 1f1b | gpipe; gpipe: the seed's GPipe as DT-FM ran it, ours' engine at one
         token slice with the gpipe order; fairscale_fsdp: fairscale's Pipe (GPipe) over a node's GPUs,
         FSDP across nodes). None: ours' default (1f1b), else gpipe.
     model: the GPT shape. pp / tp / dp: pipeline stages, tensor-parallel degree, pipelines.
     batch_size: sequences per pipeline and step; micro_batch_size: sequences per micro-batch
-        (ours: per batch slice). virtual_pp: model chunks per rank (interleaved).
+        (ours: per batch slice). virtual_pp: model chunks per rank (interleaved, zb; zbv and dualpipev:
+        2, in a V). layers_per_stage: the layers of each pipeline stage (model chunk), in model order;
+        None: equal.
     slices: ours' token slice lengths (sum = seq_len). dp_mode: ours' data parallelism (allreduce,
         central_ps, sharded_ps), or ``chain_ps``, the seed's (DT-FM's) central PS over NCCL, not an
         option of ours: per 25 MB bucket a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
@@ -150,6 +155,7 @@ class RunSpec:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    layers_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.system not in MODELLED:
@@ -161,6 +167,13 @@ class RunSpec:
         if self.schedule not in MODELLED[self.system]:
             raise ValueError(f"{self.system}'s {self.schedule!r} schedule is not modelled (the simulator runs its "
                              f"{', '.join(MODELLED[self.system])})")
+        chunks = CHUNKS_PER_RANK.get(self.schedule)
+        if chunks is not None and self.virtual_pp != chunks:
+            raise ValueError(f"the {self.schedule} schedule places {chunks} model chunk(s) per rank, got virtual_pp "
+                             f"{self.virtual_pp}")
+        if self.schedule == "dualpipev" and self.dp > 1:
+            raise ValueError("torch_pipe's dualpipev with dp > 1 is not modelled (FSDP2 gathers its blocks again "
+                             "around forwards and backwards)")
         if self.dp_mode not in SYNCS:
             raise ValueError(f"unknown dp_mode {self.dp_mode!r}")
         if self.transport not in TRANSPORTS:
@@ -172,8 +185,10 @@ class RunSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch {self.batch_size} does not divide into micro-batches of {self.micro_batch_size}")
-        if self.model.n_layer % (self.pp * self.virtual_pp):
-            raise ValueError(f"{self.model.n_layer} layers do not divide into {self.pp * self.virtual_pp} stages")
+        try:
+            stage_layer_counts(self.model.n_layer, self.pp * self.virtual_pp, self.layers_per_stage)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         if self.slices is not None and sum(self.slices) != self.model.seq_len:
             raise ValueError(f"slices {self.slices} do not sum to the sequence length {self.model.seq_len}")
         if self.recompute_granularity not in ("full", "selective"):
@@ -187,6 +202,11 @@ class RunSpec:
     @property
     def n_micro_batches(self) -> int:
         return self.batch_size // self.micro_batch_size
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """The layers of each pipeline stage (model chunk), in model order."""
+        return stage_layer_counts(self.model.n_layer, self.pp * self.virtual_pp, self.layers_per_stage)
 
     @property
     def world(self) -> int:

@@ -15,7 +15,8 @@
     recompute = true
     optimizer = "sgd_momentum"   # adam (default), sgd, sgd_momentum
     schedule = "1f1b"      # and every other option of the system, by its name (dp_mode, n_slices,
-                           # virtual_pp, ...)
+                           # virtual_pp, layers_per_stage = [5, 7, 7, 5] or "ends", ...); megatron
+                           # also "zb1p", "zb2p" (predict.systems: the zero-bubble ZB-H1 and ZB-H2)
 
     [cluster]              # what only a cluster has
     gpu = "V100 SXM2 16GB" # a device file's name (workload/devices)

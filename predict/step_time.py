@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from workload.compute import ComputeModel
 from predict.simulator import Simulator
+from predict.pipeline_orders import ZERO_BUBBLE
 from predict.programs import build
 from predict.run_spec import Prediction, RunSpec
 
@@ -24,8 +25,11 @@ def predict(spec: RunSpec, compute: ComputeModel, cores: float | tuple | None = 
     per rank. Over gloo the second of two simulated steps is the one reported
     (its ranks start as the first one's closing barrier left them; the first step's gloo messages pay the
     receive-posted notices of receives posted at time 0); over nccl every rank enters the first opening
-    barrier at 0 and leaves it at once, so one step is enough."""
-    steps = 1 if spec.transport == "nccl" else 2
+    barrier at 0 and leaves it at once, so one step is enough, but for the zero-bubble schedules of Qi et
+    al. (``predict.pipeline_orders.ZERO_BUBBLE``): nothing synchronises their stages between steps (the
+    paper's optimizer post-validation), so each stage starts the next step as it ends this one, and the
+    step reported is the second, the steady state's."""
+    steps = 1 if spec.transport == "nccl" and spec.schedule not in ZERO_BUBBLE else 2
     built = build(spec, compute, steps=steps)
     res = Simulator(built.programs, built.network, cores, built.procs).run()
     last = steps - 1

@@ -278,6 +278,8 @@ def setting_flags(key: str, value, keys: dict[str, argparse.Action], where: str)
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key!r} is a switch: true or false, got {value!r}")
         return [flag] if value else []
+    if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        value = ",".join(map(str, value))  # a list flag's text (--layers-per-stage 5,7,7,5)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ConfigError(f"{where}: {key!r} must be a string or a number, got {value!r}")
     if isinstance(value, str) and value.startswith("-"):
@@ -303,7 +305,7 @@ def table_flags(table: dict, keys: dict[str, argparse.Action], where: str = "[ru
     for key, value in table.items():
         flags = setting_flags(key, value, keys, where)
         if len(flags) == 2:
-            _judge_value(key, value, keys[ALIASES.get(key, key)], where)
+            _judge_value(key, flags[1] if isinstance(value, list) else value, keys[ALIASES.get(key, key)], where)
         out += flags
     return out
 

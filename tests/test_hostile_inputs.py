@@ -459,12 +459,12 @@ def test_54_item1_fairscale_is_predicted_on_a_gpu_and_a_sweep_lists_what_it_cann
     sweep = tmp_path / "s.toml"
     sweep.write_text(SWEEP.replace('"tiny"', '"cpu-small"').replace('layouts = ["1"]', 'layouts = ["P-2"]')
                      .replace('name = "reference"', 'name = "fairscale_fsdp"\n  [[experiment.systems]]\n'
-                                                    '  name = "torch_pipe"\n  schedule = "zbv"'))
+                                                    '  name = "ours"\n  n_slices = "search"'))
     assert predict(["sweep", str(sweep), "--gpu", "H100 SXM"]) == 0
     out = capsys.readouterr()
     row = next(line.split("|") for line in out.out.splitlines() if line.startswith("| fairscale_fsdp "))
     assert [c.strip() for c in row][3:5] == ["fp32", "P-2"] and "Traceback" not in out.err
-    assert "not predicted: [a] --system torch_pipe" in out.err and "'zbv' schedule is not modelled" in out.err
+    assert "not predicted: [a] --system ours" in out.err and "--n-slices search keeps the K" in out.err
 
 
 def test_54_item9_predict_records_keeps_predictions_it_does_not_replace(tmp_path, capsys):

@@ -31,8 +31,12 @@ the last micro-batch whole, checkpoint="except_last", but its backward runs firs
 any other micro-batch is recomputed). A layer's backward also holds the gradients of its activations
 (one layer's activations more). A stage keeps them for the micro-batches
 its schedule has in flight: GPipe all of them, 1F1B P - stage (the first stage P), Megatron's
-interleaved schedule its warm-up, ours (token slices) the batch slices its order holds. The last
-stage adds the logits of the micro-batches whose loss it keeps (fp32 for the loss).
+interleaved schedule its warm-up, ours (token slices) the batch slices its order holds; under the
+zero-bubble schedules, where a micro-batch's activations live until its weight gradients (the W)
+have run, ZB-H1 and torch's interleaved zero bubble P on every stage, ZB-H2 2P - 1, the V schedules
+(ZB-V, DualPipeV) the chunks their orders hold at most (``tests/predict/test_pipeline_schedules.py``
+counts them in the orders the simulator runs). The stage with the loss (the last; rank 0 in a V)
+adds the logits of the micro-batches whose loss it keeps (fp32 for the loss).
 """
 from __future__ import annotations
 
@@ -93,15 +97,31 @@ def layer_activations(model: ModelConfig, b: int, s: int, a: int, tp: int, atten
     return out
 
 
+V_SHAPED = ("zbv", "dualpipev")  # two model chunks a rank, in a V: rank 0 holds the first and the last
+
+
 def in_flight(system: str, schedule: str, stage: int, pp: int, n_micro: int, virtual_pp: int = 1) -> float:
-    """Micro-batches' worth of a stage's layers the schedule keeps at its peak."""
+    """Micro-batches' worth of a stage's layers the schedule keeps at its peak (a micro-batch's
+    activations live until its backward's weight gradients: under a zero-bubble schedule, its W)."""
+    M, P, V = n_micro, pp, virtual_pp
     if schedule == "gpipe":
-        return n_micro
-    if schedule == "interleaved" and virtual_pp > 1:
-        rounds = n_micro // max(1, n_micro // pp)
-        warm = min(n_micro * virtual_pp, (pp - stage - 1) * 2 + (virtual_pp - 1) * rounds + 1)
-        return warm / virtual_pp
-    return min(n_micro, pp - stage)
+        return M
+    if schedule == "interleaved" and V > 1:
+        rounds = M // max(1, M // P)
+        warm = min(M * V, (P - stage - 1) * 2 + (V - 1) * rounds + 1)
+        return warm / V
+    if schedule == "zb2p":  # ZB-H2: 2 (P - s) - 1 warm-up forwards, Ws delayed by 2s: 2P - 1 on every stage
+        return min(M, 2 * P - 1)
+    if schedule == "zb1p":  # ZB-H1: P - 1 - s warm-up forwards, Ws delayed by s: P on every stage
+        return min(M, P)
+    if schedule == "zb":  # torch's interleaved ZB-H1: its warm-up's (V - 1) R + P chunks on every stage
+        per_round = M // max(1, M // P)
+        return min(V * M, (V - 1) * per_round + P) / V
+    if schedule == "zbv":  # chunk by chunk, P + 1 + s chunks' worth from M = P on, 2P at most, in halves of the rank
+        return min(2 * P, M + 1 + stage, 2 * M) / 2
+    if schedule == "dualpipev":  # 2P + 1 chunks' worth (M >= 2P, its minimum)
+        return min(2 * P + 1, 2 * M) / 2
+    return min(M, P - stage)
 
 
 STATE_BYTES = {"adam": 8, "sgd": 0, "sgd_momentum": 4}  # the update rule's fp32 state per parameter
@@ -121,21 +141,22 @@ def rank_memory(model: ModelConfig, *, system: str, tp: int, pp: int, dp: int, m
                 precision: str, recompute: bool, schedule: str, attention: str, dropout: bool = False,
                 dp_mode: str = "allreduce", head: int | None = None, virtual_pp: int = 1,
                 distributed_optimizer: bool = False, update_rule: str = "adam", sequence_parallel: bool = False,
-                recompute_granularity: str = "full") -> Memory:
+                recompute_granularity: str = "full", rank_layers: tuple[int, ...] | None = None) -> Memory:
     """The fullest GPU of the run (see the module docstring); ``recompute_granularity``: under
-    ``recompute``, ``full`` (a layer's input kept) or ``selective`` (the attention core run again)."""
+    ``recompute``, ``full`` (a layer's input kept) or ``selective`` (the attention core run again);
+    ``rank_layers``: the layers each pipeline rank holds (None: equal)."""
     if recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise ValueError(f"recompute granularity must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, "
                          f"got {recompute_granularity!r}")
     selective = recompute and recompute_granularity == "selective"
     sp = tp if sequence_parallel else 1
     a = 4 if precision == "fp32" else 2
-    layers = model.n_layer // pp
     s = model.seq_len
     w, g, o = param_bytes(system, precision, update_rule)
     best = None
     for stage in range(pp):
-        first, last = stage == 0, stage == pp - 1
+        layers = rank_layers[stage] if rank_layers is not None else model.n_layer // pp
+        first, last = stage == 0, stage == (0 if schedule in V_SHAPED else pp - 1)
         n = stage_params(model, layers, first, last, tp, head)
         fw, fg, fo = w, g, o
         if dp > 1 and dp_mode == "fsdp":

@@ -26,12 +26,17 @@ class StageSpec:
         return self.index == self.n_stages - 1
 
 
-def stage_specs(n_layer: int, n_stages: int) -> list[StageSpec]:
-    """Equal, consecutive layer ranges; the caller has checked that n_stages divides n_layer."""
-    if n_stages < 1 or n_layer % n_stages:
-        raise ValueError(f"{n_layer} layers do not divide into {n_stages} stages")
-    per = n_layer // n_stages
-    return [StageSpec(i, n_stages, i * per, (i + 1) * per) for i in range(n_stages)]
+def stage_specs(n_layer: int, n_stages: int, counts: tuple[int, ...] | None = None) -> list[StageSpec]:
+    """Consecutive layer ranges: ``counts`` layers each (in model order), or equal ones (the caller has
+    checked that n_stages divides n_layer)."""
+    if counts is None:
+        if n_stages < 1 or n_layer % n_stages:
+            raise ValueError(f"{n_layer} layers do not divide into {n_stages} stages")
+        counts = (n_layer // n_stages,) * n_stages
+    if len(counts) != n_stages or sum(counts) != n_layer or min(counts) < 1:
+        raise ValueError(f"layer counts {counts} are not {n_stages} stages of {n_layer} layers")
+    ends = [sum(counts[:i + 1]) for i in range(n_stages)]
+    return [StageSpec(i, n_stages, end - counts[i], end) for i, end in enumerate(ends)]
 
 
 def build_stage(cfg: ModelConfig, spec: StageSpec, seed: int, device: torch.device | str) -> GPT:

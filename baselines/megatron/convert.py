@@ -38,7 +38,8 @@ Two steps, each invertible:
 
 Within a model chunk (pipeline stage, or virtual stage) megatron numbers layers locally
 (``decoder.layers.<local>``); ``chunk_name`` / ``global_name`` translate with the chunk's
-first global layer.
+first global layer. Which layers a chunk holds: equal splits, or ``--layers-per-stage``'s counts as
+megatron-core's ``pipeline_model_parallel_layout`` (``layer_layout``).
 """
 from __future__ import annotations
 
@@ -180,3 +181,12 @@ def global_name(local: str, first_layer: int) -> str:
     if not m:
         return local
     return f"decoder.layers.{int(m.group(1)) + first_layer}.{m.group(2)}.{m.group(3)}"
+
+
+def layer_layout(counts: tuple[int, ...]) -> list[list[str]]:
+    """megatron-core's ``pipeline_model_parallel_layout`` of these layer counts per stage (model chunk),
+    in model order: the embedding before the first stage's layers, the loss after the last's."""
+    layout = [["decoder"] * n for n in counts]
+    layout[0].insert(0, "embedding")
+    layout[-1].append("loss")
+    return layout

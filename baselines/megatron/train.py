@@ -31,6 +31,9 @@ gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowPa
 llama family's spec uses it always (megatron's block would otherwise take apex's LayerNorm where
 installed, which has no RMSNorm).
 
+``--layers-per-stage``: megatron-core's ``pipeline_model_parallel_layout``, each stage's (model
+chunk's) layers in model order, the embedding on the first and the loss on the last.
+
 ``--recompute``: activation recomputation, ``--recompute-granularity full`` (every layer: method
 uniform, one layer per group) or ``selective`` (megatron-core's ``recompute_modules=["core_attn"]``:
 the attention core run again in the backward, its activations not kept). ``--overlap-grad-reduce``
@@ -115,6 +118,8 @@ def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
         kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif cfg.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if cfg.options.layers_per_stage is not None:
+        kwargs["pipeline_model_parallel_layout"] = conv.layer_layout(cfg.options.stage_layers(cfg))
     return TransformerConfig(**kwargs)
 
 
@@ -246,6 +251,19 @@ def gather_grads(cfg: RunConfig, chunks: list[GPTModel], of: str = "grad") -> di
                 g = conv.unshard(gname, parts, gated=cfg.model.llama)
             out[gname] = g.clone()
     return conv.megatron_to_shared(out, cfg.model.n_head, cfg.model.n_kv_head)
+
+
+def stage_layers(cfg: RunConfig, config: TransformerConfig) -> list[int]:
+    """The layers megatron-core builds on each pipeline stage (model chunk), in model order (its
+    layout's count for a rank, which ``get_num_layers_to_build`` takes from the calling rank)."""
+    vpp, layout = cfg.options.virtual_pp, config.pipeline_model_parallel_layout
+    out = []
+    for v in range(vpp):
+        for r in range(cfg.pp):
+            vp = v if vpp > 1 else None
+            out.append(layout.get_num_layers_to_build(vp_stage=vp, pp_rank=r) if layout is not None
+                       else get_num_layers_to_build(config, vp_stage=vp, pp_rank=r))
+    return out
 
 
 def _kind(obj) -> str:
@@ -384,6 +402,7 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     result.extra["megatron_layout"] = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
                                            pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank)
     result.extra["megatron_modules"] = describe_modules(models[0])
+    result.extra["megatron_stage_layers"] = stage_layers(cfg, config)
     if cfg.verify:
         if distributed_optimizer:
             gather_grad_shards(chunks)

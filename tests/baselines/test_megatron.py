@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multiprocess
 # T-2 alone: inside T-2 x P-2 below, and with sequence parallelism; D-2: with the distributed optimizer
 # (T-2 D-2, both in one launch, below)
 LAYOUTS = {
-    "pp2": ["--pp", "2", *NCCL_RULES],
+    "pp2": ["--pp", "2", "--layers-per-stage", "3,1", *NCCL_RULES],  # megatron-core's layout: 3 layers, then 1
 }
 
 
@@ -23,6 +23,7 @@ def test_megatron_matches_reference(layout, out_file):
     assert_verified(proc)
     (rec,) = read_records(out_file)
     assert rec["status"] == "ok" and len(rec["losses"]) == 3
+    assert rec["options"]["layers_per_stage"] == rec["options"]["megatron_stage_layers"] == [3, 1]
 
 
 def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):

@@ -172,7 +172,7 @@ def test_every_programs_parameters_are_the_models_family_and_mlp(model, ffn):
         for s, (first, last) in enumerate(((True, False), (False, True))):
             n = stage_params(spec.model, 2, first, last, st.tp)
             if system == "torch_pipe":
-                block, root = _fsdp_sizes(spec, s)
+                block, root = _fsdp_sizes(spec, first, last)
                 assert 2 * block + root == 4 * n
             elif system == "megatron":
                 assert sum(k for k, _ in _megatron_order(st, s)) == n

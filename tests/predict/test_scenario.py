@@ -56,7 +56,7 @@ def test_a_bad_scenario_names_what_is_wrong():
         "run__precision": ("fp8", "[run]: precision = 'fp8' is not one of fp32, bf16, fp16"),
         "run__tp": (3, "--tp 3 must divide the heads (16)"),
         "run__pp": (8, "needs 32 GPUs"),
-        "run__schedule": ("zbv", "megatron: unknown --schedule 'zbv'; choose from 1f1b, interleaved"),
+        "run__schedule": ("zbv", "megatron: unknown --schedule 'zbv'; choose from 1f1b, interleaved, zb1p, zb2p"),
         "run__n_slices": (4, "--n-slices is an option of ours and diloco, not of megatron"),
         "cluster__inter_gbps": (None, "inter_delay_ms given without inter_gbps"),
         "predict__head": ("softmax", "head must be"),

@@ -120,7 +120,8 @@ def test_a_record_is_strict_json_with_label_key_and_options_from_the_spec():
     d = json.loads(rec.to_json())  # a NaN would not be valid JSON: it becomes null
     assert d["verify"]["max_abs_loss_diff"] is None
     assert d["label"] == "torch_pipe gpipe" and d["role"] == "baseline"
-    assert d["options"] == {"schedule": "gpipe", "virtual_pp": 1} and d["key"] == _cfg().key()
+    assert d["options"] == {"schedule": "gpipe", "virtual_pp": 1, "layers_per_stage": None} and d["key"] == _cfg().key()
+    assert json.loads(d["key"])["options"] == {"schedule": "gpipe", "virtual_pp": 1}  # equal stages: as it always was
     assert _cfg(timeout=5.0, verify=True).key() == _cfg().key() != _cfg(steps=3).key()
 
 

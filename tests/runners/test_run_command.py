@@ -14,7 +14,7 @@ BASE = [*TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "
 
 @pytest.mark.parametrize("layout", [
     ["--pp", "2", "--schedule", "gpipe"],  # plain gloo; the others under NCCL's rules
-    ["--pp", "2", "--schedule", "1f1b", *NCCL_RULES],
+    ["--pp", "2", "--schedule", "1f1b", "--layers-per-stage", "1,3", *NCCL_RULES],  # stages of 1 and 3 layers
     ["--pp", "2", "--schedule", "interleaved", *NCCL_RULES],
 ], ids=["gpipe", "1f1b", "interleaved"])  # P-2 D-2 (FSDP2): tests/baselines/test_torch_pipe.py
 @pytest.mark.multiprocess
