@@ -234,10 +234,32 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
         p.copy_(value.to(device=p.device, dtype=p.dtype))
 
 
+class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
+    """In-place initialisers (``normal_``, ``uniform_``, ``fill_``, ...) on meta tensors skipped: a meta
+    tensor holds no values, and there they run through torch's Python references, whose first call
+    imports ``torch._dynamo`` (seconds of every process that builds a model). Everything else passes."""
+    INIT = frozenset({"normal_", "uniform_", "zero_", "fill_", "erfinv_", "mul_", "add_", "clamp_",
+                      "copy_", "bernoulli_", "exponential_", "random_", "trunc_normal_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in self.INIT:  # torch.nn.init's take ``tensor=``; Tensor's methods self
+            t = args[0] if args else kwargs.get("tensor")
+            if getattr(t, "is_meta", False):
+                return t
+        return func(*args, **kwargs)
+
+
+def meta_gpt(cfg: ModelConfig) -> GPT:
+    """The model's modules on the meta device (shapes and names, no storage, no initialisation): what a
+    stage, an evaluation or a names-only walk starts from, then ``to_empty`` and ``init_weights``."""
+    with torch.device("meta"), _NoInitOnMeta():
+        return GPT(cfg)
+
+
 def build_gpt(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> GPT:
     """The full model, initialised from ``seed``, on ``device``."""
-    with torch.device("meta"):
-        model = GPT(cfg)
+    model = meta_gpt(cfg)
     model.to_empty(device=device)
     init_weights(model, cfg, seed)
     return model

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from workload.configs import ModelConfig
-from workload.model import GPT, init_weights
+from workload.model import GPT, init_weights, meta_gpt
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,7 @@ def stage_specs(n_layer: int, n_stages: int, counts: tuple[int, ...] | None = No
 
 def build_stage(cfg: ModelConfig, spec: StageSpec, seed: int, device: torch.device | str) -> GPT:
     """Only the stage's parameters are materialised; they equal the full model's of the same names."""
-    with torch.device("meta"):
-        model = GPT(cfg)
+    model = meta_gpt(cfg)
     for i in range(cfg.n_layer):
         if not spec.first_layer <= i < spec.end_layer:
             del model.blocks[str(i)]
@@ -90,8 +89,7 @@ def split_units(units: list[Unit], n: int) -> list[list[Unit]]:
 
 def fragment_names(cfg: ModelConfig, pp: int, n: int) -> list[list[str]]:
     """The shared model's parameter names of each of the ``n`` fragments, over all ``pp`` stages."""
-    with torch.device("meta"):  # names only
-        model = GPT(cfg)
+    model = meta_gpt(cfg)
     names: list[list[str]] = [[] for _ in range(n)]
     for stage in range(pp):
         for f, group in enumerate(split_units(stage_units(cfg.n_layer, pp, stage, embedding_names(cfg)), n)):

@@ -85,7 +85,7 @@ from baselines.megatron import convert as conv  # noqa: E402
 from contract import RunConfig  # noqa: E402
 from contract.rank import Context, Measurements, StepOutput, run_steps  # noqa: E402
 from workload.configs import SGD_MOMENTUM, ModelConfig  # noqa: E402
-from workload.model import GPT, init_weights  # noqa: E402
+from workload.model import init_weights, meta_gpt  # noqa: E402
 from workload.training import LOSS_SCALING, compute_dtype  # noqa: E402
 
 
@@ -134,8 +134,7 @@ def ddp_config(cfg: RunConfig) -> DistributedDataParallelConfig:
 
 def shared_weights(m: ModelConfig, seed: int, layers: set[int], first: bool, last: bool) -> dict[str, torch.Tensor]:
     """The shared model's weights of the given layers (and embeddings / head), built alone."""
-    with torch.device("meta"):
-        model = GPT(m)
+    model = meta_gpt(m)
     for i in range(m.n_layer):
         if i not in layers:
             del model.blocks[str(i)]
