@@ -48,7 +48,7 @@ def _ours(qkv: torch.Tensor, kv_ctx: torch.Tensor, c: int, H: int, T: int, gout:
         state.write(kv_ctx, 0, T)
     x = qkv.detach().requires_grad_()
     t0 = _clock()
-    out = SliceAttention.apply(x, state, c, H, T)
+    out = SliceAttention.apply(x, state, c, H, H, T)
     t1 = _clock()
     out.backward(gout)
     t2 = _clock()

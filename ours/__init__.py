@@ -102,8 +102,9 @@ class OursOptions(SystemOptions):
 
     def check(self, config: RunConfig) -> None:
         seq = config.model.seq_len
-        if config.model.llama:
-            raise ConfigError("ours does not run the llama family yet")
+        if config.model.n_kv_head % config.tp:
+            raise ConfigError(f"ours splits the key/value heads over --tp {config.tp}: --kv-heads "
+                              f"{config.model.n_kv_head} must divide by it")
         if self.prefetch < 0:
             raise ConfigError(f"--prefetch must be >= 0 forwards, got {self.prefetch}")
         self._check_effect(config)

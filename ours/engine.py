@@ -1,9 +1,11 @@
 """The token-level pipeline engine (TeraPipe) of one stage.
 
-A stage applies its part of the shared GPT (``workload.model``) token slice by token slice: the
-embeddings with the slice's position offset on the first stage; every layer through the shared
-``block_forward``, with the slice's attention over the sequence's cached keys and values
-(``SliceAttention``) and deferred-gradient linears (``DeferredLinear``) plugged in; ln_f, lm_head and
+A stage applies its part of the shared model (``workload.model``, either family) token slice by token
+slice: the embeddings with the slice's position offset on the first stage (gpt's learned positions);
+every layer through the shared ``block_forward`` at the slice's offset (llama's rotary positions), with
+the slice's attention over the sequence's cached keys and values (``SliceAttention``; grouped-query:
+the cache holds the key/value heads only) and deferred-gradient linears (``DeferredLinear``; llama's
+without biases) plugged in; ln_f (LayerNorm or RMSNorm), lm_head and
 the loss (sum over the slice's tokens / tokens of the replica batch) on the last stage, computed at
 the start of the unit's backward (see ``_head_loss``).
 
@@ -127,6 +129,7 @@ class StageEngine:
         # H: the heads this rank computes (its 1/tp of them: ``ours.tp``, the model's linears and LM head
         # split by ``shard_stage``); the TP collectives run on ``tp_group``
         self.C, self.H, self.T, self.V = cfg.n_embd, cfg.n_head // tp, cfg.seq_len, cfg.vocab_size
+        self.H_kv = cfg.n_kv_head // tp  # the key/value heads it computes and caches (grouped-query: fewer)
         self.tp_group, self.tp_rank = (tp_group if tp > 1 else None), tp_rank
         self.slices = [(sum(slices[:i]), slices[i]) for i in range(len(slices))]
         self.batch_size, self.mb = batch_size, micro_batch_size
@@ -153,7 +156,7 @@ class StageEngine:
         for i, blk in model.blocks.items():
             for lname in _LINEARS:
                 mod = blk.get_submodule(lname)
-                self.linears[f"blocks.{i}.{lname}"] = (mod.weight, mod.bias, WeightGrad(True))
+                self.linears[f"blocks.{i}.{lname}"] = (mod.weight, mod.bias, WeightGrad(mod.bias is not None))
         if spec.is_last:
             self.linears["lm_head"] = (model.lm_head.weight, None, WeightGrad(False))
         self._w: dict[str, tuple[torch.Tensor, torch.Tensor | None, list]] = {}
@@ -172,20 +175,24 @@ class StageEngine:
 
     def _block_lin(self, name: str, lname: str, x: torch.Tensor) -> torch.Tensor:
         """A block's linear ``lname`` ("attn.c_attn", ...): under tensor parallelism column-parallel
-        behind f, or row-parallel followed by g and then its bias (``ours.tp``); the bias's gradient
-        is the sum of the output gradient either way (``WeightGrad``)."""
+        behind f, or row-parallel followed by g and then its bias, if the family has one (``ours.tp``);
+        the bias's gradient is the sum of the output gradient either way (``WeightGrad``)."""
         if self.tp_group is None:
             return self._lin(name, x)
         if lname in COLUMN_PARALLEL:
             return self._lin(name, CopyToTP.apply(x, self.tp_group))
         w, b, wg = self._w[name]
-        return ReduceFromTP.apply(DeferredLinear.apply(x, w, None, wg.stash), self.tp_group) + b
+        y = ReduceFromTP.apply(DeferredLinear.apply(x, w, None, wg.stash), self.tp_group)
+        return y if b is None else y + b
 
     def _layer(self, idx: str, blk, x: torch.Tensor, state: KVState, c: int) -> torch.Tensor:
-        """One layer on token slice [c, c + len): the shared block, with the slice's attention over
-        the sequence's cached keys and values and the stage's deferred-gradient linears."""
-        return block_forward(blk, x, attention=lambda qkv: SliceAttention.apply(qkv, state, c, self.H, self.T),
-                             linear=lambda name, module, h: self._block_lin(f"blocks.{idx}.{name}", name, h))
+        """One layer on token slice [c, c + len): the shared block at the slice's offset (llama's rotary
+        positions), with the slice's attention over the sequence's cached keys and values and the
+        stage's deferred-gradient linears."""
+        return block_forward(blk, x, attention=lambda qkv: SliceAttention.apply(qkv, state, c, self.H, self.H_kv,
+                                                                                self.T),
+                             linear=lambda name, module, h: self._block_lin(f"blocks.{idx}.{name}", name, h),
+                             offset=c)
 
     def _forward_unit(self, x: torch.Tensor, states: list[KVState], c: int) -> torch.Tensor:
         for (idx, blk), state in zip(self.model.blocks.items(), states):
@@ -202,7 +209,7 @@ class StageEngine:
         waits on) gets shorter, and a unit's logits live only during its own backward."""
         c, l = self.slices[i]
         with autocast(self.device, self.precision):
-            h = F.layer_norm(x, (self.C,), self.model.ln_f.weight, self.model.ln_f.bias)
+            h = self.model.ln_f(x)
             tgt = targets[b * self.mb : (b + 1) * self.mb, c : c + l]
             if self.tp_group is not None:  # the head split by vocabulary (ours.tp)
                 logits = self._lin("lm_head", CopyToTP.apply(h, self.tp_group))
@@ -395,7 +402,7 @@ class StageEngine:
         with autocast(self.device, self.precision):
             if self.spec.is_first:
                 idx = inputs[b * self.mb : (b + 1) * self.mb, c : c + l]
-                x = F.embedding(idx, self.model.wte.weight) + self.model.wpe.weight[c : c + l]
+                x = self.model.embed(idx, pos_offset=c)
             else:
                 x = x_in
             return self._forward_unit(x, states, c)

@@ -232,29 +232,30 @@ def context_attention_backward(dout: torch.Tensor, q: torch.Tensor, k_ctx: torch
 
 
 class SliceAttention(torch.autograd.Function):
-    """qkv (B, l, 3C) of token slice [c, c+l) -> attention output (B, l, C), heads merged."""
+    """qkv (B, l, (H + 2 H_kv) D) of token slice [c, c+l), rows [q; k; v] as ``workload.configs.qkv_rows``
+    lays them out (H query heads, then the H_kv key and the H_kv value heads; each group of H / H_kv query
+    heads shares a key/value head) -> attention output (B, l, H D), heads merged. The state keeps the
+    H_kv heads only; the gradient of a shared key or value is summed over its group's query heads."""
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, state: KVState, c: int, n_head: int, total_len: int):
-        B, l, C3 = qkv.shape
-        C = C3 // 3
-        x = qkv.view(B, l, 3, n_head, C // n_head)
-        state.write(x[:, :, 1:], c, total_len)
-        q = x[:, :, 0].transpose(1, 2)
+    def forward(ctx, qkv: torch.Tensor, state: KVState, c: int, n_head: int, kv_heads: int, total_len: int):
+        B, l, W = qkv.shape
+        D = W // (n_head + 2 * kv_heads)
+        state.write(qkv[..., n_head * D :].view(B, l, 2, kv_heads, D), c, total_len)
+        q = qkv[..., : n_head * D].view(B, l, n_head, D).transpose(1, 2)
         k_ctx, v_ctx = state.keys_values(0, c) if c else (None, None)
         out, lse, ctx.aux = context_attention_forward(q, k_ctx, v_ctx, *state.keys_values(c, c + l))
         ctx.save_for_backward(qkv, out, lse)
-        ctx.state, ctx.c, ctx.n_head = state, c, n_head
-        return out.transpose(1, 2).reshape(B, l, C)
+        ctx.state, ctx.c, ctx.heads = state, c, (n_head, kv_heads)
+        return out.transpose(1, 2).reshape(B, l, n_head * D)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         qkv, out, lse = ctx.saved_tensors
-        state, c, H = ctx.state, ctx.c, ctx.n_head
-        B, l, C3 = qkv.shape
-        C = C3 // 3
-        D = C // H
-        q = qkv.view(B, l, 3, H, D)[:, :, 0].transpose(1, 2)
+        state, c, (H, H_kv) = ctx.state, ctx.c, ctx.heads
+        B, l, W = qkv.shape
+        D = W // (H + 2 * H_kv)
+        q = qkv[..., : H * D].view(B, l, H, D).transpose(1, 2)
         k_ctx, v_ctx = state.keys_values(0, c) if c else (None, None)
         dout = dy.reshape(B, l, H, D).transpose(1, 2)
         if dout.dtype != q.dtype:
@@ -262,15 +263,16 @@ class SliceAttention(torch.autograd.Function):
         dq, dk_ctx, dv_ctx, dk, dv = context_attention_backward(dout, q, k_ctx, v_ctx, *state.keys_values(c, c + l),
                                                                 out, lse, ctx.aux)
         ctx.aux = None
-        dqkv = torch.empty(B, l, 3, H, D, dtype=qkv.dtype, device=qkv.device)
-        dqkv[:, :, 0].copy_(dq.transpose(1, 2))
-        dqkv[:, :, 1].copy_(dk.transpose(1, 2))
-        dqkv[:, :, 2].copy_(dv.transpose(1, 2))
+        dqkv = torch.empty(B, l, W, dtype=qkv.dtype, device=qkv.device)
+        dqkv[..., : H * D].view(B, l, H, D).copy_(dq.transpose(1, 2))
+        dkv = dqkv[..., H * D :].view(B, l, 2, H_kv, D)
+        dkv[:, :, 0].copy_(dk.transpose(1, 2))
+        dkv[:, :, 1].copy_(dv.transpose(1, 2))
         if state.acc_len > c:  # later slices' contributions to this slice's keys and values
-            dqkv[:, :, 1:].add_(state.acc[:, c : c + l])
+            dkv.add_(state.acc[:, c : c + l])
         if c > 0:
             if state.acc is None:  # the first backward (the last slice) covers every earlier position
-                state.acc = torch.empty(B, c, 2, H, D, dtype=dk_ctx.dtype, device=dk_ctx.device)
+                state.acc = torch.empty(B, c, 2, H_kv, D, dtype=dk_ctx.dtype, device=dk_ctx.device)
                 state.acc[:, :, 0].copy_(dk_ctx.transpose(1, 2))
                 state.acc[:, :, 1].copy_(dv_ctx.transpose(1, 2))
                 state.acc_len = c
@@ -279,7 +281,7 @@ class SliceAttention(torch.autograd.Function):
                 state.acc[:, :c, 1].add_(dv_ctx.transpose(1, 2))
         else:
             state.release()  # slice 0 is the last to need this sequence's state
-        return dqkv.view(B, l, C3), None, None, None, None
+        return dqkv, None, None, None, None, None
 
 
 class DeferredLinear(torch.autograd.Function):

@@ -173,14 +173,14 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
 
     def weights() -> dict[str, torch.Tensor]:
         """Full tensors (gathered over TP: every TP rank takes part) on the first replica's tp_rank 0."""
-        full = gather_full({n: p.detach() for n, p in named}, tp, tp_group)
+        full = gather_full({n: p.detach() for n, p in named}, cfg.model, tp, tp_group)
         return full if dp_rank == 0 and tp_rank == 0 else {}
 
     engine.post_ahead()  # the first step's receives, before the first step (gloo)
     sync.post_ahead()
     m = run_steps(ctx, dp_rank, step, weights=weights)
     if cfg.verify:
-        grads = gather_full(sync.grads(), tp, tp_group)
+        grads = gather_full(sync.grads(), cfg.model, tp, tp_group)
         m.grads = grads if tp_rank == 0 else {}
     if options.trace:
         tracer.write(options.trace, ctx.world_size)

@@ -6,9 +6,9 @@ over the run's compute model (``workload.compute``), with the run's stages, laye
 The compute model of the run's device:
 - a GPU: its device file (``workload/devices``), found by the name the driver reports;
 - a CPU: this host's profile at the model's layer shape (``python -m ours.plan profile`` writes it into
-  ``ours/plan/profiles/<device>-h..-a..-s..-v...json``; a profile at a longer sequence covers shorter
-  ones), its gloo loopback as the link between stages; without one, the host's measured matmul rate as
-  a device of its own (``host_device``).
+  ``ours/plan/profiles/<device>-h..-a..-s..-v...json``, llama's ``<device>-llama-h..-a..-kv..-f..-s..-v...json``;
+  a profile at a longer sequence covers shorter ones), its gloo loopback as the link between stages;
+  without one, the host's measured matmul rate as a device of its own (``host_device``).
 
 With one stage there is nothing to fill: the formula's (P - 1) term is zero and every slice only adds
 its own costs, so the rule keeps one slice. The warm-up search of earlier versions (time a few K and
@@ -40,16 +40,24 @@ def profile_dir() -> Path:
     return Path(os.environ.get("OURS_PLAN_DIR") or PROFILES)
 
 
+def _shape(model: ModelConfig) -> str:
+    """The layer shape a profile is of, in its file name: gpt's hidden size and heads; llama's with the
+    family, its key/value heads and its MLP's width (a gpt profile is never read for llama)."""
+    if model.llama:
+        return f"llama-h{model.n_embd}-a{model.n_head}-kv{model.n_kv_head}-f{model.ffn_dim}"
+    return f"h{model.n_embd}-a{model.n_head}"
+
+
 def cache_key(model: ModelConfig, device) -> str:
     kind = str(device).split(":")[0]  # a torch.device or "cpu" / "cuda"
-    return f"{kind}-h{model.n_embd}-a{model.n_head}-s{model.seq_len}-v{model.vocab_size}"
+    return f"{kind}-{_shape(model)}-s{model.seq_len}-v{model.vocab_size}"
 
 
 def profile_path(model: ModelConfig, device) -> Path | None:
     """The profile that covers ``model``'s layer shape on this device kind, if any: the exact sequence
     length first, else the shortest longer one."""
     kind = str(device).split(":")[0]
-    pattern = re.compile(rf"^{kind}-h{model.n_embd}-a{model.n_head}-s(\d+)-v{model.vocab_size}\.json$")
+    pattern = re.compile(rf"^{kind}-{_shape(model)}-s(\d+)-v{model.vocab_size}\.json$")
     found = sorted((int(m.group(1)), p) for p in profile_dir().glob("*.json") if (m := pattern.match(p.name)))
     longer = [(s, p) for s, p in found if s >= model.seq_len]
     return longer[0][1] if longer else None

@@ -3,12 +3,13 @@ model's shape. ``workload.compute.CpuCompute`` reads it: the CPU's compute model
 (``python -m ours.plan profile`` writes it where ``--n-slices auto`` finds it) and for the simulator's
 calibration (``python -m predict calibrate``).
 
-- one transformer layer on b sequences x l tokens after c tokens of context (cached keys and values
-  as leaves that receive gradients, as in ours' token slices): forward, backward with weight gradients,
-  backward without (the input gradients only; weight gradients = the difference);
-- the head (ln_f + lm_head + cross-entropy) per token: forward, backward with and without the
-  lm_head's weight gradient; the embeddings per token; one Adam step per parameter (as the runs:
-  foreach=False);
+- one transformer layer of the model's family on b sequences x l tokens after c tokens of context
+  (cached keys and values, of the key/value heads, as leaves that receive gradients, as in ours' token
+  slices; llama's rotary positions at offset c): forward, backward with weight gradients, backward
+  without (the input gradients only; weight gradients = the difference);
+- the head (ln_f, the family's norm, + lm_head + cross-entropy) per token: forward, backward with and
+  without the lm_head's weight gradient; the embeddings per token; one Adam step per parameter (as the
+  runs: foreach=False);
 - a gloo message between two local processes (a ping-pong), fitted to latency + bytes / bandwidth.
 
 Every point is the minimum of a few repetitions (contention on a shared machine only slows a
@@ -16,6 +17,7 @@ measurement down). The result is a JSON dict (``kind: ours.plan.profile``).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -33,18 +35,18 @@ from ours.plan.latency import fit_comm
 from ours.plan.ping_pong import ping_pong
 from workload.configs import ModelConfig
 from workload.flops import cpu_name
-from workload.model import Block, block_forward, merge_heads, split_heads
+from workload.model import GPT, Block, block_forward, merge_heads, norm, split_heads
 
 
-def context_attention(kc: torch.Tensor, vc: torch.Tensor, n_head: int):
-    """The attention of a slice after cached keys ``kc`` and values ``vc`` (b, heads, c, head_dim): its
-    queries attend to the cache and causally to its own positions (bottom-right aligned), as a token
-    pipeline's later slice does; for ``workload.model.block_forward``."""
+def context_attention(kc: torch.Tensor, vc: torch.Tensor, n_head: int, kv_heads: int | None = None):
+    """The attention of a slice after cached keys ``kc`` and values ``vc`` (b, kv_heads, c, head_dim; None:
+    one per query head): its queries attend to the cache and causally to its own positions (bottom-right
+    aligned), as a token pipeline's later slice does; for ``workload.model.block_forward``."""
     def attention(qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = split_heads(qkv, n_head)
+        q, k, v = split_heads(qkv, n_head, kv_heads)
         k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
         mask = causal_lower_right(q.shape[2], k.shape[2])
-        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != n_head))
 
     return attention
 
@@ -71,7 +73,7 @@ def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dic
     """Head + loss and embeddings per token; the optimizer (Adam, as the runs use) per parameter."""
     torch.manual_seed(0)
     h, V, L = cfg.n_embd, cfg.vocab_size, cfg.seq_len
-    ln_f = torch.nn.LayerNorm(h).to(device)
+    ln_f = norm(cfg).to(device)
     head = torch.nn.Linear(h, V, bias=False).to(device)
 
     def head_step():
@@ -79,16 +81,17 @@ def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dic
         y = torch.randint(0, V, (1, L), device=device)
         logits = head(ln_f(x))
         F.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1)).backward()
-        ln_f.weight.grad = ln_f.bias.grad = head.weight.grad = None
+        for p in (*ln_f.parameters(), head.weight):
+            p.grad = None
 
-    wte = torch.nn.Embedding(V, h).to(device)
-    wpe = torch.nn.Embedding(L, h).to(device)
+    embeddings = GPT(dataclasses.replace(cfg, n_layer=0)).to(device)  # wte (and gpt's wpe)
 
     def embed_step():
         idx = torch.randint(0, V, (1, L), device=device)
-        out = wte(idx) + wpe(torch.arange(L, device=device))
+        out = embeddings.embed(idx)
         out.backward(torch.ones_like(out))
-        wte.weight.grad = wpe.weight.grad = None
+        for p in embeddings.parameters():
+            p.grad = None
 
     block = Block(cfg).to(device)
     params = list(block.parameters()) + list(head.parameters())
@@ -167,15 +170,15 @@ class LayerTimer:
         cfg, blk = self.cfg, self.block
         for p in blk.parameters():
             p.requires_grad_(weight_grads)
-        H, D = cfg.n_head, cfg.head_dim
+        H, H_kv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         x = torch.randn(b, l, cfg.n_embd, requires_grad=True)
-        kc = torch.randn(b, H, c, D, requires_grad=True) if c else None
-        vc = torch.randn(b, H, c, D, requires_grad=True) if c else None
+        kc = torch.randn(b, H_kv, c, D, requires_grad=True) if c else None
+        vc = torch.randn(b, H_kv, c, D, requires_grad=True) if c else None
         grad = torch.ones(b, l, cfg.n_embd)
         # c > 0: the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
-        attention = context_attention(kc, vc, H) if c else None
+        attention = context_attention(kc, vc, H, H_kv) if c else None
         t0 = time.perf_counter()
-        out = block_forward(blk, x, attention)
+        out = block_forward(blk, x, attention, offset=c)
         t1 = time.perf_counter()
         out.backward(grad)
         t2 = time.perf_counter()
@@ -203,7 +206,7 @@ def head_rates(cfg: ModelConfig, reps: int = 3, tokens: int | None = None) -> di
     torch.manual_seed(0)
     h, V = cfg.n_embd, cfg.vocab_size
     n = tokens or cfg.seq_len
-    ln_f = torch.nn.LayerNorm(h)
+    ln_f = norm(cfg)
     head = torch.nn.Linear(h, V, bias=False)
 
     def once(weight_grads: bool) -> tuple[float, float]:
@@ -216,7 +219,8 @@ def head_rates(cfg: ModelConfig, reps: int = 3, tokens: int | None = None) -> di
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        ln_f.weight.grad = ln_f.bias.grad = head.weight.grad = None
+        for p in (*ln_f.parameters(), head.weight):
+            p.grad = None
         return t1 - t0, t2 - t1
 
     once(True)
@@ -270,7 +274,8 @@ def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hostname=socket.gethostname(), cpu=cpu_name(), torch=torch.__version__,
         threads=1, model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
-                               seq_len=cfg.seq_len, vocab_size=cfg.vocab_size),
+                               seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, family=cfg.family,
+                               kv_heads=cfg.n_kv_head, ffn_hidden=cfg.ffn_dim),
         layer=layer, head=head, embed_per_token=rates["embed_per_token"],
         optimizer_per_param=rates["optimizer_per_param"], p2p=p2p_points, p2p_fit=fit_p2p(p2p_points),
         seconds=time.perf_counter() - started)

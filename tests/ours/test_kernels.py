@@ -12,7 +12,7 @@ from ours.engine import StageEngine
 from ours.kernels import (MATH, DeferredLinear, KVState, SliceAttention, WeightGrad, context_attention_backward,
                           context_attention_forward)
 from ours.trace import Tracer
-from workload.configs import ModelConfig
+from workload.configs import ModelConfig, get_model_config
 from workload.model import build_gpt, lm_loss
 from workload.partition import stage_specs
 
@@ -35,7 +35,7 @@ def _check_sliced_against_full(qkv: torch.Tensor, H: int, slices, atol: float) -
 
     state, outs, c = KVState(), [], 0
     for l in slices:
-        outs.append((c, l, SliceAttention.apply(qkv[:, c : c + l], state, c, H, T)))
+        outs.append((c, l, SliceAttention.apply(qkv[:, c : c + l], state, c, H, H, T)))
         c += l
     torch.testing.assert_close(torch.cat([o for _, _, o in outs], dim=1), ref.detach(), rtol=0, atol=atol)
     for c, l, o in reversed(outs):
@@ -171,7 +171,7 @@ def test_slice_attention_half_precision(dtype):
         x = x.detach().requires_grad_()
         state, outs, c = KVState(), [], 0
         for l in slices:
-            outs.append((c, l, SliceAttention.apply(x[:, c : c + l], state, c, H, x.shape[1])))
+            outs.append((c, l, SliceAttention.apply(x[:, c : c + l], state, c, H, H, x.shape[1])))
             c += l
         for c, l, o in reversed(outs):
             o.backward(gout[:, c : c + l].to(x.dtype))
@@ -230,18 +230,24 @@ def test_half_precision_weight_grads_are_summed_in_fp32(half):
 CFG = ModelConfig("unit", n_layer=2, n_embd=32, n_head=4, seq_len=24, vocab_size=64)
 
 
-def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False, schedule="1f1b", engine_hook=None):
+def _engine(model, slices, batch, mb, **kwargs) -> StageEngine:
+    """A single-stage engine over the whole model."""
+    return StageEngine(model, stage_specs(model.config.n_layer, 1)[0], slices=slices, batch_size=batch,
+                       micro_batch_size=mb, device=torch.device("cpu"), rank=0, prev_rank=None, next_rank=None,
+                       tracer=Tracer(0, False), **kwargs)
+
+
+def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False, schedule="1f1b", engine_hook=None, cfg=CFG):
     torch.manual_seed(3)
-    x = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len))
-    y = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len))
-    ref = build_gpt(CFG, 0)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    ref = build_gpt(cfg, 0)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
         ref_loss = sum(lm_loss(ref(xc), yc) for xc, yc in zip(x.split(mb), y.split(mb))) / (batch // mb)
     ref_loss.backward()
-    model = build_gpt(CFG, 0)
-    eng = StageEngine(model, stage_specs(CFG.n_layer, 1)[0], slices=slices, batch_size=batch, micro_batch_size=mb,
-                      device=torch.device("cpu"), rank=0, prev_rank=None, next_rank=None, tracer=Tracer(0, False),
-                      precision="bf16" if mixed else "fp32", recompute=recompute, schedule=schedule)
+    model = build_gpt(cfg, 0)
+    eng = _engine(model, slices, batch, mb, precision="bf16" if mixed else "fp32", recompute=recompute,
+                  schedule=schedule)
     if engine_hook is not None:
         engine_hook(eng)
     loss = eng.step(x, y)
@@ -289,3 +295,40 @@ def test_engine_mixed_precision_close_to_model():
         assert p.grad.dtype == torch.float32
         g, r = p.grad, ref_grads[name].grad
         assert float((g - r).norm()) <= 0.1 * float(r.norm()) + 1e-4, name
+
+
+LLAMA = get_model_config("llama-tiny").with_overrides(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=128)
+"""tests/runners/test_verify.py's llama-tiny: rotary positions, 4 query heads sharing 2 key/value heads, SwiGLU,
+RMSNorm, no biases."""
+
+
+def test_llama_slices_give_the_whole_sequences_outputs():
+    """Each token slice through the engine's layers (rotated at the slice's offset, attending to the keys
+    and values cached by the slices before it, 2 heads of them) gives the whole sequence's hidden states
+    for its tokens (fp64: exact up to rounding)."""
+    model = build_gpt(LLAMA, 0).double()
+    x = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.seq_len), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        whole = model.embed(x)
+        for blk in model.blocks.values():
+            whole = blk(whole)
+        eng = _engine(model, (5, 16, 11), 2, 2)
+        eng._prepare_weights()
+        states = [KVState() for _ in model.blocks]
+        for i, (c, l) in enumerate(eng.slices):
+            out = eng._forward(None, x, states, 0, i)
+            torch.testing.assert_close(out, whole[:, c : c + l], rtol=0, atol=1e-12)
+        assert states[0].kv.shape == (2, LLAMA.seq_len, 2, 2, LLAMA.head_dim)  # k and v of the 2 key/value heads
+
+
+@pytest.mark.parametrize("slices,recompute", [((5, 16, 11), False), ((8, 8, 8, 8), True)])
+def test_llama_engine_step_matches_model(slices, recompute):
+    """A step over token slices gives the whole sequence's loss and every gradient: the rotary offset, the
+    grouped key/value cache (its heads' gradients summed over their query heads and over the later slices),
+    the linears without biases and the RMSNorms."""
+    ref, ref_loss, model, loss = _engine_vs_model(slices, 2, 1, recompute=recompute, cfg=LLAMA)
+    assert abs(float(loss) - float(ref_loss.detach())) < 1e-6
+    ref_grads = dict(ref.named_parameters())
+    assert not any(n.endswith(".bias") for n in ref_grads)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=0, atol=1e-6, msg=name)

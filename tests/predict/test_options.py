@@ -164,8 +164,6 @@ def test_every_programs_parameters_are_the_models_family_and_mlp(model, ffn):
                               seq_length=512, vocab_size=32000, tp=tp, dp=1, **({"ffn_hidden": ffn} if ffn else {})))
         if system == "ours":
             d["run"]["n_slices"] = 1
-        if system == "ours" and m.llama:
-            continue  # ours does not run the llama family (its options refuse it)
         sc = parse(d)
         spec = spec_of(sc)
         st = _Step(spec, compute_of(sc), network_of(spec), 0)
@@ -187,10 +185,13 @@ def test_the_llama_scenarios_parse_and_predict(path):
     assert (res["step_time_s"] is None) == (res["status"] == "oom")
 
 
-def test_ours_on_the_llama_family_is_refused_in_a_scenario_as_in_a_run():
-    """ours' engine does not run the family yet: its options refuse it, and a prediction of it too (its
-    program's per-linear weight gradients and messages are those of its gpt engine)."""
+def test_ours_on_the_llama_family_is_predicted_and_its_tp_judged_as_in_a_run():
+    """ours' engine runs the family: a scenario of it predicts; T must divide the key/value heads, as the run
+    command judges it."""
     d = copy.deepcopy(load(SCENARIOS / "llama3-8b-8xh100-torch_pipe.toml").source)
     d["run"] = dict(system="ours", model="llama3-8b", pp=4, batch_size=64, micro_batch_size=1, precision="bf16")
-    with pytest.raises(ScenarioError, match="ours does not run the llama family"):
+    res = predict_scenario(parse(d))
+    assert res["status"] in ("ok", "oom") and res["memory_gb"] > 0
+    d["run"].update(pp=1, tp=16, dp=1)
+    with pytest.raises(ScenarioError, match="ours splits the key/value heads over --tp 16"):
         parse(d)

@@ -162,18 +162,20 @@ LLAMA_RUNS = {
     "megatron-pp2": ["--system", "megatron", "--pp", "2", *NCCL_RULES],
     "megatron-tp2": ["--system", "megatron", "--tp", "2", *NCCL_RULES],
     "diloco-dp2": ["--system", "diloco", "--dp", "2", "--inner-steps", "2"],
+    "ours-pp2": ["--system", "ours", "--pp", "2", "--n-slices", "2", *NCCL_RULES],
+    "ours-tp2": ["--system", "ours", "--tp", "2", "--n-slices", "2"],
 }
-LLAMA_CASES = [(name, precision) for name in LLAMA_RUNS for precision in ("fp32", "bf16") if name != "megatron-tp2"] \
-    + [("megatron-tp2", "fp32")]
+LLAMA_CASES = [(name, precision) for name in LLAMA_RUNS for precision in ("fp32", "bf16")]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("system, precision", LLAMA_CASES, ids=[f"{s}-{p}" for s, p in LLAMA_CASES])
 def test_every_system_verifies_the_llama_family(system, precision, out_file):
-    """Every system but ours (which refuses the family) trains the llama family as the reference does:
-    RMSNorm, rotary positions, SwiGLU and grouped-query attention; megatron through megatron-core's own
-    layers, which the record describes (its RMSNorm, RotaryEmbedding at the model's base, gated MLP with
-    silu, 2 query groups of the 4 heads, split over the tensor-parallel ranks; no biases)."""
+    """Every system trains the llama family as the reference does: RMSNorm, rotary positions, SwiGLU and
+    grouped-query attention; megatron through megatron-core's own layers, which the record describes (its
+    RMSNorm, RotaryEmbedding at the model's base, gated MLP with silu, 2 query groups of the 4 heads, split
+    over the tensor-parallel ranks; no biases); ours over 2 token slices (rotated at each slice's offset,
+    a cache of 2 key/value heads; under tensor parallelism one of them a rank)."""
     batch = ["--batch-size", "2", "--micro-batch-size", "1"] if system.startswith("diloco") else \
         ["--batch-size", "4", "--micro-batch-size", "2"]
     proc = run_cli(*LLAMA_RUNS[system], *LLAMA, *batch, "--steps", "2", "--warmup", "0", "--precision", precision,

@@ -154,10 +154,10 @@ def test_a_run_judges_the_familys_fields_before_launch():
     check("megatron", LLAMA, tp=2)
     with pytest.raises(ConfigError, match="^megatron splits the key/value heads over --tp 4: --kv-heads 2 must"):
         check("megatron", LLAMA.with_overrides(n_head=8), tp=4)
-    with pytest.raises(ConfigError, match="^ours does not run the llama family yet$"):
-        check("ours", LLAMA, pp=2)
-    with pytest.raises(ConfigError, match="^ours does not run the llama family yet$"):  # diloco's pipeline is ours'
-        check("diloco", LLAMA, pp=2, dp=2)
+    check("ours", LLAMA, pp=2, tp=2)
+    check("diloco", LLAMA, pp=2, dp=2)  # diloco's pipeline is ours'
+    with pytest.raises(ConfigError, match="^ours splits the key/value heads over --tp 4: --kv-heads 2 must"):
+        check("ours", LLAMA.with_overrides(n_head=8), tp=4)
     with pytest.raises(ConfigError, match="grouped-query attention is the llama family's"):
         check("reference", get_model_config("tiny").with_overrides(kv_heads=2))
     with pytest.raises(ConfigError, match="--kv-heads 3 must divide --num-heads 4"):
