@@ -40,6 +40,7 @@ def test_megatron_tp2_x_pp2_interleaved_matches_reference(out_file):
     assert rec["options"]["schedule"] == "interleaved" and rec["label"] == "megatron interleaved"
 
 
+@pytest.mark.extended
 def test_megatron_distributed_optimizer_and_sequence_parallel_match_reference(out_file):
     """T-2 D-2 in one launch: the distributed optimizer shards its state over the two replicas, its
     gradient reduce-scatter overlapping the backward and its parameter all-gather the next forward,

@@ -9,6 +9,7 @@ from bench.machine import Capacity, parallel_capacity
 from tests.conftest import REPO
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_parallel_capacity_measures_processes_at_once():
     cap = parallel_capacity(2, seconds=0.3)
@@ -18,6 +19,7 @@ def test_parallel_capacity_measures_processes_at_once():
     assert Capacity(2, 100.0, 50.0).effective_cores == 1.0
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
     proc = subprocess.run(

@@ -99,6 +99,7 @@ def test_the_consistency_floor_binds_every_model_whose_t8_step_does_not_grow_wit
                 assert max(abs(p_small - a) / a, abs(p_large - b) / b) >= f["floor"] - 1e-12
 
 
+@pytest.mark.extended
 def test_the_calibration_sensitivity_refits_on_each_candidate_and_reproduces_the_committed_choice(result):
     other = "megatron 6-node fp16 recompute mb3 P-8"
     rows = sensitivity({"fp16": [CALIBRATION["fp16"], other], "fp32": ["gpipe dp4 d5-2g"]})

@@ -35,7 +35,9 @@ def _nothing_left(out_file: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timing
-@pytest.mark.parametrize("system", [["ours", "--n-slices", "1"], ["torch_pipe", "--schedule", "gpipe"]])
+@pytest.mark.parametrize("system", [
+    pytest.param(["ours", "--n-slices", "1"], marks=pytest.mark.extended),
+    pytest.param(["torch_pipe", "--schedule", "gpipe"], marks=pytest.mark.extended)])
 def test_a_slow_rank_slows_the_step(system, out_file):
     base = run_cli("--system", *system, *HEAVY, "--out", str(out_file))
     slow = run_cli("--system", *system, *HEAVY, "--slow-rank", "1:2", "--out", str(out_file))
@@ -62,7 +64,8 @@ def test_a_killed_rank_ends_a_synchronous_run_as_error(out_file):
 
 @pytest.mark.multiprocess
 @pytest.mark.faults
-@pytest.mark.parametrize("rejoin", [False, True], ids=["without", "rejoin"])
+@pytest.mark.parametrize("rejoin", [
+    pytest.param(False, id="without"), pytest.param(True, id="rejoin", marks=pytest.mark.extended)])
 def test_diloco_goes_on_without_a_killed_replica(rejoin, out_file):
     """Replica 2 of 3 is killed after 10 of 16 steps; the others go on. With --rejoin its standby joins
     the others' next quorum (their sync after step 12: every 4 steps), heals from one of them and runs

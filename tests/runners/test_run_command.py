@@ -13,7 +13,7 @@ BASE = [*TINY, "--batch-size", "4", "--micro-batch-size", "1", "--steps", "3", "
 
 
 @pytest.mark.parametrize("layout", [
-    ["--pp", "2", "--schedule", "gpipe"],  # plain gloo; the others under NCCL's rules
+    pytest.param(["--pp", "2", "--schedule", "gpipe"], marks=pytest.mark.extended),  # gloo; the others NCCL's rules
     ["--pp", "2", "--schedule", "1f1b", "--layers-per-stage", "1,3", *NCCL_RULES],  # stages of 1 and 3 layers
     ["--pp", "2", "--schedule", "interleaved", *NCCL_RULES],
 ], ids=["gpipe", "1f1b", "interleaved"])  # P-2 D-2 (FSDP2): tests/baselines/test_torch_pipe.py
@@ -120,6 +120,7 @@ def test_timeout_records_timeout_and_leaves_no_process(out_file):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended
 def test_inner_command_of_a_multi_node_launch(out_file, tmp_path):
     """Two 'nodes' on this machine, one rank each, rendezvous at node 0: node 0 writes the one record and
     verifies it; node 1, which has no results, runs no reference (it had, and failed comparing nothing:
