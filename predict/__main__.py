@@ -7,6 +7,10 @@ calibration and checks. One mode a command (``pipebench predict MODE --help``: i
     pipebench predict validate-seed [--json] [--out DIR] [--calibrate]   # every cell of the seed's GPT-3 XL
                                             # tables predicted; the V100's calibration cells named, not scored
     pipebench predict validate-seed --sensitivity [--out DIR]   # every cell as the calibration cell in turn
+    pipebench predict validate-published [--json] [--out DIR] [--jobs N]   # Megatron-LM's published tables (the
+                                            # development set beyond the seed) predicted, per GPU type
+    pipebench predict fit-kernels [--write]   # the GPU device files' GEMM curves fitted to the published kernel
+                                            # benchmarks they name (workload/devices/kernels/)
     pipebench predict run --system ours --model cpu-small --pp 2 ... [--network d10-1g]
                               [--device-file "V100 SXM2 16GB"]   # one run: the run command's flags (also
                                             # without the word run: pipebench predict --system ours ...)
@@ -136,6 +140,35 @@ def _validate_seed(args) -> int:
     text = markdown(res)
     print(json.dumps(res["summary"]) if args.json else text)
     _write(args.out, "seed-validation", text, res)
+    return 0
+
+
+def _fit_kernels(args) -> int:
+    from predict.fitting import fit_kernels, write_kernel_fits
+    from workload.compute import device_files, read_device
+
+    if args.write:
+        fits = write_kernel_fits()
+    else:
+        fits = {p.name: fit_kernels(d) for p in device_files() if (d := read_device(p)).kernels}
+    for name, by_precision in fits.items():
+        for prec, f in by_precision.items():
+            print(f"{name} {prec}: efficiency {f['efficiency']:.4f}, half {f['half']:.1f} (K), {f['rows']} GEMMs of "
+                  f"{f['file']}, rms log error {f['rms_log_error']:.3f}")
+    return 0
+
+
+def _validate_published(args) -> int:
+    from predict.published import markdown, validate
+
+    def progress(r):
+        what = "oom" if r["predicted"] == "oom" else f"{r['predicted']:.3f} s ({r.get('error', 0) * 100:+.1f} %)"
+        print(f"{r['name']}: published {r['published']:.3f} s, predicted {what}", file=sys.stderr, flush=True)
+
+    res = validate(jobs=args.jobs, progress=progress, select=args.only)
+    text = markdown(res)
+    print(json.dumps(res["gpus"]) if args.json else text)
+    _write(args.out, "published-validation", text, res)
     return 0
 
 
@@ -375,6 +408,17 @@ def build_parser(prog: str = PROG) -> Parser:
     q.add_argument("--refit", action="store_true", help="run nothing: fit this host and code version's kept "
                    "calibration runs again (after a change to the fit itself)")
     q.set_defaults(fn=_calibrate)
+    q = sub.add_parser("fit-kernels", help="the GPU device files' GEMM curves fitted to the published kernel "
+                       "benchmarks they name (workload/devices/kernels/)")
+    q.add_argument("--write", action="store_true", help="write the fits into the device files")
+    q.set_defaults(fn=_fit_kernels)
+    q = sub.add_parser("validate-published", help="Megatron-LM's published tables (the development set beyond the "
+                       "seed) predicted, per GPU type")
+    q.add_argument("--json", action="store_true", help="print the per-GPU summary as one JSON object")
+    q.add_argument("--out", default=None, help="write DIR/published-validation.{md,json}")
+    q.add_argument("--jobs", type=int, default=1, help="cells predicted at once, in processes (default: 1)")
+    q.add_argument("--only", default=None, help="only the cells whose name contains this text")
+    q.set_defaults(fn=_validate_published)
     q = sub.add_parser("plan-check", help="the planner's evaluation: its formula against the simulator")
     q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json",
                    help="the evaluation (python -m bench plan-evaluation)")
