@@ -121,7 +121,7 @@ def _validate_seed(args) -> int:
         return 2
     if args.calibrate:
         fitted = calibrate(write=True)
-        print("V100 SXM2 device files calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
+        print("the seed's stack's stall shares calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
               file=sys.stderr)
     if args.sensitivity:
         from predict.seed_tables import sensitivity, sensitivity_markdown
@@ -159,7 +159,12 @@ def _fit_kernels(args) -> int:
 
 
 def _validate_published(args) -> int:
-    from predict.published import markdown, validate
+    from predict.published import calibrate, markdown, validate
+
+    if args.calibrate:
+        fitted = calibrate(write=True)
+        print("stacks' stall shares calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
+              file=sys.stderr)
 
     def progress(r):
         what = "oom" if r["predicted"] == "oom" else f"{r['predicted']:.3f} s ({r.get('error', 0) * 100:+.1f} %)"
@@ -394,8 +399,8 @@ def build_parser(prog: str = PROG) -> Parser:
                        "calibration cells named, not scored)")
     q.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     q.add_argument("--out", default=None, help="write DIR/seed-validation.{md,json} (default: write nothing)")
-    q.add_argument("--calibrate", action="store_true", help="first refit the V100 device files' GEMM efficiency on "
-                   "their calibration cells (writes workload/devices/v100-*.json)")
+    q.add_argument("--calibrate", action="store_true", help="first refit the seed's stack's stall shares on their "
+                   "calibration cells (writes predict/stacks.json)")
     q.add_argument("--sensitivity", action="store_true", help="instead: every cell of a precision as its one "
                    "calibration cell in turn, the validation's median and largest error for each (a few minutes; "
                    "--out writes DIR/seed-calibration-sensitivity.{md,json})")
@@ -418,6 +423,8 @@ def build_parser(prog: str = PROG) -> Parser:
     q.add_argument("--out", default=None, help="write DIR/published-validation.{md,json}")
     q.add_argument("--jobs", type=int, default=1, help="cells predicted at once, in processes (default: 1)")
     q.add_argument("--only", default=None, help="only the cells whose name contains this text")
+    q.add_argument("--calibrate", action="store_true", help="first refit the stacks' stall shares on their "
+                   "calibration cells (writes predict/stacks.json)")
     q.set_defaults(fn=_validate_published)
     q = sub.add_parser("plan-check", help="the planner's evaluation: its formula against the simulator")
     q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json",

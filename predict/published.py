@@ -72,9 +72,12 @@ H100_ROWS = {
     "177B": (96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8), "314B": (128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4),
     "462B": (144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
 }
-# The cells that set what the device files leave to a whole step (at most one per GPU and precision), by name:
-# never scored.
-CALIBRATION: dict[str, str] = {}
+# The cells that set each stack's stalls (what a whole step adds beyond the device file's kernels: one per GPU
+# and precision, by one rule chosen before any was predicted: the table's smallest run, one GPU where the table
+# has one), by name: never scored.
+CALIBRATION = {"V100 SXM2 fp16": "megatron-2020 DGX-2 (V100) 1B T-1", "A100 SXM fp16": "megatron-2020 DGX-A100 1B T-1",
+               "H100 SXM bf16": "mcore-h100 1.7B T-1 P-1 D-48"}
+STACK_2020, STACK_2024 = "megatron-2020", "mcore-2024"  # predict/stacks.json
 
 
 @dataclass(frozen=True)
@@ -119,14 +122,14 @@ def _model(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> dict:
                 vocab_size=vocab)
 
 
-def _scenario(model: dict, cluster: dict, attention: str | None = None, **run) -> dict:
+def _scenario(model: dict, cluster: dict, stack: str, attention: str | None = None, **run) -> dict:
     """A cell's scenario: megatron with Adam, ``run``'s layout with the batch per pipeline (the tables give
-    the global one: ``batch`` here, divided by ``dp``)."""
+    the global one: ``batch`` here, divided by ``dp``), on ``stack``."""
     batch = run.pop("batch")
     run = dict(system="megatron", optimizer="adam", **model, batch_size=batch // run["dp"], **run)
-    out = dict(run=run, cluster=cluster)
+    out = dict(run=run, cluster=cluster, predict=dict(stack=stack))
     if attention:
-        out["predict"] = dict(attention=attention)
+        out["predict"]["attention"] = attention
     return out
 
 
@@ -146,11 +149,13 @@ def _readme_2020() -> list[Cell]:
         model = _model(layers, h, heads, 1024, 51200)
         for gpu, per_node, batch, ms, label in ((V100, 16, 8, DGX2_MS, "DGX-2 (V100)"),
                                                 (A100_40, 8, 16, DGXA100_MS, "DGX-A100")):
-            sc = _scenario(model, _node_cluster(gpu, tp, per_node, SELENE_GBPS), tp=tp, pp=1, dp=1, batch=batch,
+            sc = _scenario(model, _node_cluster(gpu, tp, per_node, SELENE_GBPS), STACK_2020, tp=tp, pp=1, dp=1,
+                           batch=batch,
                            micro_batch_size=batch, precision="fp16", recompute=True, attention="materialized")
             out.append(Cell(f"megatron-2020 {label} {case} T-{tp}", f"Megatron-LM 2020, {label}, batch {batch}",
                             README_2020, sc, ms[case] / 1e3, f"{ms[case]} ms", assumed))
-        sc = _scenario(model, _node_cluster(A100_40, tp * 128, 8, SELENE_GBPS), tp=tp, pp=1, dp=128, batch=2048,
+        sc = _scenario(model, _node_cluster(A100_40, tp * 128, 8, SELENE_GBPS), STACK_2020, tp=tp, pp=1, dp=128,
+                       batch=2048,
                        micro_batch_size=16, precision="fp16", recompute=True, attention="materialized")
         out.append(Cell(f"megatron-2020 DGX-A100 {case} T-{tp} D-128", "Megatron-LM 2020, DGX-A100 x 128 DP, "
                         "batch 2048", README_2020, sc, DGXA100_DP128_MS[case] / 1e3, f"{DGXA100_DP128_MS[case]} ms",
@@ -165,7 +170,7 @@ def _sc21() -> list[Cell]:
     for name, (h, heads, layers, mp, gpus, batch, tflops) in SC21_ROWS.items():
         tp, pp = min(mp, 8), max(1, mp // 8)
         model = _model(layers, h, heads, 2048, 51200)
-        sc = _scenario(model, _node_cluster(A100_80, gpus, 8, SELENE_GBPS), tp=tp, pp=pp, dp=gpus // mp,
+        sc = _scenario(model, _node_cluster(A100_80, gpus, 8, SELENE_GBPS), STACK_2020, tp=tp, pp=pp, dp=gpus // mp,
                        batch=batch, micro_batch_size=1, precision="fp16", recompute=True, attention="materialized")
         t = flops_sc21(batch, 2048, layers, h, 51200) / (tflops * 1e12 * gpus)
         out.append(Cell(f"megatron-sc21 {name} T-{tp} P-{pp} D-{gpus // mp}", "Megatron-LM SC'21 weak scaling, "
@@ -179,7 +184,7 @@ def _mcore_h100() -> list[Cell]:
                "8 x 400 Gbit/s per node")
     for name, (heads, h, layers, tp, pp, dp, gpus, batch, tflops) in H100_ROWS.items():
         model = _model(layers, h, heads, 4096, 131072)
-        sc = _scenario(model, _node_cluster(H100, gpus, 8, EOS_GBPS), tp=tp, pp=pp, dp=dp, batch=batch,
+        sc = _scenario(model, _node_cluster(H100, gpus, 8, EOS_GBPS), STACK_2024, tp=tp, pp=pp, dp=dp, batch=batch,
                        micro_batch_size=1, precision="bf16", recompute=False)
         t = flops_mcore(batch, 4096, layers, h, 131072) / (tflops * 1e12 * gpus)
         out.append(Cell(f"mcore-h100 {name} T-{tp} P-{pp} D-{dp}", "Megatron-Core weak scaling, H100",
@@ -194,6 +199,10 @@ def cells() -> list[Cell]:
 
 def _predict(cell: Cell) -> dict:
     res = predict_scenario(cell.load())
+    return _row(cell, res)
+
+
+def _row(cell: Cell, res: dict) -> dict:
     pred = res["step_time_s"] if res["status"] == "ok" else OOM
     row = dict(name=cell.name, table=cell.table, source=cell.source, gpu=cell.gpu, precision=cell.precision,
                published=cell.published, figure=cell.figure, predicted=pred, memory_gb=res["memory_gb"],
@@ -274,3 +283,26 @@ def markdown(res: dict) -> str:
                               tablefmt="github"))
         lines.append("")
     return "\n".join(lines)
+
+
+def calibrate(write: bool = False) -> dict[str, float]:
+    """Each stack's stall share per GPU part and precision fitted on its one calibration cell
+    (``CALIBRATION``); with ``write``, into ``predict/stacks.json``. Returns {"part precision": share}."""
+    from predict.stacks import fit_share, term_key, write_share
+
+    by_name = {c.name: c for c in cells()}
+    fitted = {}
+    for key, name in CALIBRATION.items():
+        cell = by_name[name]
+        sc = cell.load()
+        assert term_key(sc.device.part, sc.config.precision) == key, (key, name)
+
+        def step(share, sc=sc):
+            res = predict_scenario(sc, share)
+            return res["step_time_s"] if res["status"] == "ok" else float("inf")
+
+        fitted[key] = round(fit_share(step, cell.published), 4)
+        if write:
+            write_share(sc.stack, sc.device.part, sc.config.precision, fitted[key],
+                        f"{name} ({cell.figure}, {cell.table})", "pipebench predict validate-published --calibrate")
+    return fitted
