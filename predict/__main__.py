@@ -9,6 +9,8 @@ calibration and checks. One mode a command (``pipebench predict MODE --help``: i
     pipebench predict validate-seed --sensitivity [--out DIR]   # every cell as the calibration cell in turn
     pipebench predict validate-published [--json] [--out DIR] [--jobs N]   # Megatron-LM's published tables (the
                                             # development set beyond the seed) predicted, per GPU type
+    pipebench predict compare FILE.toml [--json] [--top N]   # every system and layout that fits a model on a
+                                            # cluster, predicted and ranked (predict.compare)
     pipebench predict fit-kernels [--write]   # the GPU device files' GEMM curves fitted to the published kernel
                                             # benchmarks they name (workload/devices/kernels/)
     pipebench predict run --system ours --model cpu-small --pp 2 ... [--network d10-1g]
@@ -155,6 +157,19 @@ def _fit_kernels(args) -> int:
         for prec, f in by_precision.items():
             print(f"{name} {prec}: efficiency {f['efficiency']:.4f}, half {f['half']:.1f} (K), {f['rows']} GEMMs of "
                   f"{f['file']}, rms log error {f['rms_log_error']:.3f}")
+    return 0
+
+
+def _compare(args) -> int:
+    from predict.compare import as_json, compare, table
+    from predict.scenario import ScenarioError
+
+    try:
+        res = compare(_scenario_file(args.file), jobs=args.jobs, progress=not args.json)
+    except ScenarioError as exc:
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(as_json(res)) if args.json else table(res, args.top))
     return 0
 
 
@@ -413,6 +428,15 @@ def build_parser(prog: str = PROG) -> Parser:
     q.add_argument("--refit", action="store_true", help="run nothing: fit this host and code version's kept "
                    "calibration runs again (after a change to the fit itself)")
     q.set_defaults(fn=_calibrate)
+    q = sub.add_parser("compare", help="every system, layout, schedule, micro-batch and recompute choice that fits "
+                       "a model on a cluster, predicted and ranked (predict.compare)")
+    q.add_argument("file", help="a compare file (TOML: [run] model, [cluster], [compare] global_batch): a path, or "
+                   "the name of a shipped one (predict/scenarios)")
+    q.add_argument("--json", action="store_true", help="one JSON object: every candidate that runs, ranked")
+    q.add_argument("--top", type=int, default=None, help="only the N fastest (default: all)")
+    q.add_argument("--jobs", type=int, default=None, help="candidates predicted at once, in processes (default: "
+                   "the cores)")
+    q.set_defaults(fn=_compare)
     q = sub.add_parser("fit-kernels", help="the GPU device files' GEMM curves fitted to the published kernel "
                        "benchmarks they name (workload/devices/kernels/)")
     q.add_argument("--write", action="store_true", help="write the fits into the device files")

@@ -42,7 +42,7 @@ def test_no_or_an_unknown_subcommand_is_one_line_and_exit_2(capsys):
 
 
 MODES = {"run", "sweep", "scenario", "records", "validate", "validate-seed", "calibrate", "plan-check",
-         "validate-published", "fit-kernels"}
+         "validate-published", "fit-kernels", "compare"}
 
 
 def _status(argv: list[str]) -> int:
