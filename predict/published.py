@@ -40,10 +40,9 @@ from predict.scenario import Scenario, parse, predict_scenario
 
 OOM = "oom"
 V100, A100_40, A100_80, H100 = "V100 SXM2 32GB", "A100 SXM4 40GB", "A100 SXM4 80GB", "H100 SXM"
-# Inter-node links, per node (every GPU's own card summed: the scenario's one card per node stands for
-# them together until a scenario can say one card per GPU); one-way delay of an InfiniBand hop.
-SELENE_GBPS = 8 * 200.0  # DGX A100: eight HDR InfiniBand cards
-EOS_GBPS = 8 * 400.0  # DGX H100: eight NDR InfiniBand cards
+# Inter-node links: one card per GPU (nics_per_node = 8), each card's rate; one-way delay of an InfiniBand hop.
+SELENE_GBPS = 200.0  # DGX A100: eight HDR InfiniBand cards
+EOS_GBPS = 400.0  # DGX H100: eight NDR InfiniBand cards
 IB_DELAY_MS = 0.002
 
 README_2020 = "NVIDIA/Megatron-LM@5281919420:README.md (images/tables.tex at 50a4b5fa02^)"
@@ -137,7 +136,7 @@ def _node_cluster(gpu: str, gpus: int, per_node: int, inter_gbps: float) -> dict
     nodes = -(-gpus // per_node)
     c = dict(gpu=gpu, nodes=nodes, gpus_per_node=min(gpus, per_node))
     if nodes > 1:
-        c.update(inter_gbps=inter_gbps, inter_delay_ms=IB_DELAY_MS)
+        c.update(inter_gbps=inter_gbps, inter_delay_ms=IB_DELAY_MS, nics_per_node=per_node)
     return c
 
 
@@ -159,14 +158,14 @@ def _readme_2020() -> list[Cell]:
                        micro_batch_size=16, precision="fp16", recompute=True, attention="materialized")
         out.append(Cell(f"megatron-2020 DGX-A100 {case} T-{tp} D-128", "Megatron-LM 2020, DGX-A100 x 128 DP, "
                         "batch 2048", README_2020, sc, DGXA100_DP128_MS[case] / 1e3, f"{DGXA100_DP128_MS[case]} ms",
-                        assumed[1:] + ("micro-batch 16 (the batch a replica holds)", "8 x 200 Gbit/s per node")))
+                        assumed[1:] + ("micro-batch 16 (the batch a replica holds)", "one 200 Gbit/s card per GPU")))
     return out
 
 
 def _sc21() -> list[Cell]:
     out = []
     assumed = ("micro-batch 1", "fp16", "full recomputation", "1F1B without virtual stages", "Adam",
-               "8 x 200 Gbit/s per node")
+               "one 200 Gbit/s card per GPU")
     for name, (h, heads, layers, mp, gpus, batch, tflops) in SC21_ROWS.items():
         tp, pp = min(mp, 8), max(1, mp // 8)
         model = _model(layers, h, heads, 2048, 51200)
@@ -181,11 +180,15 @@ def _sc21() -> list[Cell]:
 def _mcore_h100() -> list[Cell]:
     out = []
     assumed = ("micro-batch 1", "bf16", "no recomputation", "1F1B without virtual stages", "Adam",
-               "8 x 400 Gbit/s per node")
+               "the distributed optimizer with --overlap-grad-reduce --overlap-param-gather (the README)",
+               "sequence parallelism with --tp-comm-overlap where T > 1 (the README)", "one 400 Gbit/s card per GPU")
     for name, (heads, h, layers, tp, pp, dp, gpus, batch, tflops) in H100_ROWS.items():
         model = _model(layers, h, heads, 4096, 131072)
+        overlap = dict(distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True)
+        if tp > 1:
+            overlap.update(sequence_parallel=True, tp_comm_overlap=True)
         sc = _scenario(model, _node_cluster(H100, gpus, 8, EOS_GBPS), STACK_2024, tp=tp, pp=pp, dp=dp, batch=batch,
-                       micro_batch_size=1, precision="bf16", recompute=False)
+                       micro_batch_size=1, precision="bf16", recompute=False, **overlap)
         t = flops_mcore(batch, 4096, layers, h, 131072) / (tflops * 1e12 * gpus)
         out.append(Cell(f"mcore-h100 {name} T-{tp} P-{pp} D-{dp}", "Megatron-Core weak scaling, H100",
                         MCORE_H100, sc, t, f"{tflops} TFLOP/s per GPU", assumed))
