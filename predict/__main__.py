@@ -7,6 +7,12 @@ calibration and checks. One mode a command (``pipebench predict MODE --help``: i
     pipebench predict validate-seed [--json] [--out DIR] [--calibrate]   # every cell of the seed's GPT-3 XL
                                             # tables predicted; the V100's calibration cells named, not scored
     pipebench predict validate-seed --sensitivity [--out DIR]   # every cell as the calibration cell in turn
+    pipebench predict validate-published [--json] [--out DIR] [--jobs N]   # Megatron-LM's published tables (the
+                                            # development set beyond the seed) predicted, per GPU type
+    pipebench predict compare FILE.toml [--json] [--top N]   # every system and layout that fits a model on a
+                                            # cluster, predicted and ranked (predict.compare)
+    pipebench predict fit-kernels [--write]   # the GPU device files' GEMM curves fitted to the published kernel
+                                            # benchmarks they name (workload/devices/kernels/)
     pipebench predict run --system ours --model cpu-small --pp 2 ... [--network d10-1g]
                               [--device-file "V100 SXM2 16GB"]   # one run: the run command's flags (also
                                             # without the word run: pipebench predict --system ours ...)
@@ -117,7 +123,7 @@ def _validate_seed(args) -> int:
         return 2
     if args.calibrate:
         fitted = calibrate(write=True)
-        print("V100 SXM2 device files calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
+        print("the seed's stack's stall shares calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
               file=sys.stderr)
     if args.sensitivity:
         from predict.seed_tables import sensitivity, sensitivity_markdown
@@ -136,6 +142,53 @@ def _validate_seed(args) -> int:
     text = markdown(res)
     print(json.dumps(res["summary"]) if args.json else text)
     _write(args.out, "seed-validation", text, res)
+    return 0
+
+
+def _fit_kernels(args) -> int:
+    from predict.fitting import fit_kernels, write_kernel_fits
+    from workload.compute import device_files, read_device
+
+    if args.write:
+        fits = write_kernel_fits()
+    else:
+        fits = {p.name: fit_kernels(d) for p in device_files() if (d := read_device(p)).kernels}
+    for name, by_precision in fits.items():
+        for prec, f in by_precision.items():
+            print(f"{name} {prec}: efficiency {f['efficiency']:.4f}, half {f['half']:.1f} (K), {f['rows']} GEMMs of "
+                  f"{f['file']}, rms log error {f['rms_log_error']:.3f}")
+    return 0
+
+
+def _compare(args) -> int:
+    from predict.compare import as_json, compare, table
+    from predict.scenario import ScenarioError
+
+    try:
+        res = compare(_scenario_file(args.file), jobs=args.jobs, progress=not args.json)
+    except ScenarioError as exc:
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(as_json(res)) if args.json else table(res, args.top))
+    return 0
+
+
+def _validate_published(args) -> int:
+    from predict.published import calibrate, markdown, validate
+
+    if args.calibrate:
+        fitted = calibrate(write=True)
+        print("stacks' stall shares calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
+              file=sys.stderr)
+
+    def progress(r):
+        what = "oom" if r["predicted"] == "oom" else f"{r['predicted']:.3f} s ({r.get('error', 0) * 100:+.1f} %)"
+        print(f"{r['name']}: published {r['published']:.3f} s, predicted {what}", file=sys.stderr, flush=True)
+
+    res = validate(jobs=args.jobs, progress=progress, select=args.only)
+    text = markdown(res)
+    print(json.dumps(res["gpus"]) if args.json else text)
+    _write(args.out, "published-validation", text, res)
     return 0
 
 
@@ -361,8 +414,8 @@ def build_parser(prog: str = PROG) -> Parser:
                        "calibration cells named, not scored)")
     q.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     q.add_argument("--out", default=None, help="write DIR/seed-validation.{md,json} (default: write nothing)")
-    q.add_argument("--calibrate", action="store_true", help="first refit the V100 device files' GEMM efficiency on "
-                   "their calibration cells (writes workload/devices/v100-*.json)")
+    q.add_argument("--calibrate", action="store_true", help="first refit the seed's stack's stall shares on their "
+                   "calibration cells (writes predict/stacks.json)")
     q.add_argument("--sensitivity", action="store_true", help="instead: every cell of a precision as its one "
                    "calibration cell in turn, the validation's median and largest error for each (a few minutes; "
                    "--out writes DIR/seed-calibration-sensitivity.{md,json})")
@@ -375,6 +428,28 @@ def build_parser(prog: str = PROG) -> Parser:
     q.add_argument("--refit", action="store_true", help="run nothing: fit this host and code version's kept "
                    "calibration runs again (after a change to the fit itself)")
     q.set_defaults(fn=_calibrate)
+    q = sub.add_parser("compare", help="every system, layout, schedule, micro-batch and recompute choice that fits "
+                       "a model on a cluster, predicted and ranked (predict.compare)")
+    q.add_argument("file", help="a compare file (TOML: [run] model, [cluster], [compare] global_batch): a path, or "
+                   "the name of a shipped one (predict/scenarios)")
+    q.add_argument("--json", action="store_true", help="one JSON object: every candidate that runs, ranked")
+    q.add_argument("--top", type=int, default=None, help="only the N fastest (default: all)")
+    q.add_argument("--jobs", type=int, default=None, help="candidates predicted at once, in processes (default: "
+                   "the cores)")
+    q.set_defaults(fn=_compare)
+    q = sub.add_parser("fit-kernels", help="the GPU device files' GEMM curves fitted to the published kernel "
+                       "benchmarks they name (workload/devices/kernels/)")
+    q.add_argument("--write", action="store_true", help="write the fits into the device files")
+    q.set_defaults(fn=_fit_kernels)
+    q = sub.add_parser("validate-published", help="Megatron-LM's published tables (the development set beyond the "
+                       "seed) predicted, per GPU type")
+    q.add_argument("--json", action="store_true", help="print the per-GPU summary as one JSON object")
+    q.add_argument("--out", default=None, help="write DIR/published-validation.{md,json}")
+    q.add_argument("--jobs", type=int, default=1, help="cells predicted at once, in processes (default: 1)")
+    q.add_argument("--only", default=None, help="only the cells whose name contains this text")
+    q.add_argument("--calibrate", action="store_true", help="first refit the stacks' stall shares on their "
+                   "calibration cells (writes predict/stacks.json)")
+    q.set_defaults(fn=_validate_published)
     q = sub.add_parser("plan-check", help="the planner's evaluation: its formula against the simulator")
     q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json",
                    help="the evaluation (python -m bench plan-evaluation)")

@@ -17,8 +17,8 @@ several cards (``card``: a rank's cards), NCCL runs a channel over each: the rin
 many rings of nbytes / C, each with its node segments rotated so that it leaves and enters every
 node through other cards, their steps side by side. ``Link.collective`` gives the same costs
 over one idle link (``contract.links``: ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather
-(n-1)(a + S/(nB)); chain reduce / broadcast (n-1) a + S/B); groups of more than ``MAX_RING`` ranks take
-it (a ``Group``).
+(n-1)(a + S/(nB)); chain reduce / broadcast (n-1) a + S/B); groups of more than ``MAX_RING`` ranks, and rings
+across nodes that would post more than ``RING_MESSAGES`` messages, take it (a ``Group``).
 """
 from __future__ import annotations
 
@@ -117,6 +117,11 @@ def allgather(ranks, me, tag, nbytes: int, kind: str) -> list:
 
 CHAIN_PIECES = 16
 MAX_RING = 128
+# A ring across nodes that would post more messages than this (n members x channels x 2(n-1) steps, per
+# collective, per bucket) is taken in closed form too: it would outnumber the step's own messages by orders
+# of magnitude, and a large data-parallel group's ring is bound by the cards it crosses, which the closed
+# form counts. (The seed's six-node rings, 60 messages, stay simulated message by message.)
+RING_MESSAGES = 1024
 
 
 def nccl_ring(op: str, ranks: tuple, me: int, tag: Hashable, nbytes: float, kind: str,

@@ -227,9 +227,13 @@ class _Step:
         large for that in closed form, over the cards one of its rings can use)."""
         host = self.net.host if self.net.gpu else None
         link, c = self.net.link, self.spec.cluster
-        if c is not None and c.inter is not None and len(group) > coll.MAX_RING:
+        if c is not None and c.inter is not None:
             on_node = sum(1 for g in group if self.net.host(g) == self.net.host(rank))
-            link = c.crossing(min(on_node, max(1, c.nics_per_node // self.tp)))  # each of tp rings its own cards
+            rings = min(on_node, max(1, c.nics_per_node // self.tp))  # each of tp rings its own cards
+            messages = len(group) * rings * 2 * (len(group) - 1)  # an all-reduce's, every member's
+            if len(group) > coll.MAX_RING or (on_node < len(group) and messages > coll.RING_MESSAGES):
+                link = c.crossing(rings)
+                host = None  # in closed form: its messages are too many to simulate one by one
         card = (lambda r: self.net.cards[self.net.gpus_of(r)]) if self.net.cards is not None else None
         return coll.collective(self.net.transport, op, group, rank, key, nbytes, link, kind, host, card)
 
@@ -727,8 +731,18 @@ def _grad_order(st: _Step, first: bool, last: bool, s: int = 0) -> list[tuple[in
     return out
 
 
+# ours' data parallelism is simulated in at most this many buckets a stage: a larger stage's 4 MiB buckets are
+# merged into this many of equal bytes (the sync's bytes and order as they are; the overlap with the remaining
+# weight gradients coarser by at most one merged bucket's time), so that a billion-parameter stage does not
+# post hundreds of thousands of messages a step.
+SIMULATED_BUCKETS = 64
+
+
 def _buckets(order: list[tuple[int, int]], bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
-    """ours.dp's buckets over the gradient order, fp32: (elements, the linear that completes the bucket)."""
+    """ours.dp's buckets over the gradient order, fp32: (elements, the linear that completes the bucket);
+    at most ``SIMULATED_BUCKETS`` of them."""
+    total = sum(numel for numel, _ in order) * 4
+    bucket_bytes = max(bucket_bytes, -(-total // SIMULATED_BUCKETS))
     starts = bucket_starts([numel * 4 for numel, _ in order], bucket_bytes)
     parts = [order[a:b] for a, b in zip(starts, starts[1:] + [len(order)])]
     return [(sum(n for n, _ in part), max(at for _, at in part)) for part in parts]

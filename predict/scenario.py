@@ -59,23 +59,25 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from contract import ConfigError, RunConfig
-from network_emulation.profiles import MAX_BANDWIDTH_GBPS, MAX_DELAY_MS
+from network_emulation.profiles import MAX_DELAY_MS
 from predict.from_config import NotModelled, gpu_compute_of, memory_of as config_memory, spec_from_config
 from contract.links import Link
 from predict.run_spec import Cluster, RunSpec
+from predict.stacks import StackError, stall_share
+from predict.stacks import check as check_stack
 from predict.systems import prediction_systems
-from workload.compute import Device, DeviceError, GpuCompute, default_attention, find_device, read_data
+from workload.compute import Device, DeviceError, GpuCompute, Overheads, default_attention, find_device, read_data
 from workload.configs import ModelConfig
 from workload.memory import GB, Memory
 
 SECTIONS = {"run": True, "cluster": True, "predict": False}  # section -> required
 CLUSTER_KEYS = {"gpu": True, "nodes": True, "gpus_per_node": True, "intra_gbps": False, "intra_delay_ms": False,
                 "inter_gbps": False, "inter_delay_ms": False, "matrix": False, "nics_per_node": False}  # -> required
-PREDICT_KEYS = ("head", "attention", "gemm_precision")
+PREDICT_KEYS = ("head", "attention", "gemm_precision", "stack")
 ATTENTION = ("flash", "materialized")
 NOT_A_PREDICTION = {"network": "a scenario's links are its [cluster]'s",
                     "network_trace": "links that change are not modelled",
@@ -84,6 +86,9 @@ NOT_A_PREDICTION = {"network": "a scenario's links are its [cluster]'s",
 # (DGX-1-class V100 SXM2 hybrid cube mesh; NVSwitch on A100 / H100 / H200), per GPU.
 NVLINK_GBPS = {"V100": 1000.0, "A100": 1900.0, "H100": 3600.0, "H200": 3600.0}
 NVLINK_DELAY_MS = 0.005
+# A cluster's links are bounded far above an emulated link's (the run command's --network: 1 Tbit/s): a node's
+# network cards together (eight 400 Gbit/s cards: 3.2 Tbit/s) and NVLink (7.2 Tbit/s on H100) exceed that.
+MAX_CLUSTER_GBPS = 100_000.0
 
 
 class ScenarioError(ValueError):
@@ -105,6 +110,9 @@ class Scenario:
     source: dict = field(default_factory=dict)
     gemm_precision: str | None = None
     """The layers' linear GEMMs' precision where not the run's (``fp8``)."""
+    stack: str | None = None
+    """The software stack and machines whose step the scenario describes (``predict.stacks``): what a
+    whole step adds beyond its kernels; None: kernels only."""
 
     @property
     def system(self) -> str:
@@ -136,8 +144,8 @@ def _link_of(where: str, delay_ms, gbps) -> Link:
     """A link of a delay and a bandwidth, bounded as the run command bounds a network profile's."""
     if delay_ms > MAX_DELAY_MS:
         raise ScenarioError(f"{where}: delay {delay_ms:g} ms is absurd (limit {MAX_DELAY_MS:g} ms)")
-    if gbps > MAX_BANDWIDTH_GBPS:
-        raise ScenarioError(f"{where}: bandwidth {gbps:g} Gbit/s is absurd (limit {MAX_BANDWIDTH_GBPS:g} Gbit/s)")
+    if gbps > MAX_CLUSTER_GBPS:
+        raise ScenarioError(f"{where}: bandwidth {gbps:g} Gbit/s is absurd (limit {MAX_CLUSTER_GBPS:g} Gbit/s)")
     return Link.from_ms_gbps(delay_ms, gbps)
 
 
@@ -278,7 +286,13 @@ def parse(data: dict, name: str = "scenario", base: Path = Path(".")) -> Scenari
     if gpus > cluster.gpus:
         raise ScenarioError(f"[run] T-{cfg.tp} P-{cfg.pp} D-{cfg.dp} needs {gpus} GPUs; the cluster has "
                             f"{cluster.nodes} x {cluster.gpus_per_node}")
-    return Scenario(name, cfg, device, cluster, attention, _head(p), source=data, gemm_precision=gemm)
+    stack = p.get("stack")
+    if stack is not None:
+        try:
+            check_stack(stack if isinstance(stack, str) else repr(stack))
+        except StackError as exc:
+            raise ScenarioError(f"[predict] stack: {exc}") from None
+    return Scenario(name, cfg, device, cluster, attention, _head(p), source=data, gemm_precision=gemm, stack=stack)
 
 
 def _gemm_precision(p: dict, cfg: RunConfig, device: Device) -> str | None:
@@ -303,8 +317,15 @@ def load(path: str | Path) -> Scenario:
     return parse(read_data(path, "scenario file", ScenarioError, tomllib.loads), path.stem, path.parent)
 
 
-def compute_of(sc: Scenario) -> GpuCompute:
-    return gpu_compute_of(sc.config, sc.device, sc.attention, sc.gemm_precision)
+def compute_of(sc: Scenario, stalls: float | None = None) -> GpuCompute:
+    """The scenario's compute model: its GPU's kernels (its linear GEMMs in ``gemm_precision`` where set),
+    its stack's stalls (``stalls``: this share instead of the stack's) as its system's factor over the
+    modelled math."""
+    cm = gpu_compute_of(sc.config, sc.device, sc.attention, sc.gemm_precision)
+    share = stall_share(sc.stack, sc.device.part, sc.config.precision) if stalls is None else stalls
+    if not share:
+        return cm
+    return replace(cm, overhead={**cm.overhead, sc.system: Overheads(compute=1.0 + share)})
 
 
 def memory_of(sc: Scenario) -> Memory:
@@ -332,14 +353,15 @@ def _planned_slices(sc: Scenario, cm: GpuCompute):
                     tp_link=c.intra if cfg.tp <= c.gpus_per_node else (c.inter or _stage_link(sc)))
 
 
-def predict_scenario(sc: Scenario) -> dict:
+def predict_scenario(sc: Scenario, stalls: float | None = None) -> dict:
     """The scenario's prediction as one JSON-able object: status (ok / oom), step_time_s (None where it
-    does not fit), parts, memory, and ours' slicing. ScenarioError where the simulator finds the run
-    cannot proceed (a deadlock: one line)."""
+    does not fit), parts (the math, the stack's stalls, the optimizer, the bubble, exposed messages, the DP
+    sync, the rest), memory, and ours' slicing (``stalls``: this stall share instead of the stack's).
+    ScenarioError where the simulator finds the run cannot proceed (a deadlock: one line)."""
     from predict.simulator import SimulationError
     from predict.step_time import predict
 
-    cm = compute_of(sc)
+    cm = compute_of(sc, stalls)
     cfg = sc.config
     auto = cfg.system == "ours" and cfg.options.auto
     spec = spec_of(sc, _planned_slices(sc, cm).slices if auto else None)
@@ -359,8 +381,10 @@ def predict_scenario(sc: Scenario) -> dict:
     except SimulationError as exc:
         raise ScenarioError(f"the simulator cannot run it: {str(exc).splitlines()[0]}") from None
     opt = p.detail.get("optimizer", 0.0)
-    parts = dict(compute=p.compute - opt, optimizer=opt, bubble=p.bubble, messages=p.exposed_comm,
-                 dp_sync=p.dp_sync, other=p.overhead + p.barrier)
+    factor = cm.overheads(cfg.system).compute  # the stack's stalls scale the math they stretch
+    math_s = (p.compute - opt) / factor
+    parts = dict(compute=math_s, stalls=p.compute - opt - math_s, optimizer=opt, bubble=p.bubble,
+                 messages=p.exposed_comm, dp_sync=p.dp_sync, other=p.overhead + p.barrier)
     return dict(out, status="ok", step_time_s=p.step_time, parts={k: round(v, 6) for k, v in parts.items()},
                 critical_rank=p.critical_rank)
 

@@ -136,6 +136,7 @@ class Network:
     gpu: bool = False
     cards: tuple[tuple[int, ...], ...] | None = None
     streams: int | None = None
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # ports, links: asked per message
 
     def gpus_of(self, rank: int) -> int:
         """The simulated rank whose GPUs ``rank`` runs on (itself, or the rank a stream serves)."""
@@ -146,6 +147,12 @@ class Network:
         return self.hosts[rank] if self.hosts is not None else rank // self.ranks_per_host
 
     def between(self, src: int, dst: int) -> Link:
+        key = ("between", src, dst)
+        if key not in self._memo:
+            self._memo[key] = self._between(src, dst)
+        return self._memo[key]
+
+    def _between(self, src: int, dst: int) -> Link:
         if self.gpus_of(src) == self.gpus_of(dst):
             return INSTANT
         a, b = self.host(src), self.host(dst)
@@ -165,6 +172,12 @@ class Network:
 
     def ports(self, src: int, dst: int) -> tuple[tuple, tuple | None]:
         """(the sender's egress, the receiver's ingress or None) a message between them occupies."""
+        key = ("ports", src, dst)
+        if key not in self._memo:
+            self._memo[key] = self._ports(src, dst)
+        return self._memo[key]
+
+    def _ports(self, src: int, dst: int) -> tuple[tuple, tuple | None]:
         if self.gpus_of(src) == self.gpus_of(dst):
             return ("stream", src, dst), None
         a, b = self.host(src), self.host(dst)

@@ -184,6 +184,12 @@ class Device:
     """Where each number comes from."""
     measured: dict | None = None
     """What ``scripts/gpu_profile.sh`` measured on such a GPU (None where none was had)."""
+    validated: dict = field(default_factory=dict)
+    """Where its predictions were validated on published steps it was not fitted to: cells, median and
+    largest error, by which command (``pipebench predict validate-published --calibrate`` writes it)."""
+    kernels: dict = field(default_factory=dict)
+    """Per precision, the published kernel benchmark its GEMM curve was fitted to: the file (under
+    ``workload/devices/kernels/``), the rows used and the fit's error (``python -m predict fit-kernels``)."""
     path: str = ""
     """The file it was read from."""
     peak_tflops: dict | None = None
