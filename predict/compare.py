@@ -36,6 +36,7 @@ from pathlib import Path
 
 from predict.scenario import ScenarioError, parse, predict_scenario
 from workload.compute import read_data
+from runners.lifetime import die_with_parent_now
 
 MICRO_BATCHES = (1, 2, 4, 8)
 LEFT_OUT = ("reference", "diloco", "gpipe")  # one process; another algorithm; the seed's DT-FM GPipe only
@@ -132,23 +133,24 @@ def _evaluate(args: tuple[dict, dict, Candidate]) -> dict:
     from dataclasses import replace
 
     from predict.scenario import memory_of
-    from workload.flops import flops_per_token
+    from workload.flops import GPU_PEAK_TFLOPS, flops_per_token
 
     def load(c: Candidate):
         return parse(dict(data, run=c.run(data["run"], cmp["global_batch"])), "compare")
 
-    try:
+    try:  # judged as the run command judges it, then by what the simulator models
         sc = load(cand)
         if memory_of(sc).total > sc.device.usable_bytes():
             cand = replace(cand, recompute=True)
             sc = load(cand)
+        res = predict_scenario(sc)
     except ScenarioError as exc:
         return dict(candidate=cand, refused=str(exc))
-    res = predict_scenario(sc)
     row = dict(candidate=cand, status=res["status"], memory_gb=res["memory_gb"], step_time_s=res["step_time_s"])
     if res["status"] == "ok":
         tokens = cmp["global_batch"] * sc.model.seq_len
-        peak = sc.device.peak_flops(sc.config.precision) * sc.cluster.gpus
+        peaks = GPU_PEAK_TFLOPS[sc.device.part]  # MFU against the datasheet's peak, as the report's
+        peak = (peaks.get(sc.config.precision) or peaks["fp32"]) * 1e12 * sc.cluster.gpus
         row["mfu"] = tokens * flops_per_token(sc.model) / res["step_time_s"] / peak
         parts = {k: v for k, v in res["parts"].items() if k != "optimizer"}
         row["largest_part"] = max(parts, key=parts.get)
@@ -177,7 +179,8 @@ def compare(path: str | Path, jobs: int | None = None, progress: bool = True) ->
     data, cmp = _read(path)
     cands = candidates(data, cmp)
     jobs = jobs or min(len(cands), os.cpu_count() or 1)
-    work = [(data, cmp, c) for c in cands]
+    # the widest data parallelism first (the longest to simulate), one candidate at a time: the workers end together
+    work = [(data, cmp, c) for c in sorted(cands, key=lambda c: (-c.dp, c.system == "ours"), reverse=False)]
     rows = []
     bar = None
     if progress:
@@ -185,8 +188,8 @@ def compare(path: str | Path, jobs: int | None = None, progress: bool = True) ->
 
         from tqdm import tqdm
         bar = tqdm(total=len(work), desc="predict compare", unit="run", file=sys.stderr, dynamic_ncols=True)
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        for row in pool.map(_evaluate, work, chunksize=max(1, len(work) // (8 * jobs))):
+    with ProcessPoolExecutor(max_workers=jobs, initializer=die_with_parent_now) as pool:  # none outlives us
+        for row in pool.map(_evaluate, work):
             rows.append(row)
             if bar:
                 bar.update()

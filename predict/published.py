@@ -37,6 +37,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from predict.scenario import Scenario, parse, predict_scenario
+from runners.lifetime import die_with_parent_now
 
 OOM = "oom"
 V100, A100_40, A100_80, H100 = "V100 SXM2 32GB", "A100 SXM4 40GB", "A100 SXM4 80GB", "H100 SXM"
@@ -224,7 +225,7 @@ def validate(calibration: dict[str, str] | None = None, jobs: int = 1, progress=
     chosen = [c for c in cells() if select is None or select in c.name]
     calibrating = set(calibration.values())
     rows = []
-    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else _Serial() as pool:
+    with ProcessPoolExecutor(max_workers=jobs, initializer=die_with_parent_now) if jobs > 1 else _Serial() as pool:
         for row in pool.map(_predict, chosen):
             row["calibration"] = row["name"] in calibrating
             row["scored"] = not row["calibration"] and "error" in row

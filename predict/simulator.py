@@ -517,7 +517,9 @@ class Simulator:
             self._try_link(pair)
             return []
         if kind == "retry":
-            self.retry_at.pop(payload, None)
+            if self.retry_at.get(payload) != self.now:  # stale: a later retry of the pair replaced it
+                return []
+            del self.retry_at[payload]
             self._try_link(payload)
             return []
         if kind == "sent":

@@ -76,7 +76,9 @@ def test_the_table_names_the_devices_status_and_json_is_plain(small):
 @pytest.mark.parametrize("body, words", [
     ("[run]\nmodel = 'gpt3-xl'\n[cluster]\ngpu = 'H100 SXM'\n", "global_batch is missing"),
     ("[run]\nmodel = 'gpt3-xl'\npp = 2\n[compare]\nglobal_batch = 8\n", "compare chooses it"),
-    ("[run]\nmodel = 'gpt3-xl'\n[compare]\nglobal_batch = 8\nsystems = ['nope']\n", "not a system the simulator"),
+    ("[run]\nmodel = 'gpt3-xl'\n[cluster]\ngpu = 'H100 SXM'\nnodes = 1\ngpus_per_node = 2\n[compare]\n"
+     "global_batch = 8\nsystems = ['nope']\n",
+     "not a system the simulator"),
     ("[run]\nmodel = 'gpt3-xl'\n[compare]\nglobal_batch = 0\n", "whole number"),
 ])
 def test_a_malformed_compare_file_is_one_line(tmp_path, body, words):
