@@ -99,20 +99,11 @@ class _LossScaler:
         return True
 
 
-def train(config: RunConfig, ctx: Context) -> Measurements:
-    cfg = config
+def _groups(cfg: RunConfig, ctx: Context, pp_rank: int, tp_rank: int):
+    """(this rank's DP group, its TP group, the link groups). Every rank creates every (stage, tp_rank)'s
+    DP group (--verify's collectives) and every stage's TP group, in the same order, and a group per link
+    and direction of the pipelines and of DP (their point-to-point traffic)."""
     pp, tp, dp = cfg.pp, cfg.tp, cfg.dp
-    dp_rank, pp_rank, tp_rank = coords(ctx.rank, pp, tp)
-    spec = stage_specs(cfg.model.n_layer, pp)[pp_rank]
-    model = ctx.build_stage(spec)
-    shard_stage(model, tp, tp_rank)
-    options: OursOptions = cfg.options
-    slices, slicing_source = resolve_slices(cfg, ctx)
-    tracer = Tracer(ctx.rank, enabled=options.trace is not None)
-
-    # every rank creates every (stage, tp_rank)'s DP group (--verify's collectives) and every stage's TP
-    # group, in the same order, and a group per link and direction of the pipelines and of DP (their
-    # point-to-point traffic)
     group = None
     if dp > 1:
         for s in range(pp):
@@ -125,6 +116,21 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         if g is not None:        # host and allocates on the GPU): here, before any receive is posted
             dist.all_reduce(torch.zeros(1, device=ctx.device), group=g)
     links = link_groups(pipeline_links(pp, dp, tp) + dp_links(pp, dp, tp), ctx.device, ctx.op_timeout)
+    return group, tp_group, links
+
+
+def train(config: RunConfig, ctx: Context) -> Measurements:
+    cfg = config
+    pp, tp, dp = cfg.pp, cfg.tp, cfg.dp
+    dp_rank, pp_rank, tp_rank = coords(ctx.rank, pp, tp)
+    spec = stage_specs(cfg.model.n_layer, pp)[pp_rank]
+    model = ctx.build_stage(spec)
+    shard_stage(model, tp, tp_rank)
+    options: OursOptions = cfg.options
+    slices, slicing_source = resolve_slices(cfg, ctx)
+    tracer = Tracer(ctx.rank, enabled=options.trace is not None)
+
+    group, tp_group, links = _groups(cfg, ctx, pp_rank, tp_rank)
 
     wire = getattr(torch, WIRE_DTYPES[options.wire_dtype])
 

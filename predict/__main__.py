@@ -174,7 +174,7 @@ def _compare(args) -> int:
 
 
 def _validate_published(args) -> int:
-    from predict.published import calibrate, markdown, validate
+    from predict.published import calibrate, markdown, validate, write_validated
 
     if args.calibrate:
         fitted = calibrate(write=True)
@@ -186,6 +186,8 @@ def _validate_published(args) -> int:
         print(f"{r['name']}: published {r['published']:.3f} s, predicted {what}", file=sys.stderr, flush=True)
 
     res = validate(jobs=args.jobs, progress=progress, select=args.only)
+    if args.calibrate and not args.only:  # a whole run on the stall shares just fitted: the files' status
+        print("validated written into " + ", ".join(write_validated(res)), file=sys.stderr)
     text = markdown(res)
     print(json.dumps(res["gpus"]) if args.json else text)
     _write(args.out, "published-validation", text, res)

@@ -853,22 +853,49 @@ def ours_receives(st: _Step, rank: int) -> list:
     return ops
 
 
-def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
-    """One step of rank ``rank``; its receives were posted before (``ours_receives``), and it posts those
-    of the ``following`` step (the engine's after its backward, the sync's after the sync)."""
-    spec, cm = st.spec, st.cm
-    P, D = spec.pp, spec.dp
+def _ours_backward(st: _Step, rank: int, u: int, l: int, c: int, sends: list, wgrad: list[float]) -> tuple[list, float]:
+    """Unit ``u``'s backward on ``rank`` (a token slice of l tokens after c): its operations and the
+    weight-gradient work it defers (added to ``wgrad``, per deferred linear; its message to ``sends``)."""
+    spec, cm, tp, mb = st.spec, st.cm, st.tp, st.spec.micro_batch_size
+    d, s = divmod(rank, spec.pp)
+    L = st.stage_layers[s]
+    first, last = s == 0, s == spec.pp - 1
+    ops: list = []
+    if not last:
+        ops.append(FillWait(_key(st.step, "b", d, s + 1, u), "wgrad"))
+    ops.append(Compute(st.o.per_unit(L) / 2, "overhead"))
+    if last:  # the head split by vocabulary over the T ranks (ours.tp)
+        ops.append(Compute(cm.head_forward(mb * l, tp, st.width) + cm.head_backward_input(mb * l, tp, st.width),
+                           "head"))
+    if spec.recompute:
+        ops += st._layers("recompute", L, mb, l, c)
+    ops += st._layers("backward-input", L, mb, l, c)
+    if first:
+        ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
+    chunks = [cm.layer_wgrad(mb, l, tp) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
+    if last:
+        chunks.append(cm.head_wgrad(mb * l, tp, st.width))
+    for k, t in enumerate(chunks):
+        wgrad[k] += t
+    ops.append(Defer(tuple(chunks)))
+    if not first:
+        key = _key(st.step, "b", d, s, u)
+        ops.append(Send(key, rank - 1, st.act_bytes(mb, l)))
+        sends.append(key)
+    return ops, sum(chunks)
+
+
+def _ours_units(st: _Step, rank: int) -> tuple[list, list, list[float]]:
+    """The step's units on ``rank`` in ``ours.schedule``'s order: (operations, the keys of its sends,
+    the deferred weight-gradient work per linear over the step)."""
+    spec = st.spec
+    P, nbs, slices = spec.pp, spec.n_micro_batches, spec.token_slices
     d, s = divmod(rank, P)  # a stage's T ranks are one simulated rank
-    tp = st.tp
-    mb = spec.micro_batch_size
-    nbs = spec.n_micro_batches
-    slices = spec.token_slices
     ctx = [sum(slices[:i]) for i in range(len(slices))]
     L = st.stage_layers[s]
     first, last = s == 0, s == P - 1
-    prev, nxt = rank - 1, rank + 1
     ops: list = [Compute(st.o.step, "overhead")]
-    sends = []
+    sends: list = []
     wgrad = [0.0] * (4 * L + 1)  # per deferred linear (the output layer last), over the step
     # 1f1b: the engine computes the weight gradients its stash holds beyond P - s batch slices' units
     # (``StageEngine._bound_stash``), right after each backward; modelled by the amount of work it keeps
@@ -877,44 +904,34 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
     for kind, b, i in unit_order(spec.schedule, nbs, len(slices), s, P):
         u = b * len(slices) + i
         l, c = slices[i], ctx[i]
-        if kind == "F":
-            if not first:  # the engine waits for an activation like for a gradient (over gloo)
-                ops.append(FillWait(_key(st.step, "f", d, s - 1, u), "wgrad"))
-            ops += st.forward(s, mb, l, c)
-            if not last:
-                key = _key(st.step, "f", d, s, u)
-                ops.append(Send(key, nxt, st.act_bytes(mb, l)))
-                sends.append(key)
+        if kind == "B":
+            back, deferred = _ours_backward(st, rank, u, l, c, sends, wgrad)
+            ops += back
+            if limit is not None:
+                queued.append(deferred)
+                if len(queued) > limit:
+                    ops.append(Flush("wgrad", keep=sum(queued[-limit:])))
             continue
+        if not first:  # the engine waits for an activation like for a gradient (over gloo)
+            ops.append(FillWait(_key(st.step, "f", d, s - 1, u), "wgrad"))
+        ops += st.forward(s, spec.micro_batch_size, l, c)
         if not last:
-            ops.append(FillWait(_key(st.step, "b", d, s + 1, u), "wgrad"))
-        ops.append(Compute(st.o.per_unit(L) / 2, "overhead"))
-        if last:  # the head split by vocabulary over the T ranks (ours.tp)
-            ops.append(Compute(cm.head_forward(mb * l, tp, st.width) + cm.head_backward_input(mb * l, tp, st.width),
-                               "head"))
-        if spec.recompute:
-            ops += st._layers("recompute", L, mb, l, c)
-        ops += st._layers("backward-input", L, mb, l, c)
-        if first:
-            ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
-        chunks = [cm.layer_wgrad(mb, l, tp) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
-        if last:
-            chunks.append(cm.head_wgrad(mb * l, tp, st.width))
-        for k, t in enumerate(chunks):
-            wgrad[k] += t
-        ops.append(Defer(tuple(chunks)))
-        if not first:
-            key = _key(st.step, "b", d, s, u)
-            ops.append(Send(key, prev, st.act_bytes(mb, l)))
+            key = _key(st.step, "f", d, s, u)
+            ops.append(Send(key, rank + 1, st.act_bytes(spec.micro_batch_size, l)))
             sends.append(key)
-        if limit is not None:
-            queued.append(sum(chunks))
-            if len(queued) > limit:
-                ops.append(Flush("wgrad", keep=sum(queued[-limit:])))
+    return ops, sends, wgrad
+
+
+def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
+    """One step of rank ``rank``; its receives were posted before (``ours_receives``), and it posts those
+    of the ``following`` step (the engine's after its backward, the sync's after the sync)."""
+    spec = st.spec
+    s = rank % spec.pp
+    ops, sends, wgrad = _ours_units(st, rank)
     if following is not None:
         ops += _ours_unit_receives(following, rank)
-    params = st.params(L, first, last, tp)
-    if D == 1:
+    params = st.params(st.stage_layers[s], s == 0, s == spec.pp - 1, st.tp)
+    if spec.dp == 1:
         ops.append(Flush("wgrad"))
         if sends:
             ops.append(Wait(tuple(sends)))

@@ -245,6 +245,29 @@ def validate(calibration: dict[str, str] | None = None, jobs: int = 1, progress=
     return dict(rows=rows, gpus=per_gpu, tables=per_table, calibration=dict(calibration))
 
 
+def write_validated(res: dict) -> list[str]:
+    """Each GPU type's scored cells of a whole run of the development set written into its device file
+    (``validated``: what ``pipebench predict compare`` reports as the file's status); the files written."""
+    import json
+    from pathlib import Path
+
+    from workload.compute import device_files, read_device
+
+    written = []
+    for path in device_files():
+        got = res["gpus"].get(read_device(path).name)
+        if not got or not got["scored"]:
+            continue
+        d = json.loads(Path(path).read_text())
+        d["validated"] = dict(cells=got["scored"], median_error=round(got["median"], 4),
+                              largest_error=round(got["largest"], 4),
+                              by="pipebench predict validate-published --calibrate (Megatron-LM's published "
+                                 "tables; the calibration cells not scored)")
+        Path(path).write_text(json.dumps(d, indent=1) + "\n")
+        written.append(Path(path).name)
+    return written
+
+
 class _Serial:
     """``map`` in this process (a ProcessPoolExecutor's interface for one job)."""
 

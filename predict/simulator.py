@@ -401,6 +401,37 @@ class Simulator:
             st.pc += 1
         st.fill = False
 
+    def _post_op(self, r: int, op: Send | Recv) -> None:
+        """Rank r posts its side of a message (a send or a receive, each once)."""
+        m = self._msg(op.key)
+        if isinstance(op, Send):
+            if m.send_post is not None:
+                raise SimulationError(f"message {op.key!r} sent twice")
+            m.src, m.dst, m.nbytes, m.send_post = r, op.dst, max(m.nbytes, op.nbytes), self.now
+        else:
+            if m.recv_post is not None:
+                raise SimulationError(f"message {op.key!r} received twice")
+            if m.src < 0:
+                m.src, m.dst = op.src, r
+            m.nbytes, m.recv_post = max(m.nbytes, op.nbytes), self.now
+        self._post(m)
+
+    @staticmethod
+    def _drain(st, keep: float) -> float:
+        """The deferred work a Flush runs, all but ``keep`` seconds of it, taken from the oldest chunks
+        (what is kept stays in its chunks)."""
+        run = max(0.0, sum(st.deferred) - keep)
+        if keep <= 0:
+            st.deferred.clear()
+        left = run
+        while st.deferred and left > 0:
+            if st.deferred[0] <= left:
+                left -= st.deferred.popleft()
+            else:
+                st.deferred[0] -= left
+                left = 0.0
+        return run
+
     def _step_rank(self, r: int) -> None:
         """Execute rank r's zero-time ops until it computes, blocks or ends."""
         st = self.ranks[r]
@@ -412,21 +443,8 @@ class Simulator:
             op = prog[st.pc]
             if isinstance(op, Compute):
                 self._start_compute(r, op.seconds, op.kind)
-            elif isinstance(op, Send):
-                m = self._msg(op.key)
-                if m.send_post is not None:
-                    raise SimulationError(f"message {op.key!r} sent twice")
-                m.src, m.dst, m.nbytes, m.send_post = r, op.dst, max(m.nbytes, op.nbytes), self.now
-                self._post(m)
-                st.pc += 1
-            elif isinstance(op, Recv):
-                m = self._msg(op.key)
-                if m.recv_post is not None:
-                    raise SimulationError(f"message {op.key!r} received twice")
-                if m.src < 0:
-                    m.src, m.dst = op.src, r
-                m.nbytes, m.recv_post = max(m.nbytes, op.nbytes), self.now
-                self._post(m)
+            elif isinstance(op, (Send, Recv)):
+                self._post_op(r, op)
                 st.pc += 1
             elif isinstance(op, Wait):
                 st.waiting = op.keys
@@ -449,17 +467,7 @@ class Simulator:
                 st.deferred.extend(op.chunks)
                 st.pc += 1
             elif isinstance(op, Flush):
-                run = max(0.0, sum(st.deferred) - op.keep)
-                if op.keep <= 0:
-                    st.deferred.clear()
-                left = run
-                while st.deferred and left > 0:  # the oldest chunks; what is kept stays in its chunks
-                    if st.deferred[0] <= left:
-                        left -= st.deferred.popleft()
-                    else:
-                        st.deferred[0] -= left
-                        left = 0.0
-                self._start_compute(r, run, op.kind)
+                self._start_compute(r, self._drain(st, op.keep), op.kind)
             elif isinstance(op, Group):
                 members = self.groups.setdefault(op.key, set())
                 members.add(r)

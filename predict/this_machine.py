@@ -677,7 +677,7 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
     if not by_key:
         raise NothingToValidate(f"{', '.join(map(str, paths))}: every ok CPU run is one the calibration was fitted on")
     rows = []
-    for key, recs in by_key.items():
+    for recs in by_key.values():
         rec = recs[-1]
         measured = estimate([r["median_step_time"] for r in recs])
         try:  # each repetition as it ran (ours' auto may keep another K in each launch, its probe another link)

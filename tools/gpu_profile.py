@@ -337,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fitted and not args.no_write_device:
         path = Path(device.path) if device.path else DEVICES / f"{slug(name)}.json"
         d = json.loads(path.read_text()) if path.exists() else device.to_json()
-        for p, (e, h, err) in fitted.items():
+        for p, (e, h, _) in fitted.items():
             d["gemm"][p] = {"efficiency": round(e, 4), "half": h}
         d["measured"] = dict(gpu=name, torch=raw["torch"], cuda=raw["cuda"], created=raw["created"],
                              gemm_fit={p: dict(efficiency=e, half=h, median_error=err)

@@ -305,6 +305,43 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         ps.destroy_model_parallel()
 
 
+def _wrapped(config, ddp, models: list) -> list:
+    """The model chunks in megatron-core's DDP (behind Float16Module in half precision); with
+    overlap_grad_reduce, the schedule's hooks as Megatron-LM's training loop sets them (only the last
+    micro-batch syncs, chunk by chunk)."""
+    wrapped = models
+    if config.fp16 or config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = [Float16Module(config, c) for c in models]
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp, module=c, disable_bucketing=i > 0)
+              for i, c in enumerate(wrapped)]
+    if ddp.overlap_grad_reduce:
+        one = len(chunks) == 1
+        config.no_sync_func = chunks[0].no_sync if one else [c.no_sync for c in chunks]
+        config.grad_sync_func = chunks[0].start_grad_sync if one else [c.start_grad_sync for c in chunks]
+    return chunks
+
+
+def optimizer_config(cfg: RunConfig, config) -> OptimizerConfig:
+    """megatron-core's optimizer for the run's (adam, sgd, sgd with momentum; no decay, no clipping)."""
+    opt = cfg.optimizer
+    return OptimizerConfig(
+        optimizer="adam" if opt.kind == "adam" else "sgd", lr=opt.lr, min_lr=opt.lr, weight_decay=0.0,
+        adam_beta1=opt.beta1, adam_beta2=opt.beta2, adam_eps=opt.eps,
+        sgd_momentum=SGD_MOMENTUM if opt.kind == "sgd_momentum" else 0.0, clip_grad=0.0, fp16=config.fp16,
+        bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=cfg.options.distributed_optimizer,
+        # fp16's loss scaling as every system's (megatron's defaults: 2^32, halved after 2 overflows in a row)
+        initial_loss_scale=LOSS_SCALING["init_scale"], loss_scale_window=LOSS_SCALING["growth_interval"],
+        hysteresis=1)
+
+
+def _loss_func(per_token: torch.Tensor):
+    loss = per_token.float().mean()
+    return loss, {"loss": loss.detach().clone()}  # the schedule divides loss in place
+
+
 def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     m = cfg.model
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
@@ -313,19 +350,9 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     load_shared_weights(cfg, models)
     if cuda:
         models = [c.to(ctx.device) for c in models]
-    wrapped = models
-    if config.fp16 or config.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        wrapped = [Float16Module(config, c) for c in models]
     distributed_optimizer = cfg.options.distributed_optimizer
     ddp = ddp_config(cfg)
-    chunks = [DistributedDataParallel(config=config, ddp_config=ddp, module=c, disable_bucketing=i > 0)
-              for i, c in enumerate(wrapped)]
-    if ddp.overlap_grad_reduce:  # as Megatron-LM's training loop: sync only the last micro-batch, chunk by chunk
-        one = len(chunks) == 1
-        config.no_sync_func = chunks[0].no_sync if one else [c.no_sync for c in chunks]
-        config.grad_sync_func = chunks[0].start_grad_sync if one else [c.start_grad_sync for c in chunks]
+    chunks = _wrapped(config, ddp, models)
 
     sync = {"t": 0.0}
 
@@ -341,16 +368,7 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     config.finalize_model_grads_func = timed(finalize_model_grads)
     for c in chunks:  # the distributed optimizer's parameter all-gather (called by its step)
         c.start_param_sync = timed(c.start_param_sync)
-    opt_cfg = cfg.optimizer
-    opt_config = OptimizerConfig(
-        optimizer="adam" if opt_cfg.kind == "adam" else "sgd", lr=opt_cfg.lr, min_lr=opt_cfg.lr, weight_decay=0.0,
-        adam_beta1=opt_cfg.beta1, adam_beta2=opt_cfg.beta2, adam_eps=opt_cfg.eps,
-        sgd_momentum=SGD_MOMENTUM if opt_cfg.kind == "sgd_momentum" else 0.0, clip_grad=0.0, fp16=config.fp16,
-        bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
-        # fp16's loss scaling as every system's (megatron's defaults: 2^32, halved after 2 overflows in a row)
-        initial_loss_scale=LOSS_SCALING["init_scale"], loss_scale_window=LOSS_SCALING["growth_interval"],
-        hysteresis=1)
-    opt = get_megatron_optimizer(opt_config, chunks)
+    opt = get_megatron_optimizer(optimizer_config(cfg, config), chunks)
     if config.fp16:
         config.grad_scale_func = opt.scale_loss  # the schedule scales each micro-batch's loss before backward
     forward_backward = get_forward_backward_func()
@@ -360,13 +378,9 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     dp_rank = ps.get_data_parallel_rank()
     positions = torch.arange(m.seq_len, device=ctx.device).unsqueeze(0).expand(mbs, -1)
 
-    def loss_func(per_token: torch.Tensor):
-        loss = per_token.float().mean()
-        return loss, {"loss": loss.detach().clone()}  # the schedule divides loss in place
-
     def forward_step(data_iterator, model):
         x, y = next(data_iterator)
-        return model(x, positions, None, labels=y), loss_func
+        return model(x, positions, None, labels=y), _loss_func
 
     def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         sync["t"] = 0.0
@@ -397,11 +411,10 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
 
     result = run_steps(ctx, dp_rank, step, weights)
     inner = getattr(opt, "chained_optimizers", [opt])
-    result.extra["megatron_optimizer"] = "+".join(sorted({type(o).__name__ for o in inner}))
-    result.extra["megatron_layout"] = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
-                                           pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank)
-    result.extra["megatron_modules"] = describe_modules(models[0])
-    result.extra["megatron_stage_layers"] = stage_layers(cfg, config)
+    result.extra.update(megatron_optimizer="+".join(sorted({type(o).__name__ for o in inner})),
+                        megatron_layout=dict(tp_rank=ps.get_tensor_model_parallel_rank(),
+                                             pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank),
+                        megatron_modules=describe_modules(models[0]), megatron_stage_layers=stage_layers(cfg, config))
     if cfg.verify:
         if distributed_optimizer:
             gather_grad_shards(chunks)

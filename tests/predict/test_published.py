@@ -34,7 +34,7 @@ def test_the_2020_tables_validate_with_their_calibration_cells_named_and_not_sco
     res = validate(select="megatron-2020")
     rows = {r["name"]: r for r in res["rows"]}
     assert len(rows) == 12 and all(r["source"] == README_2020 for r in rows.values())
-    for key, name in CALIBRATION.items():
+    for name in CALIBRATION.values():
         if name in rows:
             assert rows[name]["calibration"] and not rows[name]["scored"]
             assert rows[name]["error"] == pytest.approx(0.0, abs=5e-3) or rows[name]["error"] > 0  # a stall >= 0

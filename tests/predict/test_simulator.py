@@ -22,8 +22,8 @@ class Fixed(ComputeModel):
     slice, independent of its context); no head, embeddings or optimizer; wgrad: the share of b that is
     weight gradients."""
 
-    def __init__(self, f: float, b: float, wgrad: float = 0.0, overheads: Overheads = Overheads()):
-        self.f, self.b, self.w, self.o = f, b, wgrad, overheads
+    def __init__(self, f: float, b: float, wgrad: float = 0.0, overheads: Overheads | None = None):
+        self.f, self.b, self.w, self.o = f, b, wgrad, overheads if overheads is not None else Overheads()
 
     def layer_forward(self, b, l, c, tp=1):
         return self.f * b * l / MODEL.seq_len / tp
