@@ -7,9 +7,9 @@
 #                                   failure) and then the multi-process tests (real torchrun ranks over gloo).
 #                                   The second session's output follows.
 #   bash scripts/test.sh --all      the same with the extended tests too (marker extended: the further
-#                                   precisions, layouts and modes of runs the core multi-process tests already
-#                                   launch once per system, and the calibration's sensitivity; about 10
-#                                   minutes more)
+#                                   precisions, layouts and modes of runs the core tests already launch once
+#                                   per system, the longer fault and shaping cases, the calibration's
+#                                   sensitivity; about 12 minutes more)
 #   bash scripts/test.sh --fast     ruff and the single-process tier only (no torchrun ranks, no namespaces):
 #                                   the edit-test loop, about three minutes
 # Further arguments go to every pytest session.
@@ -29,7 +29,7 @@ if [ "${1:-}" = "--all" ]; then
 fi
 
 log=$(mktemp /tmp/pipebench-network-tests.XXXXXX)
-"${PYTEST[@]}" -m "network or waiting" --durations=10 "$@" >"$log" 2>&1 &
+"${PYTEST[@]}" -m "(network or waiting) $EXTENDED" --durations=10 "$@" >"$log" 2>&1 &
 network=$!
 trap 'kill -INT "$network" 2>/dev/null; wait "$network" 2>/dev/null; rm -f "$log"' EXIT
 "${PYTEST[@]}" -x -m "not multiprocess and not network $EXTENDED" "$@"

@@ -35,6 +35,7 @@ def test_a_lossy_link_measures_its_loss_and_is_timed_beside_the_same_link_withou
 @needs_root
 @pytest.mark.network
 @pytest.mark.multiprocess
+@pytest.mark.extended
 def test_a_trace_that_halves_the_bandwidth_shows_in_the_step_times(tmp_path, out_file):
     """20 Mbit/s, 10 from 1.5 s to 3.5 s after the first step, 20 again after: 256 KB activations each
     way per micro-batch make a step's time mostly the link's."""

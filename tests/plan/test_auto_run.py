@@ -11,6 +11,7 @@ from tests.conftest import assert_verified, run_cli
 pytestmark = pytest.mark.multiprocess
 
 
+@pytest.mark.extended
 def test_ours_searches_its_slicing_when_asked_and_stays_exact(out_file):
     """--n-slices search: the ranks time a few K equal slices, starting near the planner's slicing, and
     keep the fastest, recorded with every K they timed; the timing steps leave nothing behind (--verify

@@ -65,7 +65,8 @@ def test_a_killed_rank_ends_a_synchronous_run_as_error(out_file):
 @pytest.mark.multiprocess
 @pytest.mark.faults
 @pytest.mark.parametrize("rejoin", [
-    pytest.param(False, id="without"), pytest.param(True, id="rejoin", marks=pytest.mark.extended)])
+    pytest.param(False, id="without", marks=pytest.mark.extended),
+    pytest.param(True, id="rejoin", marks=pytest.mark.extended)])
 def test_diloco_goes_on_without_a_killed_replica(rejoin, out_file):
     """Replica 2 of 3 is killed after 10 of 16 steps; the others go on. With --rejoin its standby joins
     the others' next quorum (their sync after step 12: every 4 steps), heals from one of them and runs
