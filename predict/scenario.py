@@ -28,6 +28,12 @@
     inter_delay_ms = 0.05
     nics_per_node = 1      # network cards a node (default 1: one card shared by the node's GPUs; = gpus_per_node:
                            # a rail-optimized fabric, each GPU its own card at inter_gbps), GPUs on cards round-robin
+    flow_gbps = 10         # optional: a provider's limit on one TCP flow between two instances (AWS documents
+                           # 5 Gbit/s outside a cluster placement group, 10 inside one; default: none)
+    flows_per_message = 16 # with flow_gbps: the flows a message between nodes is spread over (NCCL's socket
+                           # transport: NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD, on AWS 2 x 8 = 16 by
+                           # default since NCCL 2.4.8, src/transport/net_socket.cc; elsewhere 1 x 1); a
+                           # message then moves at min(inter_gbps, flows x flow_gbps) (default 1)
     # or: matrix = "two-sites.json" (beside the scenario) or [cluster.matrix] with delay_ms and
     # bandwidth_gbps, node x node (the run command's per-link format; no loss_pct, no jitter_ms)
 
@@ -76,7 +82,8 @@ from workload.memory import GB, Memory
 
 SECTIONS = {"run": True, "cluster": True, "predict": False}  # section -> required
 CLUSTER_KEYS = {"gpu": True, "nodes": True, "gpus_per_node": True, "intra_gbps": False, "intra_delay_ms": False,
-                "inter_gbps": False, "inter_delay_ms": False, "matrix": False, "nics_per_node": False}  # -> required
+                "inter_gbps": False, "inter_delay_ms": False, "matrix": False, "nics_per_node": False,
+                "flow_gbps": False, "flows_per_message": False}  # -> required
 PREDICT_KEYS = ("head", "attention", "gemm_precision", "stack")
 ATTENTION = ("flash", "materialized")
 NOT_A_PREDICTION = {"network": "a scenario's links are its [cluster]'s",
@@ -258,7 +265,26 @@ def _cluster(c: dict, base: Path) -> tuple[Device, Cluster]:
                             "the cards round-robin)")
     if nics > 1 and matrix is not None:
         raise ScenarioError("[cluster] nics_per_node: a matrix gives every pair of nodes a link of its own")
-    return device, Cluster(nodes, per_node, intra, inter, matrix, nics)
+    return device, Cluster(nodes, per_node, intra, _per_flow(c, inter, matrix), matrix, nics)
+
+
+def _per_flow(c: dict, inter: Link | None, matrix) -> Link | None:
+    """The link between nodes as a message reaches it under a per-flow limit (``flow_gbps``, spread over
+    ``flows_per_message`` flows): min(the card, flows x the flow limit). The card's other messages queue
+    behind it as before (one message at a time a port)."""
+    flow = _number("cluster", c, "flow_gbps")
+    flows = _number("cluster", c, "flows_per_message", int)
+    if flow is None:
+        if flows is not None:
+            raise ScenarioError("[cluster] flows_per_message given without flow_gbps (the limit of one flow)")
+        return inter
+    _positive("cluster", "flow_gbps", flow)
+    flows = _positive("cluster", "flows_per_message", 1 if flows is None else flows)
+    if matrix is not None or inter is None:
+        raise ScenarioError("[cluster] flow_gbps needs inter_gbps (a matrix gives each link's bandwidth as its "
+                            "messages reach it)")
+    rate = min(inter.bandwidth, flows * flow * 1e9 / 8)
+    return replace(inter, bandwidth=rate)
 
 
 def _head(p: dict) -> int | None:

@@ -164,3 +164,19 @@ def test_the_optimizer_sets_the_state_each_gpu_keeps_and_the_update_it_runs():
     res = {rule: predict_scenario(sc) for rule, sc in runs.items()}
     opt = {rule: r["parts"]["optimizer"] for rule, r in res.items()}
     assert opt["sgd"] < opt["sgd_momentum"] < opt["adam"]
+
+
+def test_a_per_flow_limit_slows_messages_between_nodes_unless_the_flows_cover_the_card():
+    """[cluster] flow_gbps (a provider's limit on one TCP flow) and flows_per_message (NCCL's sockets a
+    connection): a message between nodes moves at min(the card, flows x the limit)."""
+    free = predict_scenario(parse(scenario(), "free"))["step_time_s"]
+    one = predict_scenario(parse(scenario(cluster__flow_gbps=5), "one flow"))["step_time_s"]
+    covered = predict_scenario(parse(scenario(cluster__flow_gbps=10, cluster__flows_per_message=16), "16"))
+    assert one > free and covered["step_time_s"] == pytest.approx(free, rel=1e-12)
+    assert parse(scenario(cluster__flow_gbps=5, cluster__flows_per_message=4), "4").cluster.inter.bandwidth == \
+        pytest.approx(20e9 / 8)
+    for changes, says in [(dict(cluster__flows_per_message=4), "without flow_gbps"),
+                          (dict(cluster__flow_gbps=-1), "flow_gbps"),
+                          (dict(cluster__flow_gbps=5, cluster__flows_per_message=0), "flows_per_message")]:
+        with pytest.raises(ScenarioError, match=says):
+            parse(scenario(**changes), "bad")
