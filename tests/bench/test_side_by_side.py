@@ -34,6 +34,7 @@ def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended
 def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_side(tmp_path):
     # batch 1 on P = 2: 1f1b and dualpipev cannot run it (judged before launching, not run)
     temp = tmp_path / "tmp"
