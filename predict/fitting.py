@@ -7,9 +7,6 @@
   reach; ``half``: the depth K at which a GEMM's main loop reaches half of that) by least squares of the
   log of modelled over measured time, on published kernel benchmarks at their shapes
   (``workload/devices/kernels/``; ``fit_gemm``).
-- GPU: a device's GEMM efficiency (the share of its datasheet peak large GEMMs reach) by bisection, so
-  that the simulated step of one published or measured cell equals its step time (``fit_efficiency``:
-  what a device file had before kernels were measured; a whole step carries more than kernels).
 """
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ from pathlib import Path
 
 from workload.compute import DEVICES, Device, GpuCompute, Overheads
 from predict.step_time import predict
-from predict.run_spec import RunSpec
 
 
 def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -99,27 +95,6 @@ def fit_overheads(system: str, runs: list[tuple], cores: float | None,
                            batch=spec.batch_size, slices=len(spec.token_slices), dp_mode=spec.dp_mode, measured=m,
                            fitted=p, error=(p - m) / m, cores=run[3] if len(run) > 3 else cores))
     return fitted, report
-
-
-def fit_efficiency(spec: RunSpec, compute: GpuCompute, measured: float, lo: float = 0.05, hi: float = 1.0,
-                   tol: float = 1e-4) -> float:
-    """The GEMM efficiency (e_max of ``compute``'s precision) at which the simulated step of ``spec``
-    takes ``measured`` seconds: a device file's calibration on one cell."""
-    def t(eff):
-        dev = compute.device.with_gemm(compute.precision, eff)
-        return predict(spec, compute.with_device(dev)).step_time
-
-    if t(hi) > measured:
-        raise ValueError(f"even at efficiency {hi:.2f} the predicted step ({t(hi):.2f} s) exceeds {measured:.2f} s")
-    if t(lo) < measured:
-        raise ValueError(f"even at efficiency {lo:.2f} the predicted step ({t(lo):.2f} s) is below {measured:.2f} s")
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if t(mid) > measured:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 KERNELS = DEVICES / "kernels"

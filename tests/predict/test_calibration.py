@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from predict.fitting import fit_efficiency, fit_overheads
-from workload.compute import CpuCompute, Overheads, Table3, gpu_compute
+from predict.fitting import fit_overheads
+from workload.compute import CpuCompute, Overheads, Table3
 from predict.from_config import spec_from_config
 from predict.this_machine import local_link
 from predict.step_time import predict
@@ -105,15 +105,6 @@ def test_a_tensor_parallel_calibration_run_is_its_own_layout():
     assert matches(run, rec) and "T-2 B=2" in run.name and "P-1" not in run.name
     assert "--tp" in run.argv(Path("x.jsonl"), 2, 1)
     assert not matches(LocalRun("megatron", "cpu-small", pp=1, seq=256, schedule="1f1b"), rec)
-
-
-def test_efficiency_round_trip():
-    dev = gpu_compute("V100 SXM2 16GB", TOY, "fp32")
-    dev = dev.with_device(dev.device.with_gemm("fp32", 0.4))
-    spec = RunSpec("ours", TOY, 8, 1, Link.from_ms_gbps(0.1, 10, 1), pp=2, slices=(64,), transport="nccl")
-    measured = predict(spec, dev).step_time
-    fitted = fit_efficiency(spec, dev.with_device(dev.device.with_gemm("fp32", 0.9)), measured)
-    assert fitted == pytest.approx(0.4, rel=1e-3)
 
 
 def test_spec_from_a_run_config():
