@@ -92,12 +92,17 @@ def _read(path: str | Path) -> tuple[dict, dict]:
     return data, dict(cmp, micro_batch_sizes=sorted(set(mbs)))
 
 
+def _probe(data: dict):
+    """The compare file's model, cluster and device, read as a scenario of one reference rank."""
+    return parse(dict(data, run=dict(data["run"], system="reference", batch_size=1, micro_batch_size=1)), "probe")
+
+
 def candidates(data: dict, cmp: dict) -> list[Candidate]:
     """Every candidate of a compare file (see the module docstring), not yet judged."""
     from predict.run_spec import MODELLED
     from predict.systems import prediction_systems
 
-    probe = parse(dict(data, run=dict(data["run"], system="reference", batch_size=1, micro_batch_size=1)), "probe")
+    probe = _probe(data)
     model, cluster = probe.model, probe.cluster
     gpus, gb = cluster.gpus, cmp["global_batch"]
     specs = prediction_systems()
@@ -198,7 +203,7 @@ def compare(path: str | Path, jobs: int | None = None, progress: bool = True) ->
     refused = [r for r in rows if "refused" in r]
     ok = sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["step_time_s"])
     oom = sorted((r for r in rows if r.get("status") == "oom"), key=lambda r: r["memory_gb"])
-    probe = parse(dict(data, run=dict(data["run"], system="reference", batch_size=1, micro_batch_size=1)), "probe")
+    probe = _probe(data)
     return dict(model=probe.model.name, gpu=probe.device.name, gpus=probe.cluster.gpus,
                 global_batch=cmp["global_batch"], precision=probe.config.precision,
                 device_status=device_status(probe.device), ranked=ok, oom=oom, refused=len(refused),
