@@ -310,6 +310,11 @@ def predict_run(argv: list[str], prog: str = f"{PROG} run") -> int:
     where = target.device_file or "this machine"
     print(f"{cfg.system} {cfg.model.name} {cfg.precision} pp={cfg.pp} tp={cfg.tp} dp={cfg.dp} "
           f"mb={cfg.micro_batch_size} batch={cfg.batch_size} network {cfg.network} on {where}:")
+    if target.device_file:
+        from predict.compare import device_status
+        from workload.compute import find_device
+
+        print(f"device file: {device_status(find_device(target.device_file))}")
     if oom is not None:
         print(f"predicted: {oom}")
         return 0
