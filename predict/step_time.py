@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from workload.compute import ComputeModel
 from predict.simulator import Simulator
-from predict.programs import build
+from predict.programs import build, prefetches
 from predict.run_spec import Prediction, RunSpec
 
 # accounting kinds -> the parts of a Prediction
@@ -24,8 +24,9 @@ def predict(spec: RunSpec, compute: ComputeModel, cores: float | tuple | None = 
     per rank. Over gloo the second of two simulated steps is the one reported
     (its ranks start as the first one's closing barrier left them; the first step's gloo messages pay the
     receive-posted notices of receives posted at time 0); over nccl every rank enters the first opening
-    barrier at 0 and leaves it at once, so one step is enough."""
-    steps = 1 if spec.transport == "nccl" else 2
+    barrier at 0 and leaves it at once, so one step is enough, but for ours' ``--prefetch``: its step
+    is then the second, which began with its first forwards run in the first."""
+    steps = 1 if spec.transport == "nccl" and not prefetches(spec) else 2
     built = build(spec, compute, steps=steps)
     res = Simulator(built.programs, built.network, cores, built.procs).run()
     last = steps - 1
