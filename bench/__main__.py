@@ -46,7 +46,7 @@ from tabulate import tabulate
 
 from baselines.torch_pipe import SCHEDULES
 from contract.estimate import INTERVAL_RULE, Estimate, Paired, estimate, no_difference, paired, separated
-from ours import slice_count
+from ours import prefetch_count, slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
 from bench import attention, breakdown, cannot_run, network_slope, plan_evaluation
 from runners.invoke import run_command
@@ -271,8 +271,10 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
             configs[f"torch_pipe {schedule}"] = args
         for schedule in opts.ours_schedules if batch > 1 else opts.ours_schedules[:1]:  # the same at one row
             for k in opts.slices:
-                name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
-                configs[name] = ours_args(P, batch, k=k) + ["--schedule", schedule]
+                for ahead in opts.ours_prefetch:
+                    name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
+                    name += f" prefetch {ahead}" if len(opts.ours_prefetch) > 1 else ""
+                    configs[name] = ours_args(P, batch, k=k) + ["--schedule", schedule, "--prefetch", str(ahead)]
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
 
     print(f"\nours vs the fastest Torch Pipe schedule on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating "
@@ -306,6 +308,7 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
     print_table(summary, ["batch", "best baseline", "ms", "ours", "ms", "ratio", "paired", "goal", "peak MB baseline",
                           "peak MB ours", "beyond noise?"])
     auto_against_fixed(sittings)
+    prefetch_against_none(sittings)
     print("ratio: best baseline's / ours' median step time; paired: the same ratio, the median over their "
           "neighbouring launches (contract.estimate.paired); goal: the ratio issue #15 asks for; busy %: the share "
           "of each rank's step time it was computing (its process's CPU time over its step time; the rest is "
@@ -329,6 +332,29 @@ def auto_against_fixed(sittings: dict[int, Sitting]) -> None:
         print("\nauto against the best fixed K (auto times a few K during warm-up and keeps the fastest; "
               "ours.plan.tune)")
         print_table(rows, ["batch", "auto", "step ms", "best fixed", "step ms", "against it"])
+
+
+def prefetch_against_none(sittings: dict[int, Sitting]) -> None:
+    """Per batch and configuration of ours run with several ``--prefetch`` (``--ours-prefetch``), each
+    against the same without it (``--prefetch 0``), paired: the medians, the ratio of neighbouring
+    launches with its spread, and the last stage's busy share beside."""
+    rows = []
+    for batch, s in sittings.items():
+        for off in [n for n in s.runs if n.startswith("ours") and n.endswith(" prefetch 0") and s.median(n)]:
+            stem = off.removesuffix("0")
+            for on in [n for n in s.runs if n.startswith(stem) and n != off and s.median(n)]:
+                p = s.paired(off, on)
+                spread = (p.interval() if p.ratio.has_interval else "1 pair") if p else "-"
+                rows.append([batch, on.removeprefix("ours "), s.ms(on), s.ms(off),
+                             f"{p.ratio.median:.3f}x" if p else "-", spread, percents(s.busy(on)),
+                             percents(s.busy(off)),
+                             ("yes: " + ("faster" if p.ratio.median > 1 else "slower") + " with") if p and p.separated
+                             else "no"])
+    if rows:
+        print("\nthe next step's first forwards run ahead (--prefetch) against none (--prefetch 0), paired: the "
+              "step time without over the step time with (above 1: faster with)")
+        print_table(rows, ["batch", "ours", "step ms", "without: ms", "paired ratio", "pairs", "busy % per rank",
+                           "without: busy %", "beyond noise?"])
 
 
 def ours_vs_megatron_tp(opts: argparse.Namespace) -> int:
@@ -393,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="token slice counts K of ours to run ('auto': the planner's slicing)")
     b.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
                    help="the Torch Pipe schedules to run (each where it can run the batch)")
+    b.add_argument("--ours-prefetch", type=prefetch_count, nargs="+", default=["auto"], metavar="N|auto",
+                   help="ours' --prefetch values to run each configuration of ours with (with 0 among several: "
+                        "each against it, paired)")
     b.add_argument("--ours-schedules", nargs="+", default=["1f1b"], choices=OURS_SCHEDULES,
                    help="the orders of ours' units to run (ours.schedule; gpipe only where the batch has several "
                         "batch slices: with one they are the same)")

@@ -313,12 +313,20 @@ class StageEngine:
                      total=torch.zeros((), device=self.device) if self.spec.is_last else None)
 
     def prefetch(self, inputs: torch.Tensor, n_units: int) -> None:
-        """First stage: run the next step's first forwards now (at most ``n_units``, those before its
-        first receive), with the weights this step's optimizer has just made; ``step`` goes on from
-        there. The next stage gets its first input while this step's drain still runs, instead of
-        waiting for it at the start of the next step (the pipeline's fill). Call only once every
-        weight of the stage is final for the next step."""
-        if not self.spec.is_first or self.spec.is_last or n_units <= 0 or self._pending is not None:
+        """Run the next step's first ``n_units`` forwards now (``ours.schedule.ahead``: none on the last
+        stage, never beyond the stage's first backward), with the weights this step's optimizer has just
+        made; ``step`` goes on from there. A later stage receives their inputs from the previous stage's
+        prefetch of the same step, so the next stage gets its first input while this step's drain still
+        runs on the stages after it, instead of waiting for it when the next step begins (the pipeline's
+        fill). Call only once every weight of the stage is final for the next step and its gradients
+        are released: the forwards run ahead are part of what the stage holds at its peak in the next
+        step (the first units of its order), so the stage's peak memory stays the step's own.
+
+        The timing: they run inside this step's timed window (``contract.rank.run_steps``) and are the
+        next step's work, so in steady state each window holds one step's work (its own less what ran
+        ahead in the previous window, plus the same forwards of the next step); the first step after
+        the warm-up had its forwards run in the last warm-up window, the run's last step runs none."""
+        if self.spec.is_last or n_units <= 0 or self._pending is not None:
             return
         lead = next((k for k, (kind, _) in enumerate(self.order) if kind != "F"), len(self.order))
         with self.tracer.span("prefetch", "next step's first forwards"):

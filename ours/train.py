@@ -16,11 +16,12 @@ import torch.distributed as dist
 from contract import RunConfig
 from contract.links import link_groups
 from contract.rank import Context, Measurements, StepOutput, run_steps
-from ours import WIRE_DTYPES, OursOptions, leading_forwards, uniform_slices
+from ours import WIRE_DTYPES, OursOptions, uniform_slices
 from ours.dp import dp_links, make_sync
 from ours.engine import StageEngine, pipeline_links
 from ours.plan.auto import auto_slicing
 from ours.plan.tune import Tuning, candidates, descend, nearest
+from ours.schedule import ahead
 from ours.tp import coords, gather_full, rank_of, shard_stage, tp_groups
 from ours.trace import Tracer
 from workload.partition import stage_specs
@@ -154,11 +155,19 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
                      ranks=[rank_of(d, pp_rank, tp_rank, pp, tp) for d in range(dp)], links=links,
                      order=engine.grad_order(), wire_dtype=wire, tracer=tracer)
+    # the next step's forwards this stage runs at the end of a step (--prefetch; ours.schedule.ahead)
+    n_ahead = ahead(options.first_ahead(pp), options.schedule, cfg.n_micro_batches, len(slices), pp_rank, pp)
     scaler = _LossScaler(cfg.precision == "fp16", ctx.device)
     if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
         engine.grads_ready = sync.grads_ready
 
     def step(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        with tracer.span("step", f"step {i}"):  # all of a step's work, inside run_steps's timed window
+            loss, dt = one_step(i, inputs, targets)
+        # the T ranks of the last stage compute the same loss: tp_rank 0 reports it
+        return StepOutput(loss=float(loss) if loss is not None and tp_rank == 0 else None, dp_sync_time=dt)
+
+    def one_step(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor | None, float]:
         more = ctx.plan.more_after(i)  # post the next step's receives a step ahead (on gloo: post_ahead)
         for p in params:
             p.grad = None
@@ -172,10 +181,11 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             if more:
                 sync.post_ahead()
             ctx.synchronize()
-        if more and options.prefetch:  # the stage's weights are final for step i + 1
-            engine.prefetch(ctx.batch(i + 1, dp_rank)[0], options.prefetch)
-        # the T ranks of the last stage compute the same loss: tp_rank 0 reports it
-        return StepOutput(loss=float(loss) if loss is not None and tp_rank == 0 else None, dp_sync_time=dt)
+        if more and n_ahead:  # the stage's weights are final for step i + 1; its gradients are spent
+            for p in params:
+                p.grad = None
+            engine.prefetch(ctx.batch(i + 1, dp_rank)[0], n_ahead)
+        return loss, dt
 
     def weights() -> dict[str, torch.Tensor]:
         """Full tensors (gathered over TP: every TP rank takes part) on the first replica's tp_rank 0."""
@@ -191,9 +201,10 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     if options.trace:
         tracer.write(options.trace, ctx.world_size)
     m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.n_micro_batches)
-    if options.prefetch:  # what the first stage could run ahead (known before launch only for a slicing given)
-        ran = min(options.prefetch, leading_forwards(options.schedule, cfg.n_micro_batches, len(slices), pp))
+    asked = options.first_ahead(pp)
+    if asked:  # what the first stage ran ahead (known before launch only for a count and a slicing given)
+        ran = ahead(asked, options.schedule, cfg.n_micro_batches, len(slices), 0, pp)
         m.extra["prefetch"] = ran
-        if ran < options.prefetch:  # 'auto' chose a slicing with fewer forwards before the first backward
-            m.extra["prefetch_asked"] = options.prefetch
+        if ran < asked and options.prefetch != "auto":  # the slicing 'auto' has fewer forwards before the
+            m.extra["prefetch_asked"] = options.prefetch  # first backward than the count given
     return m

@@ -84,9 +84,6 @@ def _ours_slices(cfg: RunConfig, link: Link, compute) -> tuple[int, ...]:
     if o.search:
         raise NotModelled("--n-slices search keeps the K its timed steps ran fastest: nothing to predict before "
                           "the run")
-    if o.prefetch:
-        raise NotModelled("the simulator models one step on its own, not ours' --prefetch (the next step's first "
-                          "forwards run during this one)")
     if o.wire_dtype != "fp32":
         raise NotModelled(f"ours' --wire-dtype {o.wire_dtype}: the simulator sends ours' messages in fp32")
     if o.auto:
@@ -118,12 +115,14 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", comput
         raise NotModelled("--recompute-granularity selective on this machine: its profile times a layer whole, not "
                           "its attention core apart")
     schedule, virtual_pp = schedule_of(cfg)
+    ahead = {"prefetch": cfg.options.first_ahead(cfg.pp)} if cfg.system == "ours" else {}
     try:
         return RunSpec(system=cfg.system, model=cfg.model, batch_size=cfg.batch_size,
                        micro_batch_size=cfg.micro_batch_size, link=link, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
                        schedule=schedule, virtual_pp=virtual_pp, slices=slices, dp_mode=sync_of(cfg),
                        precision=cfg.precision, recompute=cfg.recompute, transport=transport,
-                       head_classes=head, cluster=cluster, layers_per_stage=stage_layers_of(cfg), **mine)
+                       head_classes=head, cluster=cluster, layers_per_stage=stage_layers_of(cfg), **ahead,
+                       **mine)
     except ValueError as exc:
         raise NotModelled(str(exc)) from None
 

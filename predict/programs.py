@@ -47,13 +47,13 @@ from dataclasses import dataclass
 
 from contract.links import Link
 from predict import collectives as coll
-from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
+from predict.simulator import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
 from predict.pipeline_orders import TORCH_RUNTIME, ZERO_BUBBLE, order, owner
 from predict.run_spec import RunSpec
 from predict.placement import cards_of, hosts_of
 from ours.dp import BUCKET_BYTES, bucket_ranges, bucket_starts, layout_of
 from ours.plan.latency import TP_ALLREDUCES_PER_PASS
-from ours.schedule import unit_order
+from ours.schedule import ahead, unit_order
 from workload.compute import ComputeModel, Overheads, Scaled, stage_params
 from workload.configs import block_params, norm_params, qkv_rows
 
@@ -885,60 +885,94 @@ def _ours_backward(st: _Step, rank: int, u: int, l: int, c: int, sends: list, wg
     return ops, sum(chunks)
 
 
+def _ours_forward(st: _Step, rank: int, b: int, i: int) -> tuple[list, tuple | None]:
+    """Unit (b, i)'s forward on rank's stage: the wait for its input (not on the first stage), its
+    math, its send to the next stage (not on the last); (ops, the send's key or None)."""
+    spec = st.spec
+    P, slices = spec.pp, spec.token_slices
+    d, s = divmod(rank, P)
+    u, l, c = b * len(slices) + i, slices[i], sum(slices[:i])
+    ops = [FillWait(_key(st.step, "f", d, s - 1, u), "wgrad")] if s > 0 else []  # waited like a gradient
+    ops += st.forward(s, spec.micro_batch_size, l, c)
+    if s == P - 1:
+        return ops, None
+    key = _key(st.step, "f", d, s, u)
+    return ops + [Send(key, rank + 1, st.act_bytes(spec.micro_batch_size, l))], key
+
+
+def ours_ahead(st: _Step, rank: int) -> list:
+    """The forwards of step ``st.step`` rank's stage runs ahead, at the end of the step before
+    (``--prefetch``: ``ours.schedule.ahead``; ``StageEngine.prefetch``): the first of its order."""
+    spec = st.spec
+    s = rank % spec.pp
+    n = ahead(spec.prefetch, spec.schedule, spec.n_micro_batches, len(spec.token_slices), s, spec.pp)
+    return unit_order(spec.schedule, spec.n_micro_batches, len(spec.token_slices), s, spec.pp)[:n]
+
+
+def prefetches(spec: RunSpec) -> bool:
+    """Whether ours' first stage runs forwards of the next step at the end of a step."""
+    return spec.system == "ours" and ahead(spec.prefetch, spec.schedule, spec.n_micro_batches,
+                                           len(spec.token_slices), 0, spec.pp) > 0
+
+
 def _ours_units(st: _Step, rank: int) -> tuple[list, list, list[float]]:
-    """The step's units on ``rank`` in ``ours.schedule``'s order: (operations, the keys of its sends,
+    """The step's units on ``rank`` in ``ours.schedule``'s order, less those it ran ahead at the end of
+    the step before (``ours_ahead``; none in a run's first step): (operations, the keys of its sends,
     the deferred weight-gradient work per linear over the step)."""
     spec = st.spec
     P, nbs, slices = spec.pp, spec.n_micro_batches, spec.token_slices
     d, s = divmod(rank, P)  # a stage's T ranks are one simulated rank
     ctx = [sum(slices[:i]) for i in range(len(slices))]
     L = st.stage_layers[s]
-    first, last = s == 0, s == P - 1
+    last = s == P - 1
     ops: list = [Compute(st.o.step, "overhead")]
-    sends: list = []
     wgrad = [0.0] * (4 * L + 1)  # per deferred linear (the output layer last), over the step
     # 1f1b: the engine computes the weight gradients its stash holds beyond P - s batch slices' units
     # (``StageEngine._bound_stash``), right after each backward; modelled by the amount of work it keeps
     limit = min(nbs, P - s) * len(slices) if spec.schedule == "1f1b" else None
     queued: list[float] = []  # each unit's deferred work, in backward order
-    for kind, b, i in unit_order(spec.schedule, nbs, len(slices), s, P):
+    ran = ours_ahead(st, rank) if st.step > 0 else []  # run at the end of the step before
+    sends: list = [_key(st.step, "f", d, s, b * len(slices) + i) for _, b, i in ran if not last]
+    for kind, b, i in unit_order(spec.schedule, nbs, len(slices), s, P)[len(ran):]:
         u = b * len(slices) + i
-        l, c = slices[i], ctx[i]
         if kind == "B":
-            back, deferred = _ours_backward(st, rank, u, l, c, sends, wgrad)
+            back, deferred = _ours_backward(st, rank, u, slices[i], ctx[i], sends, wgrad)
             ops += back
             if limit is not None:
                 queued.append(deferred)
                 if len(queued) > limit:
                     ops.append(Flush("wgrad", keep=sum(queued[-limit:])))
             continue
-        if not first:  # the engine waits for an activation like for a gradient (over gloo)
-            ops.append(FillWait(_key(st.step, "f", d, s - 1, u), "wgrad"))
-        ops += st.forward(s, spec.micro_batch_size, l, c)
-        if not last:
-            key = _key(st.step, "f", d, s, u)
-            ops.append(Send(key, rank + 1, st.act_bytes(spec.micro_batch_size, l)))
+        fwd, key = _ours_forward(st, rank, b, i)
+        ops += fwd
+        if key is not None:
             sends.append(key)
     return ops, sends, wgrad
 
 
 def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
     """One step of rank ``rank``; its receives were posted before (``ours_receives``), and it posts those
-    of the ``following`` step (the engine's after its backward, the sync's after the sync)."""
+    of the ``following`` step (the engine's after its backward, the sync's after the sync). Under
+    ``--prefetch`` the stage ran its first forwards at the end of the step before (none in the first
+    step, ``st.step`` 0: the run's first), their sends waited at this step's end, and runs the
+    ``following`` step's at its end, after its optimizer (``ours_ahead``)."""
     spec = st.spec
     s = rank % spec.pp
     ops, sends, wgrad = _ours_units(st, rank)
     if following is not None:
         ops += _ours_unit_receives(following, rank)
     params = st.params(st.stage_layers[s], s == 0, s == spec.pp - 1, st.tp)
+    # the next step's first forwards, once the optimizer has stepped; their sends waited in that step
+    nxt_ahead = [op for _, b, i in (ours_ahead(following, rank) if following is not None else [])
+                 for op in _ours_forward(following, rank, b, i)[0]]
     if spec.dp == 1:
         ops.append(Flush("wgrad"))
         if sends:
             ops.append(Wait(tuple(sends)))
-        return ops + st.optimizer(params)
+        return ops + st.optimizer(params) + nxt_ahead
     after = [sum(wgrad[k + 1:]) for k in range(len(wgrad))]  # work of the linears after linear k
     if spec.dp_mode == "chain_ps" or spec.system == "gpipe":
-        return ops + _seed_dp(st, rank, sends, after, sum(wgrad), params)
+        return ops + _seed_dp(st, rank, sends, after, sum(wgrad), params) + nxt_ahead
     # the weight gradients, linear after linear (the fill drained the first linears first: what is left
     # belongs to the last ones); each bucket pushed as its last gradient is final
     sync = _Sync.of(st, rank)
@@ -959,7 +993,7 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
         ops += st.optimizer(params)
     if following is not None:
         ops += _Sync.of(following, rank).receives()
-    return ops
+    return ops + nxt_ahead
 
 
 CHAIN_BUCKET_BYTES = 25 * 10**6
@@ -1025,9 +1059,12 @@ def network_of(spec: RunSpec) -> Network:
 
 def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
     """Programs of every simulated rank: ``steps`` steps, each framed by the timing barriers of the run
-    command (none on a GPU cluster: a scenario's step is the training step alone); Marks ``start{k}`` /
+    command (none on a GPU cluster: a scenario's step is the training step alone; ours' steps there
+    still begin together, as the run command's barrier starts them, at no cost); Marks ``start{k}`` /
     ``end{k}`` around step k (after the opening barrier, after the closing one). What a rank posts ahead
-    of its first step (ours' receives, the first barrier's over gloo) comes first."""
+    of its first step (ours' receives, the first barrier's over gloo) comes first. ours' last simulated
+    step is one of a run that goes on: it posts the next step's receives and, under ``--prefetch``, runs
+    that step's first forwards (``ours``), as every step but a run's last does."""
     if spec.tp > 1 and spec.system not in TENSOR_PARALLEL:
         raise ValueError(f"{spec.system} has no tensor parallelism")
     net = network_of(spec)
@@ -1037,16 +1074,18 @@ def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
     uses = [("open", k) if i % 2 == 0 else ("close", k) for k in range(steps) for i in range(2)]
     programs = []
     for r in range(n):
-        st = [_Step(spec, cm, net, k) for k in range(steps)]
+        st = [_Step(spec, cm, net, k) for k in range(steps + 1)]  # and the step after the last
         ops: list = _barrier_receives(net, world, r, uses[0]) if framed else []
         if spec.system in TOKEN_PIPELINE:
             ops += ours_receives(st[0], r)
         for k in range(steps):
             if framed:
                 ops += _barrier(net, world, r, uses[2 * k], uses[2 * k + 1])
+            elif k > 0 and spec.system in TOKEN_PIPELINE:
+                ops.append(Group(("step", k), world, 0.0, "barrier"))
             ops.append(Mark(f"start{k}"))
             if spec.system in TOKEN_PIPELINE:
-                ops += ours(st[k], r, st[k + 1] if k + 1 < steps else None)
+                ops += ours(st[k], r, st[k + 1])
             else:
                 ops += BUILDERS[spec.system](st[k], r)
             if framed:

@@ -100,7 +100,9 @@ class RunSpec:
         (ours: per batch slice). virtual_pp: model chunks per rank (interleaved, zb; zbv and dualpipev:
         2, in a V). layers_per_stage: the layers of each pipeline stage (model chunk), in model order;
         None: equal.
-    slices: ours' token slice lengths (sum = seq_len). dp_mode: ours' data parallelism (allreduce,
+    slices: ours' token slice lengths (sum = seq_len). prefetch: ours' ``--prefetch`` N, the next step's
+        forwards its first stage runs at the end of a step (stage s: ``ours.schedule.ahead``; 0: none).
+        dp_mode: ours' data parallelism (allreduce,
         central_ps, sharded_ps), or ``chain_ps``, the seed's (DT-FM's) central PS over NCCL, not an
         option of ours: per 25 MB bucket a chain reduce to dp_rank 0, its Adam step, a chain broadcast.
     precision: fp32, bf16 or fp16 (the half ones mixed: activations and the baselines' messages in 2
@@ -140,6 +142,7 @@ class RunSpec:
     schedule: str | None = None
     virtual_pp: int = 1
     slices: tuple[int, ...] | None = None
+    prefetch: int = 0
     dp_mode: str = "allreduce"
     precision: str = "fp32"
     recompute: bool = False
@@ -193,6 +196,8 @@ class RunSpec:
             raise ValueError(f"slices {self.slices} do not sum to the sequence length {self.model.seq_len}")
         if self.recompute_granularity not in ("full", "selective"):
             raise ValueError(f"recompute_granularity must be full or selective, got {self.recompute_granularity!r}")
+        if self.prefetch < 0 or (self.prefetch and self.system != "ours"):
+            raise ValueError(f"prefetch {self.prefetch}: ours' next step's first forwards, a count >= 0 (ours only)")
         mine = [name for name in MEGATRON_ONLY if getattr(self, name) != RunSpec.__dataclass_fields__[name].default]
         if mine and self.system != "megatron":
             raise ValueError(f"{mine[0]} is megatron's; {self.system} has no such option")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from workload.compute import ComputeModel
 from predict.simulator import Simulator
 from predict.pipeline_orders import ZERO_BUBBLE
-from predict.programs import build
+from predict.programs import build, prefetches
 from predict.run_spec import Prediction, RunSpec
 
 # accounting kinds -> the parts of a Prediction
@@ -28,8 +28,9 @@ def predict(spec: RunSpec, compute: ComputeModel, cores: float | tuple | None = 
     barrier at 0 and leaves it at once, so one step is enough, but for the zero-bubble schedules of Qi et
     al. (``predict.pipeline_orders.ZERO_BUBBLE``): nothing synchronises their stages between steps (the
     paper's optimizer post-validation), so each stage starts the next step as it ends this one, and the
-    step reported is the second, the steady state's."""
-    steps = 1 if spec.transport == "nccl" and spec.schedule not in ZERO_BUBBLE else 2
+    step reported is the second, the steady state's; and for ours' ``--prefetch``: its step is then the
+    second, which began with its first forwards run in the first."""
+    steps = 1 if spec.transport == "nccl" and spec.schedule not in ZERO_BUBBLE and not prefetches(spec) else 2
     built = build(spec, compute, steps=steps)
     res = Simulator(built.programs, built.network, cores, built.procs).run()
     last = steps - 1

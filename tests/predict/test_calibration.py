@@ -171,8 +171,9 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
         spec_from_config(cfg("--system", "ours", "--pp", "2", "--precision", "bf16"), link)
     with pytest.raises(NotModelled):
         spec_from_config(cfg("--system", "fairscale_fsdp"), link)
-    with pytest.raises(NotModelled, match="--prefetch"):
-        spec_from_config(cfg("--system", "ours", "--pp", "2", "--prefetch", "1"), link)
+    ahead = {a: spec_from_config(cfg("--system", "ours", "--pp", "2", *a), link).prefetch
+             for a in [(), ("--prefetch", "0"), ("--prefetch", "2")]}
+    assert ahead == {(): 1, ("--prefetch", "0"): 0, ("--prefetch", "2"): 2}  # --prefetch auto: P - 1
     assert record_prediction(cfg("--system", "reference")) is None  # a record without a prediction
 
 
