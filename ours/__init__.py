@@ -190,9 +190,9 @@ def describe_slicing(options: dict[str, Any]) -> str:
 def describe_run(options: dict[str, Any]) -> str:
     """ours' choices from its record's options: the slicing (``describe_slicing``) and what the first
     stage ran ahead (``--prefetch``; a count given, lowered with the slicing 'auto', to the forwards
-    before the first backward)."""
+    before the first backward; 'auto' not yet resolved by a run says nothing)."""
     parts = [describe_slicing(options)]
-    if options.get("prefetch"):
+    if options.get("prefetch") and options["prefetch"] != "auto":
         asked = options.get("prefetch_asked")
         parts.append(f"prefetch {options['prefetch']}" + (f" ({asked} asked: the forwards the first stage runs before "
                                                           "its first backward)" if asked else ""))
