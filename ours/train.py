@@ -120,6 +120,14 @@ def _groups(cfg: RunConfig, ctx: Context, pp_rank: int, tp_rank: int):
     return group, tp_group, links
 
 
+def _tuned(cfg: RunConfig, ctx: Context, slices: tuple[int, ...], source: str, make_engine, params, dp_rank: int):
+    """The slicing ``tune_slices`` keeps of a few tried near the planner's (``--n-slices auto`` with
+    the search), and its source in words."""
+    tuning = tune_slices(slices, make_engine, params, ctx, dp_rank)
+    planned = f"K={len(slices)} by {source.split(' ')[0]}"
+    return uniform_slices(cfg.model.seq_len, tuning.k), f"{tuning.describe()}; started near {planned}"
+
+
 def train(config: RunConfig, ctx: Context) -> Measurements:
     cfg = config
     pp, tp, dp = cfg.pp, cfg.tp, cfg.dp
@@ -147,10 +155,7 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     named = list(model.named_parameters())
     params = [p for _, p in named]
     if options.search and cfg.pp > 1 and cfg.model.seq_len > 1:  # one stage: one slice (nothing to fill)
-        tuning = tune_slices(slices, make_engine, params, ctx, dp_rank)
-        planned = f"K={len(slices)} by {slicing_source.split(' ')[0]}"
-        slices = uniform_slices(cfg.model.seq_len, tuning.k)
-        slicing_source = f"{tuning.describe()}; started near {planned}"
+        slices, slicing_source = _tuned(cfg, ctx, slices, slicing_source, make_engine, params, dp_rank)
     engine = make_engine(slices, tracer)
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
                      ranks=[rank_of(d, pp_rank, tp_rank, pp, tp) for d in range(dp)], links=links,
@@ -200,11 +205,17 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         m.grads = grads if tp_rank == 0 else {}
     if options.trace:
         tracer.write(options.trace, ctx.world_size)
+    _record_choices(m, cfg, slices, slicing_source)
+    return m
+
+
+def _record_choices(m: Measurements, cfg: RunConfig, slices: tuple[int, ...], slicing_source: str) -> None:
+    """The run's resolved choices in its measurements: the slicing and what the first stage ran ahead."""
+    options: OursOptions = cfg.options
     m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.n_micro_batches)
-    asked = options.first_ahead(pp)
+    asked = options.first_ahead(cfg.pp)
     if asked:  # what the first stage ran ahead (known before launch only for a count and a slicing given)
-        ran = ahead(asked, options.schedule, cfg.n_micro_batches, len(slices), 0, pp)
+        ran = ahead(asked, options.schedule, cfg.n_micro_batches, len(slices), 0, cfg.pp)
         m.extra["prefetch"] = ran
         if ran < asked and options.prefetch != "auto":  # the slicing 'auto' has fewer forwards before the
             m.extra["prefetch_asked"] = options.prefetch  # first backward than the count given
-    return m
