@@ -27,13 +27,13 @@ import argparse
 import datetime
 import json
 import math
-import re
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tools.gpu_check import slug
 from workload.configs import PRECISIONS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,10 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--refit", metavar="RAW.json", default=None,
                     help="no measuring: fit and write the page again from a profile's raw measurements (no GPU needed)")
     return ap
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 # ---- measuring (on a GPU) ---------------------------------------------------------------------------
