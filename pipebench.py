@@ -6,9 +6,10 @@
     pipebench predict ...   a run's step time without running it     (python -m predict)
     pipebench plan ...      ours' latency model, slicing and layout   (python -m ours.plan)
 
-Each subcommand is the module's own ``main`` with the rest of the arguments (``pipebench run --help``).
-A subcommand's module is imported only when it runs: ``pipebench run`` launches without torch, as
-``python -m runners.run`` does.
+Each subcommand is the module's own ``main(argv, prog)`` with the rest of the arguments (``pipebench run
+--help``) and its name as typed (``prog="pipebench run"``): its usage and its errors name ``pipebench
+run``, as ``python -m runners.run`` names itself. A subcommand's module is imported only when it runs:
+``pipebench run`` launches without torch, as ``python -m runners.run`` does.
 """
 from __future__ import annotations
 
@@ -41,10 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"pipebench: error: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    command = importlib.import_module(COMMANDS[name][0]).main
-    if name == "report":  # its usage and errors name the command typed
-        return command(rest, prog="pipebench report")
-    return command(rest)
+    return importlib.import_module(COMMANDS[name][0]).main(rest, prog=f"pipebench {name}")
 
 
 if __name__ == "__main__":

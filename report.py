@@ -15,6 +15,7 @@ import math
 import sys
 from pathlib import Path
 
+from contract.cli import Parser
 from contract.records import predictions_path, read_records, record_files
 from reporting import load_records, plot_networks, plot_quality, quality_targets, render, to_frame
 from reporting.summary import provenance
@@ -50,13 +51,8 @@ def _loss(text: str) -> float:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line on stderr, exit status 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parser(prog: str = "python report.py") -> argparse.ArgumentParser:
-    ap = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="*", default=["results"], help="record files or directories (default: results/)")
     ap.add_argument("--out", default=None, help="also write the report to this markdown file")
     ap.add_argument("--plots", default=None, help="write network plots (PNG) into this directory")

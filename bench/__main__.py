@@ -23,6 +23,13 @@ schedule, the DP sync and the closing barrier (``bench.network_slope``).
 
 plan-evaluation: ours' latency model (``ours.plan``) against measured runs of uniform slicings and the
 planner's optimal one (``bench.plan_evaluation``).
+
+attention: one layer's attention over a token slice and its cached context, ours' kernel against the
+plain masked attention, in one process (``bench.attention``).
+
+breakdown: where each rank's step time goes (GEMMs, attention, key/value handling, other compute,
+communication waits, Python and the engine, optimizer, idle) for ours and every Torch Pipe schedule,
+from torch's profiler with the benchmark's own hooks (``bench.breakdown``).
 ours-vs-megatron-tp: ours with tensor parallelism (``--tp``, ``ours.tp``) against Megatron at the same
 T (P = 1), on cpu-small, alternating repetitions as above; per batch the step times with their
 intervals, the ratio megatron / ours (of the medians, and paired) and whether the intervals separate.
@@ -39,9 +46,9 @@ from tabulate import tabulate
 
 from baselines.torch_pipe import SCHEDULES
 from contract.estimate import INTERVAL_RULE, Estimate, Paired, estimate, no_difference, paired, separated
-from ours import slice_count
+from ours import prefetch_count, slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
-from bench import network_slope, plan_evaluation
+from bench import attention, breakdown, cannot_run, network_slope, plan_evaluation
 from runners.invoke import run_command
 from bench.machine import parallel_capacity
 
@@ -237,18 +244,6 @@ SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 
                   "zbv": "ZBV zero bubble", "dualpipev": "DualPipeV"}
 
 
-def cannot_run(args: list[str]) -> str | None:
-    """Why the run command would refuse ``args`` (its own judgement), or None."""
-    from contract import ConfigError
-    from runners.request import judge, parse_request
-
-    try:
-        judge(*parse_request(args))
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-
 def percents(shares: tuple[float, ...]) -> str:
     return "/".join(f"{100 * b:.0f}" for b in shares) if shares else "-"
 
@@ -276,8 +271,10 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
             configs[f"torch_pipe {schedule}"] = args
         for schedule in opts.ours_schedules if batch > 1 else opts.ours_schedules[:1]:  # the same at one row
             for k in opts.slices:
-                name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
-                configs[name] = ours_args(P, batch, k=k) + ["--schedule", schedule]
+                for ahead in opts.ours_prefetch:
+                    name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
+                    name += f" prefetch {ahead}" if len(opts.ours_prefetch) > 1 else ""
+                    configs[name] = ours_args(P, batch, k=k) + ["--schedule", schedule, "--prefetch", str(ahead)]
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
 
     print(f"\nours vs the fastest Torch Pipe schedule on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating "
@@ -312,6 +309,7 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
         print_table(summary, ["batch", "best baseline", "ms", "ours", "ms", "ratio", "paired", "goal",
                               "peak MB baseline", "peak MB ours", "beyond noise?"])
     auto_against_fixed(sittings)
+    prefetch_against_none(sittings)
     print("ratio: best baseline's / ours' median step time; paired: the same ratio, the median over their "
           "neighbouring launches (contract.estimate.paired); goal: the ratio issue #15 asks for; busy %: the share "
           "of each rank's step time it was computing (its process's CPU time over its step time; the rest is "
@@ -346,6 +344,29 @@ def auto_against_fixed(sittings: dict[int, Sitting]) -> None:
         print("\nauto against each fixed K, paired: the fixed K's / auto's step time over neighbouring launches "
               "(above 1: auto faster)")
         print_table(pairs, ["batch", "fixed", "paired ratio", "pairs"])
+
+
+def prefetch_against_none(sittings: dict[int, Sitting]) -> None:
+    """Per batch and configuration of ours run with several ``--prefetch`` (``--ours-prefetch``), each
+    against the same without it (``--prefetch 0``), paired: the medians, the ratio of neighbouring
+    launches with its spread, and the last stage's busy share beside."""
+    rows = []
+    for batch, s in sittings.items():
+        for off in [n for n in s.runs if n.startswith("ours") and n.endswith(" prefetch 0") and s.median(n)]:
+            stem = off.removesuffix("0")
+            for on in [n for n in s.runs if n.startswith(stem) and n != off and s.median(n)]:
+                p = s.paired(off, on)
+                spread = (p.interval() if p.ratio.has_interval else "1 pair") if p else "-"
+                rows.append([batch, on.removeprefix("ours "), s.ms(on), s.ms(off),
+                             f"{p.ratio.median:.3f}x" if p else "-", spread, percents(s.busy(on)),
+                             percents(s.busy(off)),
+                             ("yes: " + ("faster" if p.ratio.median > 1 else "slower") + " with") if p and p.separated
+                             else "no"])
+    if rows:
+        print("\nthe next step's first forwards run ahead (--prefetch) against none (--prefetch 0), paired: the "
+              "step time without over the step time with (above 1: faster with)")
+        print_table(rows, ["batch", "ours", "step ms", "without: ms", "paired ratio", "pairs", "busy % per rank",
+                           "without: busy %", "beyond noise?"])
 
 
 def ours_vs_megatron_tp(opts: argparse.Namespace) -> int:
@@ -411,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=SCHEDULES,
                    help="the Torch Pipe schedules to run (each where it can run the batch; none given: ours "
                         "alone, for auto against the fixed K)")
+    b.add_argument("--ours-prefetch", type=prefetch_count, nargs="+", default=["auto"], metavar="N|auto",
+                   help="ours' --prefetch values to run each configuration of ours with (with 0 among several: "
+                        "each against it, paired)")
     b.add_argument("--ours-schedules", nargs="+", default=["1f1b"], choices=OURS_SCHEDULES,
                    help="the orders of ours' units to run (ours.schedule; gpipe only where the batch has several "
                         "batch slices: with one they are the same)")
@@ -438,7 +462,17 @@ def main(argv: list[str] | None = None) -> int:
     network_slope.fill_parser(b)
     b = sub.add_parser("plan-evaluation", help="ours' latency model against runs of uniform and optimal slicings")
     plan_evaluation.fill_parser(b)
+    b = sub.add_parser("attention", help="one layer's attention over a slice and its context: ours' kernel against "
+                                         "the masked attention, one process")
+    attention.fill_parser(b)
+    b = sub.add_parser("breakdown", help="where each rank's step time goes, ours and every Torch Pipe schedule, "
+                                         "cpu-small P=2")
+    breakdown.fill_parser(b)
     opts = p.parse_args(argv)
+    if opts.bench == "breakdown":
+        return breakdown.run(opts)
+    if opts.bench == "attention":
+        return attention.run(opts)
     if opts.bench == "network-slope":
         return network_slope.run(opts)
     if opts.bench == "plan-evaluation":

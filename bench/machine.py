@@ -4,15 +4,15 @@ before trusting a pipeline's speed-up.
 A pipeline of P single-thread ranks is only faster than a sequential schedule if P cores really run at
 once. On a shared host (a VM with noisy neighbours) two "cores" may deliver the work of one and a half;
 a GPipe schedule at batch 1 keeps one rank busy at a time and hardly notices, a token-level pipeline
-keeps both busy and loses its advantage. ``parallel_capacity`` measures it: single-thread matmul
-throughput of one process alone, then of ``n`` processes at once, then of one alone again: the faster
-of the two alone runs is the core's rate (one alone run caught by a neighbour or a clock still ramping
-up would credit the host with more cores than it has).
+keeps both busy and loses its advantage. ``parallel_capacity`` measures it: one thread's rate on the
+host's operations (``workload.cpu_peak``: the model's own, as every check of the host's speed times it)
+sustained by one process alone, then by ``n`` processes at once, then by one alone again: the faster of
+the two alone runs is the core's rate (one alone run caught by a neighbour or a clock still ramping up
+would credit the host with more cores than it has).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from dataclasses import dataclass
 
 
@@ -36,24 +36,18 @@ class Capacity:
                 f"{self.alone_gflops:.0f} alone: {self.effective_cores:.2f} effective cores")
 
 
-def _matmul_rate(seconds: float, start, out) -> None:
-    import torch
+def _host_rate(seconds: float, start, out) -> None:
+    from workload.cpu_peak import host_ops, sustained_tflops
 
-    torch.set_num_threads(1)
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    a @ b
+    ops = host_ops()
     start.wait()
-    n, t0 = 0, time.perf_counter()
-    while (dt := time.perf_counter() - t0) < seconds:
-        a @ b
-        n += 1
-    out.put(2 * 512**3 * n / dt / 1e9)
+    out.put(sustained_tflops(ops, seconds) * 1e3)
 
 
 def _run(n: int, seconds: float) -> list[float]:
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_matmul_rate, args=(seconds, start, out), daemon=True) for _ in range(n)]
+    procs = [ctx.Process(target=_host_rate, args=(seconds, start, out), daemon=True) for _ in range(n)]
     for p in procs:
         p.start()
     rates = [out.get(timeout=seconds + 120) for _ in procs]

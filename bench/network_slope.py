@@ -127,17 +127,15 @@ def busiest_link_bytes(mode: str, dp: int, stage_bytes: float) -> float:
 
 def stage_param_counts(model: str, pp: int, overrides: dict[str, int]) -> list[int]:
     """Parameters held by each of the pp stages (built on the meta device: no memory, no init)."""
-    import torch
 
     from workload.configs import get_model_config
-    from workload.model import GPT
+    from workload.model import meta_gpt
     from workload.partition import stage_specs
 
     cfg = get_model_config(model).with_overrides(**overrides)
     counts = []
     for spec in stage_specs(cfg.n_layer, pp):
-        with torch.device("meta"):
-            m = GPT(cfg)
+        m = meta_gpt(cfg)
         n = sum(p.numel() for name, p in m.named_parameters()
                 if (not name.startswith("blocks.") or spec.first_layer <= int(name.split(".")[1]) < spec.end_layer)
                 and (spec.is_first or not name.startswith(("wte.", "wpe.")))

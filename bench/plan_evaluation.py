@@ -25,7 +25,7 @@ from tabulate import tabulate
 
 from ours import uniform_slices
 from ours.plan.auto import cache_key, profile_path
-from ours.plan.latency import StageLink
+from contract.links import Link
 from ours.plan.planner import pipeline_time, plan
 from runners.invoke import run_command
 from workload.compute import ComputeModel, CpuCompute, stage_params
@@ -58,7 +58,7 @@ def run_case(model: str, case: Case, *, pp: int, batch_size: int, micro: int, st
                 step_times=rec.get("step_times"))
 
 
-def step_parts(cm: ComputeModel, cfg, slices, micro: int, batch_size: int, pp: int, link: StageLink | None) -> dict:
+def step_parts(cm: ComputeModel, cfg, slices, micro: int, batch_size: int, pp: int, link: Link | None) -> dict:
     """The whole step as the formula sees it: the pipeline, the last stage's head and loss, the first
     stage's embeddings and its optimizer step (the first stage finishes last)."""
     tokens = batch_size * cfg.seq_len
@@ -71,7 +71,7 @@ def step_parts(cm: ComputeModel, cfg, slices, micro: int, batch_size: int, pp: i
 
 def evaluate(cm: ComputeModel, *, model: str, n_layer: int, seq_len: int, pp: int, batch_size: int, micro: int,
              ks: list[int], steps: int, warmup: int, out_dir: Path, granularity: int = 8, rounds: int = 1,
-             extra: list[str] | None = None, timeout: float = 1800, log=print, link: StageLink | None = None) -> dict:
+             extra: list[str] | None = None, timeout: float = 1800, log=print, link: Link | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     runs_file = out_dir / "runs.jsonl"
     cfg = get_model_config(model).with_overrides(n_layer=n_layer, seq_len=seq_len)
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     prof = json.loads(path.read_text())
     fit = prof.get("p2p_fit") or {}
-    link = StageLink(fit["latency"], fit["bandwidth"]) if fit else None
+    link = Link(max(0.0, fit["latency"]), fit["bandwidth"]) if fit else None
     ks = args.ks or [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= cfg.seq_len // 8]
     out_dir = Path(args.out_dir or Path("results") / "plan" / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}"
                    f"-b{args.micro_batch_size}")

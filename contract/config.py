@@ -18,13 +18,10 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any, Callable
 
-from workload.configs import MODEL_CONFIGS, ModelConfig, OptimizerConfig
+from workload.configs import MODEL_CONFIGS, PRECISIONS, ModelConfig, OptimizerConfig
 from workload.tokens import TOKENIZERS
 
 P2P_SEMANTICS = ("gloo", "nccl")  # --p2p-semantics: gloo's own, or NCCL's rules followed on gloo
-# The precision policies (RunConfig.precision): every system runs each, --verify judges each against
-# the reference under the same policy (workload.training holds what each means).
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -58,6 +55,12 @@ class SystemOptions:
     def check(self, config: RunConfig) -> None:
         """Raise ConfigError (one line) if the system cannot run ``config``. Systems override it."""
 
+    def check_build(self, config: RunConfig) -> None:
+        """Raise ConfigError (one line) for what this repository's build of the system cannot run
+        though the system as its authors run it can (megatron: megatron-core's vocabulary split over
+        --tp unpadded, where Megatron-LM pads it). A prediction of the system as published (a
+        scenario) leaves this out; the run command judges it. Systems override it."""
+
     def lossy(self) -> str | None:
         """What these options round beyond the precision policy (e.g. 'bf16 wire'), or None: the run
         is exact. ``--verify`` judges a lossy run with a tolerance of its own and says so."""
@@ -66,6 +69,11 @@ class SystemOptions:
     @classmethod
     def declared(cls) -> tuple[dataclasses.Field, ...]:
         return dataclasses.fields(cls)
+
+    @classmethod
+    def choices(cls, name: str) -> tuple[str, ...]:
+        """The values option ``name`` takes (its declared choices)."""
+        return tuple(next(f.metadata["choices"] for f in cls.declared() if f.name == name))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,7 +135,8 @@ class RunConfig:
     order under its heading (keyword-only, so that the fields stand in the order ``--help`` shows)."""
 
     system: str = option(help="the system to train (its own options: under its heading below)")
-    model: ModelConfig = option(help="the model by name (the GPT-3 family, or tiny and cpu-small for CPUs)",
+    model: ModelConfig = option(help="the model by name (the GPT-3 family, tiny and cpu-small for CPUs; the llama "
+                                     "family: llama3-8b, llama3-70b, llama-tiny, llama-cpu-small)",
                                 choices=tuple(sorted(MODEL_CONFIGS)))
     pp: int = option(1, "pipeline stages (fairscale_fsdp: devices in each process's pipe)", group=LAYOUT)
     tp: int = option(1, "tensor-parallel degree", group=LAYOUT)
@@ -172,7 +181,8 @@ class RunConfig:
     kill_replica: str | None = option(None, "replica R's ranks (rank R at --dp 1) are killed after STEP steps: a "
                                             "synchronous system ends as error, diloco goes on with the others",
                                       group=FAULTS, parse=_kill_replica, metavar="R@STEP")
-    rejoin: bool = option(False, "start the killed replica again: it rejoins the others (diloco)", group=FAULTS)
+    rejoin: bool = option(False, "a standby of the killed replica, started with the run, takes its place: it "
+                                 "rejoins the others at their next quorum (diloco)", group=FAULTS)
     verify: bool = option(False, "also train the single-process reference and compare losses and gradients",
                           group=RUN, identity=False)
     no_link_probe: bool = option(False, "under --network on one machine: start the ranks without first probing the "
@@ -230,6 +240,9 @@ class RunConfig:
         d = _plain(asdict(self.replace(options=SystemOptions())))
         for name in VOLATILE_FIELDS:
             del d[name]
+        for f in dataclasses.fields(ModelConfig):  # the family's fields where unset: gpt's identity as it always was
+            if f.name in FAMILY_FIELDS and d["model"][f.name] == f.default:
+                del d["model"][f.name]
         if self.p2p_semantics == "gloo":  # the identity of every run before the field is as it always was
             del d["p2p_semantics"]
         if self.tokenizer == "byte":  # likewise
@@ -264,6 +277,10 @@ def _digest(contents: dict[str, Any] | None) -> str | None:
     return hashlib.sha256(json.dumps(contents, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# The model's fields that came with the llama family: a run's identity holds them only where set (the
+# identity of every gpt run is as it was before they existed)
+FAMILY_FIELDS = frozenset({"family", "kv_heads", "ffn_hidden", "rope_theta", "norm_eps"})
+
 # Fields of RunConfig that do not change what a run measures (declared ``identity=False``): two runs
 # that differ only in these are the same measurement (a sweep runs it once; a report keeps the newest).
 VOLATILE_FIELDS = frozenset(f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("identity", True))
@@ -293,20 +310,69 @@ def planned_key(key: str) -> tuple[str, str | None]:
     return json.dumps(d, sort_keys=True), hardware
 
 
+ENDS = "ends"  # --layers-per-stage: the first and the last stage one layer fewer
+
+
+def layers_per_stage(text: str) -> tuple[int, ...] | str:
+    """--layers-per-stage: comma-separated layer counts (e.g. 5,7,7,5), or 'ends'."""
+    if text.strip() == ENDS:
+        return ENDS
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--layers-per-stage takes comma-separated layer counts or '{ENDS}', got {text!r}") from None
+
+
+def stage_layer_counts(n_layer: int, n_stages: int, given: tuple[int, ...] | str | None = None) -> tuple[int, ...]:
+    """The layers of each of ``n_stages`` pipeline stages (model chunks with --virtual-pp), in model
+    order: equal (``given`` None), the counts given, or ``ENDS``: the embeddings and the loss each
+    counted as a layer, so that the first and the last stage hold one layer fewer than the others
+    (Megatron-LM's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split).
+    ConfigError (one line) where they do not add up to ``n_layer``."""
+    if given is None:
+        if n_layer % n_stages:
+            raise ConfigError(f"{n_layer} layers do not divide into {n_stages} pipeline stages")
+        return (n_layer // n_stages,) * n_stages
+    if given == ENDS:
+        if n_stages < 2 or (n_layer + 2) % n_stages or (n_layer + 2) // n_stages < 2:
+            raise ConfigError(f"--layers-per-stage {ENDS}: {n_layer} layers and the embeddings and the loss (one layer "
+                              f"each) do not divide into {n_stages} stages of 2 layers or more")
+        k = (n_layer + 2) // n_stages
+        return (k - 1,) + (k,) * (n_stages - 2) + (k - 1,)
+    if len(given) != n_stages or sum(given) != n_layer or min(given) < 1:
+        raise ConfigError(f"--layers-per-stage {','.join(map(str, given))}: needs {n_stages} counts of 1 layer or more "
+                          f"(one per pipeline stage, per model chunk with --virtual-pp) adding up to {n_layer} layers")
+    return tuple(given)
+
+
 @dataclass(frozen=True)
 class PipelineOptions(SystemOptions):
-    """A pipeline schedule and its model chunks per rank, as pipeline systems declare them. A
-    subclass redeclares ``schedule`` with its own default and choices, and lists in ``CHUNKED`` the
-    schedules that place several model chunks on every rank."""
+    """A pipeline schedule, its model chunks per rank and the layers of each stage, as pipeline systems
+    declare them. A subclass redeclares ``schedule`` with its own default and choices, and lists in
+    ``CHUNKED`` the schedules that place several model chunks on every rank."""
 
     CHUNKED = frozenset({"interleaved"})
     schedule: str = option("gpipe", "pipeline schedule")
     virtual_pp: int | None = option(None, "model chunks per rank (default 2 with a schedule that places several "
                                           "per rank, else 1)", parse=int, metavar="V")
+    layers_per_stage: tuple[int, ...] | str | None = option(
+        None, "layers of each pipeline stage (of each model chunk with --virtual-pp), in model order, e.g. 5,7,7,5; "
+              f"'{ENDS}': the first and the last stage one layer fewer (the embeddings and the loss count as one "
+              "layer each); default: equal", parse=layers_per_stage, metavar=f"N1,N2,...|{ENDS}")
 
     def __post_init__(self) -> None:
         if self.virtual_pp is None:
             object.__setattr__(self, "virtual_pp", 2 if self.schedule in self.CHUNKED else 1)
+
+    def identity(self) -> dict[str, Any]:
+        d = super().identity()
+        if self.layers_per_stage is None:  # the identity of every run of equal stages is as it always was
+            del d["layers_per_stage"]
+        return d
+
+    def stage_layers(self, config: RunConfig) -> tuple[int, ...]:
+        """The layers of each of the run's pipeline stages (model chunks), in model order."""
+        return stage_layer_counts(config.model.n_layer, config.pp * self.virtual_pp, self.layers_per_stage)
 
     def check(self, config: RunConfig) -> None:
         if self.schedule in self.CHUNKED and self.virtual_pp < 2:
@@ -314,7 +380,10 @@ class PipelineOptions(SystemOptions):
         if self.schedule not in self.CHUNKED and self.virtual_pp != 1:
             raise ConfigError(f"--virtual-pp > 1 needs a schedule that places several model chunks per rank "
                               f"({', '.join(sorted(self.CHUNKED))})")
-        stages = config.pp * self.virtual_pp
-        if config.model.n_layer % stages:
-            raise ConfigError(f"{config.model.n_layer} layers do not divide into {stages} pipeline stages "
-                              f"(--pp {config.pp} x --virtual-pp {self.virtual_pp})")
+        try:
+            self.stage_layers(config)
+        except ConfigError as exc:
+            if self.layers_per_stage is not None:
+                raise
+            raise ConfigError(f"{exc} (--pp {config.pp} x --virtual-pp {self.virtual_pp}; or give "
+                              f"--layers-per-stage)") from None

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from contract.traffic import SentBytes
 from workload.heldout import heldout_loss
-from workload.model import GPT
+from workload.model import meta_gpt
 
 Weights = Callable[[], dict[str, torch.Tensor]]  # the parameters a rank holds, full tensors, by shared names
 
@@ -80,8 +80,7 @@ class Evaluator:
         for held, _, _ in gathered:  # every name once, from the lowest rank that holds it
             for name, t in held.items():
                 weights.setdefault(name, t)
-        with torch.device("meta"):
-            model = GPT(cfg.model)
+        model = meta_gpt(cfg.model)
         missing = sorted(set(dict(model.named_parameters())) - set(weights))
         if missing:
             raise RuntimeError(f"eval: no rank gave the weights of {len(missing)} parameters, e.g. {missing[0]}")

@@ -11,8 +11,11 @@ canonical form), read here; no torch.
   killed at once (SIGKILL, as a lost machine: their sockets close, nothing is flushed). At
   ``--dp 1`` (nothing replicated) R names a rank. A synchronous system then fails, and the run ends
   as ``error`` naming the rank; a system that tolerates a replica's death (``SystemSpec.fault_tolerant``:
-  diloco's torchft) goes on with the others, and with ``--rejoin`` the replica is started again and
-  rejoins.
+  diloco's torchft) goes on with the others, and with ``--rejoin`` a standby of the replica (started
+  with the run, waiting) takes its place and rejoins the others at their next quorum. The record
+  says what happened (``environment.faults``: each replica's lives, the steps each ran, how each
+  ended, whether the standby rejoined), and counts only the work of the replicas that ran each step
+  (``alive_per_step``; the record's ``replicas_per_step``); ``words`` says it for a report.
 """
 from __future__ import annotations
 
@@ -77,7 +80,8 @@ def check_faults(config, world: int, fault_tolerant: bool) -> None:
 class StepHooks:
     """What the harness does around each step of a rank, beside the timing (``run_steps``): nothing
     here; the rank worker's hooks carry out the run's faults (a straggler's pause, a killed replica)
-    and mark the run's time 0 (a network trace's). A system calls only ``start_together``."""
+    and mark the run's time 0 (a network trace's). A system calls only ``start_together`` and
+    ``take_place``."""
 
     def started(self) -> None:
         """The first step begins (every rank has left its opening barrier)."""
@@ -90,6 +94,48 @@ class StepHooks:
         ranks have come this far, as one world's ranks start together (a fault-tolerant system calls
         it once its quorum members are up, before its first quorum). Nothing otherwise."""
 
+    def take_place(self) -> None:
+        """In a replica's standby (--rejoin: its ``Context.first_step`` > 0): wait until the replica it
+        stands in for is gone, then return; at once otherwise. A fault-tolerant system calls it once it
+        has made all it can without the others (its model, optimizers, code), before it makes itself
+        known to them, so that its rejoining costs what the system's does, not the process's start."""
+
     def after_step(self, step: int, own_s: float, busy_s: float) -> None:
         """This rank finished step ``step`` (before the closing barrier): ``own_s`` seconds since it
         left the opening barrier, ``busy_s`` of CPU time of its process in them."""
+
+
+def alive_per_step(faults: dict | None, steps: range) -> list[int]:
+    """Of a run that lost a replica (its record's ``environment.faults`` with each replica's lives),
+    how many replicas ran each of ``steps`` (step indices, warm-up counted); [] where nothing says
+    (no replica's lives: every replica ran every step)."""
+    replicas = (faults or {}).get("replicas")
+    if not replicas:
+        return []
+    return [sum(any(life.get("steps") and life["steps"][0] <= s <= life["steps"][1] for life in r["lives"])
+                for r in replicas) for s in steps]
+
+
+def words(config: dict, faults: dict | None = None) -> str:
+    """A run's faults in words, from its config and (where the record has them) what happened:
+    'rank 1 2x slower', 'replica 2 killed after 6 steps, rejoined at step 8', 'replica 1 killed after 3
+    steps, did not rejoin (...)'; '' without."""
+    parts = []
+    if config.get("slow_rank"):
+        rank, factor = config["slow_rank"].split(":")
+        parts.append(f"rank {rank} {factor}x slower")
+    if config.get("kill_replica"):
+        replica, step = config["kill_replica"].split("@")
+        said = f"replica {replica} killed after {step} steps"
+        if config.get("rejoin"):
+            lives = next((r["lives"] for r in (faults or {}).get("replicas") or [] if str(r["replica"]) == replica), [])
+            second = lives[1] if len(lives) > 1 else None
+            if second is None:
+                said += ", its rejoining not recorded" if faults else ", rejoin asked"
+            elif second.get("rejoined") and second.get("steps"):
+                said += f", rejoined at step {second['steps'][0] + 1} (ran steps {second['steps'][0] + 1}-" \
+                        f"{second['steps'][1] + 1})"
+            else:
+                said += f", did not rejoin ({second.get('ended')})"
+        parts.append(said)
+    return "; ".join(parts)

@@ -28,9 +28,9 @@ _REQUIRED_TYPES = dict(system=str, status=str, model=str, model_shape=dict, layo
 # of finite numbers, a table, text.
 NUMBERS = ("median_step_time", "min_step_time", "max_step_time", "tokens_per_s", "tflops_per_device", "mfu",
            "peak_tflops", "dp_sync_time", "barrier_time")
-NUMBER_LISTS = ("step_times", "peak_memory_bytes", "busy_fraction")
+NUMBER_LISTS = ("step_times", "peak_memory_bytes", "busy_fraction", "replicas_per_step")
 TABLES = ("environment", "config", "options", "network_setting", "verify", "prediction")
-TEXTS = ("label", "role", "error", "details", "key", "run_id", "timestamp")
+TEXTS = ("label", "role", "error", "details", "key", "run_id", "timestamp", "withheld_output")
 PREDICTIONS_SUFFIX = ".predictions.json"
 WARNINGS = 10  # lines of one file told to ``warn`` one by one; the rest are counted
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from contract.config import P2P_SEMANTICS, PRECISIONS, ConfigError, RunConfig, SystemOptions
 from contract.faults import check_faults
+from workload.configs import FAMILIES, OPTIMIZERS, ModelConfig
 from workload.tokens import check_vocab
 
 if TYPE_CHECKING:  # torch: only the ranks import it
@@ -119,9 +120,11 @@ class SystemSpec:
     def run_details(self, options: dict[str, Any]) -> str:
         return self.details(options) if self.details else ""
 
-    def validate(self, config: RunConfig) -> None:
+    def validate(self, config: RunConfig, build: bool = True) -> None:
         """Raise ConfigError (one line) if this system cannot run ``config``: the fields every run
-        has, then the system's own options (their choices, then ``options.check``)."""
+        has, then the system's own options (their choices, then ``options.check``), then what this
+        repository's build of it cannot run (``options.check_build``; ``build=False``: the system as
+        published, which a prediction describes)."""
         if config.system != self.name:
             raise ConfigError(f"config of system {config.system!r} given to {self.name!r}")
         if not isinstance(config.options, self.options):
@@ -140,6 +143,25 @@ class SystemSpec:
                 raise ConfigError(f"{self.name}: unknown --{f.name.replace('_', '-')} {value!r}; "
                                   f"choose from {', '.join(choices)}")
         config.options.check(config)
+        if build:
+            config.options.check_build(config)
+
+
+def check_family(m: ModelConfig) -> None:
+    """The family's own fields (``workload.configs``): grouped-query attention and rotary positions are
+    llama's; a key/value head serves a whole number of query heads."""
+    if m.family not in FAMILIES:
+        raise ConfigError(f"model {m.name!r}: unknown family {m.family!r}; choose from {', '.join(FAMILIES)}")
+    if m.kv_heads is not None and (not 1 <= m.kv_heads <= m.n_head or m.n_head % m.kv_heads):
+        raise ConfigError(f"--kv-heads {m.kv_heads} must divide --num-heads {m.n_head}")
+    if not m.llama and m.n_kv_head != m.n_head:
+        raise ConfigError(f"--kv-heads {m.kv_heads}: grouped-query attention is the llama family's (model {m.name!r} "
+                          f"is gpt: one key/value head per query head)")
+    if m.ffn_hidden is not None and m.ffn_hidden < 1:
+        raise ConfigError(f"--ffn-hidden-size must be >= 1, got {m.ffn_hidden}")
+    if m.llama and (m.head_dim % 2 or not 0 < m.rope_theta < float("inf")):
+        raise ConfigError(f"rotary positions need an even head width (--hidden-size {m.n_embd} / --num-heads "
+                          f"{m.n_head} = {m.head_dim}) and a finite --rope-theta > 0, got {m.rope_theta}")
 
 
 def check_common(config: RunConfig) -> None:
@@ -165,6 +187,7 @@ def check_common(config: RunConfig) -> None:
         raise ConfigError(f"--timeout must be a finite number of seconds > 0, got {config.timeout}")
     if m.n_embd % m.n_head:
         raise ConfigError(f"--hidden-size {m.n_embd} is not divisible by --num-heads {m.n_head}")
+    check_family(m)
     if config.batch_size % config.micro_batch_size:
         raise ConfigError(f"--batch-size {config.batch_size} is not divisible by --micro-batch-size "
                           f"{config.micro_batch_size}")
@@ -175,15 +198,15 @@ def check_common(config: RunConfig) -> None:
     if config.p2p_semantics not in P2P_SEMANTICS:
         raise ConfigError(f"unknown --p2p-semantics {config.p2p_semantics!r}; choose from {', '.join(P2P_SEMANTICS)}")
     opt = config.optimizer
-    if opt.kind not in ("adam", "sgd"):
-        raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from adam, sgd")
+    if opt.kind not in OPTIMIZERS:
+        raise ConfigError(f"unknown --optimizer {opt.kind!r}; choose from {', '.join(OPTIMIZERS)}")
     if not 0 < opt.lr < float("inf"):
         raise ConfigError(f"--lr must be a finite number > 0, got {opt.lr}")
     if config.data is not None and check_vocab(config.tokenizer, m.vocab_size):
         raise ConfigError(f"--data: {check_vocab(config.tokenizer, m.vocab_size)}")
     if config.tokenizer != "byte" and config.data is None:
         raise ConfigError(f"--tokenizer {config.tokenizer} tokenizes text: it needs --data")
-    if m.n_layer % config.pp:
+    if m.n_layer % config.pp and getattr(config.options, "layers_per_stage", None) is None:
         raise ConfigError(f"{m.n_layer} layers do not divide into {config.pp} pipeline stages (--pp {config.pp})")
     if m.n_head % config.tp or m.n_embd % config.tp:
         raise ConfigError(f"--tp {config.tp} must divide the heads ({m.n_head}) and the hidden size ({m.n_embd})")

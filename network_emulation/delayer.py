@@ -130,8 +130,10 @@ def verdict_drop(queue: int, packet_id: int) -> bytes:
     return _msg(NFQNL_MSG_VERDICT, queue, _attr(NFQA_VERDICT_HDR, struct.pack(">II", NF_DROP, packet_id)))
 
 
-class Link:
-    """What one queue does to its packets, and what it has done: packets seen and dropped."""
+class Queue:
+    """What the delayer does to one queue's packets, the delay, jitter and loss of the link the queue
+    stands for (a profile's ``LinkSpec``: this script imports nothing of the suite), and what it has
+    done: packets seen and dropped."""
 
     def __init__(self, delay_ms: float, jitter_ms: float = 0.0, loss_pct: float = 0.0) -> None:
         self.seen = self.dropped = 0
@@ -160,27 +162,27 @@ def queue_arg(queue: int, delay_ms: float, jitter_ms: float = 0.0, loss_pct: flo
     return f"{queue}:{delay_ms:.6g}{extra}"
 
 
-def parse_queue(spec: str) -> tuple[int, Link]:
+def parse_queue(spec: str) -> tuple[int, Queue]:
     """``NUM:DELAY[:JITTER[:LOSS]]`` (ms, ms, %) -> (queue number, its link)."""
     q, *values = spec.split(":")
     if not 1 <= len(values) <= 3:
         raise ValueError(f"bad queue {spec!r}: NUM:DELAY_MS[:JITTER_MS[:LOSS_PCT]]")
-    return int(q), Link(*map(float, values))
+    return int(q), Queue(*map(float, values))
 
 
-def command(line: str, links: dict[int, Link]) -> str | None:
+def command(line: str, queues: dict[int, Queue]) -> str | None:
     """Carry out one stdin command; returns the line to print, if any."""
     words = line.split()
-    if words[:1] == ["set"] and len(words) == 5 and int(words[1]) in links:
-        links[int(words[1])].set(*map(float, words[2:]))
+    if words[:1] == ["set"] and len(words) == 5 and int(words[1]) in queues:
+        queues[int(words[1])].set(*map(float, words[2:]))
     elif words == ["stats"]:
-        return json.dumps({q: {"seen": k.seen, "dropped": k.dropped} for q, k in links.items()})
+        return json.dumps({q: {"seen": k.seen, "dropped": k.dropped} for q, k in queues.items()})
     elif words:
         print(f"delayer: ignored command {line!r}", file=sys.stderr, flush=True)
     return None
 
 
-def run(links: dict[int, Link], seed: int | None = None) -> None:
+def run(queues: dict[int, Queue], seed: int | None = None) -> None:
     try:  # exact wake-ups: no timer slack
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
     except (OSError, AttributeError):
@@ -190,10 +192,10 @@ def run(links: dict[int, Link], seed: int | None = None) -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
     except (OSError, AttributeError):
         pass  # not permitted (no root / no CAP_SYS_NICE): the ordinary scheduler
-    sock = open_queues(sorted(links))
+    sock = open_queues(sorted(queues))
     sock.setblocking(False)
     rng = random.Random(seed)
-    held: dict[int, collections.deque[tuple[float, int]]] = {q: collections.deque() for q in links}
+    held: dict[int, collections.deque[tuple[float, int]]] = {q: collections.deque() for q in queues}
     stdin = sys.stdin.fileno()
     pending = b""
     print("ready", flush=True)
@@ -215,7 +217,7 @@ def run(links: dict[int, Link], seed: int | None = None) -> None:
                 return  # owner gone
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
-                reply = command(line.decode(errors="replace"), links)
+                reply = command(line.decode(errors="replace"), queues)
                 if reply is not None:
                     print(reply, flush=True)
         if sock in readable:
@@ -226,7 +228,7 @@ def run(links: dict[int, Link], seed: int | None = None) -> None:
                     break
                 t = now()
                 for q, pid in packet_ids(data):
-                    release = links[q].arrive(t, rng)
+                    release = queues[q].arrive(t, rng)
                     if release is None:
                         sock.send(verdict_drop(q, pid))
                     else:
@@ -239,9 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--owner", type=int, default=0, help="pid of the owning process (for ps; informative)")
     ap.add_argument("--seed", type=int, default=None, help="seed of the drops and the jitter (default: random)")
     args = ap.parse_args(argv)
-    links = dict(map(parse_queue, args.queue))
+    queues = dict(map(parse_queue, args.queue))
     try:
-        run(links, args.seed)
+        run(queues, args.seed)
     except KeyboardInterrupt:
         pass
 

@@ -329,6 +329,9 @@ def read_json(path: str | Path, what: str) -> Any:
         raise ProfileError(f"cannot read {what} {str(p)!r}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ProfileError(f"{what} {str(p)!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{what} {str(p)!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                           f"{e.start})") from None
 
 
 def load_matrix(path: str | Path) -> MatrixProfile:

@@ -4,7 +4,8 @@ stage, and all-reduce or parameter-server data parallelism. This module declares
 - ``ours.train``: ``train(config, context)``, the entry point the ranks call;
 - ``ours.engine``: one stage's token-sliced pipeline step (asynchronous point-to-point transfers,
   deferred weight gradients that fill the bubble);
-- ``ours.schedule``: the order of a stage's forwards and backwards (1F1B over batch slices, or GPipe);
+- ``ours.schedule``: the order of a stage's forwards and backwards (1F1B over batch slices, or GPipe),
+  and the next step's first forwards each stage runs at the end of a step (``--prefetch``);
 - ``ours.kernels``: the exact sliced attention Function (KV state, gradient accumulation for earlier
   slices) and the deferred-gradient linear;
 - ``ours.tp``: Megatron-style tensor parallelism inside a stage (``--tp``);
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract import ConfigError, RunConfig, SystemOptions, SystemSpec, option
-from ours.schedule import SCHEDULES, unit_order
+from ours.schedule import SCHEDULES, leading_forwards
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
 WIRE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --wire-dtype: the torch dtype's name
@@ -32,6 +33,16 @@ def slice_count(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise ValueError(f"--n-slices takes an integer, 'auto' or 'search', got {text!r}") from None
+
+
+def prefetch_count(text: str) -> int | str:
+    """--prefetch: a count of forwards, or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--prefetch takes an integer or 'auto', got {text!r}") from None
 
 
 def slice_lengths(text: str) -> tuple[int, ...]:
@@ -61,8 +72,11 @@ class OursOptions(SystemOptions):
                                    "slices (a stage holds at most P - stage batch slices' activations), or gpipe "
                                    "(every forward, then every backward); the same with one batch slice",
                            choices=SCHEDULES)
-    prefetch: int = option(0, "the first stage runs the next step's first N forwards as soon as its optimizer has "
-                              "stepped, while the later stages still drain this step (0: off)", metavar="N")
+    prefetch: int | str = option("auto", "the next step's first forwards each stage but the last runs at the end of a "
+                                         "step, once its optimizer has stepped: N on the first stage, N - s on stage "
+                                         "s (ours.schedule.ahead); 'auto': P - 1, so that no stage waits for its first "
+                                         "input when a step begins; 0: off. They are the next step's own work, run in "
+                                         "this step's timed window", parse=prefetch_count, metavar="N|auto")
     dp_mode: str = option("allreduce", "data parallelism across pipelines", choices=DP_MODES)
     wire_dtype: str = option("fp32", "the type activations, their gradients and the DP push and pull cross the "
                                      "network in; bf16 and fp16 halve the bytes and are lossy (opt-in, as "
@@ -73,8 +87,9 @@ class OursOptions(SystemOptions):
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "OursOptions":
-        # a record written before --schedule existed ran every forward, then every backward
-        return super().from_dict({"schedule": "gpipe", **values})
+        # a record written before --schedule existed ran every forward, then every backward; one written
+        # before --prefetch existed ran nothing ahead
+        return super().from_dict({"schedule": "gpipe", "prefetch": 0, **values})
 
     def __post_init__(self) -> None:
         if self.slices is not None and self.n_slices in ("auto", "search"):  # one form of an explicit slicing
@@ -92,6 +107,11 @@ class OursOptions(SystemOptions):
     def search(self) -> bool:
         return self.n_slices == "search"
 
+    def first_ahead(self, pp: int) -> int:
+        """N of ``--prefetch``: the forwards the first stage runs of the next step ('auto': P - 1; each
+        stage's own count: ``ours.schedule.ahead``)."""
+        return pp - 1 if self.prefetch == "auto" else self.prefetch
+
     def token_slices(self, seq_len: int) -> tuple[int, ...]:
         """The slicing when it is fixed by the options (explicit, or K equal slices); not for 'auto'."""
         if self.slices is not None:
@@ -102,7 +122,10 @@ class OursOptions(SystemOptions):
 
     def check(self, config: RunConfig) -> None:
         seq = config.model.seq_len
-        if self.prefetch < 0:
+        if config.model.n_kv_head % config.tp:
+            raise ConfigError(f"ours splits the key/value heads over --tp {config.tp}: --kv-heads "
+                              f"{config.model.n_kv_head} must divide by it")
+        if self.prefetch != "auto" and self.prefetch < 0:
             raise ConfigError(f"--prefetch must be >= 0 forwards, got {self.prefetch}")
         self._check_effect(config)
         if self.slices is not None:
@@ -131,23 +154,17 @@ class OursOptions(SystemOptions):
                               "pipeline's activations and gradients and of the DP push and pull"
                               + (", not of tensor parallelism's all-reduces (they keep --precision's type)"
                                  if config.tp > 1 else "; on one device nothing crosses the wire"))
-        if self.prefetch and config.pp == 1:
+        given = self.prefetch if self.prefetch != "auto" else 0  # 'auto' does nothing at P-1: never refused
+        if given and config.pp == 1:
             raise ConfigError("--prefetch needs --pp > 1: with one stage no later stage waits for the next step's "
                               "first forwards")
-        if self.prefetch and not self.auto:
+        if given and not self.auto:
             k = len(self.token_slices(config.model.seq_len))
-            lead = leading_forwards(self.schedule, config.n_micro_batches, k, config.pp)
+            lead = leading_forwards(self.schedule, config.n_micro_batches, k, 0, config.pp)
             if self.prefetch > lead:
                 raise ConfigError(f"--prefetch {self.prefetch} exceeds the {lead} forwards the first stage runs before "
                                   f"its first backward ({config.n_micro_batches} batch slice(s) x {k} token slices, "
                                   f"--schedule {self.schedule}): give at most {lead}")
-
-
-def leading_forwards(schedule: str, n_rows: int, n_slices: int, n_stages: int) -> int:
-    """The forwards the first stage runs before its first backward: at most what ``--prefetch`` can
-    run ahead (``ours.engine.StageEngine.prefetch``)."""
-    order = unit_order(schedule, n_rows, n_slices, 0, n_stages)
-    return next((k for k, (kind, _, _) in enumerate(order) if kind != "F"), len(order))
 
 
 def describe_slicing(options: dict[str, Any]) -> str:
@@ -172,9 +189,10 @@ def describe_slicing(options: dict[str, Any]) -> str:
 
 def describe_run(options: dict[str, Any]) -> str:
     """ours' choices from its record's options: the slicing (``describe_slicing``) and what the first
-    stage ran ahead (``--prefetch``; lowered, with 'auto', to the forwards before the first backward)."""
+    stage ran ahead (``--prefetch``; a count given, lowered with the slicing 'auto', to the forwards
+    before the first backward; 'auto' not yet resolved by a run says nothing)."""
     parts = [describe_slicing(options)]
-    if options.get("prefetch"):
+    if options.get("prefetch") and options["prefetch"] != "auto":
         asked = options.get("prefetch_asked")
         parts.append(f"prefetch {options['prefetch']}" + (f" ({asked} asked: the forwards the first stage runs before "
                                                           "its first backward)" if asked else ""))

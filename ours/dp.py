@@ -49,7 +49,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from contract.links import Link, posts_ahead
+from contract.links import Ends, posts_ahead
 from ours.tp import rank_of
 from ours.trace import Tracer
 from workload.training import OptimizerConfig, make_optimizer
@@ -57,7 +57,7 @@ from workload.training import OptimizerConfig, make_optimizer
 BUCKET_BYTES = 4 * 1024 * 1024  # small buckets pipeline push, reduction and what comes back
 
 
-def dp_links(pp: int, dp: int, tp: int = 1) -> list[Link]:
+def dp_links(pp: int, dp: int, tp: int = 1) -> list[Ends]:
     """Every ordered pair of the DP ranks of each (stage, tp_rank) (``ours.tp.rank_of``: global rank =
     (dp_rank * P + stage) * T + tp_rank)."""
     return [(rank_of(a, s, t, pp, tp), rank_of(b, s, t, pp, tp))
@@ -195,7 +195,7 @@ class PointToPointSync:
     ``ranks[j]``: the global rank of dp_rank j in ``group`` (the stage's DP group: ``grads``'
     collectives); ``links``: the process group of each ordered pair of them (``contract.links``)."""
 
-    def __init__(self, named, opt_cfg: OptimizerConfig, *, group, links: Mapping[Link, dist.ProcessGroup],
+    def __init__(self, named, opt_cfg: OptimizerConfig, *, group, links: Mapping[Ends, dist.ProcessGroup],
                  ranks: list[int], dp_rank: int, layout: str, serve: bool,
                  order: list[torch.nn.Parameter] | None = None, wire_dtype: torch.dtype = torch.float32,
                  bucket_bytes: int = BUCKET_BYTES, tracer: Tracer | None = None):
@@ -368,7 +368,7 @@ class PointToPointSync:
 
 
 def make_sync(mode: str, named, opt_cfg: OptimizerConfig, *, group, dp: int, dp_rank: int, ranks: list[int],
-              links: Mapping[Link, dist.ProcessGroup] | None = None, order: list[torch.nn.Parameter] | None = None,
+              links: Mapping[Ends, dist.ProcessGroup] | None = None, order: list[torch.nn.Parameter] | None = None,
               wire_dtype: torch.dtype = torch.float32, tracer: Tracer | None = None):
     """The DP sync of one stage. ``ranks``: the global ranks of the stage's DP group, by dp_rank;
     ``links``: a process group per ordered pair of them (``dp_links``); ``order``: the parameters in

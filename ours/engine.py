@@ -1,9 +1,11 @@
 """The token-level pipeline engine (TeraPipe) of one stage.
 
-A stage applies its part of the shared GPT (``workload.model``) token slice by token slice: the
-embeddings with the slice's position offset on the first stage; every layer through the shared
-``block_forward``, with the slice's attention over the sequence's cached keys and values
-(``SliceAttention``) and deferred-gradient linears (``DeferredLinear``) plugged in; ln_f, lm_head and
+A stage applies its part of the shared model (``workload.model``, either family) token slice by token
+slice: the embeddings with the slice's position offset on the first stage (gpt's learned positions);
+every layer through the shared ``block_forward`` at the slice's offset (llama's rotary positions), with
+the slice's attention over the sequence's cached keys and values (``SliceAttention``; grouped-query:
+the cache holds the key/value heads only) and deferred-gradient linears (``DeferredLinear``; llama's
+without biases) plugged in; ln_f (LayerNorm or RMSNorm), lm_head and
 the loss (sum over the slice's tokens / tokens of the replica batch) on the last stage, computed at
 the start of the unit's backward (see ``_head_loss``).
 
@@ -44,8 +46,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from contract.links import Link, posts_ahead
-from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
+from contract.links import Ends, posts_ahead
+from ours.kernels import DeferredLinear, KVState, SliceAttention, WeightGrad
 from ours.schedule import unit_order
 from ours.tp import COLUMN_PARALLEL, CopyToTP, ReduceFromTP, VocabParallelCrossEntropy, rank_of, shard_start
 from ours.trace import Tracer
@@ -56,7 +58,7 @@ from workload.training import autocast, compute_dtype
 _LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-def pipeline_links(pp: int, dp: int, tp: int = 1) -> list[Link]:
+def pipeline_links(pp: int, dp: int, tp: int = 1) -> list[Ends]:
     """Every link of the D x T pipelines of P stages (``ours.tp.rank_of``: global rank =
     (dp_rank * P + stage) * T + tp_rank), both ways: stage s to s + 1 (activations), s + 1 to s
     (their gradients), between ranks of the same tp_rank."""
@@ -120,13 +122,14 @@ class StageEngine:
                  device: torch.device, rank: int, prev_rank: int | None, next_rank: int | None, tracer: Tracer,
                  precision: str = "fp32", recompute: bool = False, wire_dtype: torch.dtype = torch.float32,
                  schedule: str = "1f1b", grads_ready: Callable[[list[torch.nn.Parameter]], None] | None = None,
-                 links: Mapping[Link, dist.ProcessGroup] | None = None, tp: int = 1,
+                 links: Mapping[Ends, dist.ProcessGroup] | None = None, tp: int = 1,
                  tp_rank: int = 0, tp_group: dist.ProcessGroup | None = None):
         cfg = model.config
         self.model, self.spec, self.device, self.rank = model, spec, device, rank
         # H: the heads this rank computes (its 1/tp of them: ``ours.tp``, the model's linears and LM head
         # split by ``shard_stage``); the TP collectives run on ``tp_group``
         self.C, self.H, self.T, self.V = cfg.n_embd, cfg.n_head // tp, cfg.seq_len, cfg.vocab_size
+        self.H_kv = cfg.n_kv_head // tp  # the key/value heads it computes and caches (grouped-query: fewer)
         self.tp_group, self.tp_rank = (tp_group if tp > 1 else None), tp_rank
         self.slices = [(sum(slices[:i]), slices[i]) for i in range(len(slices))]
         self.batch_size, self.mb = batch_size, micro_batch_size
@@ -146,7 +149,6 @@ class StageEngine:
         self.tracer = tracer
         self.precision = precision
         self.recompute = recompute
-        self.masks = MaskCache()
         self.low_dtype = compute_dtype(precision)
         self.blocks = list(model.blocks.values())
         # deferred-gradient linears: (weight param, bias param or None, stash)
@@ -154,7 +156,7 @@ class StageEngine:
         for i, blk in model.blocks.items():
             for lname in _LINEARS:
                 mod = blk.get_submodule(lname)
-                self.linears[f"blocks.{i}.{lname}"] = (mod.weight, mod.bias, WeightGrad(True))
+                self.linears[f"blocks.{i}.{lname}"] = (mod.weight, mod.bias, WeightGrad(mod.bias is not None))
         if spec.is_last:
             self.linears["lm_head"] = (model.lm_head.weight, None, WeightGrad(False))
         self._w: dict[str, tuple[torch.Tensor, torch.Tensor | None, list]] = {}
@@ -173,20 +175,24 @@ class StageEngine:
 
     def _block_lin(self, name: str, lname: str, x: torch.Tensor) -> torch.Tensor:
         """A block's linear ``lname`` ("attn.c_attn", ...): under tensor parallelism column-parallel
-        behind f, or row-parallel followed by g and then its bias (``ours.tp``); the bias's gradient
-        is the sum of the output gradient either way (``WeightGrad``)."""
+        behind f, or row-parallel followed by g and then its bias, if the family has one (``ours.tp``);
+        the bias's gradient is the sum of the output gradient either way (``WeightGrad``)."""
         if self.tp_group is None:
             return self._lin(name, x)
         if lname in COLUMN_PARALLEL:
             return self._lin(name, CopyToTP.apply(x, self.tp_group))
         w, b, wg = self._w[name]
-        return ReduceFromTP.apply(DeferredLinear.apply(x, w, None, wg.stash), self.tp_group) + b
+        y = ReduceFromTP.apply(DeferredLinear.apply(x, w, None, wg.stash), self.tp_group)
+        return y if b is None else y + b
 
     def _layer(self, idx: str, blk, x: torch.Tensor, state: KVState, c: int) -> torch.Tensor:
-        """One layer on token slice [c, c + len): the shared block, with the slice's attention over
-        the sequence's cached keys and values and the stage's deferred-gradient linears."""
-        return block_forward(blk, x, attention=lambda qkv: SliceAttention.apply(qkv, state, c, self.H, self.T),
-                             linear=lambda name, module, h: self._block_lin(f"blocks.{idx}.{name}", name, h))
+        """One layer on token slice [c, c + len): the shared block at the slice's offset (llama's rotary
+        positions), with the slice's attention over the sequence's cached keys and values and the
+        stage's deferred-gradient linears."""
+        return block_forward(blk, x, attention=lambda qkv: SliceAttention.apply(qkv, state, c, self.H, self.H_kv,
+                                                                                self.T),
+                             linear=lambda name, module, h: self._block_lin(f"blocks.{idx}.{name}", name, h),
+                             offset=c)
 
     def _forward_unit(self, x: torch.Tensor, states: list[KVState], c: int) -> torch.Tensor:
         for (idx, blk), state in zip(self.model.blocks.items(), states):
@@ -203,7 +209,7 @@ class StageEngine:
         waits on) gets shorter, and a unit's logits live only during its own backward."""
         c, l = self.slices[i]
         with autocast(self.device, self.precision):
-            h = F.layer_norm(x, (self.C,), self.model.ln_f.weight, self.model.ln_f.bias)
+            h = self.model.ln_f(x)
             tgt = targets[b * self.mb : (b + 1) * self.mb, c : c + l]
             if self.tp_group is not None:  # the head split by vocabulary (ours.tp)
                 logits = self._lin("lm_head", CopyToTP.apply(h, self.tp_group))
@@ -302,17 +308,25 @@ class StageEngine:
             arrivals = tuple(_Arrivals([(u, work) for u, (_, work) in posted.items()]) if posted else None
                              for posted in (recvs, grecvs))
         return _Step(inputs=inputs, recvs=recvs, grecvs=grecvs, arrivals=arrivals,
-                     states=[[KVState(self.masks) for _ in self.blocks] for _ in range(self.nb)],
+                     states=[[KVState() for _ in self.blocks] for _ in range(self.nb)],
                      saved=[None] * len(self.units), sends=[],
                      total=torch.zeros((), device=self.device) if self.spec.is_last else None)
 
     def prefetch(self, inputs: torch.Tensor, n_units: int) -> None:
-        """First stage: run the next step's first forwards now (at most ``n_units``, those before its
-        first receive), with the weights this step's optimizer has just made; ``step`` goes on from
-        there. The next stage gets its first input while this step's drain still runs, instead of
-        waiting for it at the start of the next step (the pipeline's fill). Call only once every
-        weight of the stage is final for the next step."""
-        if not self.spec.is_first or self.spec.is_last or n_units <= 0 or self._pending is not None:
+        """Run the next step's first ``n_units`` forwards now (``ours.schedule.ahead``: none on the last
+        stage, never beyond the stage's first backward), with the weights this step's optimizer has just
+        made; ``step`` goes on from there. A later stage receives their inputs from the previous stage's
+        prefetch of the same step, so the next stage gets its first input while this step's drain still
+        runs on the stages after it, instead of waiting for it when the next step begins (the pipeline's
+        fill). Call only once every weight of the stage is final for the next step and its gradients
+        are released: the forwards run ahead are part of what the stage holds at its peak in the next
+        step (the first units of its order), so the stage's peak memory stays the step's own.
+
+        The timing: they run inside this step's timed window (``contract.rank.run_steps``) and are the
+        next step's work, so in steady state each window holds one step's work (its own less what ran
+        ahead in the previous window, plus the same forwards of the next step); the first step after
+        the warm-up had its forwards run in the last warm-up window, the run's last step runs none."""
+        if self.spec.is_last or n_units <= 0 or self._pending is not None:
             return
         lead = next((k for k, (kind, _) in enumerate(self.order) if kind != "F"), len(self.order))
         with self.tracer.span("prefetch", "next step's first forwards"):
@@ -396,7 +410,7 @@ class StageEngine:
         with autocast(self.device, self.precision):
             if self.spec.is_first:
                 idx = inputs[b * self.mb : (b + 1) * self.mb, c : c + l]
-                x = F.embedding(idx, self.model.wte.weight) + self.model.wpe.weight[c : c + l]
+                x = self.model.embed(idx, pos_offset=c)
             else:
                 x = x_in
             return self._forward_unit(x, states, c)

@@ -1,17 +1,18 @@
 """Tensor parallelism inside a stage (``--tp T``), as Megatron-LM splits a transformer layer.
 
-Each block's linears are split over the T ranks of a stage: ``attn.c_attn`` (q, k and v of the
-rank's n_head / T heads) and ``mlp.c_fc`` column-parallel (rows of the weight, slices of the bias),
-``attn.c_proj`` and ``mlp.c_proj`` row-parallel (columns of the weight; the bias whole, added once
-after the sum). The block's input reaches the column-parallel linears through ``f`` (identity
-forward, all-reduce of the gradient backward), the row-parallel linears' partial outputs leave
-through ``g`` (all-reduce forward, identity backward): one all-reduce after attention and one after
-the MLP in forward, one for each in backward. Everything else (LayerNorms, the embeddings, ln_f and
-the row-parallel biases) is replicated on the T ranks and gets the same gradient on each, without
-communication: every rank of a stage sees the same activations and their gradients. The LM head is
-split by vocabulary rows (behind ``f``), and the loss computed on the split logits
-(``VocabParallelCrossEntropy``, Megatron's: the max, the sum of exponentials and the target's logit
-all-reduced), so no rank holds the whole logits.
+Each block's linears are split over the T ranks of a stage: ``attn.c_attn`` (q of the rank's n_head / T
+query heads, k and v of its n_kv_head / T key/value heads: T divides both) and ``mlp.c_fc`` (llama's:
+the rank's 1/T of the gate and of the up projection) column-parallel (rows of the weight, slices of the
+bias), ``attn.c_proj`` and ``mlp.c_proj`` row-parallel (columns of the weight; the bias, where the
+family has one, whole, added once after the sum). The block's input reaches the column-parallel
+linears through ``f`` (identity forward, all-reduce of the gradient backward), the row-parallel
+linears' partial outputs leave through ``g`` (all-reduce forward, identity backward): one all-reduce
+after attention and one after the MLP in forward, one for each in backward. Everything else (the
+norms, the embeddings, ln_f and the row-parallel biases) is replicated on the T ranks and gets the
+same gradient on each, without communication: every rank of a stage sees the same activations and
+their gradients. The LM head is split by vocabulary rows (behind ``f``), and the loss computed on the
+split logits (``VocabParallelCrossEntropy``, Megatron's: the max, the sum of exponentials and the
+target's logit all-reduced), so no rank holds the whole logits.
 
 The weights are the shared model's, split from the stage's full initialisation (``shard_stage``);
 ``gather_full`` puts a parameter's shards back together (``--verify``'s gradients, the eval's
@@ -28,10 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# each split linear of a block: (dimension of the weight it is split along, interleaved parts)
-# c_attn's rows are [q; k; v], each split by heads, so its shard is [q_t; k_t; v_t]
-SPLITS = {"attn.c_attn": (0, 3), "mlp.c_fc": (0, 1), "attn.c_proj": (1, 1), "mlp.c_proj": (1, 1)}
-COLUMN_PARALLEL = frozenset(n for n, (dim, _) in SPLITS.items() if dim == 0)
+from workload.configs import ModelConfig, qkv_rows
+
+# each split linear of a block: the dimension of its weight split over the T ranks (0: column-parallel,
+# by rows; 1: row-parallel, by columns)
+SPLITS = {"attn.c_attn": 0, "mlp.c_fc": 0, "attn.c_proj": 1, "mlp.c_proj": 1}
+COLUMN_PARALLEL = frozenset(n for n, dim in SPLITS.items() if dim == 0)
 
 
 def rank_of(dp_rank: int, stage: int, tp_rank: int, pp: int, tp: int) -> int:
@@ -46,16 +49,28 @@ def coords(rank: int, pp: int, tp: int) -> tuple[int, int, int]:
     return dp_rank, stage, tp_rank
 
 
-def split_of(name: str) -> tuple[int, int] | None:
-    """(dim, parts) of a parameter split over the TP ranks, by its name in the shared model; None:
-    replicated (row-parallel biases included)."""
+def _blocks(lname: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The blocks of rows a split linear's weight is made of along its split dimension, each split by T
+    on its own: c_attn's q, k and v (``qkv_rows``: whole heads of each on a rank, so T must divide the
+    key/value heads), llama's c_fc gate and up, else the one dimension."""
+    if lname == "attn.c_attn":
+        return qkv_rows(cfg)
+    if lname == "mlp.c_fc":
+        return (cfg.ffn_dim,) * (2 if cfg.llama else 1)
+    return (cfg.n_embd,) if lname == "attn.c_proj" else (cfg.ffn_dim,)
+
+
+def split_of(name: str, cfg: ModelConfig) -> tuple[int, tuple[int, ...]] | None:
+    """(dim, blocks) of a parameter split over the TP ranks, by its name in the shared model of ``cfg``:
+    the dimension and the sizes of the blocks along it (``shard``); None: replicated (row-parallel
+    biases included)."""
     if name == "lm_head.weight":  # by vocabulary rows
-        return 0, 1
-    for lname, (dim, parts) in SPLITS.items():
+        return 0, (cfg.vocab_size,)
+    for lname, dim in SPLITS.items():
         if name.endswith(f".{lname}.weight"):
-            return dim, parts
+            return dim, _blocks(lname, cfg)
         if name.endswith(f".{lname}.bias"):
-            return (0, parts) if dim == 0 else None
+            return (0, _blocks(lname, cfg)) if dim == 0 else None
     return None
 
 
@@ -65,18 +80,24 @@ def shard_start(n: int, tp: int, tp_rank: int) -> int:
     return tp_rank * q + min(tp_rank, r)
 
 
-def shard(full: torch.Tensor, dim: int, parts: int, tp: int, tp_rank: int) -> torch.Tensor:
-    """tp_rank's shard of ``full``: along ``dim``, seen as ``parts`` equal blocks, the tp_rank-th 1/T
-    of each block (c_attn: of q, of k and of v), concatenated. A block that T does not divide (the
-    LM head's vocabulary) is cut as ``tensor_split`` cuts it."""
-    blocks = full.chunk(parts, dim)
-    return torch.cat([b.tensor_split(tp, dim)[tp_rank] for b in blocks], dim).contiguous()
+def _part(n: int, tp: int, tp_rank: int) -> int:
+    """The length of tp_rank's part of n rows (``shard_start``)."""
+    return shard_start(n, tp, tp_rank + 1) - shard_start(n, tp, tp_rank)
 
 
-def unshard(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+def shard(full: torch.Tensor, dim: int, blocks: tuple[int, ...], tp: int, tp_rank: int) -> torch.Tensor:
+    """tp_rank's shard of ``full``: along ``dim``, made of ``blocks`` (their sizes), the tp_rank-th 1/T
+    of each block (c_attn: of q, of k and of v), concatenated. A block that T does not divide (the LM
+    head's vocabulary) is cut as ``tensor_split`` cuts it."""
+    parts = full.split(blocks, dim)
+    return torch.cat([b.tensor_split(tp, dim)[tp_rank] for b in parts], dim).contiguous()
+
+
+def unshard(shards: list[torch.Tensor], dim: int, blocks: tuple[int, ...]) -> torch.Tensor:
     """The full tensor from every rank's shard, by tp_rank (the inverse of ``shard``)."""
-    pieces = [s.chunk(parts, dim) for s in shards]
-    return torch.cat([torch.cat([p[j] for p in pieces], dim) for j in range(parts)], dim)
+    tp = len(shards)
+    pieces = [s.split([_part(n, tp, t) for n in blocks], dim) for t, s in enumerate(shards)]
+    return torch.cat([p[j] for j in range(len(blocks)) for p in pieces], dim)
 
 
 @torch.no_grad()
@@ -85,14 +106,15 @@ def shard_stage(model: nn.Module, tp: int, tp_rank: int) -> None:
     if tp == 1:
         return
     for name, p in list(model.named_parameters()):
-        split = split_of(name)
+        split = split_of(name, model.config)
         if split is None:
             continue
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, nn.Parameter(shard(p.detach(), *split, tp, tp_rank)))
 
 
-def gather_full(tensors: dict[str, torch.Tensor], tp: int, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+def gather_full(tensors: dict[str, torch.Tensor], cfg: ModelConfig, tp: int,
+                group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
     """The full tensors of a stage's parameters (or their gradients), by name: the split ones gathered
     from the T ranks of the stage (collective over ``group``: every TP rank calls it, with the same
     names in the same order), the replicated ones as they are."""
@@ -100,21 +122,19 @@ def gather_full(tensors: dict[str, torch.Tensor], tp: int, group: dist.ProcessGr
         return dict(tensors)
     out = {}
     for name, t in tensors.items():
-        split = split_of(name)
+        split = split_of(name, cfg)
         if split is None:
             out[name] = t
             continue
-        dim = split[0]
-        sizes = [torch.zeros(1, dtype=torch.int64, device=t.device) for _ in range(tp)]
-        dist.all_gather(sizes, torch.tensor([t.shape[dim]], device=t.device), group=group)
-        sizes = [int(n) for n in sizes]
+        dim, blocks = split
+        sizes = [sum(_part(n, tp, r) for n in blocks) for r in range(tp)]
         pad = list(t.shape)
         pad[dim] = max(sizes)  # all_gather takes equal shapes: pad the shorter parts, then cut them back
         mine = torch.zeros(pad, dtype=t.dtype, device=t.device)
         mine.narrow(dim, 0, t.shape[dim]).copy_(t)
         shards = [torch.empty_like(mine) for _ in range(tp)]
         dist.all_gather(shards, mine, group=group)
-        out[name] = unshard([x.narrow(dim, 0, n) for x, n in zip(shards, sizes)], *split)
+        out[name] = unshard([x.narrow(dim, 0, n) for x, n in zip(shards, sizes)], dim, blocks)
     return out
 
 

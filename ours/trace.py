@@ -3,6 +3,10 @@
 When tracing is off, ``span`` returns one shared no-op context manager, so a disabled tracer costs a
 method call per span. Timestamps come from ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock
 for every process of a host); rank 0 gathers every rank's spans and writes one Perfetto/Chrome JSON file.
+
+``Tracer.to_profiler`` (off by default; ``bench.breakdown`` turns it on in its ranks) makes every span,
+traced or not, also a range ``ours::KIND`` in torch's profiler, so that the profiler's operations can
+be told apart by the engine's phase they ran in.
 """
 from __future__ import annotations
 
@@ -31,16 +35,37 @@ class _Span:
         return False
 
 
+class _Both:
+    """A span that is also a range in torch's profiler."""
+
+    __slots__ = ("span", "range")
+
+    def __init__(self, span, kind: str):
+        from torch.profiler import record_function  # only where a profiler is asked for
+
+        self.span, self.range = span, record_function(f"ours::{kind}")
+
+    def __enter__(self):
+        self.range.__enter__()
+        self.span.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.span.__exit__(*exc)
+        return self.range.__exit__(*exc)
+
+
 class Tracer:
+    to_profiler = False  # every span also a range ours::KIND in torch's profiler (class-wide)
+
     def __init__(self, rank: int, enabled: bool):
         self.rank = rank
         self.enabled = enabled
         self.events: list[dict] = []
 
     def span(self, kind: str, name: str = "", args: dict | None = None):
-        if not self.enabled:
-            return _NULL
-        return _Span(self, kind, name or kind, args)
+        span = _Span(self, kind, name or kind, args) if self.enabled else _NULL
+        return _Both(span, kind) if self.to_profiler else span
 
     def add(self, kind: str, name: str, start: float, end: float, args: dict | None = None) -> None:
         if not self.enabled:

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from contract import RunConfig
 from contract.links import link_groups
 from contract.rank import Context, Measurements, StepOutput, run_steps
-from ours import WIRE_DTYPES, OursOptions, leading_forwards, uniform_slices
+from ours import WIRE_DTYPES, OursOptions, uniform_slices
 from ours.dp import dp_links, make_sync
 from ours.engine import StageEngine, pipeline_links
 from ours.plan.auto import auto_slicing
 from ours.plan.tune import Tuning, candidates, descend, nearest
+from ours.schedule import ahead
 from ours.tp import coords, gather_full, rank_of, shard_stage, tp_groups
 from ours.trace import Tracer
 from workload.partition import stage_specs
@@ -99,20 +100,11 @@ class _LossScaler:
         return True
 
 
-def train(config: RunConfig, ctx: Context) -> Measurements:
-    cfg = config
+def _groups(cfg: RunConfig, ctx: Context, pp_rank: int, tp_rank: int):
+    """(this rank's DP group, its TP group, the link groups). Every rank creates every (stage, tp_rank)'s
+    DP group (--verify's collectives) and every stage's TP group, in the same order, and a group per link
+    and direction of the pipelines and of DP (their point-to-point traffic)."""
     pp, tp, dp = cfg.pp, cfg.tp, cfg.dp
-    dp_rank, pp_rank, tp_rank = coords(ctx.rank, pp, tp)
-    spec = stage_specs(cfg.model.n_layer, pp)[pp_rank]
-    model = ctx.build_stage(spec)
-    shard_stage(model, tp, tp_rank)
-    options: OursOptions = cfg.options
-    slices, slicing_source = resolve_slices(cfg, ctx)
-    tracer = Tracer(ctx.rank, enabled=options.trace is not None)
-
-    # every rank creates every (stage, tp_rank)'s DP group (--verify's collectives) and every stage's TP
-    # group, in the same order, and a group per link and direction of the pipelines and of DP (their
-    # point-to-point traffic)
     group = None
     if dp > 1:
         for s in range(pp):
@@ -125,6 +117,29 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
         if g is not None:        # host and allocates on the GPU): here, before any receive is posted
             dist.all_reduce(torch.zeros(1, device=ctx.device), group=g)
     links = link_groups(pipeline_links(pp, dp, tp) + dp_links(pp, dp, tp), ctx.device, ctx.op_timeout)
+    return group, tp_group, links
+
+
+def _tuned(cfg: RunConfig, ctx: Context, slices: tuple[int, ...], source: str, make_engine, params, dp_rank: int):
+    """The slicing ``tune_slices`` keeps of a few tried near the planner's (``--n-slices auto`` with
+    the search), and its source in words."""
+    tuning = tune_slices(slices, make_engine, params, ctx, dp_rank)
+    planned = f"K={len(slices)} by {source.split(' ')[0]}"
+    return uniform_slices(cfg.model.seq_len, tuning.k), f"{tuning.describe()}; started near {planned}"
+
+
+def train(config: RunConfig, ctx: Context) -> Measurements:
+    cfg = config
+    pp, tp, dp = cfg.pp, cfg.tp, cfg.dp
+    dp_rank, pp_rank, tp_rank = coords(ctx.rank, pp, tp)
+    spec = stage_specs(cfg.model.n_layer, pp)[pp_rank]
+    model = ctx.build_stage(spec)
+    shard_stage(model, tp, tp_rank)
+    options: OursOptions = cfg.options
+    slices, slicing_source = resolve_slices(cfg, ctx)
+    tracer = Tracer(ctx.rank, enabled=options.trace is not None)
+
+    group, tp_group, links = _groups(cfg, ctx, pp_rank, tp_rank)
 
     wire = getattr(torch, WIRE_DTYPES[options.wire_dtype])
 
@@ -140,19 +155,24 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
     named = list(model.named_parameters())
     params = [p for _, p in named]
     if options.search and cfg.pp > 1 and cfg.model.seq_len > 1:  # one stage: one slice (nothing to fill)
-        tuning = tune_slices(slices, make_engine, params, ctx, dp_rank)
-        planned = f"K={len(slices)} by {slicing_source.split(' ')[0]}"
-        slices = uniform_slices(cfg.model.seq_len, tuning.k)
-        slicing_source = f"{tuning.describe()}; started near {planned}"
+        slices, slicing_source = _tuned(cfg, ctx, slices, slicing_source, make_engine, params, dp_rank)
     engine = make_engine(slices, tracer)
     sync = make_sync(options.dp_mode, named, cfg.optimizer, group=group, dp=dp, dp_rank=dp_rank,
                      ranks=[rank_of(d, pp_rank, tp_rank, pp, tp) for d in range(dp)], links=links,
                      order=engine.grad_order(), wire_dtype=wire, tracer=tracer)
+    # the next step's forwards this stage runs at the end of a step (--prefetch; ours.schedule.ahead)
+    n_ahead = ahead(options.first_ahead(pp), options.schedule, cfg.n_micro_batches, len(slices), pp_rank, pp)
     scaler = _LossScaler(cfg.precision == "fp16", ctx.device)
     if not scaler.enabled:  # gradients are final as the engine reports them: DP starts moving them at once
         engine.grads_ready = sync.grads_ready
 
     def step(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        with tracer.span("step", f"step {i}"):  # all of a step's work, inside run_steps's timed window
+            loss, dt = one_step(i, inputs, targets)
+        # the T ranks of the last stage compute the same loss: tp_rank 0 reports it
+        return StepOutput(loss=float(loss) if loss is not None and tp_rank == 0 else None, dp_sync_time=dt)
+
+    def one_step(i: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor | None, float]:
         more = ctx.plan.more_after(i)  # post the next step's receives a step ahead (on gloo: post_ahead)
         for p in params:
             p.grad = None
@@ -166,28 +186,36 @@ def train(config: RunConfig, ctx: Context) -> Measurements:
             if more:
                 sync.post_ahead()
             ctx.synchronize()
-        if more and options.prefetch:  # the stage's weights are final for step i + 1
-            engine.prefetch(ctx.batch(i + 1, dp_rank)[0], options.prefetch)
-        # the T ranks of the last stage compute the same loss: tp_rank 0 reports it
-        return StepOutput(loss=float(loss) if loss is not None and tp_rank == 0 else None, dp_sync_time=dt)
+        if more and n_ahead:  # the stage's weights are final for step i + 1; its gradients are spent
+            for p in params:
+                p.grad = None
+            engine.prefetch(ctx.batch(i + 1, dp_rank)[0], n_ahead)
+        return loss, dt
 
     def weights() -> dict[str, torch.Tensor]:
         """Full tensors (gathered over TP: every TP rank takes part) on the first replica's tp_rank 0."""
-        full = gather_full({n: p.detach() for n, p in named}, tp, tp_group)
+        full = gather_full({n: p.detach() for n, p in named}, cfg.model, tp, tp_group)
         return full if dp_rank == 0 and tp_rank == 0 else {}
 
     engine.post_ahead()  # the first step's receives, before the first step (gloo)
     sync.post_ahead()
     m = run_steps(ctx, dp_rank, step, weights=weights)
     if cfg.verify:
-        grads = gather_full(sync.grads(), tp, tp_group)
+        grads = gather_full(sync.grads(), cfg.model, tp, tp_group)
         m.grads = grads if tp_rank == 0 else {}
     if options.trace:
         tracer.write(options.trace, ctx.world_size)
-    m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.n_micro_batches)
-    if options.prefetch:  # what the first stage could run ahead (known before launch only for a slicing given)
-        ran = min(options.prefetch, leading_forwards(options.schedule, cfg.n_micro_batches, len(slices), pp))
-        m.extra["prefetch"] = ran
-        if ran < options.prefetch:  # 'auto' chose a slicing with fewer forwards before the first backward
-            m.extra["prefetch_asked"] = options.prefetch
+    _record_choices(m, cfg, slices, slicing_source)
     return m
+
+
+def _record_choices(m: Measurements, cfg: RunConfig, slices: tuple[int, ...], slicing_source: str) -> None:
+    """The run's resolved choices in its measurements: the slicing and what the first stage ran ahead."""
+    options: OursOptions = cfg.options
+    m.extra.update(slices=list(slices), slicing=slicing_source, n_batch_slices=cfg.n_micro_batches)
+    asked = options.first_ahead(cfg.pp)
+    if asked:  # what the first stage ran ahead (known before launch only for a count and a slicing given)
+        ran = ahead(asked, options.schedule, cfg.n_micro_batches, len(slices), 0, cfg.pp)
+        m.extra["prefetch"] = ran
+        if ran < asked and options.prefetch != "auto":  # the slicing 'auto' has fewer forwards before the
+            m.extra["prefetch_asked"] = options.prefetch  # first backward than the count given

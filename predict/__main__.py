@@ -1,23 +1,32 @@
-"""python -m predict: a run's step time without running it, and the simulator's calibration and checks.
+"""pipebench predict (python -m predict): a run's step time without running it, and the simulator's
+calibration and checks. One mode a command (``pipebench predict MODE --help``: its flags):
 
-    python -m predict scenario FILE.toml [--json]   # a run on a GPU cluster, described whole
-                                            # (predict.scenario: model, cluster, run): step time, parts, memory
-    python -m predict validate-seed [--json] [--out DIR] [--calibrate]   # every cell of the seed's GPT-3 XL
+    pipebench predict scenario FILE.toml [--json]   # a run on a GPU cluster, described whole (predict.scenario:
+                                            # model, cluster, run): step time, parts, memory; FILE a path or the
+                                            # name of a shipped scenario (predict/scenarios: seed-gpipe-default)
+    pipebench predict validate-seed [--json] [--out DIR] [--calibrate]   # every cell of the seed's GPT-3 XL
                                             # tables predicted; the V100's calibration cells named, not scored
-    python -m predict validate-seed --sensitivity [--out DIR]   # every cell as the calibration cell in turn
-    python -m predict --system ours --model cpu-small --pp 2 ... [--network d10-1g]
-                              [--device-file "V100 SXM2 16GB"]   # one run: the run command's flags
-    python -m predict sweep SWEEP_FILE [--device-file NAME]   # the predicted report tables of a sweep
-    python -m predict records RECORDS.jsonl ...   # this machine's prediction of every recorded CPU run, kept
+    pipebench predict validate-seed --sensitivity [--out DIR]   # every cell as the calibration cell in turn
+    pipebench predict validate-published [--json] [--out DIR] [--jobs N]   # Megatron-LM's published tables (the
+                                            # development set beyond the seed) predicted, per GPU type
+    pipebench predict compare FILE.toml [--json] [--top N]   # every system and layout that fits a model on a
+                                            # cluster, predicted and ranked (predict.compare)
+    pipebench predict fit-kernels [--write]   # the GPU device files' GEMM curves fitted to the published kernel
+                                            # benchmarks they name (workload/devices/kernels/)
+    pipebench predict run --system ours --model cpu-small --pp 2 ... [--network d10-1g]
+                              [--device-file "V100 SXM2 16GB"]   # one run: the run command's flags (also
+                                            # without the word run: pipebench predict --system ours ...)
+    pipebench predict sweep SWEEP_FILE [--device-file NAME]   # the predicted report tables of a sweep
+    pipebench predict records RECORDS.jsonl ...   # this machine's prediction of every recorded CPU run, kept
                                             # beside its records (X.predictions.json) for the report's cells
-    python -m predict calibrate     # this host and code version: profiles, stall probe, runs without delay,
+    pipebench predict calibrate     # this host and code version: profiles, stall probe, runs without delay,
                                     # overheads, the host's speed (predict/calibration/<host>-<code>/)
-    python -m predict calibrate --refit   # the kept calibration runs fitted again (a change to the fit)
-    python -m predict validate [RECORDS.jsonl ...] [--name validation]   # recorded runs (default: the main
+    pipebench predict calibrate --refit   # the kept calibration runs fitted again (a change to the fit)
+    pipebench predict validate [RECORDS.jsonl ...] [--name validation]   # recorded runs (default: the main
                                     # job's, results/local.jsonl) predicted against measured, by case; kept
                                     # only with --name: the report shows predictions only for the cases
                                     # predict/calibration/validation.json finds modelled (--name N: results/predict/N)
-    python -m predict plan-check [EVALUATION.json] [--out DIR]   # the planner's evaluation: formula vs simulator
+    pipebench predict plan-check [EVALUATION.json] [--out DIR]   # the planner's evaluation: formula vs simulator
 
 Without --device-file a run is predicted for this machine (its calibration in predict/calibration and a
 profile of the model's shape); with one (a device file's name or path: workload/devices), for that GPU,
@@ -27,12 +36,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
+from contract.cli import DEVICE_FILE, Parser, old_names
 from contract.records import predictions_path
 
 REPORTS = Path(__file__).resolve().parents[1] / "results" / "predict"  # what the checks write
+PROG = "python -m predict"  # the command's name where pipebench does not give its own
 
 
 def _calibrate(args) -> int:
@@ -48,21 +60,45 @@ def _calibrate(args) -> int:
 def _validate(args) -> int:
     from predict.this_machine import NothingToValidate, validate_records
 
+    if args.name is not None and not _plain_name(args.name):
+        print(f"{args.prog}: error: --name {args.name!r}: a plain name (letters, digits, '.', '_', "
+              "'-'; no path): the check is kept as results/predict/NAME.{md,json}", file=sys.stderr)
+        return 2
     missing = [p for p in args.records if not Path(p).is_file()]
     if missing:
-        print(f"python -m predict validate: error: no such file: {', '.join(missing)} (run the main job first: "
+        print(f"{args.prog}: error: no such file: {', '.join(missing)} (run the main job first: "
               f"runners/run_all.sh)", file=sys.stderr)
         return 2
     try:
         validate_records([Path(p) for p in args.records], name=args.name,
                          out=None if args.name in (None, "validation") else REPORTS)
     except (FileNotFoundError, NothingToValidate) as exc:
-        print(f"python -m predict validate: error: {exc}", file=sys.stderr)
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
     if args.name is None:
         print("(nothing written: --name validation keeps it as predict/calibration/validation.{md,json}, the one the "
               "report's predictions are gated by; another name: results/predict/NAME.{md,json})", file=sys.stderr)
     return 0
+
+
+def _plain_name(name: str) -> bool:
+    """A name that stays a file's name inside its folder: no path, no hidden or parent entry."""
+    return bool(re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", name))
+
+
+def _out_dir_error(out: str | None) -> str | None:
+    """Why ``--out DIR`` cannot take a check's report (a file, not a folder; a folder not creatable), judged
+    before any work; None where it can (it is created)."""
+    if out is None:
+        return None
+    d = Path(out)
+    if d.exists() and not d.is_dir():
+        return f"--out {out} is a file: give a folder (DIR/NAME.md and .json are written in it)"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--out {out}: cannot make the folder ({exc.strerror or exc.__class__.__name__})"
+    return None
 
 
 def _write(out: str | None, stem: str, text: str, data) -> None:
@@ -80,11 +116,14 @@ def _validate_seed(args) -> int:
     from predict.seed_tables import calibrate, markdown, validate
 
     if args.calibrate and args.sensitivity:
-        print("python -m predict validate-seed: error: give --calibrate or --sensitivity, not both", file=sys.stderr)
+        print(f"{args.prog}: error: give --calibrate or --sensitivity, not both", file=sys.stderr)
+        return 2
+    if _out_dir_error(args.out):
+        print(f"{args.prog}: error: {_out_dir_error(args.out)}", file=sys.stderr)
         return 2
     if args.calibrate:
         fitted = calibrate(write=True)
-        print("V100 SXM2 device files calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
+        print("the seed's stack's stall shares calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
               file=sys.stderr)
     if args.sensitivity:
         from predict.seed_tables import sensitivity, sensitivity_markdown
@@ -106,13 +145,62 @@ def _validate_seed(args) -> int:
     return 0
 
 
+def _fit_kernels(args) -> int:
+    from predict.fitting import fit_kernels, write_kernel_fits
+    from workload.compute import device_files, read_device
+
+    if args.write:
+        fits = write_kernel_fits()
+    else:
+        fits = {p.name: fit_kernels(d) for p in device_files() if (d := read_device(p)).kernels}
+    for name, by_precision in fits.items():
+        for prec, f in by_precision.items():
+            print(f"{name} {prec}: efficiency {f['efficiency']:.4f}, half {f['half']:.1f} (K), {f['rows']} GEMMs of "
+                  f"{f['file']}, rms log error {f['rms_log_error']:.3f}")
+    return 0
+
+
+def _compare(args) -> int:
+    from predict.compare import as_json, compare, table
+    from predict.scenario import ScenarioError
+
+    try:
+        res = compare(_scenario_file(args.file), jobs=args.jobs, progress=not args.json)
+    except ScenarioError as exc:
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(as_json(res)) if args.json else table(res, args.top))
+    return 0
+
+
+def _validate_published(args) -> int:
+    from predict.published import calibrate, markdown, validate, write_validated
+
+    if args.calibrate:
+        fitted = calibrate(write=True)
+        print("stacks' stall shares calibrated: " + ", ".join(f"{k} {v:.4f}" for k, v in fitted.items()),
+              file=sys.stderr)
+
+    def progress(r):
+        what = "oom" if r["predicted"] == "oom" else f"{r['predicted']:.3f} s ({r.get('error', 0) * 100:+.1f} %)"
+        print(f"{r['name']}: published {r['published']:.3f} s, predicted {what}", file=sys.stderr, flush=True)
+
+    res = validate(jobs=args.jobs, progress=progress, select=args.only)
+    if args.calibrate and not args.only:  # a whole run on the stall shares just fitted: the files' status
+        print("validated written into " + ", ".join(write_validated(res)), file=sys.stderr)
+    text = markdown(res)
+    print(json.dumps(res["gpus"]) if args.json else text)
+    _write(args.out, "published-validation", text, res)
+    return 0
+
+
 def _scenario(args) -> int:
     from predict.scenario import ScenarioError, line, load, predict_scenario
 
     try:
-        res = predict_scenario(load(args.file))
+        res = predict_scenario(load(_scenario_file(args.file)))
     except ScenarioError as exc:
-        print(f"python -m predict scenario: error: {exc}", file=sys.stderr)
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(res) if args.json else line(res))
     return 0
@@ -130,19 +218,22 @@ def _plan_check(args) -> int:
 
 def _target(device_file: str | None, cfg, in_flight: int | None):
     """(compute model, link, cores, transport) of a prediction: this machine, or a GPU's device file."""
-    from workload.compute import CpuCompute, gpu_compute
+    from workload.compute import CpuCompute
     from predict.this_machine import find_profile, load_calibration
 
     if device_file is None:
+        from predict.this_machine import at_host_speed
+
         cal = load_calibration()
         print(f"with the {cal.name}", file=sys.stderr)
-        return (CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)),
-                cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo")
-    from predict.from_config import single_link
-    from predict.run_spec import Link
+        compute = at_host_speed(CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)), cal,
+                                log=lambda line: print(line, file=sys.stderr))
+        return compute, cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo"
+    from predict.from_config import gpu_compute_of, single_link
+    from contract.links import Link
     from predict.scenario import NVLINK_DELAY_MS, NVLINK_GBPS
 
-    compute = gpu_compute(device_file, cfg.model, cfg.precision)
+    compute = gpu_compute_of(cfg, device_file)
     link = single_link(cfg.network, cfg.network_matrix)
     if link is None:
         nvlink = NVLINK_GBPS.get(compute.device.part.split()[0], 1000.0)
@@ -174,29 +265,37 @@ def _in_flight(text: str) -> int:
     return n
 
 
-def _target_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    from runners.request import Parser
-
-    p = Parser(prog="python -m predict", add_help=False)
-    p.add_argument("--device-file", "--gpu", dest="device_file", default=None,
-                   help="a device file's name or path (workload/devices)")
+def _target_flags(p) -> None:
+    """The flags of where a run is predicted (the one-run mode and sweep): a GPU's device file or this
+    machine; ``--device-file`` is the name every command gives it (``--gpu``: the old name)."""
+    p.add_argument(*DEVICE_FILE, dest="device_file", default=None, metavar="NAME", help="a device file's name or path "
+                   f"(workload/devices){old_names(DEVICE_FILE)} (default: this machine, from its calibration)")
     p.add_argument("--in-flight", type=_in_flight, default=None,
                    help="messages in flight per link and direction on a GPU's links (default: as many as issued)")
-    return p.parse_known_args(argv)
 
 
-def predict_run(argv: list[str]) -> int:
+def run_parser(prog: str = f"{PROG} run"):
+    """The one-run mode's parser: the run command's flags (``runners.request``) and the target's."""
+    from runners.request import build_parser
+
+    p = build_parser(prog=prog)
+    p.description = ("One run predicted from the run command's own flags (pipebench run --help), without "
+                     "running it: its step time, its parts and each rank's time.")
+    _target_flags(p.add_argument_group("where it is predicted"))
+    return p
+
+
+def predict_run(argv: list[str], prog: str = f"{PROG} run") -> int:
     """One run from the run command's own flags: its predicted step time and breakdown."""
     from contract import ConfigError
     from predict.from_config import NotModelled, OutOfMemory
+    from predict.simulator import SimulationError
     from contract.registry import get_system
-    from runners.request import build_parser, config_from_args, judge
+    from runners.request import config_from_args, judge
     from workload.compute import DeviceError
 
-    target, rest = _target_args(argv)
-    parser = build_parser()
-    parser.prog = "python -m predict"
-    args = parser.parse_args(rest)
+    parser = run_parser(prog)
+    args = target = parser.parse_args(argv)
     oom = None
     try:
         spec = get_system(args.system)
@@ -205,12 +304,17 @@ def predict_run(argv: list[str]) -> int:
         p = _predict(cfg, target.device_file, target.in_flight)
     except OutOfMemory as exc:
         oom = exc
-    except (ConfigError, NotModelled, FileNotFoundError, DeviceError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+    except (ConfigError, NotModelled, FileNotFoundError, DeviceError, SimulationError) as exc:
+        print(f"{parser.prog}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     where = target.device_file or "this machine"
-    print(f"{cfg.system} {cfg.model.name} pp={cfg.pp} tp={cfg.tp} dp={cfg.dp} mb={cfg.micro_batch_size} "
-          f"batch={cfg.batch_size} network {cfg.network} on {where}:")
+    print(f"{cfg.system} {cfg.model.name} {cfg.precision} pp={cfg.pp} tp={cfg.tp} dp={cfg.dp} "
+          f"mb={cfg.micro_batch_size} batch={cfg.batch_size} network {cfg.network} on {where}:")
+    if target.device_file:
+        from predict.compare import device_status
+        from workload.compute import find_device
+
+        print(f"device file: {device_status(find_device(target.device_file))}")
     if oom is not None:
         print(f"predicted: {oom}")
         return 0
@@ -219,7 +323,7 @@ def predict_run(argv: list[str]) -> int:
     return 0
 
 
-def predict_sweep(argv: list[str]) -> int:
+def _sweep(args) -> int:
     """The sweep file's runs predicted, shown as report.py shows measured ones."""
     from contract import ConfigError
     from reporting import render
@@ -229,14 +333,11 @@ def predict_sweep(argv: list[str]) -> int:
     from runners.sweep.plan import SweepError, load_sweep
     from workload.compute import DeviceError
 
-    target, rest = _target_args(argv)
-    if len(rest) != 1:
-        print("usage: python -m predict sweep SWEEP_FILE [--device-file FILE]", file=sys.stderr)
-        return 2
+    target = args
     try:
-        sweep = load_sweep(rest[0])
+        sweep = load_sweep(target.sweep)
     except SweepError as exc:
-        print(f"python -m predict: error: {exc}", file=sys.stderr)
+        print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
     records, skipped = [], []
     for run in sweep.valid_runs:
@@ -265,34 +366,50 @@ def _records(args) -> int:
 
     for path in args.records:
         if not Path(path).is_file():
-            print(f"python -m predict records: error: no such file: {path}", file=sys.stderr)
+            print(f"{args.prog}: error: no such file: {path}", file=sys.stderr)
             return 2
     for path in args.records:
+        out = predictions_path(path)
+        before = out.stat().st_mtime_ns if out.exists() else None
         predicted = predict_records(Path(path), log=lambda line: print(line, file=sys.stderr))
-        where = predictions_path(path) if predictions_path(path).exists() else "nothing written"
+        after = out.stat().st_mtime_ns if out.exists() else None
+        where = "nothing written" if after is None else (f"{out} kept as it was" if after == before else out)
         print(f"{path}: {len(predicted)} run(s) predicted ({where})")
     return 0
 
 
-COMMANDS = ("calibrate", "validate", "validate-seed", "scenario", "plan-check", "sweep", "records")
+def _scenario_file(text: str) -> str | Path:
+    """A scenario as given: a path, else (a bare name not here) the shipped scenario of that name."""
+    from predict.seed_tables import SCENARIOS
+
+    if Path(text).exists() or Path(text).name != text:
+        return text
+    shipped = [SCENARIOS / name for name in (text, f"{text}.toml")]
+    return next((s for s in shipped if s.is_file()), text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "sweep":
-        return predict_sweep(argv[1:])
-    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
-        return predict_run(argv)
-    p = argparse.ArgumentParser(prog="python -m predict", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    q = sub.add_parser("calibrate", help="this host and code version's calibration (about 13 minutes on 2 cores)")
-    q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
-    q.add_argument("--warmup", type=int, default=1)
-    q.add_argument("--repeats", type=int, default=3, help="runs of each calibration config, round-robin (each "
-                   "config's median record in calibration-runs.jsonl is fitted)")
-    q.add_argument("--refit", action="store_true", help="run nothing: fit this host and code version's kept "
-                   "calibration runs again (after a change to the fit itself)")
-    q.set_defaults(fn=_calibrate)
+RUN = "run"  # the one-run mode: the run command's parser (run_parser), built only where it is asked for
+
+
+def build_parser(prog: str = PROG) -> Parser:
+    """The modes, each a subcommand; the one-run mode's flags are the run command's (``run_parser``)."""
+    first, rest = __doc__.split("\n\n", 1)
+    p = Parser(prog=prog, description=first, epilog=rest.rstrip())
+    sub = p.add_subparsers(dest="cmd", metavar="MODE", required=True, parser_class=Parser)
+    sub.add_parser(RUN, add_help=False, help="one run predicted from the run command's flags (also given directly: "
+                   f"{prog} --system ...; {prog} run --help: the flags)")
+    q = sub.add_parser("sweep", help="a sweep file's runs predicted, as the report shows measured ones")
+    q.add_argument("sweep", metavar="SWEEP_FILE", help="a sweep file (TOML): a path, or a name in sweeps/")
+    _target_flags(q)
+    q.set_defaults(fn=_sweep)
+    q = sub.add_parser("scenario", help="a run on a GPU cluster described by a scenario file (predict.scenario)")
+    q.add_argument("file", help="the scenario (TOML): a path, or the name of a shipped one (predict/scenarios)")
+    q.add_argument("--json", action="store_true", help="one JSON object: step_time_s, parts, memory, status")
+    q.set_defaults(fn=_scenario)
+    q = sub.add_parser("records", help="this machine's prediction of every recorded CPU run, kept beside its "
+                       "records file for the report")
+    q.add_argument("records", nargs="+", help="records files (JSON lines)")
+    q.set_defaults(fn=_records)
     q = sub.add_parser("validate", help="recorded runs predicted against measured, by case")
     q.add_argument("records", nargs="*", default=["results/local.jsonl"],
                    help="records files (default: the main job's, results/local.jsonl)")
@@ -303,26 +420,60 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("validate-seed", help="every cell of the seed's GPT-3 XL tables predicted (the V100's "
                        "calibration cells named, not scored)")
     q.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    q.add_argument("--out", default=None, help="write DIR/seed-validation.{md,json}")
-    q.add_argument("--calibrate", action="store_true", help="first refit the V100 device files' GEMM efficiency on "
-                   "their calibration cells (writes workload/devices/v100-*.json)")
+    q.add_argument("--out", default=None, help="write DIR/seed-validation.{md,json} (default: write nothing)")
+    q.add_argument("--calibrate", action="store_true", help="first refit the seed's stack's stall shares on their "
+                   "calibration cells (writes predict/stacks.json)")
     q.add_argument("--sensitivity", action="store_true", help="instead: every cell of a precision as its one "
                    "calibration cell in turn, the validation's median and largest error for each (a few minutes; "
                    "--out writes DIR/seed-calibration-sensitivity.{md,json})")
     q.set_defaults(fn=_validate_seed)
-    q = sub.add_parser("scenario", help="a run on a GPU cluster described by a scenario file (predict.scenario)")
-    q.add_argument("file", help="the scenario (TOML)")
-    q.add_argument("--json", action="store_true", help="one JSON object: step_time_s, parts, memory, status")
-    q.set_defaults(fn=_scenario)
+    q = sub.add_parser("calibrate", help="this host and code version's calibration (about 13 minutes on 2 cores)")
+    q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
+    q.add_argument("--warmup", type=int, default=1, help="warm-up steps per run, not timed")
+    q.add_argument("--repeats", type=int, default=3, help="runs of each calibration config, round-robin (each "
+                   "config's median record in calibration-runs.jsonl is fitted)")
+    q.add_argument("--refit", action="store_true", help="run nothing: fit this host and code version's kept "
+                   "calibration runs again (after a change to the fit itself)")
+    q.set_defaults(fn=_calibrate)
+    q = sub.add_parser("compare", help="every system, layout, schedule, micro-batch and recompute choice that fits "
+                       "a model on a cluster, predicted and ranked (predict.compare)")
+    q.add_argument("file", help="a compare file (TOML: [run] model, [cluster], [compare] global_batch): a path, or "
+                   "the name of a shipped one (predict/scenarios)")
+    q.add_argument("--json", action="store_true", help="one JSON object: every candidate that runs, ranked")
+    q.add_argument("--top", type=int, default=None, help="only the N fastest (default: all)")
+    q.add_argument("--jobs", type=int, default=None, help="candidates predicted at once, in processes (default: "
+                   "the cores)")
+    q.set_defaults(fn=_compare)
+    q = sub.add_parser("fit-kernels", help="the GPU device files' GEMM curves fitted to the published kernel "
+                       "benchmarks they name (workload/devices/kernels/)")
+    q.add_argument("--write", action="store_true", help="write the fits into the device files")
+    q.set_defaults(fn=_fit_kernels)
+    q = sub.add_parser("validate-published", help="Megatron-LM's published tables (the development set beyond the "
+                       "seed) predicted, per GPU type")
+    q.add_argument("--json", action="store_true", help="print the per-GPU summary as one JSON object")
+    q.add_argument("--out", default=None, help="write DIR/published-validation.{md,json}")
+    q.add_argument("--jobs", type=int, default=1, help="cells predicted at once, in processes (default: 1)")
+    q.add_argument("--only", default=None, help="only the cells whose name contains this text")
+    q.add_argument("--calibrate", action="store_true", help="first refit the stacks' stall shares on their "
+                   "calibration cells (writes predict/stacks.json)")
+    q.set_defaults(fn=_validate_published)
     q = sub.add_parser("plan-check", help="the planner's evaluation: its formula against the simulator")
-    q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json")
-    q.add_argument("--out", default=None, help="write DIR/plan-check.{md,json}")
+    q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json",
+                   help="the evaluation (python -m bench plan-evaluation)")
+    q.add_argument("--out", default=None, help="write DIR/plan-check.{md,json} (default: write nothing)")
     q.set_defaults(fn=_plan_check)
-    q = sub.add_parser("records", help="this machine's prediction of every recorded CPU run, kept beside its "
-                       "records file for the report")
-    q.add_argument("records", nargs="+", help="records files (JSON lines)")
-    q.set_defaults(fn=_records)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or PROG
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = [RUN, *argv]  # the one-run mode's flags given without its name
+    if argv and argv[0] == RUN:
+        return predict_run(argv[1:], f"{prog} {RUN}")
+    args = build_parser(prog).parse_args(argv)
+    args.prog = f"{prog} {args.cmd}"
     return args.fn(args)
 
 

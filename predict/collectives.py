@@ -12,16 +12,20 @@ builds its rings: one crossing of each host's network card per direction): all-r
 reduce-scatter and all-gather n-1, each step a chunk of S/n to the next member and one from the
 previous; reduce and broadcast a chain that streams S in ``CHAIN_PIECES`` pieces, each forwarded as it
 arrives. Every message goes over the link it crosses (NVLink inside a node, the nodes' network cards
-between them), so concurrent collectives share what they share. ``closed_form`` gives the same costs
-over one idle link: ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather (n-1)(a + S/(nB));
-chain reduce / broadcast (n-1) a + S/B; groups of more than ``MAX_RING`` ranks take it (a ``Group``).
+between them), so concurrent collectives share what they share. Where a ring's GPUs on a node reach
+several cards (``card``: a rank's cards), NCCL runs a channel over each: the ring is split into as
+many rings of nbytes / C, each with its node segments rotated so that it leaves and enters every
+node through other cards, their steps side by side. ``Link.collective`` gives the same costs
+over one idle link (``contract.links``: ring all-reduce 2(n-1)(a + S/(nB)); reduce-scatter / all-gather
+(n-1)(a + S/(nB)); chain reduce / broadcast (n-1) a + S/B); groups of more than ``MAX_RING`` ranks, and rings
+across nodes that would post more than ``RING_MESSAGES`` messages, take it (a ``Group``).
 """
 from __future__ import annotations
 
 from typing import Hashable
 
 from predict.simulator import Group, Recv, Send, Wait
-from predict.run_spec import Link
+from contract.links import Link
 
 MAX_SEGMENT = 1 << 20  # gloo's kMaxSegmentSize for reduce and allreduce
 ELEMENT = 4
@@ -111,37 +115,33 @@ def allgather(ranks, me, tag, nbytes: int, kind: str) -> list:
     return ops
 
 
-# ---- closed forms (nccl) ---------------------------------------------------------------------
-def closed_form(op: str, n: int, nbytes: float, link: Link) -> float:
-    """Seconds of one collective over n ranks joined by ``link`` (see the module docstring)."""
-    if n < 2:
-        return 0.0
-    a, B = link.latency, link.bandwidth
-    if op == "allreduce":
-        return 2 * (n - 1) * (a + nbytes / (n * B))
-    if op in ("reduce_scatter", "allgather"):
-        return (n - 1) * (a + nbytes / (n * B))
-    if op in ("reduce", "broadcast"):
-        return (n - 1) * a + nbytes / B
-    raise ValueError(f"unknown collective {op!r}")
-
-
 CHAIN_PIECES = 16
 MAX_RING = 128
+# A ring across nodes that would post more messages than this (n members x channels x 2(n-1) steps, per
+# collective, per bucket) is taken in closed form too: it would outnumber the step's own messages by orders
+# of magnitude, and a large data-parallel group's ring is bound by the cards it crosses, which the closed
+# form counts. (The seed's six-node rings, 60 messages, stay simulated message by message.)
+RING_MESSAGES = 1024
 
 
-def nccl_ring(op: str, ranks: tuple, me: int, tag: Hashable, nbytes: float, kind: str) -> list:
-    """Rank ``me``'s messages of one NCCL collective over ``ranks`` (in ring order)."""
+def nccl_ring(op: str, ranks: tuple, me: int, tag: Hashable, nbytes: float, kind: str,
+              channels: tuple[tuple, ...] = ()) -> list:
+    """Rank ``me``'s messages of one NCCL collective over ``ranks`` (in ring order; ``channels``: more
+    ring orders of the same ranks, the bytes split evenly over them and ``ranks``, step by step)."""
     n = len(ranks)
-    i = ranks.index(me)
-    nxt, prv = ranks[(i + 1) % n], ranks[(i - 1) % n]
     ops: list = []
     if op in ("allreduce", "reduce_scatter", "allgather"):
         steps = {"allreduce": 2 * (n - 1), "reduce_scatter": n - 1, "allgather": n - 1}[op]
-        chunk = nbytes / n
+        rings = (ranks, *channels)
+        chunk = nbytes / n / len(rings)
+        peers = [(r[(r.index(me) - 1) % n], r[(r.index(me) + 1) % n]) for r in rings]
         for k in range(steps):
-            rk, sk = (tag, op, k, prv, me), (tag, op, k, me, nxt)
-            ops += [Recv(rk, prv, chunk), Send(sk, nxt, chunk), Wait((rk, sk), kind)]
+            keys: list = []
+            for c, (p, q) in enumerate(peers):
+                rk, sk = (tag, op, k, p, me, c), (tag, op, k, me, q, c)
+                ops += [Recv(rk, p, chunk), Send(sk, q, chunk)]
+                keys += [rk, sk]
+            ops.append(Wait(tuple(keys), kind))
         return ops
     if op in ("reduce", "broadcast"):  # a chain: toward ranks[0] (reduce) or away from it (broadcast)
         chain = list(reversed(ranks)) if op == "reduce" else list(ranks)
@@ -164,21 +164,37 @@ def nccl_ring(op: str, ranks: tuple, me: int, tag: Hashable, nbytes: float, kind
     raise ValueError(f"unknown collective {op!r}")
 
 
+def channels(order: tuple, host, card) -> tuple[tuple, ...]:
+    """The rings NCCL adds to ``order`` (ranks grouped host by host) where a host's ranks reach several
+    network cards (``card``: rank -> its cards): channel j rotates every host's segment by j, so that a
+    ring leaves each host from its (j+1)-th rank and enters the next at another; as many channels as
+    the fewest cards a host's ranks reach, one ring without cards or with the group on one host."""
+    segments: dict = {}
+    for r in order:
+        segments.setdefault(host(r), []).append(r)
+    if card is None or len(segments) < 2:
+        return ()
+    c = min(len({card(r) for r in seg}) for seg in segments.values())
+    return tuple(tuple(r for seg in segments.values() for r in seg[j:] + seg[:j]) for j in range(1, c))
+
+
 def collective(transport: str, op: str, ranks, me: int, tag, nbytes: float, link: Link, kind: str,
-               host=None) -> list:
+               host=None, card=None) -> list:
     """The ops rank ``me`` runs for one collective, by transport (gloo: its algorithms' messages; nccl:
-    NCCL's rings over the group ordered by ``host`` (rank -> host; None: as given), or a closed-form
-    ``Group`` over ``link`` for a group larger than ``MAX_RING``)."""
+    NCCL's rings over the group ordered by ``host`` (rank -> host; None: as given), a channel a card
+    where ``card`` (rank -> its network cards) gives several (``channels``), or a closed-form ``Group``
+    over ``link`` for a group larger than ``MAX_RING``)."""
     ranks = tuple(ranks)
     if len(ranks) < 2:
         return []
     if transport == "nccl":
         if len(ranks) > MAX_RING or host is None:
-            return [Group((tag, op), ranks, closed_form(op, len(ranks), nbytes, link), kind)]
+            return [Group((tag, op), ranks, link.collective(op, len(ranks), nbytes), kind)]
         order = tuple(sorted(ranks, key=lambda r: (host(r), r)))
         if op in ("reduce", "broadcast"):  # the chain starts at the root, ranks[0]
             order = (ranks[0],) + tuple(r for r in order if r != ranks[0])
-        return nccl_ring(op, order, me, tag, nbytes, kind)
+            return nccl_ring(op, order, me, tag, nbytes, kind)
+        return nccl_ring(op, order, me, tag, nbytes, kind, channels(order, host, card))
     if op == "allreduce":
         return allreduce(ranks, me, tag, int(nbytes), kind)
     if op == "reduce_scatter":

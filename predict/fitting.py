@@ -3,17 +3,21 @@
 - CPU (this machine): each system's framework overheads (``Overheads``: per step, per micro-batch or
   unit, per data-parallel sync) by non-negative least squares of the relative error between the
   simulated and the measured median step time of runs with ``--network none``.
-- GPU: a device's GEMM efficiency (the share of its datasheet peak large GEMMs reach) by bisection, so
-  that the simulated step of one published or measured cell equals its step time.
+- GPU kernels: a device's GEMM curve (``efficiency``: the share of its datasheet peak the largest GEMMs
+  reach; ``half``: the depth K at which a GEMM's main loop reaches half of that) by least squares of the
+  log of modelled over measured time, on published kernel benchmarks at their shapes
+  (``workload/devices/kernels/``; ``fit_gemm``).
 """
 from __future__ import annotations
 
 import itertools
+import json
+import math
 from dataclasses import replace
+from pathlib import Path
 
-from workload.compute import GpuCompute, Overheads
+from workload.compute import DEVICES, Device, GpuCompute, Overheads
 from predict.step_time import predict
-from predict.run_spec import RunSpec
 
 
 def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -93,22 +97,77 @@ def fit_overheads(system: str, runs: list[tuple], cores: float | None,
     return fitted, report
 
 
-def fit_efficiency(spec: RunSpec, compute: GpuCompute, measured: float, lo: float = 0.05, hi: float = 1.0,
-                   tol: float = 1e-4) -> float:
-    """The GEMM efficiency (e_max of ``compute``'s precision) at which the simulated step of ``spec``
-    takes ``measured`` seconds: a device file's calibration on one cell."""
-    def t(eff):
-        dev = compute.device.with_gemm(compute.precision, eff)
-        return predict(spec, compute.with_device(dev)).step_time
+KERNELS = DEVICES / "kernels"
+# The GEMMs a transformer layer runs have every dimension >= 128 (tokens, hidden / tp, 4 hidden / tp at tp <= 8
+# for hidden >= 256): the benchmark rows fitted are those.
+KERNEL_MIN_DIM = 128
 
-    if t(hi) > measured:
-        raise ValueError(f"even at efficiency {hi:.2f} the predicted step ({t(hi):.2f} s) exceeds {measured:.2f} s")
-    if t(lo) < measured:
-        raise ValueError(f"even at efficiency {lo:.2f} the predicted step ({t(lo):.2f} s) is below {measured:.2f} s")
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if t(mid) > measured:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+
+def kernel_rows(name: str, precision: str, min_dim: int = KERNEL_MIN_DIM) -> list[tuple[int, int, int, float]]:
+    """(M, N, K, seconds) of the GEMMs a kernel benchmark file (``workload/devices/kernels/NAME``) holds for
+    ``precision``, every dimension at least ``min_dim``."""
+    data = json.loads((KERNELS / name).read_text())
+    return [(m, n, k, ms / 1e3) for m, n, k, _, _, ms in data["gemm"].get(precision, [])
+            if min(m, n, k) >= min_dim]
+
+
+def fit_gemm(device: Device, precision: str, rows: list[tuple[int, int, int, float]]) -> dict:
+    """The GEMM curve of ``device`` in ``precision`` that models ``rows`` (M, N, K, seconds) best: the
+    least squares of log(modelled / measured) over (efficiency, half); with fewer than three rows, the
+    efficiency alone (half as the device has it). Returns efficiency, half, the rows' count and the
+    root-mean-square of the log error."""
+    from scipy.optimize import minimize
+
+    from workload.configs import MODEL_CONFIGS
+
+    model = MODEL_CONFIGS["tiny"]  # a GEMM's time does not depend on the model
+    _, half0 = device.gemm_curve(precision)
+
+    def err(e: float, half: float) -> float:
+        if not (0 < e <= 1 and half > 0):
+            return 1e9
+        cm = GpuCompute(device.with_gemm(precision, e, half), model, precision)
+        return sum(math.log(cm.gemm(m, n, k) / t) ** 2 for m, n, k, t in rows) / len(rows)
+
+    if len(rows) < 3:
+        res = minimize(lambda x: err(x[0], half0), [0.8], method="Nelder-Mead", options=dict(xatol=1e-5))
+        e, half = float(res.x[0]), half0
+    else:  # the depth on a log scale: it spans orders of magnitude
+        starts = [(e0, h0) for e0 in (0.6, 0.9) for h0 in (16.0, 128.0)]
+        # (half >= 1: a depth that never halves the main loop's rate is as good as K / (K + 1))
+        res = min((minimize(lambda x: err(x[0], math.exp(max(0.0, x[1]))), [e0, math.log(h0)],
+                            method="Nelder-Mead", options=dict(xatol=1e-5, fatol=1e-9)) for e0, h0 in starts),
+                  key=lambda r: r.fun)
+        e, half = float(res.x[0]), float(math.exp(max(0.0, res.x[1])))
+    return dict(efficiency=round(e, 4), half=round(half, 1), rows=len(rows),
+                rms_log_error=round(math.sqrt(err(e, half)), 4))
+
+
+def fit_kernels(device: Device) -> dict[str, dict]:
+    """Every precision of ``device`` whose GEMM curve comes from a kernel benchmark (its ``kernels``
+    entry names the file), fitted again: {precision: fit_gemm's answer and the file}."""
+    out = {}
+    for precision, entry in device.kernels.items():
+        rows = kernel_rows(entry["file"], entry.get("from", precision), entry.get("min_dim", KERNEL_MIN_DIM))
+        out[precision] = dict(fit_gemm(device, precision, rows), file=entry["file"])
+    return out
+
+
+def write_kernel_fits() -> dict[str, dict]:
+    """Every device file whose GEMM curves come from kernel benchmarks, fitted again and written:
+    {file name: {precision: fit}}."""
+    from workload.compute import device_files, read_device
+
+    out = {}
+    for path in device_files():
+        device = read_device(path)
+        if not device.kernels:
+            continue
+        fits = fit_kernels(device)
+        d = json.loads(Path(path).read_text())
+        for precision, fit in fits.items():
+            d["gemm"][precision] = dict(efficiency=fit["efficiency"], half=fit["half"])
+            d["kernels"][precision].update(rows=fit["rows"], rms_log_error=fit["rms_log_error"])
+        Path(path).write_text(json.dumps(d, indent=1) + "\n")
+        out[Path(path).name] = fits
+    return out

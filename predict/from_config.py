@@ -1,11 +1,14 @@
-"""The one place that knows the run command's RunConfig: a RunSpec from a config (or a record's config)."""
+"""The one place that knows the run command's RunConfig: a RunSpec, a GPU's compute model and the
+memory per GPU of a config (or a record's config). A scenario's ``[run]`` is a RunConfig too
+(``predict.scenario``): it is predicted through the same functions."""
 from __future__ import annotations
 
 from contract import RunConfig
-from network_emulation.profiles import LinkSpec, link_classes, parse_profile
-from predict.run_spec import SYSTEMS, Link, RunSpec
 from contract.registry import get_system
-
+from network_emulation.profiles import LinkSpec, link_classes, parse_profile
+from contract.links import Link
+from predict.pipeline_orders import owner
+from predict.run_spec import MEGATRON_ONLY, MODELLED, Cluster, RunSpec
 
 CALIBRATED = ("torch_pipe", "megatron", "ours")  # the systems this machine's calibration fits
 
@@ -38,42 +41,122 @@ def check_faults_modelled(cfg: RunConfig) -> None:
         raise NotModelled(f"{', '.join(faults)}: not modelled (the simulator's links and devices stay as they start)")
 
 
-def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", compute=None) -> RunSpec:
+def schedule_of(cfg: RunConfig) -> tuple[str, int]:
+    """(schedule, model chunks per rank) of a run: its system's options' (fairscale's Pipe: GPipe)."""
+    o = cfg.options
+    return getattr(o, "schedule", "gpipe"), getattr(o, "virtual_pp", 1)
+
+
+def stage_layers_of(cfg: RunConfig) -> tuple[int, ...] | None:
+    """The layers of each pipeline stage (model chunk) a run asks for (--layers-per-stage), None: equal."""
+    o = cfg.options
+    return o.stage_layers(cfg) if getattr(o, "layers_per_stage", None) is not None else None
+
+
+def rank_layers_of(cfg: RunConfig) -> tuple[int, ...] | None:
+    """The layers each pipeline rank holds (its model chunks', placed looped or in a V), None: equal."""
+    counts = stage_layers_of(cfg)
+    if counts is None:
+        return None
+    schedule, _ = schedule_of(cfg)
+    held = [0] * cfg.pp
+    for stage, n in enumerate(counts):
+        held[owner(schedule, cfg.pp, stage)] += n
+    return tuple(held)
+
+
+def sync_of(cfg: RunConfig) -> str:
+    """The simulator's data parallelism of a run (``RunSpec.dp_mode``): ours' mode; the seed's GPipe's
+    central PS as DT-FM runs it (``chain_ps``); the baselines' all-reduce (FSDP's in its program)."""
+    mode = getattr(cfg.options, "dp_mode", "allreduce")
+    if cfg.system == "gpipe":
+        return "chain_ps" if mode == "central_ps" else mode
+    return mode if cfg.system == "ours" else "allreduce"
+
+
+def megatron_options(cfg: RunConfig) -> dict:
+    """RunSpec's megatron-only fields (``MEGATRON_ONLY``) from the run's options of the same names."""
+    return {name: getattr(cfg.options, name) for name in MEGATRON_ONLY if hasattr(cfg.options, name)}
+
+
+def _ours_slices(cfg: RunConfig, link: Link, compute) -> tuple[int, ...]:
+    o = cfg.options
+    if o.search:
+        raise NotModelled("--n-slices search keeps the K its timed steps ran fastest: nothing to predict before "
+                          "the run")
+    if o.wire_dtype != "fp32":
+        raise NotModelled(f"ours' --wire-dtype {o.wire_dtype}: the simulator sends ours' messages in fp32")
+    if o.auto:
+        from ours.plan.auto import auto_slicing
+
+        return auto_slicing(cfg, "cpu", cm=compute, link=link if compute is not None else None).slices
+    return tuple(o.token_slices(cfg.model.seq_len))
+
+
+def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", compute=None, *,
+                     slices: tuple[int, ...] | None = None, cluster: Cluster | None = None,
+                     head: int | None = None) -> RunSpec:
     """RunSpec of a RunConfig over ``link``; ours' 'auto' slicing is resolved as the run would resolve it
-    (``compute``: the GPU's compute model, for a run on a GPU; None: this machine's)."""
+    (``compute``: the GPU's compute model, for a run on a GPU; None: this machine's) unless ``slices``
+    gives it. A scenario adds its ``cluster`` and its output layer (``head``: ``RunSpec.head_classes``)."""
     check_faults_modelled(cfg)
-    systems = SYSTEMS if compute is not None else CALIBRATED
+    systems = tuple(MODELLED) if compute is not None else CALIBRATED
     if cfg.system not in systems:
         raise NotModelled(f"the simulator has no program for {cfg.system} {'on a GPU' if compute else 'here'} "
                           f"(it models {', '.join(systems)})")
-    o = cfg.options
-    schedule, virtual_pp, slices, dp_mode = "gpipe", 1, None, "allreduce"
-    if cfg.system == "ours":
-        if o.search:
-            raise NotModelled("--n-slices search keeps the K its timed steps ran fastest: nothing to predict "
-                              "before the run")
-        if o.auto:
-            from ours.plan.auto import auto_slicing
-
-            slices = auto_slicing(cfg, "cpu", cm=compute, link=link if compute is not None else None).slices
-        else:
-            slices = tuple(o.token_slices(cfg.model.seq_len))
-        dp_mode, schedule = o.dp_mode, o.schedule
-        if o.prefetch:
-            raise NotModelled("the simulator models one step on its own, not ours' --prefetch (the next step's "
-                              "first forwards run during this one)")
-    else:
-        schedule, virtual_pp = o.schedule, o.virtual_pp
+    if cfg.system == "ours" and slices is None:
+        slices = _ours_slices(cfg, link, compute)
+    elif cfg.system == "gpipe" and slices is None:
+        slices = (cfg.model.seq_len,)
     if compute is None and cfg.precision != "fp32":
         raise NotModelled(f"--precision {cfg.precision} on this machine: its calibration is of fp32 runs")
+    mine = megatron_options(cfg)
+    if compute is None and cfg.recompute and mine.get("recompute_granularity") == "selective":
+        raise NotModelled("--recompute-granularity selective on this machine: its profile times a layer whole, not "
+                          "its attention core apart")
+    schedule, virtual_pp = schedule_of(cfg)
+    ahead = {"prefetch": cfg.options.first_ahead(cfg.pp)} if cfg.system == "ours" else {}
     try:
         return RunSpec(system=cfg.system, model=cfg.model, batch_size=cfg.batch_size,
                        micro_batch_size=cfg.micro_batch_size, link=link, pp=cfg.pp, tp=cfg.tp, dp=cfg.dp,
-                       schedule=schedule, virtual_pp=virtual_pp, slices=slices, dp_mode=dp_mode,
-                       precision=modelled_precision(cfg), recompute=cfg.recompute,
-                       transport=transport)
+                       schedule=schedule, virtual_pp=virtual_pp, slices=slices, dp_mode=sync_of(cfg),
+                       precision=cfg.precision, recompute=cfg.recompute, transport=transport,
+                       head_classes=head, cluster=cluster, layers_per_stage=stage_layers_of(cfg), **ahead,
+                       **mine)
     except ValueError as exc:
         raise NotModelled(str(exc)) from None
+
+
+def gpu_compute_of(cfg: RunConfig, device, attention: str | None = None, gemm_precision: str | None = None):
+    """The compute model of ``cfg``'s ranks on a GPU (``device``: a Device, or a device file's name or
+    path): its precision, the attention kernels (None: the GPU's era's), megatron's fused optimizer,
+    the run's optimizer's update, megatron's sequence parallelism, the GEMMs' own precision (None: the
+    run's; ``fp8``)."""
+    from workload.compute import Device, GpuCompute, default_attention, find_device
+
+    dev = device if isinstance(device, Device) else find_device(device)
+    return GpuCompute(dev, cfg.model, cfg.precision, attention or default_attention(dev),
+                      "fused" if cfg.system == "megatron" else "single", update_rule=cfg.optimizer.kind,
+                      sequence_parallel=bool(getattr(cfg.options, "sequence_parallel", False)),
+                      gemm_precision=gemm_precision)
+
+
+def memory_of(cfg: RunConfig, attention: str, head: int | None = None, dropout: bool = False):
+    """The fullest GPU of ``cfg`` (``workload.memory.rank_memory``): what its system keeps of the weights,
+    gradients and the optimizer's state, and the activations its schedule keeps (``attention``'s
+    kernels; ``dropout``: its masks kept too; ``head``: ``RunSpec.head_classes``)."""
+    from workload.memory import rank_memory
+
+    schedule, virtual_pp = schedule_of(cfg)
+    dp_mode = "fsdp" if cfg.system in ("torch_pipe", "fairscale_fsdp") else getattr(cfg.options, "dp_mode", "allreduce")
+    return rank_memory(cfg.model, system=cfg.system, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+                       micro_batch=cfg.micro_batch_size, n_micro=cfg.n_micro_batches, precision=cfg.precision,
+                       recompute=cfg.recompute, schedule=schedule, attention=attention, dropout=dropout,
+                       dp_mode=dp_mode, head=head, virtual_pp=virtual_pp, rank_layers=rank_layers_of(cfg),
+                       distributed_optimizer=bool(getattr(cfg.options, "distributed_optimizer", False)),
+                       update_rule=cfg.optimizer.kind,
+                       sequence_parallel=bool(getattr(cfg.options, "sequence_parallel", False)),
+                       recompute_granularity=getattr(cfg.options, "recompute_granularity", "full"))
 
 
 class OutOfMemory(Exception):
@@ -86,25 +169,10 @@ class OutOfMemory(Exception):
 
 def check_memory(cfg: RunConfig, compute) -> None:
     """OutOfMemory where ``cfg``'s fullest GPU needs more than ``compute``'s device holds."""
-    from workload.memory import rank_memory
-
-    o = cfg.options
-    schedule = getattr(o, "schedule", "1f1b")
-    dp_mode = "fsdp" if cfg.system in ("torch_pipe", "fairscale_fsdp") else getattr(o, "dp_mode", "allreduce")
-    mem = rank_memory(cfg.model, system=cfg.system, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
-                      micro_batch=cfg.micro_batch_size, n_micro=cfg.batch_size // cfg.micro_batch_size,
-                      precision=cfg.precision, recompute=cfg.recompute,
-                      schedule=schedule if schedule in ("gpipe", "1f1b", "interleaved") else "1f1b",
-                      attention=compute.attention, dp_mode=dp_mode, virtual_pp=getattr(o, "virtual_pp", 1),
-                      distributed_optimizer=bool(getattr(o, "distributed_optimizer", False)))
+    mem = memory_of(cfg, compute.attention)
     usable = compute.device.usable_bytes()
     if mem.total > usable:
         raise OutOfMemory(mem, usable, compute.device.name)
-
-
-def modelled_precision(cfg: RunConfig) -> str:
-    """The simulator's precision of a run: the run's own (fp32, bf16, fp16)."""
-    return cfg.precision
 
 
 def config_of_record(record: dict) -> RunConfig:

@@ -9,7 +9,8 @@ and from it the node, as the systems number them when GPUs are filled node by no
 - fairscale_fsdp: one process per pipeline driving its P GPUs: rank = dp_rank * P + stage.
 
 The simulator runs one simulated rank per (dp_rank, stage), numbered dp_rank * P + stage, standing for
-its T tensor-parallel GPUs; its host is the node of its tp_rank 0.
+its T tensor-parallel GPUs; its host is the node of its tp_rank 0, its network cards those its T GPUs
+are mapped to (``Cluster.cards``).
 """
 from __future__ import annotations
 
@@ -30,4 +31,11 @@ def hosts_of(spec: RunSpec) -> tuple[int, ...]:
         raise ValueError(f"{spec.system} T-{tp} P-{spec.pp} D-{spec.dp} needs {tp * spec.pp * spec.dp} GPUs; the "
                          f"cluster has {c.nodes} x {c.gpus_per_node}")
     return tuple(gpu_rank(spec.system, d, s, 0, spec.pp, spec.dp, tp) // c.gpus_per_node
+                 for d in range(spec.dp) for s in range(spec.pp))
+
+
+def cards_of(spec: RunSpec) -> tuple[tuple[int, ...], ...]:
+    """The network cards of every simulated rank's GPUs (dp_rank * P + stage) of ``spec`` on its node."""
+    c = spec.cluster
+    return tuple(c.cards(gpu_rank(spec.system, d, s, 0, spec.pp, spec.dp, spec.tp) % c.gpus_per_node, spec.tp)
                  for d in range(spec.dp) for s in range(spec.pp))

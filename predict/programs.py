@@ -4,15 +4,18 @@
   its micro-batch and waited; sends waited at the end of the phase; then all backwards in micro-batch
   order), 1F1B (torch's: stage s warms up with P - s forwards; a forward's send goes out with the next
   backward's receive, a backward's send with the next forward's receive, each pair waited together),
-  interleaved (Megatron's interleaved order, several chunks per rank). D > 1: FSDP2 on each stage's
+  interleaved (Megatron's interleaved order, several chunks per rank); zb, zbv, dualpipev: the actions
+  torch's own schedule classes list for each rank, run as torch's runtime runs them (``_actions``,
+  ``predict.pipeline_orders``). D > 1: FSDP2 on each stage's
   data-parallel group: every forward all-gathers each block, the first backward all-gathers them again
   (kept until the last), the last backward reduce-scatters the gradients (the stage's root parameters
   are gathered once and reduce-scattered once).
 - megatron (megatron-core): 1F1B (P - s - 1 warm-up forwards, blocking sends and receives in pairs)
-  or interleaved; tensor parallelism: per layer two all-reduces in the forward (after attention and
-  after the MLP), two in the backward, two more in the recomputed forward; a tensor-parallel group is
-  simulated as one rank (its members run in lock-step) that stands for tp processes; data parallel:
-  the gradient all-reduce in finalize_model_grads.
+  or interleaved, or (predicted only) the zero-bubble ZB-H1 / ZB-H2 of ``predict.pipeline_orders``,
+  run as torch's runtime runs an action list; tensor parallelism: per layer and pass the all-reduces of
+  ``ours.plan.latency``'s count (after attention and after the MLP), in the forward, the backward and the
+  recomputed forward; a tensor-parallel group is simulated as one rank (its members run in lock-step)
+  that stands for tp processes; data parallel: the gradient all-reduce in finalize_model_grads.
 - ours (``ours.engine``): every receive of a step posted a step ahead (the engine's at the end of the
   previous step's backward, the DP sync's after the previous sync; the first step's before the first
   barrier); every unit's (batch slice x token slice) forward and backward in the order of
@@ -29,6 +32,9 @@
   ``chain_ps`` is the seed's (DT-FM's) central PS over NCCL, not an option of ours: per 25 MB bucket, once final, a
   chain reduce to dp_rank 0, its Adam step, a chain broadcast.
 
+A stage's forward, backward (whole, or split into its input and its weight gradients) and parameters
+are those of its own layers (``RunSpec.stage_layers``).
+
 Every step is framed like the run command times it (``contract.rank.StepBarrier``): a
 dissemination barrier (ceil(log2 n) rounds of a 1-element message to rank + 2^k, one one-way delay
 per round; over gloo each use's receives posted one use ahead), the step, the closing barrier. The
@@ -36,22 +42,31 @@ simulator runs two steps and times the second (ranks enter it as the first one l
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from contract.links import Link
 from predict import collectives as coll
-from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Wait
+from predict.simulator import Compute, Defer, FillWait, Flush, Group, Mark, Network, Recv, Send, Wait
+from predict.pipeline_orders import TORCH_RUNTIME, ZERO_BUBBLE, order, owner
 from predict.run_spec import RunSpec
-from predict.placement import hosts_of
+from predict.placement import cards_of, hosts_of
 from ours.dp import BUCKET_BYTES, bucket_ranges, bucket_starts, layout_of
-from ours.schedule import unit_order
+from ours.plan.latency import TP_ALLREDUCES_PER_PASS
+from ours.schedule import ahead, unit_order
 from workload.compute import ComputeModel, Overheads, Scaled, stage_params
+from workload.configs import block_params, norm_params, qkv_rows
 
 
 @dataclass(frozen=True)
 class Built:
+    """Every simulated rank's program; the first ``timed`` are the step's ranks, the rest their
+    communication streams (``Network.streams``)."""
+
     programs: list
     procs: list[int]
     network: Network
+    timed: int = 0
 
 
 class _Step:
@@ -64,45 +79,94 @@ class _Step:
         self.h, self.seq = m.n_embd, m.seq_len
         self.V = spec.virtual_pp
         self.n_chunks = spec.pp * spec.virtual_pp
-        self.layers = m.n_layer // self.n_chunks  # per model chunk
+        self.stage_layers = spec.stage_layers  # per model chunk (virtual stage), in model order
         self.tp = spec.tp if spec.system in TENSOR_PARALLEL else 1
         # the system's own kernels, and a tensor-parallel rank's math beyond 1/tp of the profiled
         factor = self.o.compute * (self.o.tp if self.tp > 1 else 1.0)
         self.cm = cm if factor == 1.0 else Scaled(cm, factor)
         self.width = spec.head_classes  # None: the vocabulary
+        self.ddp: _MegatronDDP | None = None  # megatron's data parallelism, where it joins the passes
 
     def params(self, layers: int, first: bool, last: bool, tp: int = 1) -> int:
         return stage_params(self.spec.model, layers, first, last, tp, self.width)
 
+    def chunk_params(self, chunks, tp: int = 1) -> int:
+        """Parameters of the model chunks (virtual stages) ``chunks``, with the embeddings and the head
+        where they hold the first and the last."""
+        layers = sum(self.stage_layers[c] for c in chunks)
+        return self.params(layers, 0 in chunks, self.n_chunks - 1 in chunks, tp)
+
     # ---- the math of one stage chunk on one micro-batch -------------------------------------
     def forward(self, chunk: int, b: int, l: int, c: int, stage: float | None = None) -> list:
         """Ops of a chunk's forward on b x l tokens after c (first chunk: embeddings; the last chunk of
-        the baselines also runs the head and the loss here); ``stage``: its layers' time (``_layers``)."""
-        cm, tp, L = self.cm, self.tp, self.layers
+        the baselines also runs the head and the loss here; ``stage``: its layers' time, ``_layers``).
+        Where megatron's parameter all-gather runs behind the step's first forwards
+        (``_MegatronDDP.gate``), each part waits for its bucket."""
+        cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
+        gate = self.ddp.gate(chunk) if self.ddp is not None else None
         ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
         if chunk == 0:
-            ops.append(Compute(cm.embed(b * l) / 3, "embed"))
-        ops += self._layers("forward", L, b, l, c, stage)
+            ops += (gate(L + 1) if gate else []) + [Compute(cm.embed(b * l) / 3, "embed")]
+        if gate is None:
+            ops += self._layers("forward", L, b, l, c, stage)
+        else:
+            for j in range(L):  # the layers in forward order: units L .. 1 (``_megatron_order``)
+                ops += gate(L - j) + self._layers("forward", 1, b, l, c)
         if chunk == self.n_chunks - 1 and self.spec.system not in TOKEN_PIPELINE:
-            ops.append(Compute(cm.head_forward(b * l, tp, self.width), "head"))
+            ops += (gate(0) if gate else []) + [Compute(cm.head_forward(b * l, tp, self.width), "head")]
             ops += self._tp_comm(b * l, "head")
         return ops
 
     def backward(self, chunk: int, b: int, l: int, c: int) -> list:
-        cm, tp, L = self.cm, self.tp, self.layers
-        ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
+        """Ops of a chunk's backward (the head first on the last chunk, the embeddings last on the
+        first; under recompute each layer's forward again before its backward). Where megatron's
+        gradient buckets leave as they become final (``_MegatronDDP.signal``), the chunk's last backward
+        runs part by part, each followed by the signals of the buckets it completes."""
+        cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
+        head = []
         if chunk == self.n_chunks - 1:
             if self.spec.system in TOKEN_PIPELINE:
-                ops.append(Compute(cm.head_forward(b * l, 1, self.width), "head"))
-            ops.append(Compute(cm.head_backward_input(b * l, tp, self.width) + cm.head_wgrad(b * l, tp, self.width),
-                               "head"))
+                head.append(Compute(cm.head_forward(b * l, 1, self.width), "head"))
+            head.append(Compute(cm.head_backward_input(b * l, tp, self.width) + cm.head_wgrad(b * l, tp, self.width),
+                                "head"))
+            head += self._tp_comm(b * l, "head")
+        embed = [Compute(cm.embed(b * l) * 2 / 3, "embed")] if chunk == 0 else []
+        ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
+        signal = self.ddp.signal(chunk) if self.ddp is not None else None
+        if signal is None:
+            ops += head + (self._layers("recompute", L, b, l, c) if self.spec.recompute else [])
+            return ops + self._layers("backward", L, b, l, c) + embed
+        layer = (self._layers("recompute", 1, b, l, c) if self.spec.recompute else []) + \
+            self._layers("backward", 1, b, l, c)
+        for u, part in enumerate([head] + [layer] * L + [embed]):  # units in backward order (``_megatron_order``)
+            ops += part + signal(u)
+        return ops
+
+    def backward_input(self, chunk: int, b: int, l: int, c: int) -> list:
+        """Ops of a chunk's backward split off its weight gradients (a zero-bubble schedule's I): the
+        head's and the layers' input gradients (after the recomputed forward), their tensor-parallel
+        all-reduces, half the backward's framework time."""
+        cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
+        ops = [Compute(self.o.per_unit(L) / 4, "overhead")]
+        if chunk == self.n_chunks - 1:
+            ops.append(Compute(cm.head_backward_input(b * l, tp, self.width), "head"))
             ops += self._tp_comm(b * l, "head")
         if self.spec.recompute:
             ops += self._layers("recompute", L, b, l, c)
-        ops += self._layers("backward", L, b, l, c)
+        return ops + self._layers("backward-input", L, b, l, c)
+
+    def weight_grad(self, chunk: int, b: int, l: int) -> list:
+        """Ops of a chunk's weight gradients (a zero-bubble schedule's W): the layers', the head's, the
+        embeddings', the other half of the backward's framework time. Where megatron's gradient buckets
+        leave as they become final (``_MegatronDDP.signal``), the chunk's last W hands them all over."""
+        cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
+        ops = [Compute(self.o.per_unit(L) / 4, "overhead"), Compute(L * cm.layer_wgrad(b, l, tp), "wgrad")]
+        if chunk == self.n_chunks - 1:
+            ops.append(Compute(cm.head_wgrad(b * l, tp, self.width), "head"))
         if chunk == 0:
             ops.append(Compute(cm.embed(b * l) * 2 / 3, "embed"))
-        return ops
+        signal = self.ddp.signal(chunk) if self.ddp is not None else None
+        return ops + ([op for u in range(L + 2) for op in signal(u)] if signal else [])
 
     def _layers(self, kind: str, L: int, b: int, l: int, c: int, stage: float | None = None) -> list:
         """A chunk's L layers of ``kind`` on b x l tokens after c: each layer's time from the compute
@@ -110,6 +174,8 @@ class _Step:
         cm, tp = self.cm, self.tp
         if stage is not None:
             t = stage / L
+        elif kind == "recompute" and self.spec.recompute_granularity == "selective":
+            return [Compute(L * cm.attention_forward(b, l, c, tp), kind)]  # the attention core alone, no TP comm
         elif kind == "backward":
             t = cm.layer_backward_input(b, l, c, tp) + cm.layer_wgrad(b, l, tp)
         elif kind == "backward-input":  # ours: the weight gradients deferred
@@ -119,29 +185,35 @@ class _Step:
         label = "backward" if kind == "backward-input" else kind
         if tp == 1:
             return [Compute(L * t, label)]
+        hidden = 0.0  # TransformerEngine's overlap: a collective hidden behind its part's linear GEMMs
+        if self.spec.tp_comm_overlap:
+            phases = ("backward_input", "wgrad") if kind == "backward" else ("forward",)
+            hidden = sum(cm.linear_time(p, b, l, c, tp) for p in phases) / TP_ALLREDUCES_PER_PASS
         ops = []
-        for _ in range(L):  # two all-reduces per layer, each after half of the layer's math
-            for _half in range(2):
-                ops.append(Compute(t / 2, label))
-                ops += self._tp_comm(b * l, kind)
+        for _ in range(L):  # a layer's all-reduces in a pass, each after its share of the layer's math
+            for _part in range(TP_ALLREDUCES_PER_PASS):
+                ops.append(Compute(t / TP_ALLREDUCES_PER_PASS, label))
+                ops += self._tp_comm(b * l, kind, hidden)
         return ops
 
-    def _tp_comm(self, tokens: int, what: str) -> list:
-        """One tensor-parallel all-reduce of b*l*h activations, in closed form (the group is one
-        simulated rank)."""
+    def _tp_comm(self, tokens: int, what: str, hidden: float = 0.0) -> list:
+        """One tensor-parallel all-reduce of b*l*h activations (under sequence parallelism a
+        reduce-scatter and an all-gather: the same bytes on a ring), in closed form (the group is one
+        simulated rank), less ``hidden`` seconds of it that overlap GEMMs."""
         if self.tp == 1 or what == "head":
             return []
         nbytes = tokens * self.h * self.spec.activation_bytes
         link = self.net.intra_link or self.net.link
         c = self.spec.cluster
         if c is not None and self.tp > c.gpus_per_node:  # the group spans nodes: its ring crosses their cards
-            link = c.inter or min((l for row in c.matrix for l in row if l), key=lambda l: l.bandwidth)
-        if self.net.transport == "gloo":  # gloo's ring: a receive-posted handshake per step
-            a = 2 * link.latency
-            t = 2 * (self.tp - 1) * (a + nbytes / (self.tp * link.bandwidth))
+            link = c.crossing(c.gpus_per_node)
+        if self.net.transport == "gloo":  # gloo's ring: a receive-posted handshake per step, two delays
+            link = Link(2 * link.latency, link.bandwidth)
+        if self.spec.sequence_parallel:
+            t = link.collective("reduce_scatter", self.tp, nbytes) + link.collective("allgather", self.tp, nbytes)
         else:
-            t = coll.closed_form("allreduce", self.tp, nbytes, link)
-        return [Compute(t, "tp_comm")]
+            t = link.collective("allreduce", self.tp, nbytes)
+        return [Compute(t - hidden, "tp_comm")] if t > hidden else []
 
     def optimizer(self, params: int) -> list:
         return [Compute(self.cm.optimizer(params), "optimizer")]
@@ -156,9 +228,19 @@ class _Step:
         return n
 
     def collective(self, op: str, group: tuple, rank: int, key: tuple, nbytes: float, kind: str) -> list:
-        """One collective of this rank's over ``group`` (NCCL: rings ordered host by host)."""
+        """One collective of this rank's over ``group`` (NCCL: rings ordered host by host; a group too
+        large for that in closed form, over the cards one of its rings can use)."""
         host = self.net.host if self.net.gpu else None
-        return coll.collective(self.net.transport, op, group, rank, key, nbytes, self.net.link, kind, host)
+        link, c = self.net.link, self.spec.cluster
+        if c is not None and c.inter is not None:
+            on_node = sum(1 for g in group if self.net.host(g) == self.net.host(rank))
+            rings = min(on_node, max(1, c.nics_per_node // self.tp))  # each of tp rings its own cards
+            messages = len(group) * rings * 2 * (len(group) - 1)  # an all-reduce's, every member's
+            if len(group) > coll.MAX_RING or (on_node < len(group) and messages > coll.RING_MESSAGES):
+                link = c.crossing(rings)
+                host = None  # in closed form: its messages are too many to simulate one by one
+        card = (lambda r: self.net.cards[self.net.gpus_of(r)]) if self.net.cards is not None else None
+        return coll.collective(self.net.transport, op, group, rank, key, nbytes, link, kind, host, card)
 
 
 def _key(step: int, *parts) -> tuple:
@@ -166,16 +248,12 @@ def _key(step: int, *parts) -> tuple:
 
 
 # ---- torch_pipe ------------------------------------------------------------------------------------
-def _fsdp_sizes(spec: RunSpec, s: int) -> tuple[int, int]:
-    """(bytes of one block's parameters, bytes of the stage's root parameters)."""
-    h, m = spec.model.n_embd, spec.model
-    block = (12 * h * h + 13 * h) * 4
-    root = 0
-    if s == 0:
-        root += (m.vocab_size * h + m.seq_len * h) * 4
-    if s == spec.pp - 1:
-        root += (2 * h + (m.vocab_size if spec.head_classes is None else spec.head_classes) * h) * 4
-    return block, root
+def _fsdp_sizes(spec: RunSpec, first: bool, last: bool) -> tuple[int, int]:
+    """(bytes of one block's parameters, bytes of the root parameters of a stage that holds the
+    embeddings (``first``: the first stage) or the final norm and the output layer (``last``)), fp32, of
+    the model's family."""
+    m = spec.model
+    return block_params(m) * 4, stage_params(m, 0, first, last, 1, spec.head_classes) * 4
 
 
 class _Stage:
@@ -191,8 +269,9 @@ class _Stage:
         self.prev, self.nxt = rank - 1, rank + 1
         self.first, self.last = self.s == 0, self.s == self.P - 1
         self.group = tuple(k * self.P + self.s for k in range(spec.dp))
-        self.block_bytes, self.root_bytes = _fsdp_sizes(spec, self.s)
+        self.block_bytes, self.root_bytes = _fsdp_sizes(spec, self.first, self.last)
         self.fsdp = spec.dp > 1
+        self.layers = st.stage_layers[self.s]
 
     def fk(self, i: int, src: int) -> tuple:  # activation of micro-batch i leaving stage src
         return _key(self.st.step, "f", self.d, src, i)
@@ -209,18 +288,18 @@ class _Stage:
         if self.fsdp:
             if i == 0 and self.root_bytes:
                 out += self._coll("allgather", ("root",), self.root_bytes)
-            for j in range(st.layers):
+            for j in range(self.layers):
                 out += self._coll("allgather", ("f", i, j), self.block_bytes)
         return out + st.forward(self.s, st.spec.micro_batch_size, st.seq, 0)
 
     def bwd(self, i: int) -> list:
         st, out = self.st, []
         if self.fsdp and i == 0:
-            for j in range(st.layers):
+            for j in range(self.layers):
                 out += self._coll("allgather", ("b", j), self.block_bytes)
         out += st.backward(self.s, st.spec.micro_batch_size, st.seq, 0)
         if self.fsdp and i == self.m - 1:
-            for j in range(st.layers):
+            for j in range(self.layers):
                 out += self._coll("reduce_scatter", ("rs", j), self.block_bytes)
             if self.root_bytes:
                 out += self._coll("reduce_scatter", ("rs", "root"), self.root_bytes)
@@ -231,10 +310,14 @@ def torch_pipe(st: _Step, rank: int) -> list:
     spec = st.spec
     if spec.schedule == "interleaved":
         return _interleaved(st, rank, *divmod(rank, spec.pp))
+    if spec.schedule in TORCH_RUNTIME:
+        ops, chunks = _actions(st, rank, first_in_w=True)
+        params = st.chunk_params(chunks)
+        return ops + st.optimizer(params // spec.dp if spec.dp > 1 else params)
     p = _Stage(st, rank)
     ops = [Compute(st.o.step, "overhead")]
     ops += _gpipe(p) if spec.schedule == "gpipe" else _torch_1f1b(p)
-    params = st.params(st.layers, p.first, p.last)
+    params = st.params(p.layers, p.first, p.last)
     return ops + st.optimizer(params // spec.dp if p.fsdp else params)
 
 
@@ -315,6 +398,77 @@ def _torch_1f1b(p: _Stage) -> list:
     return ops
 
 
+# ---- action lists: torch's runtime schedules and the zero-bubble ones (predict.pipeline_orders) -------
+def _actions(st: _Step, rank: int, first_in_w: bool) -> tuple[list, tuple[int, ...]]:
+    """One rank's step under a schedule that is a list of actions (``predict.pipeline_orders``), run as
+    torch's ``_PipelineScheduleRuntime`` runs it: a receive posted where the list has it, waited by the
+    forward or backward that consumes it (none between two stages of one rank: the V's turn); a send
+    posted after its forward or backward, every send waited at the end of the step; F+B's forward then
+    its backward. I and W split a chunk's backward (``_Step.backward_input``, ``weight_grad``); torch's
+    first stage computes no input gradient (``first_in_w``: its I is empty, its W the whole backward).
+    D > 1 (torch_pipe): each stage one FSDP2 unit, its parameters all-gathered at UNSHARD and its
+    gradients reduce-scattered at REDUCE_GRAD. (ops without the optimizer, the chunks the rank holds)."""
+    spec = st.spec
+    P, n = spec.pp, st.n_chunks
+    d, s = divmod(rank, P)
+    mb, seq = spec.micro_batch_size, st.seq
+    nb = st.act_bytes(mb, seq)
+    actions = order(spec.schedule, P, spec.virtual_pp, spec.n_micro_batches)[s]
+    chunks = tuple(sorted({c.stage for a in actions for c in (a.sub or (a,)) if c.kind in ("F", "UNSHARD")}))
+    group = tuple(k * P + s for k in range(spec.dp))
+
+    def at(stage: int) -> int:  # the simulated rank holding a stage of this pipeline
+        return d * P + owner(spec.schedule, P, stage)
+
+    def key(kind: str, stage: int, i: int) -> tuple:  # the activation (f) or gradient (b) ``stage`` sent
+        return _key(st.step, kind, d, stage, i)
+
+    def fsdp(op: str, stage: int) -> list:
+        if spec.dp == 1:
+            return []
+        block, root = _fsdp_sizes(spec, stage == 0, stage == n - 1)
+        nbytes = block * st.stage_layers[stage] + root
+        uses[stage, op] = uses.get((stage, op), -1) + 1  # a stage evicted and gathered again
+        return st.collective(op, group, rank, _key(st.step, "fsdp", stage, op, uses[stage, op]), nbytes, "fsdp")
+
+    def run(a) -> list:
+        j, i = a.stage, a.mb
+        if a.kind == "F":
+            wait = [Wait((key("f", j - 1, i),))] if j > 0 and owner(spec.schedule, P, j - 1) != s else []
+            return wait + st.forward(j, mb, seq, 0)
+        if a.kind in ("I", "B"):
+            wait = [Wait((key("b", j + 1, i),))] if j < n - 1 and owner(spec.schedule, P, j + 1) != s else []
+            if a.kind == "B":
+                return wait + st.backward(j, mb, seq, 0)
+            return wait + ([] if first_in_w and j == 0 else st.backward_input(j, mb, seq, 0))
+        if a.kind == "W":
+            return st.backward(j, mb, seq, 0) if first_in_w and j == 0 else st.weight_grad(j, mb, seq)
+        if a.kind == "F+B":
+            return [op for sub in a.sub for op in run(sub)]
+        if a.kind == "RECV_F":
+            return [Recv(key("f", j - 1, i), at(j - 1), nb)]
+        if a.kind == "RECV_B":
+            return [Recv(key("b", j + 1, i), at(j + 1), nb)]
+        if a.kind in ("SEND_F", "SEND_B"):
+            k = key("f" if a.kind == "SEND_F" else "b", j, i)
+            sends.append(k)
+            return [Send(k, at(j + 1 if a.kind == "SEND_F" else j - 1), nb)]
+        if a.kind == "UNSHARD":
+            return fsdp("allgather", j)
+        if a.kind == "REDUCE_GRAD":
+            return fsdp("reduce_scatter", j)
+        return []  # RESHARD: frees memory, no message
+
+    sends: list = []
+    uses: dict = {}
+    ops = [Compute(st.o.step, "overhead")]
+    for a in actions:
+        ops += run(a)
+    if sends:
+        ops.append(Wait(tuple(sends)))
+    return ops, chunks
+
+
 # ---- interleaved (Megatron's order; also used for torch's Interleaved1F1B) -------------------------
 def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
     """Megatron's interleaved 1F1B on rank s with V chunks, in rounds of R micro-batches (R = P where P
@@ -380,8 +534,7 @@ def _interleaved(st: _Step, rank: int, d: int, s: int) -> list:
         do(j, False)
     if pending:
         ops.append(Wait(tuple(pending)))
-    layers = st.layers * V
-    return ops + st.optimizer(st.params(layers, s == 0, s == P - 1))
+    return ops + st.optimizer(st.chunk_params([v * P + s for v in range(V)], st.tp))
 
 
 # ---- megatron ------------------------------------------------------------------------------------
@@ -389,9 +542,12 @@ def megatron(st: _Step, rank: int) -> list:
     spec = st.spec
     P, D, m = spec.pp, spec.dp, spec.n_micro_batches
     d, s = divmod(rank, P)
+    st.ddp = _MegatronDDP(st, rank) if D > 1 else None
     if spec.schedule == "interleaved":
         ops = _interleaved(st, rank, d, s)
-        opt = ops.pop()
+        ops.pop()  # its optimizer: megatron's is below
+    elif spec.schedule in ZERO_BUBBLE:
+        ops, _ = _actions(st, rank, first_in_w=False)
     else:
         mb, seq = spec.micro_batch_size, st.seq
         nb = st.act_bytes(mb, seq)
@@ -430,37 +586,168 @@ def megatron(st: _Step, rank: int) -> list:
             ops += pair([], [(bk(j, s + 1), nxt)] if s < P - 1 else [])
             ops += st.backward(s, mb, seq, 0)
             ops += pair([(bk(j, s), prev)] if s > 0 else [], [])
-        opt = st.optimizer(st.params(st.layers, s == 0, s == P - 1, st.tp))[0]
-    if D > 1:
-        dp_group = tuple(k * P + s for k in range(D))
-        # the gradient buffers: fp32, or the half type's under mixed precision (Megatron's DDP)
-        grads = st.params(st.layers * st.V, s == 0, s == P - 1, st.tp) * (4 if spec.precision == "fp32" else 2)
-        ops += st.collective("allreduce", dp_group, rank, _key(st.step, "dp", s), grads, "dp")
-    return ops + [opt]
+    params = st.chunk_params(range(s, st.n_chunks, P), st.tp)
+    return ops + (st.ddp.finish(params) if st.ddp is not None else st.optimizer(params))
+
+
+def _megatron_order(st: _Step, vs: int) -> list[tuple[int, int]]:
+    """A megatron model chunk's (virtual stage ``vs``) parameters on one tensor-parallel rank in the
+    order its backward finishes them (megatron-core's buffers take them in reverse order of
+    registration): (elements, unit), units as ``_Step.backward`` runs them: 0 the output layer and
+    final norm (the last chunk), 1 .. L its layers from the last, L + 1 the embeddings (the first)."""
+    m, tp, L = st.spec.model, st.tp, st.stage_layers[vs]
+    out = [(stage_params(m, 0, False, True, tp, st.width), 0)] if vs == st.n_chunks - 1 else []
+    out += [(block_params(m) // tp, u) for u in range(1, L + 1)]
+    if vs == 0:
+        out.append((stage_params(m, 0, True, False, tp), L + 1))
+    return [(n, u) for n, u in out if n]
+
+
+MEGATRON_BUCKET = 40_000_000  # megatron-core's default bucket: max(40M, 1M x D) parameters
+
+
+class _MegatronDDP:
+    """megatron-core's DistributedDataParallel (and distributed optimizer) on one rank of stage s, replica
+    d: its gradient buckets per model chunk (``_buckets`` over ``_megatron_order``; with
+    overlap_grad_reduce the first chunk's of max(40M, 1M x D) parameters, every other chunk one bucket,
+    as Megatron-LM disables bucketing beyond the first; without it one bucket), in the gradients' type
+    (fp32, or the half one under mixed precision), the parameters gathered in theirs.
+
+    Without overlap the rank all-reduces its gradients after the schedule (or reduce-scatters them,
+    steps 1/D of the parameters and all-gathers them: the distributed optimizer). With
+    overlap_grad_reduce the collectives run on the rank's communication stream (``Network.streams``),
+    each bucket as soon as the chunk's last backward has finished it (``signal``), and the rank waits
+    for the last before its optimizer; with overlap_param_gather the stream also all-gathers the
+    previous step's parameters, bucket by bucket, at the step's start, each part of the first forward
+    of a chunk waiting for its bucket (``gate``)."""
+
+    def __init__(self, st: _Step, rank: int):
+        spec = st.spec
+        self.st, self.rank = st, rank
+        self.s = rank % spec.pp
+        self.group = tuple(k * spec.pp + self.s for k in range(spec.dp))
+        self.stream = st.net.streams + rank if st.net.streams is not None else None
+        self.grad_bytes = self.param_bytes = 4 if spec.precision == "fp32" else 2
+        size = max(MEGATRON_BUCKET, 1_000_000 * spec.dp) * 4 if spec.overlap_grad_reduce else math.inf
+        self.buckets = [_buckets(_megatron_order(st, v * spec.pp + self.s), size if v == 0 else math.inf)
+                        for v in range(spec.virtual_pp)]
+        self.forwards = [0] * spec.virtual_pp
+        self.backwards = [0] * spec.virtual_pp
+        self.gathered: set = set()
+
+    def _ring(self, what: str, v: int, i: int) -> tuple:  # a collective's tag, the same on every replica
+        return _key(self.st.step, "ddp", self.s, what, v, i)
+
+    def _signal(self, what: str, v: int = 0, i: int = 0) -> tuple:  # between this rank and its stream
+        return _key(self.st.step, "ddp signal", self.rank, what, v, i)
+
+    def signal(self, vs: int):
+        """Called by each backward of virtual stage ``vs``: for the chunk's last, unit -> the ops that
+        hand the buckets that unit finishes to the stream; else None."""
+        spec, v = self.st.spec, vs // self.st.spec.pp
+        self.backwards[v] += 1
+        if self.stream is None or self.backwards[v] != spec.n_micro_batches:
+            return None
+        return lambda u: [Send(self._signal("go", v, i), self.stream, 0)
+                          for i, (_, at) in enumerate(self.buckets[v]) if at == u]
+
+    def gate(self, vs: int):
+        """Called by each forward of virtual stage ``vs``: for the chunk's first under
+        overlap_param_gather, unit -> the wait for that unit's bucket of parameters (once); else None."""
+        v = vs // self.st.spec.pp
+        self.forwards[v] += 1
+        if not self.st.spec.overlap_param_gather or self.forwards[v] != 1:
+            return None
+
+        def wait(u: int) -> list:
+            i = next(i for i, (_, at) in enumerate(self.buckets[v]) if at >= u)
+            if (v, i) in self.gathered:
+                return []
+            self.gathered.add((v, i))
+            key = self._signal("gathered", v, i)
+            return [Recv(key, self.stream, 0), Wait((key,), "dp")]
+        return wait
+
+    def finish(self, params: int) -> list:
+        """After the schedule: the gradients' collectives (or the wait for the stream's last), the
+        optimizer over the parameters this rank updates, the distributed optimizer's all-gather."""
+        st, spec = self.st, self.st.spec
+        op = "reduce_scatter" if spec.distributed_optimizer else "allreduce"
+        if self.stream is not None:
+            key = self._signal("done")
+            ops = [Recv(key, self.stream, 0), Wait((key,), "dp")]
+        else:
+            ops = st.collective(op, self.group, self.rank, self._ring(op, 0, 0), params * self.grad_bytes, "dp")
+        if not spec.distributed_optimizer:
+            return ops + st.optimizer(params)
+        ops += st.optimizer(params // spec.dp)
+        if not spec.overlap_param_gather:
+            ops += st.collective("allgather", self.group, self.rank, self._ring("allgather", 0, 0),
+                                 params * self.param_bytes, "dp")
+        return ops
+
+    def stream_ops(self) -> list:
+        """The communication stream's step: the previous step's parameters all-gathered bucket by bucket
+        in forward order (overlap_param_gather), then each gradient bucket's collective once the rank
+        hands it over, chunk after chunk as their last backwards end (the last chunk's first), then the
+        signal that all are done."""
+        st, spec = self.st, self.st.spec
+        group = tuple(st.net.streams + g for g in self.group)
+        ops: list = []
+        if spec.overlap_param_gather:
+            for v, buckets in enumerate(self.buckets):
+                for i in reversed(range(len(buckets))):
+                    ops += st.collective("allgather", group, self.stream, self._ring("gather", v, i),
+                                         buckets[i][0] * self.param_bytes, "dp")
+                    ops.append(Send(self._signal("gathered", v, i), self.rank, 0))
+        op = "reduce_scatter" if spec.distributed_optimizer else "allreduce"
+        for v in reversed(range(len(self.buckets))):
+            for i, (n, _) in enumerate(self.buckets[v]):
+                go = self._signal("go", v, i)
+                ops += [Recv(go, self.rank, 0), Wait((go,), "dp")]
+                ops += st.collective(op, group, self.stream, self._ring(op, v, i), n * self.grad_bytes, "dp")
+        return ops + [Send(self._signal("done"), self.rank, 0)]
+
+
 
 
 # ---- ours ----------------------------------------------------------------------------------------
-def _grad_order(st: _Step, first: bool, last: bool) -> list[tuple[int, int]]:
+def _grad_order(st: _Step, first: bool, last: bool, s: int = 0) -> list[tuple[int, int]]:
     """The stage's parameters as ``StageEngine.grad_order`` reports them final: (elements, the index of
     the deferred linear whose gradient finishes it; -1: final when the backward ends). First those
-    autograd accumulates (embeddings, layer norms), then per layer the four linears' weight and bias,
-    then the output layer."""
+    autograd accumulates (embeddings, norms), then per layer the four linears' weight and (gpt) bias
+    (qkv by ``qkv_rows``, the MLP's ``ffn_dim`` wide, llama's gate and up as one), then the output
+    layer."""
     h, m = st.h, st.spec.model
     out = []
     if first and m.vocab_size:
-        out += [(m.vocab_size * h, -1), (m.seq_len * h, -1)]
-    out += [(h, -1)] * (4 * st.layers)  # ln_1, ln_2: weight and bias
+        out += [(m.vocab_size * h, -1)] + ([] if m.llama else [(m.seq_len * h, -1)])
+    layers = st.stage_layers[s]
+    norm = [(h, -1)] * (norm_params(m) // h)  # LayerNorm's weight and bias, RMSNorm's weight
+    out += norm * (2 * layers)  # ln_1, ln_2
     if last:
-        out += [(h, -1), (h, -1)]  # ln_f
-    for i, (rows, cols) in enumerate([(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)] * st.layers):
-        out += [(rows * cols, i), (rows, i)]
+        out += norm  # ln_f
+    f = m.ffn_dim
+    linears = [(sum(qkv_rows(m)), h), (h, h), ((2 * f if m.llama else f), h), (h, f)]  # (rows, columns)
+    for i, (rows, cols) in enumerate(linears * layers):
+        out += [(rows * cols, i)] + ([] if m.llama else [(rows, i)])  # the weight and (gpt) its bias
     if last:
-        out.append(((m.vocab_size if st.width is None else st.width) * h, 4 * st.layers))
+        out.append(((m.vocab_size if st.width is None else st.width) * h, 4 * layers))
     return out
 
 
+# ours' data parallelism is simulated in at most this many buckets a stage: a larger stage's 4 MiB buckets are
+# merged into this many of equal bytes (the sync's bytes and order as they are; the overlap with the remaining
+# weight gradients coarser by at most one merged bucket's time), so that a billion-parameter stage does not
+# post hundreds of thousands of messages a step.
+SIMULATED_BUCKETS = 64
+
+
 def _buckets(order: list[tuple[int, int]], bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
-    """ours.dp's buckets over the gradient order, fp32: (elements, the linear that completes the bucket)."""
+    """ours.dp's buckets over the gradient order, fp32: (elements, the linear that completes the bucket);
+    at most ``SIMULATED_BUCKETS`` of them."""
+    total = sum(numel for numel, _ in order) * 4
+    bucket_bytes = max(bucket_bytes, -(-total // SIMULATED_BUCKETS))
     starts = bucket_starts([numel * 4 for numel, _ in order], bucket_bytes)
     parts = [order[a:b] for a, b in zip(starts, starts[1:] + [len(order)])]
     return [(sum(n for n, _ in part), max(at for _, at in part)) for part in parts]
@@ -481,7 +768,7 @@ class _Sync:
         spec = st.spec
         d, s = divmod(rank, spec.pp)
         D = spec.dp
-        order = _grad_order(st, s == 0, s == spec.pp - 1)
+        order = _grad_order(st, s == 0, s == spec.pp - 1, s)
         buckets = tuple((n, at, bucket_ranges(n, D, layout_of(spec.dp_mode, D))) for n, at in _buckets(order))
         return _Sync(st, d, s, buckets, spec.dp_mode != "allreduce")
 
@@ -571,76 +858,128 @@ def ours_receives(st: _Step, rank: int) -> list:
     return ops
 
 
-def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
-    """One step of rank ``rank``; its receives were posted before (``ours_receives``), and it posts those
-    of the ``following`` step (the engine's after its backward, the sync's after the sync)."""
-    spec, cm = st.spec, st.cm
-    P, D = spec.pp, spec.dp
+def _ours_backward(st: _Step, rank: int, u: int, l: int, c: int, sends: list, wgrad: list[float]) -> tuple[list, float]:
+    """Unit ``u``'s backward on ``rank`` (a token slice of l tokens after c): its operations and the
+    weight-gradient work it defers (added to ``wgrad``, per deferred linear; its message to ``sends``)."""
+    spec, cm, tp, mb = st.spec, st.cm, st.tp, st.spec.micro_batch_size
+    d, s = divmod(rank, spec.pp)
+    L = st.stage_layers[s]
+    first, last = s == 0, s == spec.pp - 1
+    ops: list = []
+    if not last:
+        ops.append(FillWait(_key(st.step, "b", d, s + 1, u), "wgrad"))
+    ops.append(Compute(st.o.per_unit(L) / 2, "overhead"))
+    if last:  # the head split by vocabulary over the T ranks (ours.tp)
+        ops.append(Compute(cm.head_forward(mb * l, tp, st.width) + cm.head_backward_input(mb * l, tp, st.width),
+                           "head"))
+    cost = cm.slice_cost(mb, l, c, L, tp)  # the planner's cost of a slice (ours.plan.latency)
+    if spec.recompute:
+        ops += st._layers("recompute", L, mb, l, c, cost.forward)
+    ops += st._layers("backward-input", L, mb, l, c, cost.backward)
+    if first:
+        ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
+    chunks = [cost.wgrad / (4 * L)] * (4 * L)  # one per linear (ours drains one stash entry at a time)
+    if last:
+        chunks.append(cm.head_wgrad(mb * l, tp, st.width))
+    for k, t in enumerate(chunks):
+        wgrad[k] += t
+    ops.append(Defer(tuple(chunks)))
+    if not first:
+        key = _key(st.step, "b", d, s, u)
+        ops.append(Send(key, rank - 1, st.act_bytes(mb, l)))
+        sends.append(key)
+    return ops, sum(chunks)
+
+
+def _ours_forward(st: _Step, rank: int, b: int, i: int) -> tuple[list, tuple | None]:
+    """Unit (b, i)'s forward on rank's stage: the wait for its input (not on the first stage), its
+    math, its send to the next stage (not on the last); (ops, the send's key or None)."""
+    spec = st.spec
+    P, slices = spec.pp, spec.token_slices
+    d, s = divmod(rank, P)
+    u, l, c = b * len(slices) + i, slices[i], sum(slices[:i])
+    ops = [FillWait(_key(st.step, "f", d, s - 1, u), "wgrad")] if s > 0 else []  # waited like a gradient
+    cost = st.cm.slice_cost(spec.micro_batch_size, l, c, st.stage_layers[s], st.tp)  # ours.plan.latency's
+    ops += st.forward(s, spec.micro_batch_size, l, c, cost.forward)
+    if s == P - 1:
+        return ops, None
+    key = _key(st.step, "f", d, s, u)
+    return ops + [Send(key, rank + 1, st.act_bytes(spec.micro_batch_size, l))], key
+
+
+def ours_ahead(st: _Step, rank: int) -> list:
+    """The forwards of step ``st.step`` rank's stage runs ahead, at the end of the step before
+    (``--prefetch``: ``ours.schedule.ahead``; ``StageEngine.prefetch``): the first of its order."""
+    spec = st.spec
+    s = rank % spec.pp
+    n = ahead(spec.prefetch, spec.schedule, spec.n_micro_batches, len(spec.token_slices), s, spec.pp)
+    return unit_order(spec.schedule, spec.n_micro_batches, len(spec.token_slices), s, spec.pp)[:n]
+
+
+def prefetches(spec: RunSpec) -> bool:
+    """Whether ours' first stage runs forwards of the next step at the end of a step."""
+    return spec.system == "ours" and ahead(spec.prefetch, spec.schedule, spec.n_micro_batches,
+                                           len(spec.token_slices), 0, spec.pp) > 0
+
+
+def _ours_units(st: _Step, rank: int) -> tuple[list, list, list[float]]:
+    """The step's units on ``rank`` in ``ours.schedule``'s order, less those it ran ahead at the end of
+    the step before (``ours_ahead``; none in a run's first step): (operations, the keys of its sends,
+    the deferred weight-gradient work per linear over the step)."""
+    spec = st.spec
+    P, nbs, slices = spec.pp, spec.n_micro_batches, spec.token_slices
     d, s = divmod(rank, P)  # a stage's T ranks are one simulated rank
-    tp = st.tp
-    mb = spec.micro_batch_size
-    nbs = spec.n_micro_batches
-    slices = spec.token_slices
     ctx = [sum(slices[:i]) for i in range(len(slices))]
-    L = st.layers
-    first, last = s == 0, s == P - 1
-    prev, nxt = rank - 1, rank + 1
+    L = st.stage_layers[s]
+    last = s == P - 1
     ops: list = [Compute(st.o.step, "overhead")]
-    sends = []
     wgrad = [0.0] * (4 * L + 1)  # per deferred linear (the output layer last), over the step
     # 1f1b: the engine computes the weight gradients its stash holds beyond P - s batch slices' units
     # (``StageEngine._bound_stash``), right after each backward; modelled by the amount of work it keeps
     limit = min(nbs, P - s) * len(slices) if spec.schedule == "1f1b" else None
     queued: list[float] = []  # each unit's deferred work, in backward order
-    for kind, b, i in unit_order(spec.schedule, nbs, len(slices), s, P):
+    ran = ours_ahead(st, rank) if st.step > 0 else []  # run at the end of the step before
+    sends: list = [_key(st.step, "f", d, s, b * len(slices) + i) for _, b, i in ran if not last]
+    for kind, b, i in unit_order(spec.schedule, nbs, len(slices), s, P)[len(ran):]:
         u = b * len(slices) + i
-        l, c = slices[i], ctx[i]
-        cost = cm.slice_cost(mb, l, c, L, tp)  # the planner's cost of a slice (ours.plan.latency)
-        if kind == "F":
-            if not first:  # the engine waits for an activation like for a gradient (over gloo)
-                ops.append(FillWait(_key(st.step, "f", d, s - 1, u), "wgrad"))
-            ops += st.forward(s, mb, l, c, cost.forward)
-            if not last:
-                key = _key(st.step, "f", d, s, u)
-                ops.append(Send(key, nxt, st.act_bytes(mb, l)))
-                sends.append(key)
+        if kind == "B":
+            back, deferred = _ours_backward(st, rank, u, slices[i], ctx[i], sends, wgrad)
+            ops += back
+            if limit is not None:
+                queued.append(deferred)
+                if len(queued) > limit:
+                    ops.append(Flush("wgrad", keep=sum(queued[-limit:])))
             continue
-        if not last:
-            ops.append(FillWait(_key(st.step, "b", d, s + 1, u), "wgrad"))
-        ops.append(Compute(st.o.per_unit(L) / 2, "overhead"))
-        if last:  # the head split by vocabulary over the T ranks (ours.tp)
-            ops.append(Compute(cm.head_forward(mb * l, tp, st.width) + cm.head_backward_input(mb * l, tp, st.width),
-                               "head"))
-        if spec.recompute:
-            ops += st._layers("recompute", L, mb, l, c, cost.forward)
-        ops += st._layers("backward-input", L, mb, l, c, cost.backward)
-        if first:
-            ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
-        chunks = [cost.wgrad / (4 * L)] * (4 * L)  # one per linear (ours drains one stash entry at a time)
-        if last:
-            chunks.append(cm.head_wgrad(mb * l, tp, st.width))
-        for k, t in enumerate(chunks):
-            wgrad[k] += t
-        ops.append(Defer(tuple(chunks)))
-        if not first:
-            key = _key(st.step, "b", d, s, u)
-            ops.append(Send(key, prev, st.act_bytes(mb, l)))
+        fwd, key = _ours_forward(st, rank, b, i)
+        ops += fwd
+        if key is not None:
             sends.append(key)
-        if limit is not None:
-            queued.append(sum(chunks))
-            if len(queued) > limit:
-                ops.append(Flush("wgrad", keep=sum(queued[-limit:])))
+    return ops, sends, wgrad
+
+
+def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
+    """One step of rank ``rank``; its receives were posted before (``ours_receives``), and it posts those
+    of the ``following`` step (the engine's after its backward, the sync's after the sync). Under
+    ``--prefetch`` the stage ran its first forwards at the end of the step before (none in the first
+    step, ``st.step`` 0: the run's first), their sends waited at this step's end, and runs the
+    ``following`` step's at its end, after its optimizer (``ours_ahead``)."""
+    spec = st.spec
+    s = rank % spec.pp
+    ops, sends, wgrad = _ours_units(st, rank)
     if following is not None:
         ops += _ours_unit_receives(following, rank)
-    params = st.params(L, first, last, tp)
-    if D == 1:
+    params = st.params(st.stage_layers[s], s == 0, s == spec.pp - 1, st.tp)
+    # the next step's first forwards, once the optimizer has stepped; their sends waited in that step
+    nxt_ahead = [op for _, b, i in (ours_ahead(following, rank) if following is not None else [])
+                 for op in _ours_forward(following, rank, b, i)[0]]
+    if spec.dp == 1:
         ops.append(Flush("wgrad"))
         if sends:
             ops.append(Wait(tuple(sends)))
-        return ops + st.optimizer(params)
+        return ops + st.optimizer(params) + nxt_ahead
     after = [sum(wgrad[k + 1:]) for k in range(len(wgrad))]  # work of the linears after linear k
     if spec.dp_mode == "chain_ps" or spec.system == "gpipe":
-        return ops + _seed_dp(st, rank, sends, after, sum(wgrad), params)
+        return ops + _seed_dp(st, rank, sends, after, sum(wgrad), params) + nxt_ahead
     # the weight gradients, linear after linear (the fill drained the first linears first: what is left
     # belongs to the last ones); each bucket pushed as its last gradient is final
     sync = _Sync.of(st, rank)
@@ -661,7 +1000,7 @@ def ours(st: _Step, rank: int, following: _Step | None = None) -> list:
         ops += st.optimizer(params)
     if following is not None:
         ops += _Sync.of(following, rank).receives()
-    return ops
+    return ops + nxt_ahead
 
 
 CHAIN_BUCKET_BYTES = 25 * 10**6
@@ -678,7 +1017,7 @@ def _seed_dp(st: _Step, rank: int, sends: list, after: list[float], wgrad: float
     group = tuple(j * spec.pp + s for j in range(spec.dp))
     mode = "central_ps" if spec.dp_mode == "chain_ps" else spec.dp_mode
     ops: list = []
-    for i, (n, at) in enumerate(_buckets(_grad_order(st, s == 0, s == spec.pp - 1), CHAIN_BUCKET_BYTES)):
+    for i, (n, at) in enumerate(_buckets(_grad_order(st, s == 0, s == spec.pp - 1, s), CHAIN_BUCKET_BYTES)):
         ops.append(Flush("wgrad", keep=after[at] if at >= 0 else wgrad))
         key = _key(st.step, "chain", s, i)
         if mode == "central_ps":
@@ -709,24 +1048,30 @@ TOKEN_PIPELINE = ("ours", "gpipe")  # ours' engine (the seed's GPipe: at one tok
 
 def network_of(spec: RunSpec) -> Network:
     tp = spec.tp if spec.system in TENSOR_PARALLEL else 1
+    # megatron's overlapped data parallelism: each rank's collectives on a stream of their own
+    streams = spec.pp * spec.dp if spec.system == "megatron" and spec.dp > 1 and spec.overlap_grad_reduce else None
     c = spec.cluster
     if c is not None:
         matrix = None
         if c.matrix is not None:
             matrix = tuple(tuple(c.link(a, b) if a != b else None for b in range(c.nodes)) for a in range(c.nodes))
         return Network(c.inter or c.intra, "nccl", c.intra, hosts=hosts_of(spec), matrix=matrix,
-                       copies=(tp,) * (spec.pp * spec.dp), gpu=True)
+                       copies=(tp,) * (spec.pp * spec.dp), gpu=True,
+                       cards=cards_of(spec) if c.nics_per_node > 1 else None, streams=streams)
     per_host = spec.ranks_per_host
     if spec.system in TENSOR_PARALLEL:  # a tensor-parallel group is one simulated rank
         per_host = max(1, per_host // spec.tp)
-    return Network(spec.link, spec.transport, spec.intra_link, per_host)
+    return Network(spec.link, spec.transport, spec.intra_link, per_host, streams=streams)
 
 
 def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
     """Programs of every simulated rank: ``steps`` steps, each framed by the timing barriers of the run
-    command (none on a GPU cluster: a scenario's step is the training step alone); Marks ``start{k}`` /
+    command (none on a GPU cluster: a scenario's step is the training step alone; ours' steps there
+    still begin together, as the run command's barrier starts them, at no cost); Marks ``start{k}`` /
     ``end{k}`` around step k (after the opening barrier, after the closing one). What a rank posts ahead
-    of its first step (ours' receives, the first barrier's over gloo) comes first."""
+    of its first step (ours' receives, the first barrier's over gloo) comes first. ours' last simulated
+    step is one of a run that goes on: it posts the next step's receives and, under ``--prefetch``, runs
+    that step's first forwards (``ours``), as every step but a run's last does."""
     if spec.tp > 1 and spec.system not in TENSOR_PARALLEL:
         raise ValueError(f"{spec.system} has no tensor parallelism")
     net = network_of(spec)
@@ -736,24 +1081,29 @@ def build(spec: RunSpec, cm: ComputeModel, steps: int = 2) -> Built:
     uses = [("open", k) if i % 2 == 0 else ("close", k) for k in range(steps) for i in range(2)]
     programs = []
     for r in range(n):
-        st = [_Step(spec, cm, net, k) for k in range(steps)]
+        st = [_Step(spec, cm, net, k) for k in range(steps + 1)]  # and the step after the last
         ops: list = _barrier_receives(net, world, r, uses[0]) if framed else []
         if spec.system in TOKEN_PIPELINE:
             ops += ours_receives(st[0], r)
         for k in range(steps):
             if framed:
                 ops += _barrier(net, world, r, uses[2 * k], uses[2 * k + 1])
+            elif k > 0 and spec.system in TOKEN_PIPELINE:
+                ops.append(Group(("step", k), world, 0.0, "barrier"))
             ops.append(Mark(f"start{k}"))
             if spec.system in TOKEN_PIPELINE:
-                ops += ours(st[k], r, st[k + 1] if k + 1 < steps else None)
+                ops += ours(st[k], r, st[k + 1])
             else:
                 ops += BUILDERS[spec.system](st[k], r)
             if framed:
                 ops += _barrier(net, world, r, uses[2 * k + 1], uses[2 * k + 2] if 2 * k + 2 < len(uses) else None)
             ops.append(Mark(f"end{k}"))
         programs.append(ops)
-    procs = [spec.tp if spec.system in TENSOR_PARALLEL else 1] * n
-    return Built(programs, procs, net)
+    if net.streams is not None:  # each rank's communication stream, step after step
+        for r in range(n):
+            programs.append([op for k in range(steps) for op in _MegatronDDP(_Step(spec, cm, net, k), r).stream_ops()])
+    procs = [spec.tp if spec.system in TENSOR_PARALLEL else 1] * len(programs)
+    return Built(programs, procs, net, timed=n)
 
 
 # ---- the timing barrier (contract.rank.StepBarrier) ---------------------------------------------

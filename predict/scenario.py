@@ -1,75 +1,101 @@
-"""Scenario files: a training run on a GPU cluster described whole, without the run command's CPU
-defaults, and its predicted step (``python -m predict scenario FILE.toml [--json]``).
+"""Scenario files: a training run on a GPU cluster described whole, and its predicted step
+(``pipebench predict scenario FILE.toml [--json]``).
 
-    [model]
-    layers = 24            # transformer layers
-    hidden = 2048
-    heads = 16
-    seq_len = 2048
-    vocab = 50257          # 0: no embeddings
-    head = "lm"            # "lm" (the vocabulary), "classifier:N" (N outputs), "none"
+    [run]                  # a run, as `pipebench run --config FILE.toml` reads it: RunConfig's keys
+    system = "megatron"    # any system of the registry, or "gpipe" (predict.systems: the seed's GPipe
+                           # as DT-FM ran it, predicted only)
+    model = "gpt3-xl"      # a model by name; its fields overridden as the run command's flags do:
+    vocab_size = 28996     # num_layers, hidden_size, num_heads, seq_length, vocab_size
+    tp = 4
+    pp = 2
+    dp = 6
+    batch_size = 42        # per pipeline (the global batch: batch_size x dp), as everywhere
+    micro_batch_size = 1
+    precision = "fp16"     # fp32 (default), bf16, fp16
+    recompute = true
+    optimizer = "sgd_momentum"   # adam (default), sgd, sgd_momentum
+    schedule = "1f1b"      # and every other option of the system, by its name (dp_mode, n_slices,
+                           # virtual_pp, layers_per_stage = [5, 7, 7, 5] or "ends", ...); megatron
+                           # also "zb1p", "zb2p" (predict.systems: the zero-bubble ZB-H1 and ZB-H2)
 
-    [cluster]
+    [cluster]              # what only a cluster has
     gpu = "V100 SXM2 16GB" # a device file's name (workload/devices)
-    nodes = 12
-    gpus_per_node = 1
+    nodes = 6
+    gpus_per_node = 8
     intra_gbps = 1000      # between two GPUs of a node, per GPU (default: the device file's NVLink)
     intra_delay_ms = 0.005
-    inter_gbps = 10        # between nodes: one network card per node, shared by its GPUs
-    inter_delay_ms = 0.1
+    inter_gbps = 25        # between nodes: the bandwidth of one network card
+    inter_delay_ms = 0.05
+    nics_per_node = 1      # network cards a node (default 1: one card shared by the node's GPUs; = gpus_per_node:
+                           # a rail-optimized fabric, each GPU its own card at inter_gbps), GPUs on cards round-robin
+    flow_gbps = 10         # optional: a provider's limit on one TCP flow between two instances (AWS documents
+                           # 5 Gbit/s outside a cluster placement group, 10 inside one; default: none)
+    flows_per_message = 16 # with flow_gbps: the flows a message between nodes is spread over (NCCL's socket
+                           # transport: NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD, on AWS 2 x 8 = 16 by
+                           # default since NCCL 2.4.8, src/transport/net_socket.cc; elsewhere 1 x 1); a
+                           # message then moves at min(inter_gbps, flows x flow_gbps) (default 1)
     # or: matrix = "two-sites.json" (beside the scenario) or [cluster.matrix] with delay_ms and
-    # bandwidth_gbps, node x node (the run command's per-link format)
+    # bandwidth_gbps, node x node (the run command's per-link format; no loss_pct, no jitter_ms)
 
-    [run]
-    system = "gpipe"       # gpipe (the seed's, as DT-FM ran it), torch_pipe, megatron, fairscale_fsdp, ours
-    tp = 1
-    pp = 12
-    dp = 1
-    batch = 64             # global: batch / dp sequences per pipeline
-    micro_batch = 1
-    precision = "fp32"     # fp32, bf16, fp16
-    recompute = true       # default false
-    schedule = "gpipe"     # default: the system's (gpipe; megatron and ours 1f1b)
-    dp_mode = "central_ps" # default: the system's (gpipe central_ps, ours allreduce, megatron allreduce,
-                           # torch_pipe and fairscale fsdp)
-    n_slices = "auto"      # ours: a number of equal token slices, or "auto" (the planner)
-    attention = "materialized"  # optional: "flash" or "materialized" (default: the GPU's era)
-    optimizer = "adam"     # optional: "adam" (default), "sgd" (no state) or "sgd_momentum" (one buffer)
+    [predict]              # optional: what only a prediction has (the run command has no such thing)
+    head = "classifier:2"  # the output layer: "lm" (the vocabulary; default), "classifier:N", "none"
+    attention = "materialized"   # the attention kernels: "flash" or "materialized" (default: the GPU's era)
+    gemm_precision = "fp8" # the layers' linear GEMMs at fp8 (TransformerEngine's, on H100 / H200; [run]
+                           # precision bf16 or fp16 for everything else); default: the run's precision
 
-A required key that is missing, an unknown key or a value that cannot be is a ``ScenarioError`` (one
-line naming the key). The answer: the step time and its parts, the fullest GPU's memory, and
-``oom`` (with that estimate) where it does not fit the GPU.
+``[run]`` is read and judged as the run command reads ``--config`` and judges a request (one
+judgement; ``runners.request.config_from_table``), but for what this repository's build of a system
+cannot run though the system as published can (``SystemOptions.check_build``: megatron's vocabulary
+over --tp, which Megatron-LM pads). Its links are the ``[cluster]``'s, so ``network`` and the faults
+(``network_trace``, ``slow_rank``, ``kill_replica``) are refused; keys that do not change a step
+(``steps``, ``seed``, ``data``...) are accepted and change nothing. A missing key, an unknown key or
+a value that cannot be is a ``ScenarioError`` (one line naming the key); so is a run the simulator
+has no program for. The answer: the step time and its parts, the fullest GPU's memory, and ``oom``
+(with that estimate) where it does not fit the GPU.
+
+Megatron's options as the run command takes them, and what the simulator makes of them:
+``sequence_parallel`` (the TP all-reduces a reduce-scatter and an all-gather, the norms' work and
+activations over tp), ``recompute_granularity`` (``full`` or ``selective``, under ``recompute``),
+``distributed_optimizer``, ``overlap_grad_reduce`` and ``overlap_param_gather`` (its DP collectives
+bucket by bucket behind the backward and the next forward), and ``tp_comm_overlap``
+(TransformerEngine's: accepted here, refused by the run command, which has no TransformerEngine).
 """
 from __future__ import annotations
 
 import json
+import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from predict.run_spec import Cluster, Link, RunSpec
-from workload.compute import (UPDATE_RULES, Device, DeviceError, GpuCompute, default_attention, find_device,
-                              read_data)
+from contract import ConfigError, RunConfig
+from network_emulation.profiles import MAX_DELAY_MS
+from predict.from_config import NotModelled, gpu_compute_of, memory_of as config_memory, spec_from_config
+from contract.links import Link
+from predict.run_spec import Cluster, RunSpec
+from predict.stacks import StackError, stall_share
+from predict.stacks import check as check_stack
+from predict.systems import prediction_systems
+from workload.compute import Device, DeviceError, GpuCompute, Overheads, default_attention, find_device, read_data
 from workload.configs import ModelConfig
-from workload.memory import GB, Memory, rank_memory
+from workload.memory import GB, Memory
 
-SYSTEMS = ("gpipe", "torch_pipe", "megatron", "fairscale_fsdp", "ours")
-SCHEDULES = {"gpipe": ("gpipe",), "torch_pipe": ("gpipe", "1f1b", "interleaved"), "megatron": ("1f1b", "interleaved"),
-             "fairscale_fsdp": ("gpipe",), "ours": ("1f1b", "gpipe")}
-DP_MODES = {"gpipe": ("central_ps", "sharded_ps", "allreduce"), "torch_pipe": ("fsdp",), "megatron": ("allreduce",),
-            "fairscale_fsdp": ("fsdp",), "ours": ("allreduce", "central_ps", "sharded_ps")}
-KEYS = {
-    "model": {"layers": True, "hidden": True, "heads": True, "seq_len": True, "vocab": True, "head": False},
-    "cluster": {"gpu": True, "nodes": True, "gpus_per_node": True, "intra_gbps": False, "intra_delay_ms": False,
-                "inter_gbps": False, "inter_delay_ms": False, "matrix": False},
-    "run": {"system": True, "tp": True, "pp": True, "dp": True, "batch": True, "micro_batch": True,
-            "precision": True, "recompute": False, "schedule": False, "dp_mode": False, "n_slices": False,
-            "attention": False, "virtual_pp": False, "optimizer": False},
-}
+SECTIONS = {"run": True, "cluster": True, "predict": False}  # section -> required
+CLUSTER_KEYS = {"gpu": True, "nodes": True, "gpus_per_node": True, "intra_gbps": False, "intra_delay_ms": False,
+                "inter_gbps": False, "inter_delay_ms": False, "matrix": False, "nics_per_node": False,
+                "flow_gbps": False, "flows_per_message": False}  # -> required
+PREDICT_KEYS = ("head", "attention", "gemm_precision", "stack")
+ATTENTION = ("flash", "materialized")
+NOT_A_PREDICTION = {"network": "a scenario's links are its [cluster]'s",
+                    "network_trace": "links that change are not modelled",
+                    "slow_rank": "a straggler is not modelled", "kill_replica": "a killed replica is not modelled"}
 # Inside a node, when the scenario does not say: NCCL's all-reduce bus bandwidth over the part's NVLink
 # (DGX-1-class V100 SXM2 hybrid cube mesh; NVSwitch on A100 / H100 / H200), per GPU.
 NVLINK_GBPS = {"V100": 1000.0, "A100": 1900.0, "H100": 3600.0, "H200": 3600.0}
 NVLINK_DELAY_MS = 0.005
+# A cluster's links are bounded far above an emulated link's (the run command's --network: 1 Tbit/s): a node's
+# network cards together (eight 400 Gbit/s cards: 3.2 Tbit/s) and NVLink (7.2 Tbit/s on H100) exceed that.
+MAX_CLUSTER_GBPS = 100_000.0
 
 
 class ScenarioError(ValueError):
@@ -78,47 +104,40 @@ class ScenarioError(ValueError):
 
 @dataclass(frozen=True)
 class Scenario:
+    """A scenario file read: its run (``config``, a judged RunConfig), the GPU and the cluster, and what
+    only a prediction has: the output layer (``head``: None the vocabulary, 0 none, N classes) and the
+    attention kernels."""
+
     name: str
-    model: ModelConfig
-    head: int | None  # output width: None the vocabulary, 0 none
+    config: RunConfig
     device: Device
     cluster: Cluster
-    system: str
-    tp: int
-    pp: int
-    dp: int
-    batch: int
-    micro_batch: int
-    precision: str
-    recompute: bool
-    schedule: str
-    dp_mode: str
-    n_slices: int | str
     attention: str
-    virtual_pp: int = 1
+    head: int | None = None
     source: dict = field(default_factory=dict)
-    optimizer: str = "adam"
+    gemm_precision: str | None = None
+    """The layers' linear GEMMs' precision where not the run's (``fp8``)."""
+    stack: str | None = None
+    """The software stack and machines whose step the scenario describes (``predict.stacks``): what a
+    whole step adds beyond its kernels; None: kernels only."""
 
     @property
-    def batch_per_pipeline(self) -> int:
-        return self.batch // self.dp
+    def system(self) -> str:
+        return self.config.system
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.config.model
 
 
-def _get(table: dict, section: str, key: str, kind, default=None):
-    required = KEYS[section][key]
+def _number(section: str, table: dict, key: str, kind=float, default=None):
+    """A number of a table: an integer (``kind`` int) or a finite one; None/``default`` where absent."""
     if key not in table:
-        if required:
-            raise ScenarioError(f"[{section}] {key} is missing")
         return default
     v = table[key]
-    if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
-        raise ScenarioError(f"[{section}] {key} must be an integer, got {v!r}")
-    if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v == v or v in (float("inf"),)):
-        raise ScenarioError(f"[{section}] {key} must be a finite number, got {v!r}")
-    if kind is str and not isinstance(v, str):
-        raise ScenarioError(f"[{section}] {key} must be a string, got {v!r}")
-    if kind is bool and not isinstance(v, bool):
-        raise ScenarioError(f"[{section}] {key} must be true or false, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int) or not math.isfinite(v):
+        raise ScenarioError(f"[{section}] {key} must be {'an integer' if kind is int else 'a finite number'}, "
+                            f"got {v!r}")
     return float(v) if kind is float else v
 
 
@@ -128,17 +147,28 @@ def _positive(section: str, key: str, v, zero: bool = False):
     return v
 
 
-def _link(section: str, gbps_key: str, delay_key: str, gbps: float | None, delay_ms: float | None) -> Link | None:
+def _link_of(where: str, delay_ms, gbps) -> Link:
+    """A link of a delay and a bandwidth, bounded as the run command bounds a network profile's."""
+    if delay_ms > MAX_DELAY_MS:
+        raise ScenarioError(f"{where}: delay {delay_ms:g} ms is absurd (limit {MAX_DELAY_MS:g} ms)")
+    if gbps > MAX_CLUSTER_GBPS:
+        raise ScenarioError(f"{where}: bandwidth {gbps:g} Gbit/s is absurd (limit {MAX_CLUSTER_GBPS:g} Gbit/s)")
+    return Link.from_ms_gbps(delay_ms, gbps)
+
+
+def _link(c: dict, gbps_key: str, delay_key: str) -> Link | None:
+    gbps, delay_ms = _number("cluster", c, gbps_key), _number("cluster", c, delay_key)
     if gbps is None:
         if delay_ms is not None:
-            raise ScenarioError(f"[{section}] {delay_key} given without {gbps_key}")
+            raise ScenarioError(f"[cluster] {delay_key} given without {gbps_key}")
         return None
-    _positive(section, gbps_key, gbps)
-    _positive(section, delay_key, delay_ms or 0.0, zero=True)
-    return Link.from_ms_gbps(delay_ms or 0.0, gbps)
+    _positive("cluster", gbps_key, gbps)
+    _positive("cluster", delay_key, delay_ms or 0.0, zero=True)
+    return _link_of(f"[cluster] {gbps_key} / {delay_key}", delay_ms or 0.0, gbps)
 
 
 def _matrix(value, base: Path, nodes: int) -> tuple:
+    """A per-link matrix (the run command's format: delay_ms and bandwidth_gbps, node x node; lossless)."""
     if isinstance(value, str):
         path = (base / value) if not Path(value).is_absolute() else Path(value)
         try:
@@ -147,8 +177,14 @@ def _matrix(value, base: Path, nodes: int) -> tuple:
             raise ScenarioError(f"[cluster] matrix {value!r}: cannot read {path} ({exc.__class__.__name__})") from None
     if not isinstance(value, dict) or "delay_ms" not in value or "bandwidth_gbps" not in value:
         raise ScenarioError("[cluster] matrix needs delay_ms and bandwidth_gbps, node x node")
+    unknown = sorted(set(value) - {"delay_ms", "bandwidth_gbps"})
+    if unknown:
+        why = "not modelled (the simulator's links deliver every message, each after the same delay)" \
+            if set(unknown) & {"loss_pct", "jitter_ms"} else "unknown (known: delay_ms, bandwidth_gbps)"
+        raise ScenarioError(f"[cluster] matrix {unknown[0]}: {why}")
     delay, bw = value["delay_ms"], value["bandwidth_gbps"]
-    if len(delay) != nodes or len(bw) != nodes or any(len(r) != nodes for r in delay + bw):
+    if not all(isinstance(m, list) and len(m) == nodes and all(isinstance(r, list) and len(r) == nodes for r in m)
+               for m in (delay, bw)):
         raise ScenarioError(f"[cluster] matrix must be {nodes} x {nodes} (one row and column per node)")
     rows = []
     for a in range(nodes):
@@ -158,61 +194,64 @@ def _matrix(value, base: Path, nodes: int) -> tuple:
                 row.append(None)
                 continue
             d, g = delay[a][b], bw[a][b]
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x != float("inf")
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
                        for x in (d, g)) or d < 0 or g <= 0:
                 raise ScenarioError(f"[cluster] matrix[{a}][{b}]: delay must be >= 0 ms and bandwidth > 0 Gbit/s, "
                                     f"got {d!r} ms, {g!r} Gbit/s")
-            row.append(Link.from_ms_gbps(float(d), float(g)))
+            row.append(_link_of(f"[cluster] matrix[{a}][{b}]", float(d), float(g)))
         rows.append(tuple(row))
     return tuple(rows)
 
 
-def parse(data: dict, name: str = "scenario", base: Path = Path(".")) -> Scenario:
-    """A Scenario from a scenario file's contents (see the module docstring)."""
-    for section in data:
-        if section not in KEYS:
-            raise ScenarioError(f"unknown section [{section}] (known: {', '.join(KEYS)})")
-    for section in KEYS:
-        if section not in data or not isinstance(data[section], dict):
+def _sections(data: dict) -> None:
+    for section, value in data.items():
+        if section not in SECTIONS:
+            raise ScenarioError(f"unknown section [{section}] (known: {', '.join(SECTIONS)})")
+        if not isinstance(value, dict):
+            raise ScenarioError(f"[{section}] must be a table")
+    for section, required in SECTIONS.items():
+        if required and section not in data:
             raise ScenarioError(f"[{section}] is missing")
-        unknown = sorted(set(data[section]) - set(KEYS[section]))
+    for section, known in (("cluster", CLUSTER_KEYS), ("predict", PREDICT_KEYS)):
+        unknown = sorted(set(data.get(section, {})) - set(known))
         if unknown:
-            raise ScenarioError(f"[{section}] unknown key {unknown[0]} (known: {', '.join(KEYS[section])})")
-    m, c, r = data["model"], data["cluster"], data["run"]
-    layers = _positive("model", "layers", _get(m, "model", "layers", int))
-    hidden = _positive("model", "hidden", _get(m, "model", "hidden", int))
-    heads = _positive("model", "heads", _get(m, "model", "heads", int))
-    seq = _positive("model", "seq_len", _get(m, "model", "seq_len", int))
-    vocab = _positive("model", "vocab", _get(m, "model", "vocab", int), zero=True)
-    if hidden % heads:
-        raise ScenarioError(f"[model] hidden {hidden} is not a multiple of heads {heads}")
-    head_text = _get(m, "model", "head", str, "lm")
-    if head_text == "lm":
-        if not vocab:
-            raise ScenarioError("[model] head = \"lm\" needs a vocabulary (vocab > 0)")
-        head = None
-    elif head_text == "none":
-        head = 0
-    elif head_text.startswith("classifier:") and head_text.split(":", 1)[1].isdigit() and int(head_text[11:]) > 0:
-        head = int(head_text[11:])
-    else:
-        raise ScenarioError(f"[model] head must be \"lm\", \"classifier:N\" or \"none\", got {head_text!r}")
-    model = ModelConfig(name, layers, hidden, heads, seq, vocab)
+            raise ScenarioError(f"[{section}] unknown key {unknown[0]} (known: {', '.join(known)})")
 
-    gpu = _get(c, "cluster", "gpu", str)
+
+def _run(table: dict) -> RunConfig:
+    """The [run] table as the run command reads ``--config`` and judges a request, but for the limits
+    of this repository's build of a system (``SystemOptions.check_build``)."""
+    from runners.request import config_from_table
+
+    for key, why in NOT_A_PREDICTION.items():
+        if key in table:
+            raise ScenarioError(f"[run] {key}: {why}")
+    specs = prediction_systems()
     try:
-        device = find_device(gpu)
+        cfg, spec = config_from_table(table, specs)
+        spec.validate(cfg, build=False)
+    except ConfigError as exc:
+        text = str(exc)
+        raise ScenarioError(text if text.startswith("[run]") else f"[run] {text}") from None
+    return cfg
+
+
+def _cluster(c: dict, base: Path) -> tuple[Device, Cluster]:
+    for key, required in CLUSTER_KEYS.items():
+        if required and key not in c:
+            raise ScenarioError(f"[cluster] {key} is missing")
+    if not isinstance(c["gpu"], str):
+        raise ScenarioError(f"[cluster] gpu must be a string, got {c['gpu']!r}")
+    try:
+        device = find_device(c["gpu"])
     except DeviceError as exc:
         raise ScenarioError(f"[cluster] gpu: {exc}") from None
-    nodes = _positive("cluster", "nodes", _get(c, "cluster", "nodes", int))
-    per_node = _positive("cluster", "gpus_per_node", _get(c, "cluster", "gpus_per_node", int))
-    intra = _link("cluster", "intra_gbps", "intra_delay_ms", _get(c, "cluster", "intra_gbps", float),
-                  _get(c, "cluster", "intra_delay_ms", float))
+    nodes = _positive("cluster", "nodes", _number("cluster", c, "nodes", int))
+    per_node = _positive("cluster", "gpus_per_node", _number("cluster", c, "gpus_per_node", int))
+    intra = _link(c, "intra_gbps", "intra_delay_ms")
     if intra is None:
-        family = device.part.split()[0]
-        intra = Link.from_ms_gbps(NVLINK_DELAY_MS, NVLINK_GBPS.get(family, 1000.0))
-    inter = _link("cluster", "inter_gbps", "inter_delay_ms", _get(c, "cluster", "inter_gbps", float),
-                  _get(c, "cluster", "inter_delay_ms", float))
+        intra = Link.from_ms_gbps(NVLINK_DELAY_MS, NVLINK_GBPS.get(device.part.split()[0], 1000.0))
+    inter = _link(c, "inter_gbps", "inter_delay_ms")
     matrix = None
     if "matrix" in c:
         if inter is not None:
@@ -220,57 +259,83 @@ def parse(data: dict, name: str = "scenario", base: Path = Path(".")) -> Scenari
         matrix = _matrix(c["matrix"], base, nodes)
     if nodes > 1 and inter is None and matrix is None:
         raise ScenarioError("[cluster] inter_gbps is missing (the link between nodes; or give matrix)")
-    cluster = Cluster(nodes, per_node, intra, inter, matrix)
+    nics = _positive("cluster", "nics_per_node", _number("cluster", c, "nics_per_node", int, 1))
+    if per_node % nics:
+        raise ScenarioError(f"[cluster] nics_per_node {nics} must divide gpus_per_node {per_node} (the GPUs map to "
+                            "the cards round-robin)")
+    if nics > 1 and matrix is not None:
+        raise ScenarioError("[cluster] nics_per_node: a matrix gives every pair of nodes a link of its own")
+    return device, Cluster(nodes, per_node, intra, _per_flow(c, inter, matrix), matrix, nics)
 
-    system = _get(r, "run", "system", str)
-    if system not in SYSTEMS:
-        raise ScenarioError(f"[run] system must be one of {', '.join(SYSTEMS)}, got {system!r}")
-    tp = _positive("run", "tp", _get(r, "run", "tp", int))
-    pp = _positive("run", "pp", _get(r, "run", "pp", int))
-    dp = _positive("run", "dp", _get(r, "run", "dp", int))
-    batch = _positive("run", "batch", _get(r, "run", "batch", int))
-    micro = _positive("run", "micro_batch", _get(r, "run", "micro_batch", int))
-    precision = _get(r, "run", "precision", str)
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ScenarioError(f"[run] precision must be fp32, bf16 or fp16, got {precision!r}")
-    recompute = _get(r, "run", "recompute", bool, False)
-    schedule = _get(r, "run", "schedule", str, SCHEDULES[system][0] if system != "ours" else "1f1b")
-    if schedule not in SCHEDULES[system]:
-        raise ScenarioError(f"[run] schedule {schedule!r} is not one of {system}'s: {', '.join(SCHEDULES[system])}")
-    dp_mode = _get(r, "run", "dp_mode", str, DP_MODES[system][0])
-    if dp_mode not in DP_MODES[system]:
-        raise ScenarioError(f"[run] dp_mode {dp_mode!r} is not one of {system}'s: {', '.join(DP_MODES[system])}")
-    n_slices = r.get("n_slices", "auto" if system == "ours" else 1)
-    if system == "ours":
-        if not (n_slices == "auto" or (isinstance(n_slices, int) and not isinstance(n_slices, bool)
-                                       and 1 <= n_slices <= seq)):
-            raise ScenarioError(f"[run] n_slices must be \"auto\" or an integer from 1 to {seq}, got {n_slices!r}")
-    elif "n_slices" in r and n_slices != 1:
-        raise ScenarioError(f"[run] n_slices is ours' (token slices); {system} runs whole sequences")
-    attention = _get(r, "run", "attention", str, default_attention(device))
-    if attention not in ("flash", "materialized"):
-        raise ScenarioError(f"[run] attention must be \"flash\" or \"materialized\", got {attention!r}")
-    virtual_pp = _positive("run", "virtual_pp", _get(r, "run", "virtual_pp", int, 1))
-    optimizer = _get(r, "run", "optimizer", str, "adam")
-    if optimizer not in UPDATE_RULES:
-        raise ScenarioError(f"[run] optimizer must be one of {', '.join(UPDATE_RULES)}, got {optimizer!r}")
-    if virtual_pp > 1 and schedule != "interleaved":
-        raise ScenarioError("[run] virtual_pp > 1 needs schedule = \"interleaved\"")
-    if tp > 1 and system in ("torch_pipe", "fairscale_fsdp"):
-        raise ScenarioError(f"[run] {system} has no tensor parallelism (tp must be 1)")
-    if batch % dp:
-        raise ScenarioError(f"[run] batch {batch} does not divide over dp {dp}")
-    if (batch // dp) % micro:
-        raise ScenarioError(f"[run] {batch // dp} sequences per pipeline do not divide into micro-batches of {micro}")
-    if layers % (pp * virtual_pp):
-        raise ScenarioError(f"[run] {layers} layers do not divide into {pp * virtual_pp} stages")
-    if heads % tp or hidden % tp:
-        raise ScenarioError(f"[run] tp {tp} does not divide the heads ({heads}) and the hidden size ({hidden})")
-    if tp * pp * dp > cluster.gpus:
-        raise ScenarioError(f"[run] T-{tp} P-{pp} D-{dp} needs {tp * pp * dp} GPUs; the cluster has "
-                            f"{nodes} x {per_node}")
-    return Scenario(name, model, head, device, cluster, system, tp, pp, dp, batch, micro, precision, recompute,
-                    schedule, dp_mode, n_slices, attention, virtual_pp, source=data, optimizer=optimizer)
+
+def _per_flow(c: dict, inter: Link | None, matrix) -> Link | None:
+    """The link between nodes as a message reaches it under a per-flow limit (``flow_gbps``, spread over
+    ``flows_per_message`` flows): min(the card, flows x the flow limit). The card's other messages queue
+    behind it as before (one message at a time a port)."""
+    flow = _number("cluster", c, "flow_gbps")
+    flows = _number("cluster", c, "flows_per_message", int)
+    if flow is None:
+        if flows is not None:
+            raise ScenarioError("[cluster] flows_per_message given without flow_gbps (the limit of one flow)")
+        return inter
+    _positive("cluster", "flow_gbps", flow)
+    flows = _positive("cluster", "flows_per_message", 1 if flows is None else flows)
+    if matrix is not None or inter is None:
+        raise ScenarioError("[cluster] flow_gbps needs inter_gbps (a matrix gives each link's bandwidth as its "
+                            "messages reach it)")
+    rate = min(inter.bandwidth, flows * flow * 1e9 / 8)
+    return replace(inter, bandwidth=rate)
+
+
+def _head(p: dict) -> int | None:
+    text = p.get("head", "lm")
+    if text == "lm":
+        return None
+    if text == "none":
+        return 0
+    if isinstance(text, str) and text.startswith("classifier:") and text[11:].isdigit() and int(text[11:]) > 0:
+        return int(text[11:])
+    raise ScenarioError(f"[predict] head must be \"lm\", \"classifier:N\" or \"none\", got {text!r}")
+
+
+def parse(data: dict, name: str = "scenario", base: Path = Path(".")) -> Scenario:
+    """A Scenario from a scenario file's contents (see the module docstring)."""
+    _sections(data)
+    cfg = _run(data["run"])
+    device, cluster = _cluster(data["cluster"], base)
+    p = data.get("predict", {})
+    attention = p.get("attention", default_attention(device))
+    if attention not in ATTENTION:
+        raise ScenarioError(f"[predict] attention must be \"flash\" or \"materialized\", got {attention!r}")
+    gemm = _gemm_precision(p, cfg, device)
+    gpus = cfg.pp * cfg.tp * cfg.dp
+    if gpus > cluster.gpus:
+        raise ScenarioError(f"[run] T-{cfg.tp} P-{cfg.pp} D-{cfg.dp} needs {gpus} GPUs; the cluster has "
+                            f"{cluster.nodes} x {cluster.gpus_per_node}")
+    stack = p.get("stack")
+    if stack is not None:
+        try:
+            check_stack(stack if isinstance(stack, str) else repr(stack))
+        except StackError as exc:
+            raise ScenarioError(f"[predict] stack: {exc}") from None
+    return Scenario(name, cfg, device, cluster, attention, _head(p), source=data, gemm_precision=gemm, stack=stack)
+
+
+def _gemm_precision(p: dict, cfg: RunConfig, device: Device) -> str | None:
+    """[predict] gemm_precision: None (the run's precision), or fp8 on a part that has it, inside a half
+    precision run."""
+    value = p.get("gemm_precision", cfg.precision)
+    if value == cfg.precision:
+        return None
+    if value != "fp8":
+        raise ScenarioError(f"[predict] gemm_precision must be the run's precision ({cfg.precision}) or \"fp8\", "
+                            f"got {value!r}")
+    if not device.has_fp8():
+        raise ScenarioError(f"[predict] gemm_precision fp8: the {device.name} has no fp8 GEMMs (H100 and H200 do)")
+    if cfg.precision == "fp32":
+        raise ScenarioError("[predict] gemm_precision fp8 runs the GEMMs of a bf16 or fp16 run: [run] precision "
+                            "is fp32")
+    return value
 
 
 def load(path: str | Path) -> Scenario:
@@ -278,66 +343,74 @@ def load(path: str | Path) -> Scenario:
     return parse(read_data(path, "scenario file", ScenarioError, tomllib.loads), path.stem, path.parent)
 
 
-def compute_of(sc: Scenario) -> GpuCompute:
-    return GpuCompute(sc.device, sc.model, sc.precision, sc.attention,
-                      "fused" if sc.system == "megatron" else "single", update_rule=sc.optimizer)
+def compute_of(sc: Scenario, stalls: float | None = None) -> GpuCompute:
+    """The scenario's compute model: its GPU's kernels (its linear GEMMs in ``gemm_precision`` where set),
+    its stack's stalls (``stalls``: this share instead of the stack's) as its system's factor over the
+    modelled math."""
+    cm = gpu_compute_of(sc.config, sc.device, sc.attention, sc.gemm_precision)
+    share = stall_share(sc.stack, sc.device.part, sc.config.precision) if stalls is None else stalls
+    if not share:
+        return cm
+    return replace(cm, overhead={**cm.overhead, sc.system: Overheads(compute=1.0 + share)})
 
 
-def memory_of(sc: Scenario, slices: tuple[int, ...] | None = None) -> Memory:
-    dp_mode = "fsdp" if sc.system in ("torch_pipe", "fairscale_fsdp") else sc.dp_mode
-    return rank_memory(sc.model, system=sc.system, tp=sc.tp, pp=sc.pp, dp=sc.dp, micro_batch=sc.micro_batch,
-                       n_micro=sc.batch_per_pipeline // sc.micro_batch, precision=sc.precision,
-                       recompute=sc.recompute, schedule=sc.schedule, attention=sc.attention,
-                       dropout=sc.attention == "materialized", dp_mode=dp_mode, head=sc.head,
-                       virtual_pp=sc.virtual_pp, update_rule=sc.optimizer)
+def memory_of(sc: Scenario) -> Memory:
+    """The fullest GPU's memory; the V100-era stacks' materialised attention keeps its dropout masks."""
+    return config_memory(sc.config, sc.attention, sc.head, dropout=sc.attention == "materialized")
 
 
 def spec_of(sc: Scenario, slices: tuple[int, ...] | None = None) -> RunSpec:
-    """The simulator's run of a scenario; ours' token slices given, or K equal ones."""
-    from ours import uniform_slices
-
-    if sc.system in ("ours", "gpipe") and slices is None:
-        slices = uniform_slices(sc.model.seq_len, 1 if sc.system == "gpipe" else int(sc.n_slices))
-    dp_mode = {"fsdp": "allreduce", "central_ps": "chain_ps" if sc.system == "gpipe" else "central_ps"}.get(
-        sc.dp_mode, sc.dp_mode)
-    return RunSpec(sc.system, sc.model, batch_size=sc.batch_per_pipeline, micro_batch_size=sc.micro_batch,
-                   link=sc.cluster.inter or sc.cluster.intra, pp=sc.pp, tp=sc.tp, dp=sc.dp, schedule=sc.schedule,
-                   virtual_pp=sc.virtual_pp, slices=slices, dp_mode=dp_mode, precision=sc.precision,
-                   recompute=sc.recompute, transport="nccl", head_classes=sc.head, cluster=sc.cluster)
+    """The simulator's run of a scenario; ours' token slices given, or its options' (K equal ones)."""
+    c = sc.cluster
+    try:
+        return spec_from_config(sc.config, c.inter or c.intra, "nccl", compute_of(sc), slices=slices, cluster=c,
+                                head=sc.head)
+    except NotModelled as exc:
+        raise ScenarioError(f"[run] {exc}") from None
 
 
-def predict_scenario(sc: Scenario) -> dict:
+def _planned_slices(sc: Scenario, cm: GpuCompute):
+    """ours' 'auto' slicing: the planner's, over the links its stages and tensor-parallel groups cross."""
+    from ours.plan.planner import plan_for
+
+    c, cfg = sc.cluster, sc.config
+    return plan_for(cm, cfg.model, tp=cfg.tp, pp=cfg.pp, batch=cfg.batch_size, micro_batch=cfg.micro_batch_size,
+                    recompute=cfg.recompute, link=_stage_link(sc),
+                    tp_link=c.intra if cfg.tp <= c.gpus_per_node else (c.inter or _stage_link(sc)))
+
+
+def predict_scenario(sc: Scenario, stalls: float | None = None) -> dict:
     """The scenario's prediction as one JSON-able object: status (ok / oom), step_time_s (None where it
-    does not fit), parts, memory, and ours' slicing."""
+    does not fit), parts (the math, the stack's stalls, the optimizer, the bubble, exposed messages, the DP
+    sync, the rest), memory, and ours' slicing (``stalls``: this stall share instead of the stack's).
+    ScenarioError where the simulator finds the run cannot proceed (a deadlock: one line)."""
+    from predict.simulator import SimulationError
     from predict.step_time import predict
 
-    cm = compute_of(sc)
-    slices = None
-    chosen = None
-    if sc.system == "ours" and sc.n_slices == "auto":
-        from ours.plan.planner import plan_for
-
-        c = sc.cluster
-        chosen = plan_for(cm, sc.model, tp=sc.tp, pp=sc.pp, batch=sc.batch_per_pipeline, micro_batch=sc.micro_batch,
-                          recompute=sc.recompute, link=_stage_link(sc),
-                          tp_link=c.intra if sc.tp <= c.gpus_per_node else (c.inter or _stage_link(sc)))
-        slices = chosen.slices
-    spec = spec_of(sc, slices)
+    cm = compute_of(sc, stalls)
+    cfg = sc.config
+    auto = cfg.system == "ours" and cfg.options.auto
+    spec = spec_of(sc, _planned_slices(sc, cm).slices if auto else None)
     mem = memory_of(sc)
     usable = sc.device.usable_bytes()
-    out = dict(scenario=sc.name, system=sc.system, layout=f"T-{sc.tp} P-{sc.pp} D-{sc.dp}", gpu=sc.device.name,
-               precision=sc.precision, attention=sc.attention,
+    out = dict(scenario=sc.name, system=cfg.system, layout=f"T-{cfg.tp} P-{cfg.pp} D-{cfg.dp}", gpu=sc.device.name,
+               precision=cfg.precision, gemm_precision=sc.gemm_precision or cfg.precision, attention=sc.attention,
                memory_gb=round(mem.total / GB, 2), memory=mem.describe(), usable_gb=round(usable / GB, 2))
-    if spec.slices is not None and sc.system == "ours":
+    if spec.slices is not None and cfg.system == "ours":
         out["slices"] = list(spec.slices)
         out["n_slices"] = len(spec.slices)
     if mem.total > usable:
         return dict(out, status="oom", step_time_s=None, parts=None,
                     why=f"needs {mem.total / GB:.1f} GiB of the {usable / GB:.1f} GiB a {sc.device.name} holds")
-    p = predict(spec, cm)
+    try:
+        p = predict(spec, cm)
+    except SimulationError as exc:
+        raise ScenarioError(f"the simulator cannot run it: {str(exc).splitlines()[0]}") from None
     opt = p.detail.get("optimizer", 0.0)
-    parts = dict(compute=p.compute - opt, optimizer=opt, bubble=p.bubble, messages=p.exposed_comm,
-                 dp_sync=p.dp_sync, other=p.overhead + p.barrier)
+    factor = cm.overheads(cfg.system).compute  # the stack's stalls scale the math they stretch
+    math_s = (p.compute - opt) / factor
+    parts = dict(compute=math_s, stalls=p.compute - opt - math_s, optimizer=opt, bubble=p.bubble,
+                 messages=p.exposed_comm, dp_sync=p.dp_sync, other=p.overhead + p.barrier)
     return dict(out, status="ok", step_time_s=p.step_time, parts={k: round(v, 6) for k, v in parts.items()},
                 critical_rank=p.critical_rank)
 
@@ -345,15 +418,16 @@ def predict_scenario(sc: Scenario) -> dict:
 def _stage_link(sc: Scenario) -> Link:
     """The link between adjacent stages as the planner sees it: the nodes' link where a stage of T GPUs
     fills a node or more, else inside a node."""
-    c = sc.cluster
-    if c.nodes > 1 and sc.tp * sc.pp > c.gpus_per_node:
+    c, cfg = sc.cluster, sc.config
+    if c.nodes > 1 and cfg.tp * cfg.pp > c.gpus_per_node:
         return c.inter or min((l for row in c.matrix for l in row if l), key=lambda l: l.bandwidth)
     return c.intra
 
 
 def line(res: dict) -> str:
     """One line of a prediction for people."""
-    head = f"{res['scenario']}: {res['system']} {res['layout']} on {res['gpu']} ({res['precision']})"
+    gemm = f", {res['gemm_precision']} GEMMs" if res.get("gemm_precision", res["precision"]) != res["precision"] else ""
+    head = f"{res['scenario']}: {res['system']} {res['layout']} on {res['gpu']} ({res['precision']}{gemm})"
     if res["status"] == "oom":
         return f"{head}: oom ({res['why']}; {res['memory']})"
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in res["parts"].items() if v)

@@ -1,6 +1,9 @@
 """The seed's GPT-3 XL tables (``/work/shared/seeds/gpt3-xl-results.md``), every cell as a scenario, and
-``python -m predict validate-seed``: each cell predicted from the device file, the cells the V100's
-file was calibrated on named and never scored, the cells the seed marks ``??`` shown and not scored.
+``python -m predict validate-seed``: each cell predicted from the V100's device file (its kernels, from
+DeepBench's published GEMMs) and the seed's stack (``predict/stacks.json`` ``seed-p3-2022``: what the
+seed's steps spend beyond their kernels, a share of the math per precision, each set from one named
+cell, never scored); the cells the seed marks ``??`` and the six-node fp16 T-8 columns its own numbers
+contradict shown and not scored.
 
 The seed's workload, read from its own numbers: 24 layers, hidden 2048, 16 heads, sequence 2048, QQP
 (a two-class head; "626 MB" on the first instance are 28,996 x 2048 + 2048 x 2048 fp32 embeddings over
@@ -8,8 +11,8 @@ the 400 MB of two layers); "Storage of a micro-batch: 16 MB" is a 1 x 2048 x 204
 each GPipe stage keeps of a micro-batch under recompute. Every table ran on V100 SXM2 16 GB: GPipe
 (DT-FM's, with its central PS for DP 4) on p3.2xlarge nodes (one GPU each, the emulated network
 between them); PyTorch's Pipe on one p3.16xlarge (8 GPUs, NVLink); Megatron on one p3.16xlarge and
-on six (25 Gbit/s between them, DP 6, batch 252). The PyTorch Pipe + Fairscale table and Megatron's
-one-node fp16 table have no numbers.
+on six (25 Gbit/s between them, DP 6: a global batch of 252, 42 sequences a pipeline). The PyTorch
+Pipe + Fairscale table and Megatron's one-node fp16 table have no numbers.
 
 The optimizers, as the seed's scripts ran them (DS3Lab's Decentralized_FM_alpha, spring 2022): DT-FM's
 GPipe and PyTorch's Pipe plain SGD (``torch.optim.SGD(params, lr)``: no state); Megatron
@@ -26,7 +29,8 @@ from pathlib import Path
 
 from predict.scenario import Scenario, load, parse, predict_scenario
 
-MODEL = dict(layers=24, hidden=2048, heads=16, seq_len=2048, vocab=28996, head="classifier:2")
+MODEL = dict(model="gpt3-xl", vocab_size=28996)  # GPT-3 XL's shape, QQP's (BERT's) vocabulary
+HEAD = "classifier:2"  # QQP's two classes: the output layer (a scenario's [predict] head)
 GPU = "V100 SXM2 16GB"
 NETWORKS = {  # the seed's labels: (one-way delay ms, Gbit/s)
     "default": (0.1, 10.0), "d1-5g": (1.0, 5.0), "d5-2g": (5.0, 2.0), "d10-1g": (10.0, 1.0), "d50-1g": (50.0, 1.0)}
@@ -35,6 +39,13 @@ P3_16XLARGE_DELAY_MS = 0.05  # one-way, inside one AWS placement group: a datash
 LAYOUTS = {"T-8": (8, 1), "P-8": (1, 8), "T-4 P-2": (4, 2), "T-2 P-4": (2, 4)}  # (tp, pp)
 OOM = "oom"
 UNSURE = "??"
+STACK = "seed-p3-2022"  # predict/stacks.json: what the seed's steps add beyond their kernels
+# Cells shown and not scored, and why: the six-node fp16 T-8 columns grow with the micro-batch (9.19 -> 20.68 s
+# with recompute, 7.22 -> 10.18 s without), where a T-8 step (data parallel across the nodes: the same
+# sequences, gradients and all-reduces at every micro-batch) cannot (``consistency_floor``); the seed marks
+# their mb2 cells ?? itself.
+CONTRADICTED = {(prec, rec, "T-8"): "the seed's six-node fp16 T-8 column grows with the micro-batch, which a T-8 "
+                "step cannot (see the floor below)" for prec, rec in (("fp16", True), ("fp16", False))}
 
 GPIPE = {"default": 15.16, "d1-5g": 15.49, "d5-2g": 16.80, "d10-1g": 22.90, "d50-1g": 29.08}
 GPIPE_DP4 = {"default": 16.17, "d1-5g": 17.55, "d5-2g": 21.99, "d10-1g": 33.39}
@@ -62,7 +73,7 @@ MEGATRON_6NODE = {  # (precision, recompute) -> micro-batch -> layout -> seconds
 }
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 TERAPIPE_PAPER_SPEEDUP = 5.0  # TeraPipe (Li et al., 2021): GPT-3 175B on 48 p3.16xlarge, over GPipe
-# The cells the V100 device file is calibrated on (one per precision), by name: never scored.
+# The cells the seed's stack's stall shares are set from (one per precision), by name: never scored.
 CALIBRATION = {"fp32": "gpipe default", "fp16": "megatron 6-node fp16 recompute mb1 T-4 P-2"}
 
 
@@ -76,6 +87,8 @@ class Cell:
     scenario: dict
     seed: float | str
     unsure: bool = False
+    contradicted: str | None = None
+    """Why the seed's own numbers contradict this cell (shown, not scored), or None."""
 
     def load(self) -> Scenario:
         return parse(self.scenario, self.name)
@@ -85,13 +98,16 @@ OPTIMIZER = {"gpipe": "sgd", "torch_pipe": "sgd", "megatron": "sgd_momentum"}  #
 
 
 def _scenario(cluster: dict, **run) -> dict:
-    return dict(model=dict(MODEL), cluster=dict(gpu=GPU, **cluster), run=dict(run, optimizer=OPTIMIZER[run["system"]]))
+    """A cell's scenario: ``run`` (batch_size per pipeline, as every run's) with the seed's workload and
+    the optimizer its script ran, on V100s."""
+    return dict(run=dict(MODEL, **run, optimizer=OPTIMIZER[run["system"]]), cluster=dict(gpu=GPU, **cluster),
+                predict=dict(head=HEAD, stack=STACK))
 
 
-def _cell(name: str, table: str, scenario: dict, value) -> Cell:
+def _cell(name: str, table: str, scenario: dict, value, contradicted: str | None = None) -> Cell:
     if isinstance(value, tuple):
-        return Cell(name, table, scenario, value[0], unsure=True)
-    return Cell(name, table, scenario, value)
+        return Cell(name, table, scenario, value[0], unsure=True, contradicted=contradicted)
+    return Cell(name, table, scenario, value, contradicted=contradicted)
 
 
 def cells() -> list[Cell]:
@@ -100,22 +116,23 @@ def cells() -> list[Cell]:
     for net, t in GPIPE.items():
         d, g = NETWORKS[net]
         sc = _scenario(dict(nodes=12, gpus_per_node=1, inter_gbps=g, inter_delay_ms=d), system="gpipe", tp=1, pp=12,
-                       dp=1, batch=64, micro_batch=1, precision="fp32", recompute=True)
+                       dp=1, batch_size=64, micro_batch_size=1, precision="fp32", recompute=True)
         out.append(_cell(f"gpipe {net}", "GPipe P-12, 12 x p3.2xlarge", sc, t))
     for net, t in GPIPE_DP4.items():
         d, g = NETWORKS[net]
         sc = _scenario(dict(nodes=48, gpus_per_node=1, inter_gbps=g, inter_delay_ms=d), system="gpipe", tp=1, pp=12,
-                       dp=4, batch=256, micro_batch=1, precision="fp32", recompute=True, dp_mode="central_ps")
+                       dp=4, batch_size=64, micro_batch_size=1, precision="fp32", recompute=True,
+                       dp_mode="central_ps")
         out.append(_cell(f"gpipe dp4 {net}", "GPipe P-12 + central PS D-4, 48 x p3.2xlarge", sc, t))
     for mb, t in TORCH_PIPE.items():
-        sc = _scenario(dict(nodes=1, gpus_per_node=8), system="torch_pipe", tp=1, pp=8, dp=1, batch=64,
-                       micro_batch=mb, precision="fp32", recompute=True)
+        sc = _scenario(dict(nodes=1, gpus_per_node=8), system="torch_pipe", tp=1, pp=8, dp=1, batch_size=64,
+                       micro_batch_size=mb, precision="fp32", recompute=True)
         out.append(_cell(f"torch pipe mb{mb}", "PyTorch Pipe P-8, one p3.16xlarge", sc, t))
     for mb, row in MEGATRON_1NODE_FP32.items():
         for layout, t in row.items():
             tp, pp = LAYOUTS[layout]
-            sc = _scenario(dict(nodes=1, gpus_per_node=8), system="megatron", tp=tp, pp=pp, dp=1, batch=64,
-                           micro_batch=mb, precision="fp32", recompute=True)
+            sc = _scenario(dict(nodes=1, gpus_per_node=8), system="megatron", tp=tp, pp=pp, dp=1, batch_size=64,
+                           micro_batch_size=mb, precision="fp32", recompute=True)
             out.append(_cell(f"megatron 1-node fp32 recompute mb{mb} {layout}",
                              "Megatron, one p3.16xlarge, fp32 + recompute", sc, t))
     for (prec, rec), rows in MEGATRON_6NODE.items():
@@ -125,10 +142,10 @@ def cells() -> list[Cell]:
                 tp, pp = LAYOUTS[layout]
                 sc = _scenario(dict(nodes=6, gpus_per_node=8, inter_gbps=P3_16XLARGE_GBPS,
                                     inter_delay_ms=P3_16XLARGE_DELAY_MS),
-                               system="megatron", tp=tp, pp=pp, dp=6, batch=252, micro_batch=mb, precision=prec,
-                               recompute=rec)
+                               system="megatron", tp=tp, pp=pp, dp=6, batch_size=42, micro_batch_size=mb,
+                               precision=prec, recompute=rec)
                 out.append(_cell(f"megatron 6-node {label} mb{mb} {layout}", f"Megatron, 6 x p3.16xlarge, {label}",
-                                 sc, t))
+                                 sc, t, CONTRADICTED.get((prec, rec, layout))))
     return out
 
 
@@ -145,43 +162,41 @@ def _layout(cell: Cell) -> tuple[str | None, int]:
     """(layout as the seed's Megatron tables name it, or None elsewhere; micro-batch) of a cell."""
     run = cell.scenario["run"]
     names = {v: k for k, v in LAYOUTS.items()}
-    return names.get((run["tp"], run["pp"])) if run["system"] == "megatron" else None, run["micro_batch"]
+    return names.get((run["tp"], run["pp"])) if run["system"] == "megatron" else None, run["micro_batch_size"]
 
 
-def _row(cell: Cell, device) -> dict:
-    """A cell predicted (``device``: instead of the device file's); validate marks calibration and scoring."""
+def _row(cell: Cell, shares: dict[str, float] | None = None) -> dict:
+    """A cell predicted (``shares``: {precision: the stack's stall share to use instead of its file's});
+    validate marks calibration and scoring."""
     sc = cell.load()
-    if device is not None:
-        from dataclasses import replace
-
-        sc = replace(sc, device=device)
-    res = predict_scenario(sc)
+    res = predict_scenario(sc, None if shares is None else shares.get(_precision(cell)))
     pred = res["step_time_s"] if res["status"] == "ok" else OOM
     layout, micro = _layout(cell)
     row = dict(name=cell.name, table=cell.table, layout=layout, micro_batch=micro, seed=cell.seed, predicted=pred,
-               memory_gb=res["memory_gb"], unsure=cell.unsure)
+               memory_gb=res["memory_gb"], unsure=cell.unsure, contradicted=cell.contradicted,
+               parts=res.get("parts"))
     if isinstance(cell.seed, float) and isinstance(pred, float):
         row["error"] = (pred - cell.seed) / cell.seed
     return row
 
 
-def validate(device=None, calibration: dict[str, str] | None = None, _rows: dict | None = None,
-             headline: bool = True) -> dict:
-    """Every cell predicted (``device``: a Device to use instead of the device file's), scored where it
+def validate(shares: dict[str, float] | None = None, calibration: dict[str, str] | None = None,
+             _rows: dict | None = None, headline: bool = True) -> dict:
+    """Every cell predicted (``shares``: {precision: stall share} instead of the stack's), scored where it
     is neither a calibration cell (``calibration``: {precision: cell name}, default ``CALIBRATION``) nor
-    one the seed doubts. ``_rows``: rows already predicted with this device, by cell name (reused);
-    ``headline``: TeraPipe's pair too (``terapipe``, from the device files)."""
+    one the seed doubts (``??``) or contradicts. ``_rows``: rows already predicted with these shares, by
+    cell name (reused); ``headline``: TeraPipe's pair too (``terapipe``, from the device files)."""
     calibrating = set((calibration or CALIBRATION).values())
     rows = []
     for cell in cells():
-        row = dict(_rows[cell.name]) if _rows and cell.name in _rows else _row(cell, device)
+        row = dict(_rows[cell.name]) if _rows and cell.name in _rows else _row(cell, shares)
         row["calibration"] = cell.name in calibrating
-        row["scored"] = not row["calibration"] and not cell.unsure
+        row["scored"] = not row["calibration"] and not cell.unsure and not cell.contradicted
         rows.append(row)
     scored = [r for r in rows if r["scored"] and "error" in r]
     errors = [abs(r["error"]) for r in scored]
     oom_cells = [r for r in rows if r["seed"] == OOM]
-    ok_cells = [r for r in rows if isinstance(r["seed"], float) and not r["unsure"]]
+    ok_cells = [r for r in rows if isinstance(r["seed"], float) and not r["unsure"] and not r["contradicted"]]
     summary = dict(
         scored=len(scored), median_error=statistics.median(errors) if errors else None,
         largest_error=max(errors) if errors else None,
@@ -283,15 +298,10 @@ def consistency_floor() -> list[dict]:
 def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -> list[dict]:
     """How much the validation owes to the choice of calibration cells: for each precision, every cell of
     that precision the seed ran and does not doubt (``candidates``: only these, {precision: [cell
-    names]}) taken in turn as its one calibration cell (the other precision's as ``CALIBRATION``), the V100
-    refitted on it and every cell predicted and scored again. One summary per candidate; the committed
-    choice marked ``committed``."""
-    from workload.compute import find_device
-
+    names]}) taken in turn as its one calibration cell (the other precision's as ``CALIBRATION``), the
+    stack's stall share refitted on it and every cell predicted and scored again. One summary per
+    candidate; the committed choice marked ``committed``."""
     committed = calibrate()
-    device = find_device(GPU)
-    for p, eff in committed.items():
-        device = device.with_gemm(p, eff)
     all_cells = cells()
     precision = {c.name: _precision(c) for c in all_cells}
     base: dict[str, dict] = {}
@@ -300,32 +310,29 @@ def sensitivity(candidates: dict[str, list[str]] | None = None, progress=None) -
         """The committed calibration's rows of cells of ``precisions`` (predicted once, when first asked)."""
         for c in all_cells:
             if precision[c.name] in precisions and c.name not in base:
-                base[c.name] = _row(c, device)
+                base[c.name] = _row(c, committed)
         return {n: r for n, r in base.items() if precision[n] in precisions}
 
     out = []
     if candidates is None:
         candidates = {prec: [c.name for c in all_cells if precision[c.name] == prec and isinstance(c.seed, float)
-                             and not c.unsure] for prec in CALIBRATION}
+                             and not c.unsure and not c.contradicted] for prec in CALIBRATION}
     for prec, names in candidates.items():
         for name in names:
             choice = {**CALIBRATION, prec: name}
             same = set(CALIBRATION) - {prec}  # the other precision keeps its fit and its cells' predictions
             try:
                 fitted = calibrate(calibration=choice, known={p: committed[p] for p in same})
-            except ValueError as exc:  # no efficiency up to the peak reaches the cell's time
+            except ValueError as exc:  # even no stall is slower than the cell
                 out.append(dict(precision=prec, cell=name, committed=False, unfit=str(exc)))
                 if progress:
                     progress(out[-1])
                 continue
-            dev = device
-            for p, eff in fitted.items():
-                dev = dev.with_gemm(p, eff)
-            res = validate(dev, calibration=choice, _rows=base_rows(same), headline=False)
+            res = validate(fitted, calibration=choice, _rows=base_rows(same), headline=False)
             s = res["summary"]
             mine = [abs(r["error"]) for r in res["rows"]
                     if r["scored"] and "error" in r and precision[r["name"]] == prec]
-            out.append(dict(precision=prec, cell=name, efficiency=fitted[prec], committed=name == CALIBRATION[prec],
+            out.append(dict(precision=prec, cell=name, share=fitted[prec], committed=name == CALIBRATION[prec],
                             median=s["median_error"], largest=s["largest_error"],
                             precision_median=statistics.median(mine) if mine else None,
                             oom_predicted=s["oom_predicted"], oom_cells=s["oom_cells"],
@@ -340,11 +347,11 @@ def sensitivity_markdown(rows: list[dict]) -> str:
     lines = ["# The seed validation's calibration cells, each in turn",
              "",
              "`python -m predict validate-seed --sensitivity [--out DIR]`: for each precision, every "
-             "cell of that precision the seed ran (not its `??` cells) as the one calibration cell, the other "
-             "precision's as committed; the V100 refitted on it, every other cell predicted and scored. The "
-             "committed choice in bold.",
+             "cell of that precision the seed ran (not its `??` or contradicted cells) as the one calibration cell, "
+             "the other precision's as committed; the seed's stack's stall share refitted on it, every other cell "
+             "predicted and scored. The committed choice in bold.",
              "",
-             "| precision | calibration cell | e_max | median | largest | median of the precision's cells | "
+             "| precision | calibration cell | stall share | median | largest | median of the precision's cells | "
              "OOM right | fastest layout right |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -352,7 +359,7 @@ def sensitivity_markdown(rows: list[dict]) -> str:
         if "unfit" in r:
             lines.append(f"| {r['precision']} | {cell} | - | cannot calibrate: {r['unfit']} | | | | |")
             continue
-        lines.append(f"| {r['precision']} | {cell} | {r['efficiency']:.3f} | {r['median'] * 100:.1f} % | "
+        lines.append(f"| {r['precision']} | {cell} | {r['share']:.3f} | {r['median'] * 100:.1f} % | "
                      f"{r['largest'] * 100:.1f} % | {r['precision_median'] * 100:.1f} % | "
                      f"{r['oom_predicted']} of {r['oom_cells']} ({r['ok_predicted_oom']} wrong) | "
                      f"{r['fastest_layout_right']} of {r['fastest_layout_tables']} |")
@@ -382,7 +389,8 @@ def markdown(res: dict) -> str:
             stat = (f"median {t['median'] * 100:.1f} %, largest {t['largest'] * 100:.1f} % over {t['scored']}"
                     if t["scored"] else "nothing scored")
             lines.append(f"| **{table}** ({stat}) | | | | |")
-        note = " (calibration)" if r["calibration"] else (" (?? in the seed: not scored)" if r["unsure"] else "")
+        note = (" (calibration)" if r["calibration"] else " (?? in the seed: not scored)" if r["unsure"] else
+                " (contradicted by the seed's own column: not scored)" if r["contradicted"] else "")
         err = f"{r['error'] * 100:+.1f} %" if "error" in r else ("right" if r["seed"] == r["predicted"] == OOM else "-")
         if r["seed"] == OOM and r["predicted"] != OOM:
             err = "missed: predicted to fit"
@@ -437,32 +445,28 @@ def markdown(res: dict) -> str:
 
 def calibrate(write: bool = False, calibration: dict[str, str] | None = None,
               known: dict[str, float] | None = None) -> dict:
-    """The V100's GEMM efficiency per precision fitted on its one calibration cell (``calibration``,
-    default ``CALIBRATION``), fp32 first (``known``: precisions already fitted, taken as given); with
-    ``write``, into the V100 SXM2 device files (16 and 32 GB: one chip). Returns {precision: efficiency}."""
-    import json
-    from dataclasses import replace
+    """The seed's stack's stall share per precision (``predict/stacks.json``: what the seed's steps spend
+    beyond their kernels, as a share of the modelled math) fitted on its one calibration cell
+    (``calibration``, default ``CALIBRATION``; ``known``: precisions already fitted, taken as given); with
+    ``write``, into the stack. Returns {precision: share}."""
+    from predict.stacks import fit_share, write_share
 
-    from predict.fitting import fit_efficiency
-    from predict.scenario import compute_of, spec_of
-    from workload.compute import DEVICES, find_device
-
-    device = find_device(GPU)
     fitted = {}
     for prec, cell in calibration_cells(calibration).items():
         if known and prec in known:
             fitted[prec] = known[prec]
-        else:
-            sc = replace(cell.load(), device=device)
-            fitted[prec] = round(fit_efficiency(spec_of(sc), compute_of(sc), cell.seed), 4)
-        device = device.with_gemm(prec, fitted[prec])
+            continue
+        sc = cell.load()
+
+        def step(share, sc=sc):
+            res = predict_scenario(sc, share)
+            return res["step_time_s"] if res["status"] == "ok" else float("inf")
+
+        fitted[prec] = round(fit_share(step, cell.seed), 4)
     if write:
-        for path in sorted(DEVICES.glob("v100-sxm2-*.json")):
-            d = json.loads(path.read_text())
-            for prec, eff in fitted.items():
-                d["gemm"][prec]["efficiency"] = eff
-                cell = calibration_cells()[prec]
-                d["calibrated_on"][prec] = (f"the seed's {CALIBRATION[prec]} cell ({cell.seed:.2f} s, {cell.table}): "
-                                            "python -m predict validate-seed --calibrate")
-            path.write_text(json.dumps(d, indent=1) + "\n")
+        part = cells()[0].load().device.part
+        for prec, share in fitted.items():
+            cell = calibration_cells(calibration)[prec]
+            write_share(STACK, part, prec, share, f"{cell.name} ({cell.seed:.2f} s, {cell.table})",
+                        "pipebench predict validate-seed --calibrate")
     return fitted

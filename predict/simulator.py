@@ -41,7 +41,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from predict.run_spec import Link
+from contract.links import Link
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +103,9 @@ class Mark:
 Op = Compute | Send | Recv | Wait | Group | Defer | FillWait | Flush | Mark
 
 
+INSTANT = Link(0.0, math.inf)  # between a rank and its communication stream
+
+
 @dataclass(frozen=True)
 class Network:
     """Who is where and how they are linked.
@@ -113,10 +116,15 @@ class Network:
 
     A GPU cluster (``gpu``): a simulated rank stands for ``copies[r]`` GPUs (a tensor-parallel group),
     each of which sends its own copy of every message; inside a host each GPU has links of its own, so
-    the copies travel side by side, while between hosts they all cross the sender's one network card
-    and the receiver's (each carries one message at a time, both ways at once; a per-pair ``matrix``
+    the copies travel side by side, while between hosts they cross the network cards their GPUs use
+    (``cards[r]``, of the host's; default one card a host), the sender's and the receiver's, each card
+    carrying its share of the copies (one message at a time, both ways at once; a per-pair ``matrix``
     gives every pair its own). Without ``gpu`` (the CPU runs), a host's messages leave through one
-    egress per destination kind (its NIC, or its internal links), one copy each."""
+    egress per destination kind (its NIC, or its internal links), one copy each.
+
+    ``streams``: where set, rank ``streams + r`` is rank r's communication stream (NCCL's collectives
+    on a CUDA stream of their own, beside r's computation): on r's GPUs and host, its messages to and
+    from r instant."""
 
     link: Link
     transport: str = "gloo"
@@ -126,11 +134,27 @@ class Network:
     matrix: tuple | None = None
     copies: tuple[int, ...] | None = None
     gpu: bool = False
+    cards: tuple[tuple[int, ...], ...] | None = None
+    streams: int | None = None
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # ports, links: asked per message
+
+    def gpus_of(self, rank: int) -> int:
+        """The simulated rank whose GPUs ``rank`` runs on (itself, or the rank a stream serves)."""
+        return rank - self.streams if self.streams is not None and rank >= self.streams else rank
 
     def host(self, rank: int) -> int:
+        rank = self.gpus_of(rank)
         return self.hosts[rank] if self.hosts is not None else rank // self.ranks_per_host
 
     def between(self, src: int, dst: int) -> Link:
+        key = ("between", src, dst)
+        if key not in self._memo:
+            self._memo[key] = self._between(src, dst)
+        return self._memo[key]
+
+    def _between(self, src: int, dst: int) -> Link:
+        if self.gpus_of(src) == self.gpus_of(dst):
+            return INSTANT
         a, b = self.host(src), self.host(dst)
         if a == b and self.intra_link is not None:
             return self.intra_link
@@ -142,11 +166,20 @@ class Network:
         """Bytes that cross the sender's port for one message: every copy where the copies share a
         network card (between hosts of a GPU cluster), one otherwise."""
         if self.gpu and self.copies is not None and self.host(src) != self.host(dst):
-            return nbytes * self.copies[src]
+            r = self.gpus_of(src)
+            return nbytes * self.copies[r] / (len(self.cards[r]) if self.cards is not None else 1)
         return nbytes
 
     def ports(self, src: int, dst: int) -> tuple[tuple, tuple | None]:
         """(the sender's egress, the receiver's ingress or None) a message between them occupies."""
+        key = ("ports", src, dst)
+        if key not in self._memo:
+            self._memo[key] = self._ports(src, dst)
+        return self._memo[key]
+
+    def _ports(self, src: int, dst: int) -> tuple[tuple, tuple | None]:
+        if self.gpus_of(src) == self.gpus_of(dst):
+            return ("stream", src, dst), None
         a, b = self.host(src), self.host(dst)
         if not self.gpu:
             return (a, self.intra_link is not None and a == b), None
@@ -154,7 +187,9 @@ class Network:
             return ("gpu", src, dst), None
         if self.matrix is not None:
             return ("pair", a, b), None
-        return ("nic out", a), ("nic in", b)
+        out, into = ((self.cards[self.gpus_of(src)], self.cards[self.gpus_of(dst)]) if self.cards is not None
+                     else ((0,), (0,)))
+        return ("nic out", a, out), ("nic in", b, into)
 
 
 class SimulationError(RuntimeError):
@@ -366,6 +401,37 @@ class Simulator:
             st.pc += 1
         st.fill = False
 
+    def _post_op(self, r: int, op: Send | Recv) -> None:
+        """Rank r posts its side of a message (a send or a receive, each once)."""
+        m = self._msg(op.key)
+        if isinstance(op, Send):
+            if m.send_post is not None:
+                raise SimulationError(f"message {op.key!r} sent twice")
+            m.src, m.dst, m.nbytes, m.send_post = r, op.dst, max(m.nbytes, op.nbytes), self.now
+        else:
+            if m.recv_post is not None:
+                raise SimulationError(f"message {op.key!r} received twice")
+            if m.src < 0:
+                m.src, m.dst = op.src, r
+            m.nbytes, m.recv_post = max(m.nbytes, op.nbytes), self.now
+        self._post(m)
+
+    @staticmethod
+    def _drain(st, keep: float) -> float:
+        """The deferred work a Flush runs, all but ``keep`` seconds of it, taken from the oldest chunks
+        (what is kept stays in its chunks)."""
+        run = max(0.0, sum(st.deferred) - keep)
+        if keep <= 0:
+            st.deferred.clear()
+        left = run
+        while st.deferred and left > 0:
+            if st.deferred[0] <= left:
+                left -= st.deferred.popleft()
+            else:
+                st.deferred[0] -= left
+                left = 0.0
+        return run
+
     def _step_rank(self, r: int) -> None:
         """Execute rank r's zero-time ops until it computes, blocks or ends."""
         st = self.ranks[r]
@@ -377,21 +443,8 @@ class Simulator:
             op = prog[st.pc]
             if isinstance(op, Compute):
                 self._start_compute(r, op.seconds, op.kind)
-            elif isinstance(op, Send):
-                m = self._msg(op.key)
-                if m.send_post is not None:
-                    raise SimulationError(f"message {op.key!r} sent twice")
-                m.src, m.dst, m.nbytes, m.send_post = r, op.dst, max(m.nbytes, op.nbytes), self.now
-                self._post(m)
-                st.pc += 1
-            elif isinstance(op, Recv):
-                m = self._msg(op.key)
-                if m.recv_post is not None:
-                    raise SimulationError(f"message {op.key!r} received twice")
-                if m.src < 0:
-                    m.src, m.dst = op.src, r
-                m.nbytes, m.recv_post = max(m.nbytes, op.nbytes), self.now
-                self._post(m)
+            elif isinstance(op, (Send, Recv)):
+                self._post_op(r, op)
                 st.pc += 1
             elif isinstance(op, Wait):
                 st.waiting = op.keys
@@ -414,17 +467,7 @@ class Simulator:
                 st.deferred.extend(op.chunks)
                 st.pc += 1
             elif isinstance(op, Flush):
-                run = max(0.0, sum(st.deferred) - op.keep)
-                if op.keep <= 0:
-                    st.deferred.clear()
-                left = run
-                while st.deferred and left > 0:  # the oldest chunks; what is kept stays in its chunks
-                    if st.deferred[0] <= left:
-                        left -= st.deferred.popleft()
-                    else:
-                        st.deferred[0] -= left
-                        left = 0.0
-                self._start_compute(r, run, op.kind)
+                self._start_compute(r, self._drain(st, op.keep), op.kind)
             elif isinstance(op, Group):
                 members = self.groups.setdefault(op.key, set())
                 members.add(r)
@@ -482,7 +525,9 @@ class Simulator:
             self._try_link(pair)
             return []
         if kind == "retry":
-            self.retry_at.pop(payload, None)
+            if self.retry_at.get(payload) != self.now:  # stale: a later retry of the pair replaced it
+                return []
+            del self.retry_at[payload]
             self._try_link(payload)
             return []
         if kind == "sent":

@@ -1,6 +1,6 @@
 """Ours' slicing planner with the simulator: predictions of the planner's own evaluation.
 
-TeraPipe's formula (``ours.plan``), T = B/b sum t_i + (K - 1) max t_i plus per-step terms, leaves out
+TeraPipe's formula (``ours.plan``), T = B/b sum t_i + (P - 1) max t_i plus per-step terms, leaves out
 what each slice costs beyond its math (the engine's per-slice and per-layer work, the receives and
 sends) and what the pipeline's ranks do to each other (two ranks on shared cores, the closing
 barrier); the simulator runs ours' program with those. ``check_evaluation`` predicts every row of an

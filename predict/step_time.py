@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from workload.compute import ComputeModel
 from predict.simulator import Simulator
-from predict.programs import build
+from predict.pipeline_orders import ZERO_BUBBLE
+from predict.programs import build, prefetches
 from predict.run_spec import Prediction, RunSpec
 
 # accounting kinds -> the parts of a Prediction
@@ -24,12 +25,16 @@ def predict(spec: RunSpec, compute: ComputeModel, cores: float | tuple | None = 
     per rank. Over gloo the second of two simulated steps is the one reported
     (its ranks start as the first one's closing barrier left them; the first step's gloo messages pay the
     receive-posted notices of receives posted at time 0); over nccl every rank enters the first opening
-    barrier at 0 and leaves it at once, so one step is enough."""
-    steps = 1 if spec.transport == "nccl" else 2
+    barrier at 0 and leaves it at once, so one step is enough, but for the zero-bubble schedules of Qi et
+    al. (``predict.pipeline_orders.ZERO_BUBBLE``): nothing synchronises their stages between steps (the
+    paper's optimizer post-validation), so each stage starts the next step as it ends this one, and the
+    step reported is the second, the steady state's; and for ours' ``--prefetch``: its step is then the
+    second, which began with its first forwards run in the first."""
+    steps = 1 if spec.transport == "nccl" and spec.schedule not in ZERO_BUBBLE and not prefetches(spec) else 2
     built = build(spec, compute, steps=steps)
     res = Simulator(built.programs, built.network, cores, built.procs).run()
     last = steps - 1
-    windows = [res.window(r, f"start{last}", f"end{last}") for r in range(len(built.programs))]
+    windows = [res.window(r, f"start{last}", f"end{last}") for r in range(built.timed)]
     elapsed = [w[0] for w in windows]
     crit = max(range(len(elapsed)), key=lambda r: (elapsed[r], -r))
     acc = windows[crit][1]

@@ -10,7 +10,10 @@ runs (predicted against measured), and the predictions the report shows.
         sequence); a case is modelled where its median error is <= 10 % and each error within 20 %;
     predict_records(): the predictions the report shows beside a records file: only with this host's
         and code version's calibration, only while the host's speed is within ``SPEED_BOUND`` of it
-        (else one line, and no prediction), and only for modelled cases; every other run "not modelled".
+        (else one line, no prediction, and an earlier file of predictions kept), and only for modelled
+        cases; every other run "not modelled";
+    at_host_speed(): a one-run prediction here at the host's speed now (stretched, with a warning, where
+        it moved from its calibration's).
 
 Runs go through ``python -m runners.run`` (a subprocess, an argument list), each appending its record
 to a JSON-lines file; the record's median step time is the measurement. The host is shared: while a
@@ -37,7 +40,8 @@ from workload.compute import CpuCompute, Overheads
 from predict.from_config import (NotModelled, check_faults_modelled, config_of_record, single_link, spec_from_config,
                                  spec_from_record)
 from predict.step_time import predict
-from predict.run_spec import Link, Prediction
+from contract.links import Link
+from predict.run_spec import Prediction
 from contract.registry import read_options
 from workload.configs import ModelConfig, get_model_config
 from workload.flops import cpu_name
@@ -83,11 +87,12 @@ SPEED_PROBE = f"workload.cpu_peak: cpu-small ops at 256 tokens, 1 thread, best o
 
 
 def speed_probe() -> float:
-    """The host's speed now, quickly (1-3 s): one thread's best model-FLOP rate on cpu-small's
-    operations at 256 tokens (``workload.cpu_peak``), in TFLOP/s, the best of ``SPEED_TRIALS`` trials."""
-    from workload.cpu_peak import best_times, model_ops, model_peak
+    """The host's speed now, quickly (1-3 s): one thread's best model-FLOP rate on the host's operations
+    (``workload.cpu_peak.host_ops``: cpu-small's at 256 tokens), in TFLOP/s, the best of
+    ``SPEED_TRIALS`` trials."""
+    from workload.cpu_peak import best_times, host_ops, model_peak
 
-    ops = model_ops(get_model_config("cpu-small").with_overrides(seq_len=256), 1)
+    ops = host_ops()
     return model_peak(ops, best_times(ops, trials=SPEED_TRIALS, budget_s=3.0))
 
 
@@ -99,10 +104,33 @@ def speed_moved(cal: "Calibration", now: float | None = None) -> str | None:
         return f"the calibration {cal.name} has no speed probe to compare with"
     now = speed_probe() if now is None else now
     if abs(now / then - 1) > SPEED_BOUND:
-        return (f"this host runs at {now / then:.2f}x the speed of its calibration {cal.name} (speed probe "
+        return (f"this host runs at {now / then:.2f}x the speed of its {cal.name} (speed probe "
                 f"{now * 1e3:.1f} against {then * 1e3:.1f} GFLOP/s; bound ±{SPEED_BOUND:.0%}): "
                 "python -m predict calibrate")
     return None
+
+
+def at_host_speed(cm: CpuCompute, cal: "Calibration", log=print):
+    """``cm`` (``cal``'s compute model) at this host's speed now: where the speed probe (``speed_probe``)
+    has moved beyond ``SPEED_BOUND`` from the calibration's, its math and its overheads' seconds
+    stretched by the calibration's speed over today's, said in one line (``log``); else ``cm``."""
+    then = (cal.identity or {}).get("speed_tflops")
+    if not then:
+        log(f"warning: {speed_moved(cal)}: predicted at its speed, whatever this host's now")
+        return cm
+    now = speed_probe()
+    why = speed_moved(cal, now)
+    if why is None:
+        return cm
+    from workload.compute import Scaled
+
+    stretch = then / now
+    overhead = {k: dataclasses.replace(o, step=o.step * stretch, unit=o.unit * stretch,
+                                       unit_layer=o.unit_layer * stretch, dp=o.dp * stretch)
+                for k, o in cm.overhead.items()}
+    log(f"warning: {why.removesuffix(': python -m predict calibrate')}; predicted with its compute and overheads "
+        f"stretched {stretch:.2f}x (python -m predict calibrate: a calibration at this speed)")
+    return Scaled(CpuCompute(cm.profile, overhead), stretch)
 
 
 @dataclass(frozen=True)
@@ -532,16 +560,25 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
     a case its validation found modelled (``validate_records``) on runs other than this one (a run the
     validation scored gets none: a prediction is never shown beside a run it was judged on); every other
     run gets {"not_modelled": why}. Where the calibration is missing or the host's speed has moved, one line
-    says so. An earlier file of predictions is replaced. Returns the predictions made."""
+    says so, and an earlier file of predictions (made while they held) is kept as it is; so it is where
+    the records hold no ok CPU run; else it is replaced. Returns the predictions made."""
     records = [r for r in read_records(path, warn=_warn) if _cpu_ok(r)]
+    out = predictions_path(path)
+    if not records:
+        if out.exists():
+            log(f"predict records: {path} has no ok CPU run to predict; its earlier predictions are kept ({out})")
+        return {}
     why_not = None
     try:
         cal = load_calibration(directory, strict=True)
         why_not = speed_moved(cal)
     except FileNotFoundError as exc:
         cal, why_not = None, str(exc)
-    if why_not and records:
-        log(f"predict records: not predicting {path}: {why_not}")
+    if why_not:
+        earlier = f"; its earlier predictions are kept ({out})" if out.exists() else ""
+        log(f"predict records: not predicting {path}: {why_not}{earlier}")
+        if earlier:
+            return {}
     cases = {} if cal is None else modelled_cases(cal, directory)
     kept: dict[str, dict] = {}
     for rec in records:
@@ -576,11 +613,7 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
             continue
         p = record_prediction(cfg, (rec["environment"].get("network") or {}).get("measured_link"), cal)
         kept[rec["run_id"]] = {**p, "case": case} if p else {"not_modelled": f"{case}: the simulator has no program"}
-    out = predictions_path(path)
-    if kept:
-        out.write_text(json.dumps(kept, indent=1) + "\n")
-    else:
-        out.unlink(missing_ok=True)
+    out.write_text(json.dumps(kept, indent=1) + "\n")
     return {k: v for k, v in kept.items() if "step_time" in v}
 
 
@@ -644,7 +677,7 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
     if not by_key:
         raise NothingToValidate(f"{', '.join(map(str, paths))}: every ok CPU run is one the calibration was fitted on")
     rows = []
-    for key, recs in by_key.items():
+    for recs in by_key.values():
         rec = recs[-1]
         measured = estimate([r["median_step_time"] for r in recs])
         try:  # each repetition as it ran (ours' auto may keep another K in each launch, its probe another link)

@@ -19,6 +19,7 @@ import pandas as pd
 
 from contract.config import VOLATILE_FIELDS, ConfigError, RunConfig
 from contract.estimate import estimate
+from contract.faults import words
 from contract.records import layout_words, read_predictions, read_records, record_files
 from contract.registry import get_system, read_options
 
@@ -150,17 +151,10 @@ def describe_oversubscription(over: dict) -> str:
     return f"{over['ranks']} ranks{threads} on {over['cores']} cores{machines}"
 
 
-def faults_words(config: dict) -> str:
-    """A run's faults (``contract.faults``) in words: 'rank 1 2x slower', 'replica 2 killed after 6 steps,
-    rejoins'; '' without."""
-    parts = []
-    if config.get("slow_rank"):
-        rank, factor = config["slow_rank"].split(":")
-        parts.append(f"rank {rank} {factor}x slower")
-    if config.get("kill_replica"):
-        replica, step = config["kill_replica"].split("@")
-        parts.append(f"replica {replica} killed after {step} steps" + (", rejoins" if config.get("rejoin") else ""))
-    return "; ".join(parts)
+def faults_words(config: dict, faults: dict | None = None) -> str:
+    """A run's faults in words (``contract.faults.words``, from its config and what its record says
+    happened): 'rank 1 2x slower', 'replica 2 killed after 6 steps, rejoined at step 8'; '' without."""
+    return words(config, faults)
 
 
 def rest_of_identity(r: dict) -> str:
@@ -213,7 +207,7 @@ def _row(i: int, r: dict) -> dict:
         "steps": f"{c.get('steps', '?')} measured steps after {c.get('warmup', '?')} warm-up",
         "measured": len(r.get("step_times") or []),  # as recorded (a run may end early: --target-loss)
         "rest": rest_of_identity(r),
-        "faults": faults_words(c),
+        "faults": faults_words(c, env.get("faults")),
         "mb": r["micro_batch_size"],
         "layout": layout_words(r["layout"]),
         "dp": r["layout"].get("dp", 1),

@@ -2,6 +2,8 @@
 replica killed after a step, and the mark of a run's time 0 (when its first step began, from which
 a network trace's points count).
 
+A standby of a replica that --kill-replica ends (--rejoin) waits for its turn in ``RankHooks.take_place``.
+
 The run command sets a straggler up before launching (``Straggler``): a CPU cgroup capped at 1/F of
 the share of a core each of the run's ranks here can have, and weighed 1/F of a process against
 others, which rank R's process joins (under emulation its torchrun agent is started in it, since
@@ -12,6 +14,7 @@ died is removed by the next run command (``reap_stale_cgroups``).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -27,9 +30,11 @@ from runners.cores import allowed_cores
 from runners.lifetime import owner_alive, owner_tag
 
 SLOW_ENV = "PIPEBENCH_SLOW"  # "pause:F", or "cgroup:<cgroup.procs path>" for a worker that joins it itself
-REJOINED_ENV = "PIPEBENCH_REJOINED"  # set in the ranks of a replica started again (--rejoin)
+REJOINED_ENV = "PIPEBENCH_REJOINED"  # set in the ranks of a replica's standby (--rejoin), which rejoins the others
 REPLICA_ENV = "PIPEBENCH_REPLICA"  # the replica a world of its own holds (a fault-tolerant system's)
-FIRST_STEP_ENV = "PIPEBENCH_FIRST_STEP"  # the step a rejoined replica starts at
+FIRST_STEP_ENV = "PIPEBENCH_FIRST_STEP"  # the step a rejoining replica's predecessor died at: it starts no earlier
+STANDBY_ENV = "PIPEBENCH_STANDBY"  # a standby's gate (a file the launcher holds locked while the victim lives)
+STANDBY_GATE = "standby.gate"  # in the run directory
 STARTED = "started"  # the run directory's mark of the first step's start
 CGROUP_PREFIX = "pipebench-slow-"
 PERIOD_US = 2_000  # the quota's period: short, so that every burst of compute is slowed (not one below the quota)
@@ -183,6 +188,9 @@ class RankHooks(StepHooks):
             pass
 
     def before_step(self, step: int) -> None:
+        if self.replica is not None and os.environ.get(REJOINED_ENV) and self.first is None:  # it has rejoined
+            self.first = step
+            self._progress(None)
         if self.kill_after is not None and step >= self.kill_after:
             (self.run_dir / f"killed-rank{self.rank}.json").write_text(json.dumps(
                 {"rank": self.rank, "replica": self.replica, "steps": step, "time": time.time()}))
@@ -201,14 +209,29 @@ class RankHooks(StepHooks):
                 raise RuntimeError(f"the other replicas did not start within {self.timeout:g} s")
             time.sleep(0.05)
 
+    def take_place(self) -> None:
+        """A standby's rank: return once the replica it stands in for is gone (the launcher holds the
+        gate ``STANDBY_ENV`` names locked until then: ``launcher.ReplicaFaults``), or the launcher is
+        (its lock goes with it)."""
+        gate = os.environ.get(STANDBY_ENV)
+        if gate is None:
+            return
+        with open(gate) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+
     def after_step(self, step: int, own_s: float, busy_s: float) -> None:
         if self.pause_factor > 1:
             time.sleep((self.pause_factor - 1) * (own_s if self.on_gpu else busy_s))
         if self.replica is not None and os.environ.get(REJOINED_ENV):  # the steps it ran, should it be stopped
-            self.first = step if self.first is None else self.first
-            (self.run_dir / f"progress-rank{self.rank}-rejoined.json").write_text(json.dumps([self.first, step]))
+            self._progress(step)
+
+    def _progress(self, last: int | None) -> None:
+        """A rejoined replica's steps so far: [its first step, the last it finished (None: none yet)]."""
+        (self.run_dir / f"progress-rank{self.rank}-rejoined.json").write_text(json.dumps([self.first, last]))
 
     first: int | None = None  # a rejoined replica's first step
+
+
 
 
 def killed_ranks(run_dir: Path) -> list[dict]:

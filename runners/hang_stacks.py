@@ -3,7 +3,8 @@
 NCCL's watchdog names the operation that never completed and where it was issued, not where each
 rank's host is; on gloo a hang ends as the launcher's timeout. A rank that is still running at
 ``STACKS_AT`` of the run's ``--timeout`` prints every thread's stack once (``faulthandler``) to its
-stderr, which the run's output and a cluster run's node prefixes keep; then the run goes on.
+stderr, after a line that announces them; then the run goes on. The terminal shows the line, the
+run's record the stacks (``withheld_output``: ``runners.output.Withheld``).
 """
 from __future__ import annotations
 

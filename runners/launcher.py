@@ -7,6 +7,7 @@ rank the whole group is stopped; the agents and the ranks also die with their pa
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -29,10 +30,10 @@ from network_emulation.traces import TracePlayer, trace_from
 from runners import services
 from runners.devices import agent_devices, visible_entries
 from contract.faults import killed
-from runners.faults import (FIRST_STEP_ENV, REJOINED_ENV, REPLICA_ENV, STARTED, Straggler, join_cgroup,
-                            killed_ranks)
+from runners.faults import (FIRST_STEP_ENV, REJOINED_ENV, REPLICA_ENV, STANDBY_ENV, STANDBY_GATE, STARTED,
+                            Straggler, join_cgroup, killed_ranks)
 from runners.lifetime import DirectoryWatchdog, die_with_parent, oom_kills, owner_alive, owner_tag
-from runners.output import Pump
+from runners.output import Pump, Withheld
 from runners.request import Placement
 
 if TYPE_CHECKING:  # the run command imports torch only where it needs it: a run's gradients, its GPUs
@@ -54,6 +55,7 @@ class LaunchResult:
     network: dict | None = None  # the emulated network: backend, profile, links, the measured links
     faults: dict | None = None  # the run's faults as they happened: the straggler, each replica's lives
     watchdog: DirectoryWatchdog | None = None  # removes run_dir if the run command ends before it does
+    withheld: str = ""  # what of the ranks' and torchrun's output the terminal was spared (runners.output.Withheld)
 
     def remove_run_dir(self) -> None:
         """Remove the run directory (what the ranks wrote: their results, gradients, logs) and end its
@@ -68,12 +70,14 @@ class LaunchResult:
 class Agent:
     """One torchrun agent: its command and environment (a virtual host's, under emulation); the CPU
     cgroup it starts in (a straggler's quota, ``runners.faults``), and the replica whose world it
-    belongs to (a fault-tolerant system's replicas are worlds of their own under --kill-replica)."""
+    belongs to (a fault-tolerant system's replicas are worlds of their own under --kill-replica; a
+    standby's takes a killed replica's place, ``ReplicaFaults``)."""
 
     argv: list[str]
     env: dict[str, str]
     cgroup: Path | None = None
     replica: int | None = None
+    standby: bool = False
 
 
 def free_port() -> int:
@@ -130,25 +134,35 @@ def _preexec(cgroup: Path | None):
 
 
 class Agents:
-    """The agents of one launch, started and stopped together; their output goes to stderr."""
+    """The agents of one launch, started and stopped together; their output goes to stderr, but for
+    what the terminal is spared (``withheld``: peers' tracebacks, torchrun's reports of a failed
+    rank, a hang's stacks, and all that comes once ``mute``d), which the run's record keeps. They run
+    in the run command's directory (a relative --data or --trace means what it meant when the request
+    was judged) and import the suite from where this module lies (a checkout or an installed copy)."""
 
     def __init__(self) -> None:
         self.procs: list[tuple[Agent, subprocess.Popen]] = []
         self.pumps: list[Pump] = []
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.withheld = Withheld(sys.stderr)
+        # PYTHONSAFEPATH: the directory they run in never shadows the suite on PYTHONPATH
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1")
         self.env["PYTHONPATH"] = str(REPO) + (os.pathsep + self.env["PYTHONPATH"] if self.env.get("PYTHONPATH") else "")
 
     def start(self, agent: Agent, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
         p = subprocess.Popen(agent.argv, env={**self.env, **agent.env, **(extra_env or {})}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                             stderr=subprocess.STDOUT, start_new_session=True,
                              preexec_fn=_preexec(agent.cgroup))
         self.procs.append((agent, p))
-        self.pumps.append(Pump(p.stdout, [sys.stderr]))
+        self.pumps.append(Pump(p.stdout, [self.withheld.sink()]))
         return p
 
     def mute(self) -> None:
-        for pump in self.pumps:
-            pump.mute()
+        """What the agents print from now on goes to the record, not the terminal (they are being
+        stopped); the output of those that have ended is read to its end first (it is the run's)."""
+        for (_, p), pump in zip(self.procs, self.pumps):
+            if p.poll() is not None:
+                pump.join(timeout=2)
+        self.withheld.mute()
 
     def stop(self, procs: list[subprocess.Popen] | None = None) -> None:
         """Stop ``procs`` (default: every agent): torchrun and its workers, a session each."""
@@ -186,29 +200,39 @@ def run_agents(agents: list[Agent], timeout: float, run_dir: Path, expect_result
                 time.sleep(2.0)  # torchrun stops its own workers first, writing their error files
                 break
             time.sleep(0.1)
-    except BaseException:  # interrupted: what the stopping agents and ranks print is noise
-        started.mute()
-        raise
-    finally:
+    finally:  # what agents being stopped print (an interruption's too) is noise: the record keeps it
+        if any(p.poll() is None for _, p in started.procs):
+            started.mute()
         started.stop()
+        if replicas is not None:
+            replicas.close()
     oom_after = oom_kills()
     oom_killed = oom_before is not None and oom_after is not None and oom_after > oom_before
     tail = started.tail(replicas.victim if replicas is not None else None)
     if replicas is not None:
-        return replicas.collect(run_dir, started, timed_out, timeout, tail, oom_killed)
-    return collect(run_dir, [p.returncode for _, p in started.procs], timed_out, timeout, tail, expect_result,
-                   oom_killed)
+        result = replicas.collect(run_dir, started, timed_out, timeout, tail, oom_killed)
+    else:
+        result = collect(run_dir, [p.returncode for _, p in started.procs], timed_out, timeout, tail, expect_result,
+                         oom_killed)
+    for pump in started.pumps:
+        pump.join(timeout=2)
+    result.withheld = started.withheld.text()
+    return result
 
 
 class ReplicaFaults:
     """A fault-tolerant run (``SystemSpec.fault_tolerant``) under --kill-replica: each replica a world
-    of its own (its own torchrun, as torchft runs replicas), replica ``victim`` killed after its step
-    and, with --rejoin, started again once its ranks are gone (at the step it died at); the others go
-    on. ``group(d, extra_env)`` makes replica d's agents (fresh ones for a restart). The run ends when
-    every other replica has ended: a rejoined replica still running then is stopped."""
+    of its own (its own torchrun, as torchft runs replicas), replica ``victim`` killed after its step;
+    the others go on. With --rejoin a standby of the victim's replica is started with the run (its
+    ranks start as any, build their model, then wait: ``runners.faults.RankHooks.take_place``) and
+    takes its place once the victim's ranks are gone, so that what its rejoining costs is the
+    system's (a quorum, healing from a peer), not the start of its processes. ``group(d, extra_env, standby)``
+    makes replica d's agents. The run ends when every other replica has ended, and a standby that
+    has rejoined has ended too (it syncs with the others, so it ends with them); one that has not
+    rejoined by then is stopped, and its life says so."""
 
     def __init__(self, cfg: RunConfig, world: int, run_dir: Path,
-                 group: Callable[[int, dict[str, str]], list[Agent]]):
+                 group: Callable[[int, dict[str, str], bool], list[Agent]]):
         self.run_dir = run_dir
         kill = killed(cfg)
         assert kill is not None
@@ -216,49 +240,70 @@ class ReplicaFaults:
         self.rejoin, self.dp = cfg.rejoin, cfg.dp
         self.size = world // cfg.dp
         self.group = group
-        self.current: dict[int, list[subprocess.Popen]] = {}
-        self.ended: dict[int, list[str]] = {d: [] for d in range(cfg.dp)}  # how each life of a replica ended
+        self.ended: list[str] = []  # how each life of the victim's replica ended (or "running")
         self.failed = False
+        self.gate = None  # held while the victim lives: its standby waits for it (RankHooks.take_place)
+        if self.rejoin:
+            self.gate = open(run_dir / STANDBY_GATE, "w")
+            fcntl.flock(self.gate, fcntl.LOCK_EX)
 
     def agents(self) -> list[Agent]:
-        return [a for d in range(self.dp) for a in self.group(d, {REPLICA_ENV: str(d)})]
+        agents = [a for d in range(self.dp) for a in self.group(d, {REPLICA_ENV: str(d)}, False)]
+        if self.rejoin:
+            env = {REPLICA_ENV: str(self.victim), REJOINED_ENV: "1", FIRST_STEP_ENV: str(self.step),
+                   STANDBY_ENV: str(self.run_dir / STANDBY_GATE)}
+            agents += self.group(self.victim, env, True)
+        return agents
 
-    def _procs(self, started: Agents, d: int) -> list[subprocess.Popen]:
-        return self.current.get(d) or [p for a, p in started.procs if a.replica == d]
+    def close(self) -> None:
+        """Let go of the standby's gate (the run is over: a standby still waiting is being stopped)."""
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
+
+    @staticmethod
+    def _procs(started: Agents, d: int, standby: bool = False) -> list[subprocess.Popen]:
+        return [p for a, p in started.procs if a.replica == d and a.standby == standby]
 
     def _victim_ranks(self) -> range:
         return range(self.victim * self.size, (self.victim + 1) * self.size)
 
+    def _joined(self) -> bool:
+        """The standby has rejoined: it began a step of its own."""
+        return any((self.run_dir / f"progress-rank{r}-rejoined.json").exists() for r in self._victim_ranks())
+
     def watch(self, started: Agents) -> bool:
         """One look at the agents; True: the run is over (stop what still runs)."""
-        for d in range(self.dp):
-            procs = self._procs(started, d)
-            if not any(p.poll() not in (None, 0) for p in procs):
-                continue
-            if d == self.victim and not self.ended[d] and any(
-                    (self.run_dir / f"killed-rank{r}.json").exists() for r in self._victim_ranks()):
-                if any(p.poll() is None for p in procs):
-                    continue  # its other ranks are still ending
-                self.ended[d].append(f"killed after {self.step} steps")
-                if self.rejoin:
-                    env = {REPLICA_ENV: str(d), REJOINED_ENV: "1", FIRST_STEP_ENV: str(self.step)}
-                    self.current[d] = [started.start(a, env) for a in self.group(d, env)]
-                    self.ended[d].append("running")
-                continue
-            if d == self.victim and self.ended[d][-1:] == ["running"]:
-                self.ended[d][-1] = "failed after rejoining"
-                continue
-            if d == self.victim and self.ended[d]:
-                continue  # its end is known already
-            time.sleep(2.0)  # torchrun stops its own workers first, writing their error files
-            self.failed = True
-            return True
-        others = [d for d in range(self.dp) if d != self.victim]
-        if all(p.poll() == 0 for d in others for p in self._procs(started, d)):
-            if self.ended[self.victim][-1:] == ["running"]:
-                self.ended[self.victim][-1] = "stopped when the others had finished"
-            return True
-        return False
+        others = [p for d in range(self.dp) if d != self.victim for p in self._procs(started, d)]
+        victim, standby = self._procs(started, self.victim), self._procs(started, self.victim, standby=True)
+        marks = [(self.run_dir / f"killed-rank{r}.json").exists() for r in self._victim_ranks()]
+        if all(marks):  # each of its ranks killed itself right after its mark: the standby takes its place
+            self.close()
+        if not self.ended and any(p.poll() not in (None, 0) for p in victim):
+            if not any(marks):
+                return self._fail()  # it failed of itself, before it was killed
+            if any(p.poll() is None for p in victim):
+                return False  # its other ranks are still ending
+            self.ended.append(f"killed after {self.step} steps")
+            if self.rejoin:
+                self.ended.append("running")
+        if self.ended[-1:] == ["running"] and any(p.poll() not in (None, 0) for p in standby):
+            self.ended[-1] = "failed after rejoining" if self._joined() else "failed before it rejoined"
+        if any(p.poll() not in (None, 0) for p in others):
+            return self._fail()
+        if not all(p.poll() == 0 for p in others):
+            return False
+        if self.ended[-1:] == ["running"]:
+            if self._joined() and any(p.poll() is None for p in standby):
+                return False  # it syncs with the others: it ends with them
+            if not self._joined():
+                self.ended[-1] = "did not rejoin: the others had finished before it joined them"
+        return True
+
+    def _fail(self) -> bool:
+        time.sleep(2.0)  # torchrun stops its own workers first, writing their error files
+        self.failed = True
+        return True
 
     def collect(self, run_dir: Path, started: Agents, timed_out: bool, timeout: float, tail: str,
                 oom_killed: bool) -> LaunchResult:
@@ -280,19 +325,23 @@ class ReplicaFaults:
         return result
 
     def _describe(self, d: int, ranks: list[dict] | None, run_dir: Path) -> dict:
-        """Replica d's lives: the steps each ran (first, last) and how it ended."""
+        """Replica d's lives: the steps each ran (first, last) and how it ended; the victim's second
+        life (the standby's) also whether it rejoined and the outer steps it ended at."""
         if d != self.victim:
             steps = ranks[0]["steps_run"] if ranks else []
             return {"replica": d, "lives": [{"steps": [steps[0], steps[-1]] if steps else None,
                                             "ended": "finished" if ranks else "failed"}]}
-        lives = [{"steps": [0, self.step - 1], "ended": self.ended[d][0] if self.ended[d] else "not killed"}]
-        if len(self.ended[d]) > 1:
+        lives = [{"steps": [0, self.step - 1], "ended": self.ended[0] if self.ended else "not killed"}]
+        if len(self.ended) > 1:
             progress = [json.loads(p.read_text()) for r in self._victim_ranks()
                         if (p := run_dir / f"progress-rank{r}-rejoined.json").exists()]
-            ran = [min(f for f, _ in progress), min(l for _, l in progress)] if progress else None
-            ended = "finished" if ranks and self.ended[d][1] == "running" else self.ended[d][1]
-            lives.append({"steps": ran, "ended": ended, "outer_steps": (ranks[0].get("extra") or {}).get("outer_steps")
-                          if ranks else None})
+            last = [l for _, l in progress if l is not None]
+            ran = [min(f for f, _ in progress), min(last)] if progress and len(last) == len(progress) else None
+            ended = "finished" if ranks and self.ended[1] == "running" else self.ended[1]
+            if ended == "running":
+                ended = "stopped when the run ended"
+            lives.append({"steps": ran, "ended": ended, "rejoined": bool(progress),
+                          "outer_steps": (ranks[0].get("extra") or {}).get("outer_steps") if ranks else None})
         return {"replica": d, "lives": lives}
 
 
@@ -385,19 +434,20 @@ def launch_emulated(cfg: RunConfig, world: int, run_dir: Path, slow: Straggler |
             cgroup = slow.procs if slow is not None else None
             slow_env = slow.env() if slow is not None and cgroup is None else {}
 
-            def agent(h, size: int, first: int, extra: dict[str, str], replica: int | None = None) -> Agent:
-                master = f"{vc.hosts[first].address}:29500"
+            def agent(h, size: int, first: int, extra: dict[str, str], replica: int | None = None,
+                      standby: bool = False) -> Agent:
+                master = f"{vc.hosts[first].address}:{29501 if standby else 29500}"  # a standby beside its replica
                 return Agent(h.command_prefix() + torchrun_argv(1, size, h.index - first, master, run_dir),
                              {**h.env(), **gpus[h.index], **env, **slow_env, **extra},
-                             cgroup if slow is not None and h.index == slow.rank else None, replica)
+                             cgroup if slow is not None and h.index == slow.rank else None, replica, standby)
 
             player = TracePlayer(vc, timeline, run_dir / STARTED).start() if timeline else None
             try:
                 if fault_tolerant_kill(cfg):
                     per = world // cfg.dp
 
-                    def group(d: int, extra: dict[str, str]) -> list[Agent]:
-                        return [agent(h, per, d * per, extra, d) for h in vc.hosts[d * per:(d + 1) * per]]
+                    def group(d: int, extra: dict[str, str], standby: bool) -> list[Agent]:
+                        return [agent(h, per, d * per, extra, d, standby) for h in vc.hosts[d * per:(d + 1) * per]]
 
                     replicas = ReplicaFaults(cfg, world, run_dir, group)
                     result = run_agents(replicas.agents(), cfg.timeout, run_dir, replicas=replicas)
@@ -492,9 +542,9 @@ def launch_local(cfg: RunConfig, world: int, placement: Placement, run_dir: Path
     env_slow = slow.env() if slow is not None else {}
     with services.started(get_system(cfg.system).services, cfg, run_dir, local_services(placement)) as env:
         if fault_tolerant_kill(cfg) and placement.nnodes == 1:
-            def group(d: int, extra: dict[str, str]) -> list[Agent]:
+            def group(d: int, extra: dict[str, str], standby: bool) -> list[Agent]:
                 return [Agent(torchrun_argv(world // cfg.dp, 1, 0, None, run_dir), {**env, **env_slow, **extra},
-                              replica=d)]
+                              replica=d, standby=standby)]
 
             replicas = ReplicaFaults(cfg, world, run_dir, group)
             return run_agents(replicas.agents(), cfg.timeout, run_dir, replicas=replicas)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import RunConfig, SystemSpec
+from contract.faults import alive_per_step
 from network_emulation.profiles import describe_setting
 from runners.cores import oversubscription
 
@@ -53,8 +54,13 @@ class RunRecord:
     median_step_time: float | None = None
     min_step_time: float | None = None
     max_step_time: float | None = None
+    # Throughput counts the work that ran: each measured step's tokens are those of the replicas that
+    # ran it (every one, or where a replica was lost or rejoined, ``replicas_per_step``), at the median
+    # step's pace: the mean tokens of a measured step over the median step time.
     tokens_per_s: float | None = None  # of the whole run (every pipeline)
-    tokens_per_s_per_device: float | None = None  # over environment.device_count: each GPU a device, on CPU each rank
+    # over the devices that ran a step (environment.device_count: each GPU a device, on CPU each rank;
+    # of a run that lost a replica, those of the replicas that ran it)
+    tokens_per_s_per_device: float | None = None
     tflops_per_device: float | None = None
     mfu: float | None = None
     peak_tflops: float | None = None
@@ -72,6 +78,9 @@ class RunRecord:
     # process computes in several threads at once.
     busy_fraction: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    # where a data-parallel replica was lost (--kill-replica of a system that goes on) or rejoined: how
+    # many replicas ran each measured step (environment.faults says which); empty: every one, every step
+    replicas_per_step: list[int] = field(default_factory=list)
     dp_sync_time: float | None = None  # median over steps of the slowest rank's data-parallel sync
     barrier_time: float | None = None  # median over steps of the step's closing barrier on the last rank to arrive
     # ... and on the first rank to arrive: its wait for the last one, and the barrier's delays on the way
@@ -85,6 +94,13 @@ class RunRecord:
     # comparison from such a run: its times are of CPU contention, not of the system.
     oversubscribed: dict[str, int] | None = None
     verify: dict[str, Any] | None = None
+    # what the run did not do as asked, in words (the run command also says it on stderr): a network
+    # trace's point no measured step ran under
+    warnings: list[str] = field(default_factory=list)
+    # what of the ranks' and torchrun's output the terminal was spared (runners.output.Withheld): the
+    # tracebacks of ranks that failed because another did, torchrun's report of a failed rank, a hang's
+    # stacks, what ranks printed while they were stopped; at most its last lines
+    withheld_output: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # the run's identity (RunConfig.key): a sweep skips it when recorded, a report cell keeps the newest
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -136,10 +152,13 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
         config=cfg.to_dict(), key=cfg.key())
     if not ranks:
         return rec
-    devices = device_count(ranks)
+    # the devices of a replica, from the replicas whose ranks reported (of a run that lost one, the others)
+    per_replica_ranks = max(1, spec.processes(cfg) // cfg.dp)
+    replica_devices = device_count(ranks) / len({r["rank"] // per_replica_ranks for r in ranks})
     rec.environment.update(
-        device_kind=ranks[0]["device"].split(":")[0], device_name=ranks[0]["device_name"], device_count=devices,
-        backend=ranks[0]["backend"], hostnames=sorted({r["hostname"] for r in ranks}))
+        device_kind=ranks[0]["device"].split(":")[0], device_name=ranks[0]["device_name"],
+        device_count=round(replica_devices * cfg.dp), backend=ranks[0]["backend"],
+        hostnames=sorted({r["hostname"] for r in ranks}))
     # A step takes as long as its slowest rank.
     per_step = [max(ts) for ts in zip(*(r["step_times"] for r in ranks))]
     rec.step_times = per_step
@@ -161,13 +180,57 @@ def build_record(cfg: RunConfig, spec: SystemSpec, status: str, error: str | Non
     rec.peak_tflops = statistics.mean(r["peak_tflops"] for r in ranks)
     rec.peak_source = ranks[0]["peak_source"]
     if per_step:
-        med = statistics.median(per_step)
-        rec.median_step_time, rec.min_step_time, rec.max_step_time = med, min(per_step), max(per_step)
-        rec.tokens_per_s = cfg.global_batch_size * m.seq_len / med
-        rec.tokens_per_s_per_device = rec.tokens_per_s / devices
-        rec.tflops_per_device = rec.tokens_per_s_per_device * flops_per_token(m) / 1e12
-        rec.mfu = rec.tflops_per_device / rec.peak_tflops if rec.peak_tflops else None
+        rec.replicas_per_step = alive_per_step(environment.get("faults"),
+                                               range(cfg.warmup, cfg.warmup + len(per_step)))
+        for name, value in throughput(per_step, rec.replicas_per_step or [cfg.dp] * len(per_step),
+                                      cfg.batch_size * m.seq_len, replica_devices, flops_per_token(m),
+                                      rec.peak_tflops).items():
+            setattr(rec, name, value)
+    trace = (environment.get("network") or {}).get("trace")
+    if trace is not None and rec.step_starts:
+        rec.warnings += trace_reach(trace, rec.step_starts, rec.step_times)
+        if not any(p.get("measured_steps") for p in trace.get("applied") or []):  # the label claims no trace
+            t = rec.network_setting["trace"]
+            rec.network_setting.update(
+                label=rec.network_setting["label"].partition(" + trace ")[0]
+                + f" (trace {t['name']} [{t['digest'][:8]}] not reached: no measured step ran under it)",
+                trace={**t, "reached": False})
     return rec
+
+
+def throughput(step_times: list[float], replicas: list[int], replica_tokens: int, replica_devices: float,
+               flops_per_token: float, peak_tflops: float | None) -> dict[str, float | None]:
+    """The record's step-time statistics and throughput from its measured steps: ``replicas`` ran each
+    step (of ``replica_tokens`` tokens and ``replica_devices`` devices each); tokens/s is the mean
+    tokens of a measured step over the median step time, per device over the mean devices that ran a
+    step, TFLOP/s per device and MFU from it."""
+    med = statistics.median(step_times)
+    work = statistics.fmean(replicas)  # replicas a measured step ran on, on average
+    tokens = work * replica_tokens / med
+    per_device = tokens / (work * replica_devices)
+    tflops = per_device * flops_per_token / 1e12
+    return {"median_step_time": med, "min_step_time": min(step_times), "max_step_time": max(step_times),
+            "tokens_per_s": tokens, "tokens_per_s_per_device": per_device, "tflops_per_device": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else None}
+
+
+def trace_reach(trace: dict[str, Any], step_starts: list[float], step_times: list[float]) -> list[str]:
+    """How many measured steps ran under each of a network trace's points (``measured_steps`` of each
+    entry of ``trace["applied"]``: the steps that were running at some time from the point's taking
+    effect to the next one's; both counted from the first step's start); the warnings of the points
+    no measured step ran under, those never applied (the run ended first) included."""
+    applied = [p for p in trace.get("applied") or [] if "applied_s" in p]
+    ends = [a + t for a, t in zip(step_starts, step_times)]
+    for i, p in enumerate(applied):
+        until = applied[i + 1]["applied_s"] if i + 1 < len(applied) else math.inf
+        p["measured_steps"] = sum(1 for a, e in zip(step_starts, ends) if e > p["applied_s"] and a < until)
+    reached = {p["at_s"] for p in applied if p["measured_steps"]}
+    missed = [p["at_s"] for p in trace.get("points") or [] if p["at_s"] not in reached]
+    if not missed:
+        return []
+    return [f"--network-trace {trace['name']}: no measured step ran under its point(s) at "
+            f"{', '.join(f'{a:g} s' for a in missed)} (the measured steps ran from {step_starts[0]:.2f} s to "
+            f"{ends[-1]:.2f} s after the first step began): the run did not measure the links as they set them"]
 
 
 def network_setting(cfg: RunConfig) -> dict[str, Any]:
@@ -356,3 +419,68 @@ def append_line(path: str | Path, line: str) -> None:
             raise
     finally:
         _unlock(_lock_path(path), lock)
+
+
+def recount(rec: dict[str, Any]) -> bool:
+    """Count again, from its own fields, the throughput of a record written before throughput counted
+    only the work that ran (it has no ``replicas_per_step``) whose run lost a replica (its
+    ``environment.faults`` has the replicas' lives): its step times, warm-up, batch, the survivors'
+    devices (``environment.device_count`` then: the ranks that reported, every replica's but the
+    killed one's), model and peak. Sets ``replicas_per_step``, the throughput fields and
+    ``environment.device_count`` (the run's devices) as a record made now has them; False (and
+    nothing changed) for any other record."""
+    from workload.configs import ModelConfig
+    from workload.flops import flops_per_token
+
+    env, cfg = rec.get("environment") or {}, rec.get("config") or {}
+    if "replicas_per_step" in rec or not rec.get("step_times") or not (env.get("faults") or {}).get("replicas"):
+        return False
+    dp, steps = cfg["dp"], rec["step_times"]
+    alive = alive_per_step(env["faults"], range(cfg["warmup"], cfg["warmup"] + len(steps)))
+    replica_devices = env["device_count"] / (dp - 1)
+    rec.update(throughput(steps, alive, rec["batch_size"] * rec["seq_len"], replica_devices,
+                          flops_per_token(ModelConfig(**cfg["model"])), rec.get("peak_tflops")),
+               replicas_per_step=alive)
+    env["device_count"] = round(replica_devices * dp)
+    return True
+
+
+def recount_file(path: str | Path) -> int:
+    """``recount`` every record of a records file that needs it, in place (atomically, the other lines
+    byte for byte as they were); how many were counted again."""
+    path = Path(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    changed = 0
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and recount(rec):
+            lines[i] = json.dumps(_finite(rec), allow_nan=False).encode() + b"\n"
+            changed += 1
+    if changed:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(lines))
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        os.replace(tmp, path)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m runners.record recount FILE...: count again the throughput of records written before
+    it counted only the work that ran (``recount``)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m runners.record", description=main.__doc__)
+    p.add_argument("command", choices=["recount"])
+    p.add_argument("files", nargs="+")
+    args = p.parse_args(argv)
+    for f in args.files:
+        print(f"{f}: {recount_file(f)} record(s) counted again")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 import typing
 from collections.abc import Sequence
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract import ConfigError, RunConfig, SystemSpec, option
+from contract.cli import Parser, old_names
+from contract.config import FAULTS
 from contract.registry import get_system, systems
 from network_emulation.profiles import MatrixProfile, ProfileError, check_emulable, parse_profile
 from network_emulation.traces import load_trace, trace_from
@@ -26,11 +29,29 @@ from workload.corpus import BUILTIN, split_sizes
 OPTION_PREFIX = "option:"  # argparse dest of a system option
 MULTI_NODE = "multi-node (passed through to torchrun)"
 GROUP_TITLES = {"model": "model overrides (any field of the model config)"}  # a dataclass field's own flags
+PROG = "python -m runners.run"  # the run command's name where pipebench does not give its own
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line on stderr, exit status 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
+class RunParser(Parser):
+    """The run command's parser: ``--config FILE.toml`` stands for the flags of FILE's ``[run]`` table
+    (``config_file_flags``), given before the command line's own, which override them."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        pre = Parser(prog=self.prog, add_help=False)
+        pre.add_argument("--config", default=None)
+        path = pre.parse_known_args(args)[0].config
+        if path is not None:
+            try:
+                args = config_file_flags(path, table_keys(self)) + args
+            except ConfigError as exc:
+                self.error(f"--config {path}: {exc}")
+        return super().parse_known_args(args, namespace)
+
+
+class _TableParser(RunParser):
+    def error(self, message: str):  # a table's parse error is the caller's to say, naming the table
+        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -68,10 +89,29 @@ def _flags(f: dataclasses.Field) -> tuple[str, ...]:
     return tuple(f.metadata.get("flags") or ()) or ("--" + f.name.replace("_", "-"),)
 
 
+class _Once(argparse.Action):
+    """A flag a run takes once (a fault: a second --kill-replica would silently replace the first):
+    given twice, a one-line error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "_given_" + self.dest, False):
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}): a run takes "
+                         f"one {option_string}")
+        setattr(namespace, "_given_" + self.dest, True)
+        setattr(namespace, self.dest, values)
+
+
 def _add_flag(group, f: dataclasses.Field, hint, *, dest: str, help: str | None, default=argparse.SUPPRESS,
-              choices=None, required: bool = False) -> None:
-    """One field as a flag: a switch for a bool, else a value parsed as the field declares."""
+              choices=None, required: bool = False, default_said: str | None = None) -> None:
+    """One field as a flag: a switch for a bool, else a value parsed as the field declares. Its first
+    flag is its name; the others are old names, kept for one release (its help says so). Its help ends
+    with its default (``contract.cli``), or ``default_said`` where that is not a value. A fault's value
+    is given once (``_Once``)."""
     flags = _flags(f)
+    if help:
+        help += old_names(flags)
+    if help and default_said:
+        help += f" (default: {default_said})"
     kwargs = dict(dest=dest, default=default, help=help or None)
     if hint is bool:
         kwargs.update(action="store_true")
@@ -80,6 +120,8 @@ def _add_flag(group, f: dataclasses.Field, hint, *, dest: str, help: str | None,
     else:
         kwargs.update(type=_parse_with(f.metadata.get("parse") or _flag_type(hint), flags[0]),
                       metavar=f.metadata.get("metavar") or _dest(f).upper())
+        if f.metadata.get("group") == FAULTS:
+            kwargs.update(action=_Once)
     group.add_argument(*flags, required=required, **kwargs)
 
 
@@ -112,7 +154,8 @@ def _add_fields(p: argparse.ArgumentParser, cls, choices: dict[str, list[str]] |
             g = group(GROUP_TITLES.get(f.name, f.metadata.get("group")))
             for sub, sub_hint in _flag_fields(hint):
                 default = None if f.metadata.get("choices") or sub.default is dataclasses.MISSING else sub.default
-                _add_flag(g, sub, sub_hint, dest=_dest(sub), help=sub.metadata["help"], default=default)
+                _add_flag(g, sub, sub_hint, dest=_dest(sub), help=sub.metadata["help"], default=default,
+                          default_said=f"the --{f.name}'s" if default is None else None)
 
 
 def option_owners(specs: dict[str, SystemSpec]) -> dict[str, list[str]]:
@@ -158,14 +201,20 @@ def _add_system_options(p: argparse.ArgumentParser, specs: dict[str, SystemSpec]
             _add_flag(g, f, hints[f.name], dest=OPTION_PREFIX + f.name, help=help_text)
 
 
-def build_parser(specs: dict[str, SystemSpec] | None = None) -> argparse.ArgumentParser:
-    """The run command's parser: RunConfig's flags, --out, the placement's, every system's options."""
+def build_parser(specs: dict[str, SystemSpec] | None = None, prog: str | None = None,
+                 parser: type[RunParser] = RunParser) -> argparse.ArgumentParser:
+    """The run command's parser (named ``prog``, default ``PROG``): RunConfig's flags, --out, --config,
+    the placement's, every system's options (``specs``: these systems; default the registry's); each
+    flag's help with its default."""
     specs = systems() if specs is None else specs
-    p = Parser(prog="python -m runners.run",
-               description="Train one system on the shared GPT workload and record one run.")
+    p = parser(prog=prog or PROG, description="Train one system on the shared GPT workload and record one run.")
     _add_fields(p, RunConfig, choices={"system": list(specs)})
     run = next(g for g in p._action_groups if g.title == "run")
     run.add_argument("--out", default="results/runs.jsonl", help="the JSON-lines file the run record is appended to")
+    run.add_argument("--config", default=None, metavar="FILE.toml",
+                     help="the run's settings from FILE's [run] table: the keys a sweep's settings take (RunConfig's "
+                          "fields, the model's and the optimizer's, the system's options, by their flags' names in "
+                          "snake_case; a switch true or false); flags given as well override them")
     _add_fields(p, Placement)
     _add_system_options(p, specs)
     return p
@@ -179,9 +228,10 @@ def _from_args(cls, args: argparse.Namespace, **given):
     return cls(**{**values, **given})
 
 
-def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
+def config_from_args(args: argparse.Namespace, spec: SystemSpec,
+                     specs: dict[str, SystemSpec] | None = None) -> RunConfig:
     """The RunConfig of parsed arguments for ``spec`` (the system's spec, looked up once by the
-    caller); an option of another system is a ConfigError."""
+    caller); an option of another system (of ``specs``, default the registry's) is a ConfigError."""
     try:
         model = get_model_config(args.model)
     except KeyError as exc:
@@ -191,7 +241,7 @@ def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
     mine = {f.name for f in spec.options.declared()}
     foreign = [name for name in given if name not in mine]
     if foreign:
-        owners = option_owners(systems())[foreign[0]]
+        owners = option_owners(systems() if specs is None else specs)[foreign[0]]
         raise ConfigError(f"--{foreign[0].replace('_', '-')} is an option of {' and '.join(owners)}, "
                           f"not of {spec.name}")
     common = {f.name: getattr(args, f.name) for f, hint in _flag_fields(RunConfig)
@@ -201,6 +251,112 @@ def config_from_args(args: argparse.Namespace, spec: SystemSpec) -> RunConfig:
     return RunConfig(**{**common, **nested, "system": spec.name, "model": model, "options": spec.options(**given),
                         "network_matrix": matrix_contents(common["network"]),
                         "network_trace_contents": trace_contents(common["network_trace"])})
+
+
+# A run's table (a file's [run] for --config, a scenario's [run], a sweep's settings): the run command's
+# flags by their names in snake_case (RunConfig's fields, the model's and the optimizer's, a system's
+# options), the model's fields also by the names below; a switch is true or false.
+ALIASES = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "seq_length": "seq_len"}
+# Keys of the run command that say where it runs and writes, not what the run is.
+PLACEMENT_FLAGS = frozenset({"out", "nnodes", "node_rank", "rdzv_endpoint"})
+
+
+def table_keys(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """A table's key (snake_case, a system option by its own name) -> the run command's action."""
+    return {a.dest.removeprefix(OPTION_PREFIX): a for a in parser._actions
+            if a.option_strings and a.dest not in ("help", "config")}
+
+
+def setting_flags(key: str, value, keys: dict[str, argparse.Action], where: str) -> list[str]:
+    """One key of a run's table as run-command flags (ConfigError, naming ``where`` and the key, for an
+    unknown key or a value of the wrong kind; its text is judged with the rest)."""
+    action = keys.get(ALIASES.get(key, key))
+    if action is None:
+        raise ConfigError(f"{where}: unknown setting {key!r}; known: {', '.join(sorted(keys))}")
+    flag = max(action.option_strings, key=lambda s: s == "--" + key.replace("_", "-"))
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {key!r} is a switch: true or false, got {value!r}")
+        return [flag] if value else []
+    if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        value = ",".join(map(str, value))  # a list flag's text (--layers-per-stage 5,7,7,5)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{where}: {key!r} must be a string or a number, got {value!r}")
+    if isinstance(value, str) and value.startswith("-"):
+        raise ConfigError(f"{where}: {key!r} = {value!r} looks like a flag")
+    return [flag, str(value)]
+
+
+def _judge_value(key: str, value, action: argparse.Action, where: str) -> None:
+    """A table's value as the run command judges its flag's text (its choices, its type)."""
+    text = str(value)
+    if action.choices is not None and text not in action.choices:
+        raise ConfigError(f"{where}: {key} = {value!r} is not one of {', '.join(map(str, action.choices))}")
+    if callable(action.type):
+        try:
+            action.type(text)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            raise ConfigError(f"{where}: {key} = {value!r}: {exc}") from None
+
+
+def table_flags(table: dict, keys: dict[str, argparse.Action], where: str = "[run]") -> list[str]:
+    """A run's table as run-command flags, each value judged as its flag's text is."""
+    out = []
+    for key, value in table.items():
+        flags = setting_flags(key, value, keys, where)
+        if len(flags) == 2:
+            _judge_value(key, flags[1] if isinstance(value, list) else value, keys[ALIASES.get(key, key)], where)
+        out += flags
+    return out
+
+
+def read_toml(path: str | Path) -> dict:
+    """A TOML file's contents; ConfigError (one line) where it cannot be read or parsed."""
+    import tomllib
+
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read it ({exc.__class__.__name__})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"not TOML ({exc})") from None
+
+
+def config_file_flags(path: str | Path, keys: dict[str, argparse.Action]) -> list[str]:
+    """The flags of a run config file: its ``[run]`` table (``table_flags``). Its other tables are
+    other tools' (a scenario's ``[cluster]`` and ``[predict]``: ``predict.scenario``), not read here."""
+    data = read_toml(path)
+    loose = [k for k, v in data.items() if not isinstance(v, dict)]
+    if loose:
+        raise ConfigError(f"{loose[0]} stands outside [run] (a run's settings go under [run])")
+    if not isinstance(data.get("run"), dict):
+        raise ConfigError("no [run] table (a run's settings go under [run])")
+    return table_flags(data["run"], keys)
+
+
+def config_from_table(table: dict, specs: dict[str, SystemSpec] | None = None,
+                      where: str = "[run]") -> tuple[RunConfig, SystemSpec]:
+    """The RunConfig (not judged) of a run's table, as ``--config`` reads it, and its system's spec
+    (``specs``: the systems it may name, default the registry's). Where the run is launched and
+    written (``PLACEMENT_FLAGS``) is not part of a run's table. ConfigError (one line) names the key."""
+    specs = systems() if specs is None else specs
+    parser = build_parser(specs, parser=_TableParser)
+    keys = table_keys(parser)
+    for action in parser._actions:
+        if action.required and action.dest not in table:
+            raise ConfigError(f"{where} {action.dest} is missing")
+    placed = sorted(PLACEMENT_FLAGS & {ALIASES.get(k, k) for k in table})
+    if placed:
+        raise ConfigError(f"{where}: {placed[0]!r} says where a run is launched or written, not what it is")
+    flags = table_flags(table, keys, where)
+    try:
+        ns = parser.parse_args(flags)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    spec = specs[ns.system]
+    return config_from_args(ns, spec, specs), spec
 
 
 def matrix_contents(network: str) -> dict | None:
@@ -442,6 +598,26 @@ def _check_environment(cfg: RunConfig, out: str | None) -> None:
         if have is not None and size > have:  # one byte a token, the file mapped once for every rank
             raise ConfigError(f"--data {cfg.data}: its {size / 2**30:.1f} GiB of byte tokens do not fit this "
                               f"machine's memory ({have / 2**30:.1f} GiB)")
+    _check_cache(cfg)
+
+
+def _check_cache(cfg: RunConfig) -> None:
+    """The suite's cache keeps what the run needs (a CPU's peak, a BPE's tokens: ``workload.cache``);
+    a BPE is made there now (or checked, and made again if damaged), and must have learned every
+    token of --vocab-size."""
+    from workload.cache import CacheError, cache_dir, writable
+
+    try:
+        if cfg.device != "cuda":  # the CPU's peak is measured once and kept (workload.cpu_peak)
+            writable(cache_dir())
+        if cfg.data is not None and cfg.tokenizer == "bpe":
+            from workload.tokens import learned_short
+
+            short = learned_short(cfg.data, cfg.model.vocab_size)
+            if short:
+                raise ConfigError(f"--tokenizer bpe {short}")
+    except CacheError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def resolve_devices(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> RunConfig:

@@ -165,6 +165,7 @@ def execute(cfg: RunConfig, spec: SystemSpec, placement: Placement) -> tuple[Run
             env["faults"] = result.faults
         record = build_record(cfg, spec, result.status, result.error, result.ranks, env,
                               verify=verification.__dict__ if verification else None)
+        record.withheld_output = result.withheld
     finally:
         result.remove_run_dir()
     return record, verification
@@ -204,8 +205,8 @@ def summary(rec: RunRecord, node0: bool = True) -> str:
             f"{rec.tokens_per_s:.0f} tokens/s, {rec.tflops_per_device:.3f} TFLOP/s per device, MFU {rec.mfu:.1%}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog=prog)
     args = parser.parse_args(argv)
     try:
         spec = get_system(args.system)
@@ -255,6 +256,8 @@ def _run(cfg: RunConfig, spec: SystemSpec, placement: Placement, out: str | None
         print(f"{prog}: interrupted by {signal.Signals(signum).name}: ranks stopped, no record written",
               file=sys.stderr)
         return 128 + signum
+    for warning in record.warnings:
+        print(f"{prog}: warning: {warning}", file=sys.stderr)
     print(summary(record, placement.node_rank == 0))
     if verification is not None:
         print(verification.line())

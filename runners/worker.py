@@ -125,8 +125,8 @@ def main(run_dir: Path) -> int:
         if cfg.p2p_semantics == "nccl":  # gloo under NCCL's rules (a no-op where the backend is NCCL)
             nccl_rules.install(rank, device, run_dir)
         warm_up(devices, (compute_dtype(cfg.precision),))  # CUDA's handles before any receive is posted
-        torch.manual_seed(cfg.seed)
         peak, peak_source, device_name = hardware_peak(devices, cfg)
+        torch.manual_seed(cfg.seed)
         ctx = Context(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend, config=cfg,
                       devices=devices, hooks=hooks, replica=replica,
                       first_step=int(os.environ.get(FIRST_STEP_ENV, 0)))

@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def pytest_collection_modifyitems(config, items):
     """The tests marked ``timing`` (they compare measured step times) last in their session, each tier
-    otherwise in its collected order: scripts/test.sh runs the network tests beside the multi-process
-    ones, and these then run after the network session, which is the shorter, has ended."""
+    otherwise in its collected order: scripts/test.sh runs its sessions side by side, and the end of a
+    session is its quietest part."""
     items.sort(key=lambda item: item.get_closest_marker("timing") is not None)
 
 

@@ -293,3 +293,280 @@ def test_sbatch_saying_submitted_in_plain_words_is_a_submission(tmp_path, monkey
     (fake / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed' >&2\nexit 1\n")
     assert submit(tmp_path / "s.sbatch", [], str(tmp_path / "s-%j.out")) == 2
     assert "sbatch refused the job: sbatch: error: Batch job submission failed" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round three (issue #54), the command line: plan solve's refusals (item 6), plan layout's --devices beside a
+# --matrix and K for slices only (item 20), every usage naming the command typed (item 23).
+# ---------------------------------------------------------------------------------------------------------------
+SOLVE = ["solve", "--model", "gpt3-xl", "--device-file", "V100 SXM2 16GB", "--batch-size", "8", "--pp", "2"]
+WHOLE = "takes a finite whole number >= 1, got"
+# argv after SOLVE (a later flag overrides SOLVE's), and the one line; before: a traceback, or the bad value
+# silently ignored (--granularity 0, --micro-batch-size 0) or accepted (--tp 3 with 16 heads)
+SOLVE_REFUSED = [
+    (["--pp", "0"], f"argument --pp: {WHOLE} '0'"),  # ZeroDivisionError
+    (["--tp", "0"], f"argument --tp: {WHOLE} '0'"),  # ZeroDivisionError
+    (["--batch-size", "0"], f"argument --batch-size: {WHOLE} '0'"),  # ValueError: no feasible slicing
+    (["--pp", "5"], "24 layers do not divide into 5 pipeline stages (--pp 5)"),  # ValueError
+    (["--granularity", "-64"], f"argument --granularity: {WHOLE} '-64'"),  # ValueError
+    (["--granularity", "0"], f"argument --granularity: {WHOLE} '0'"),  # the default used instead
+    (["--micro-batch-size", "3"], "--batch-size 8 is not divisible by --micro-batch-size 3"),  # ValueError
+    (["--micro-batch-size", "0"], f"argument --micro-batch-size: {WHOLE} '0'"),  # every divisor tried
+    (["--batch-slices", "0"], "argument --batch-slices: takes comma-separated whole numbers >= 1, got '0'"),
+    (["--batch-slices", "3"], "batch slice 3 does not divide the batch size 8"),  # ValueError
+    (["--tp", "3"], "--tp 3 must divide the heads (16) and the hidden size (2048)"),  # planned
+    (["--micro-batch-size", "2", "--batch-slices", "1,2"], "give --micro-batch-size (one batch slice) or "
+     "--batch-slices (the sizes to try), not both"),  # --batch-slices won silently
+]
+
+
+@pytest.mark.parametrize("argv, says", SOLVE_REFUSED, ids=[" ".join(a) for a, _ in SOLVE_REFUSED])
+def test_plan_solve_refuses_a_layout_in_one_line(capsys, argv, says):
+    """Item 6: each was a traceback, ignored or planned; now one line, exit 2, as plan layout and the run
+    command refuse (the layout judged by ours' own SystemSpec.validate)."""
+    status = _exit_status(_main("ours.plan.__main__"), [*SOLVE, *argv])
+    err = capsys.readouterr().err
+    assert status == 2 and err == f"python -m ours.plan solve: error: {says}\n", err
+
+
+def test_plan_layout_refuses_devices_that_disagree_with_its_matrix(tmp_path, capsys):
+    """Item 20: --devices 4 beside a matrix of 2 devices was ignored (the matrix's 2 planned); the same
+    number is honoured."""
+    matrix = tmp_path / "m.json"
+    matrix.write_text(json.dumps({"delay_ms": [[0, 5], [5, 0]], "bandwidth_gbps": [[100, 1], [1, 100]]}))
+    layout = ["layout", "--model", "tiny", "--batch-size", "2", "--matrix", str(matrix)]
+    assert _exit_status(_main("ours.plan.__main__"), [*layout, "--devices", "4"]) == 2
+    assert capsys.readouterr().err == (f"python -m ours.plan layout: error: --devices 4, but --matrix {matrix} is of "
+                                       "2 devices (the matrix says how many: leave out --devices)\n")
+    assert _exit_status(_main("ours.plan.__main__"), [*layout, "--devices", "2"]) == 0
+    assert "tiny, 2 x V100 SXM2 16GB" in capsys.readouterr().out
+
+
+def test_plan_solve_says_p_for_stages_and_k_for_token_slices(capsys):
+    """Item 20: solve printed K=2 for two stages beside '6 slices'; K means token slices everywhere."""
+    import re
+
+    assert _main("ours.plan.__main__")(["solve", "--model", "cpu-small", "--pp", "2", "--batch-size", "2",
+                                        "--micro-batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    found = re.match(r"P=2 B=2 b=1 g=\d+: K=(\d+) token slices \[([\d,]+)\]", out)
+    assert found and int(found[1]) == len(found[2].split(",")), out
+
+
+# (argv after `pipebench`, what the usage or the one line begins with): before, each named python -m ...
+NAMED = [
+    (["run", "--help"], "usage: pipebench run "),
+    (["run", "--bogus"], "pipebench run: error: "),
+    (["sweep", "--help"], "usage: pipebench sweep "),
+    (["sweep", "--bogus"], "pipebench sweep: error: "),
+    (["report", "--help"], "usage: pipebench report "),
+    (["predict", "--help"], "usage: pipebench predict "),
+    (["predict", "scenario", "--help"], "usage: pipebench predict scenario "),
+    (["predict", "scenario", "/nonexistent.toml"], "pipebench predict scenario: error: "),
+    (["predict", "sweep", "--help"], "usage: pipebench predict sweep "),
+    (["predict", "run", "--help"], "usage: pipebench predict run "),
+    (["predict", "--system", "nope"], "pipebench predict run: error: argument --system: invalid choice"),
+    (["predict", "validate-seed", "--calibrate", "--sensitivity"], "pipebench predict validate-seed: error: "),
+    (["plan", "--help"], "usage: pipebench plan "),
+    (["plan", "layout", "--help"], "usage: pipebench plan layout "),
+    (["plan", "solve", *SOLVE[1:], "--tp", "3"], "pipebench plan solve: error: --tp 3 must divide"),
+]
+
+
+@pytest.mark.parametrize("argv, begins", NAMED, ids=[" ".join(a[:2]) + f"-{i}" for i, (a, _) in enumerate(NAMED)])
+def test_every_usage_and_error_names_the_command_typed(capsys, argv, begins):
+    """Item 23: every subcommand's usage and errors named python -m runners.run, python -m predict, ...
+    where pipebench was typed; python -m still names itself."""
+    import pipebench
+
+    status = _exit_status(pipebench.main, argv)
+    out, err = capsys.readouterr()
+    said = out if "--help" in argv else err
+    assert status == (0 if "--help" in argv else 2) and said.startswith(begins), said[:300]
+
+
+def test_python_m_keeps_its_own_name(capsys):
+    """Item 23, the other way: run as python -m, a command names itself so."""
+    for module, argv, prog in (("runners.run", ["--bogus"], "python -m runners.run"),
+                               ("runners.sweep.__main__", ["--bogus"], "python -m runners.sweep"),
+                               ("predict.__main__", ["scenaro"], "python -m predict"),
+                               ("predict.__main__", ["--system", "nope"], "python -m predict run"),
+                               ("ours.plan.__main__", [*SOLVE, "--pp", "5"], "python -m ours.plan solve")):
+        assert _exit_status(_main(module), argv) == 2
+        assert capsys.readouterr().err.startswith(f"{prog}: error: "), module
+
+
+# ---- issue #54, the simulator's side: scenarios, device files, predict's commands ----------------------
+def _scenario_text(run: str = "", cluster: str = "", extra: str = "") -> str:
+    """A small valid scenario (megatron T-2 P-2 on two A100 nodes), with lines added to its tables."""
+    return ('[run]\nsystem = "megatron"\nmodel = "gpt3-xl"\nnum_layers = 8\ntp = 2\npp = 2\nbatch_size = 8\n'
+            f'micro_batch_size = 1\nprecision = "bf16"\n{run}\n[cluster]\ngpu = "A100 SXM4 80GB"\nnodes = 2\n'
+            f'gpus_per_node = 4\n{cluster}\n{extra}')
+
+
+INTER = "inter_gbps = 100\ninter_delay_ms = 0.01\n"
+MATRIX = '[cluster.matrix]\ndelay_ms = [[0, 1], [1, 0]]\nbandwidth_gbps = [[0, 10], [10, 0]]\n'
+SCENARIOS_54 = [
+    (3, _scenario_text(extra=MATRIX + "loss_pct = [[0, 1], [1, 0]]\n"), "matrix loss_pct: not modelled"),
+    (3, _scenario_text(extra=MATRIX + "jitter_ms = [[0, 1], [1, 0]]\n"), "matrix jitter_ms: not modelled"),
+    (3, _scenario_text(extra=MATRIX + "colour = 1\n"), "matrix colour: unknown"),
+    (4, '[run]\nsystem = "megatron"\nmodel = "gpt3-xl"\npp = 6\nschedule = "interleaved"\nvirtual_pp = 2\n'
+        'batch_size = 64\nmicro_batch_size = 1\n' + _scenario_text(cluster=INTER)[_scenario_text().index("[cluster]"):],
+     "interleaved schedule needs the micro-batch count (64) to divide by --pp 6"),
+    (16, _scenario_text(cluster="inter_gbps = 10\ninter_delay_ms = 1e300\n"), "delay 1e+300 ms is absurd"),
+    (17, _scenario_text('n_slices = true', INTER).replace('"megatron"', '"ours"'), "'n_slices' must be a string"),
+    (17, _scenario_text(extra="[cluster.matrix]\ndelay_ms = 5\nbandwidth_gbps = 1\n"), "matrix must be 2 x 2"),
+]
+
+
+@pytest.mark.parametrize("item, text, says", SCENARIOS_54, ids=[f"item{c[0]}-{i}" for i, c in enumerate(SCENARIOS_54)])
+def test_54_a_bad_scenario_is_one_line(tmp_path, capsys, item, text, says):
+    f = tmp_path / "s.toml"
+    f.write_text(text)
+    assert _exit_status(_main("predict.__main__"), ["scenario", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, err
+
+
+DEVICE_FIELDS = [("bandwidth_gbs", 0, "bandwidth_gbs must be a finite number > 0"),
+                 ("memory_efficiency", 0, "memory_efficiency must be a finite number > 0"),
+                 ("sms", 0, "sms must be a whole number >= 1"), ("sms", -3, "sms must be a whole number >= 1"),
+                 ("gemm", {"fp32": {"efficiency": "0.8"}}, "gemm 'fp32': a precision"),
+                 ("gemm", [1, 2], "gemm must map each precision"),
+                 ("memory_gb", "80", "memory_gb must be a finite number > 0"),
+                 ("memory_gb", -5, "memory_gb must be a finite number > 0"),
+                 ("kernel_us", -5, "kernel_us must be a finite number >= 0")]
+
+
+@pytest.mark.parametrize("key, value, says", DEVICE_FIELDS, ids=[f"{k}={v!r}" for k, v, _ in DEVICE_FIELDS])
+def test_54_item5_a_device_files_bad_field_is_one_line_in_predict_and_plan(tmp_path, capsys, key, value, says):
+    d = json.loads((REPO / "workload" / "devices" / "h100-sxm.json").read_text())
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps({**d, key: value}))
+    for module, argv in (("predict.__main__", [*OURS, "--gpu", str(f)]),
+                         ("ours.plan.__main__", [*LAYOUT, "--devices", "8", "--gpus-per-node", "8", "--intra",
+                                                 "5us,300GB/s", "--gpu", str(f)])):
+        assert _exit_status(_main(module), argv) == 2, module
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, (module, err)
+
+
+def test_54_item1_fairscale_is_predicted_on_a_gpu_and_a_sweep_lists_what_it_cannot(tmp_path, capsys):
+    predict = _main("predict.__main__")
+    argv = ["--system", "fairscale_fsdp", "--pp", "2", "--model", "cpu-small", "--batch-size", "2",
+            "--micro-batch-size", "1", "--gpu", "H100 SXM"]
+    assert predict(argv) == 0 and "predicted step" in capsys.readouterr().out
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(SWEEP.replace('"tiny"', '"cpu-small"').replace('layouts = ["1"]', 'layouts = ["P-2"]')
+                     .replace('name = "reference"', 'name = "fairscale_fsdp"\n  [[experiment.systems]]\n'
+                                                    '  name = "ours"\n  n_slices = "search"'))
+    assert predict(["sweep", str(sweep), "--gpu", "H100 SXM"]) == 0
+    out = capsys.readouterr()
+    row = next(line.split("|") for line in out.out.splitlines() if line.startswith("| fairscale_fsdp "))
+    assert [c.strip() for c in row][3:5] == ["fp32", "P-2"] and "Traceback" not in out.err
+    assert "not predicted: [a] --system ours" in out.err and "--n-slices search keeps the K" in out.err
+
+
+def test_54_item9_predict_records_keeps_predictions_it_does_not_replace(tmp_path, capsys):
+    from contract.records import predictions_path
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    predictions_path(empty).write_text('{"x": {"not_modelled": "made earlier"}}\n')
+    assert _main("predict.__main__")(["records", str(empty)]) == 0
+    out = capsys.readouterr()
+    assert predictions_path(empty).read_text() == '{"x": {"not_modelled": "made earlier"}}\n'
+    assert "kept as it was" in out.out and "earlier predictions are kept" in out.err
+    assert "nothing written" not in out.out
+
+
+def test_54_items11_24_predict_refuses_an_output_it_cannot_write_before_any_work(tmp_path, capsys, monkeypatch):
+    import predict.seed_tables as seed
+
+    monkeypatch.setattr(seed, "validate", lambda *a, **k: pytest.fail("validate-seed worked before refusing"))
+    f = tmp_path / "out"
+    f.write_text("mine")
+    assert _main("predict.__main__")(["validate-seed", "--out", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "is a file: give a folder" in err and f.read_text() == "mine"
+    monkeypatch.chdir(tmp_path)
+    for name in ("../../x", "/tmp/x", ".hidden", "a/b"):
+        assert _main("predict.__main__")(["validate", "--name", name, str(f)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "a plain name" in err, err
+
+
+def test_54_item14_a_v100_runs_bf16_gemms_at_its_fp32_rate():
+    """V100 has no bf16 units: its bf16 GEMMs run at the fp32 peak and curve, never slower than fp32."""
+    from workload.compute import find_device, gpu_compute
+    from workload.configs import get_model_config
+
+    v100, model = find_device("V100 SXM2 16GB"), get_model_config("gpt3-xl")
+    assert v100.gemm_curve("bf16") == v100.gemm_curve("fp32") and v100.peak_flops("bf16") == v100.peak_flops("fp32")
+    g = {p: gpu_compute(v100, model, p).gemm(2048, 8192, 2048) for p in ("fp32", "bf16")}
+    assert g["bf16"] <= g["fp32"]
+
+
+def test_54_item15_the_calibration_scenario_is_the_calibration_cell():
+    from predict.scenario import load, memory_of
+    from predict.seed_tables import CALIBRATION, calibration_cells
+
+    sc = load(REPO / "predict" / "scenarios" / "seed-gpipe-default.toml")
+    cell = calibration_cells()["fp32"].load()
+    assert CALIBRATION["fp32"] == "gpipe default" and sc.config == cell.config and sc.head == cell.head
+    assert sc.config.optimizer.kind == "sgd" and memory_of(sc).total == memory_of(cell).total
+
+
+def test_54_items19_26_a_one_run_prediction_names_its_precision_and_the_hosts_speed(capsys, monkeypatch):
+    """A one-run prediction on this machine probes the host's speed first (predict records' probe): where
+    it moved beyond the bound from the calibration's, the prediction is stretched and a warning says so."""
+    import predict.this_machine as here
+
+    then = here.load_calibration().identity["speed_tflops"]
+    run = ["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1",
+           "--n-slices", "4"]
+    steps = {}
+    for speed in (1.0, 1 / 3):
+        monkeypatch.setattr(here, "speed_probe", lambda s=speed: then * s)
+        assert _main("predict.__main__")(run) == 0
+        out = capsys.readouterr()
+        assert out.out.startswith("ours tiny fp32 pp=2"), out.out
+        steps[speed] = float(out.out.split("predicted step ")[1].split()[0])
+        assert ("warning: this host runs at 0.33x the speed of its calibration" in out.err) == (speed < 1), out.err
+    assert 2.5 < steps[1 / 3] / steps[1.0] < 3.5
+
+
+# ---- issue #54, the run side's faults (items 2, 4, 5, 7, 8, 13, 22, 25): the requests refused here; the
+# records, the cache, the terminal and the rejoin are tested beside their modules (tests/runners/test_records.py,
+# tests/runners/test_output.py, tests/workload/test_tokens.py, tests/runners/test_injected_faults.py)
+
+DILOCO_KILL = [*DILOCO, "--dp", "2", "--inner-steps", "2", "--steps", "8"]
+RUN_SIDE_REFUSED = [
+    (7, "runners.run", [*OURS, "--network", "{BINARY}"], "matrix profile '{BINARY}' is not UTF-8 text (byte 0xff"),
+    (7, "predict.__main__", [*OURS, "--network", "{BINARY}"], "matrix profile '{BINARY}' is not UTF-8 text"),
+    (7, "runners.run", [*OURS, "--network", "delay 1ms bandwidth 1Gbps", "--network-trace", "{BINARY}"],
+     "trace '{BINARY}' is not UTF-8 text"),
+    (13, "runners.run", [*DILOCO_KILL, "--kill-replica", "1@3", "--kill-replica", "0@5"],
+     "--kill-replica given twice (1@3 and 0@5): a run takes one --kill-replica"),
+    (13, "runners.run", [*OURS, "--slow-rank", "1:2", "--slow-rank", "0:3"], "--slow-rank given twice"),
+    (4, "runners.run", [*DILOCO_KILL, "--kill-replica", "1@1", "--rejoin"],
+     "replica 1 dies before the first outer step (after step 2)"),
+    (4, "runners.run", [*DILOCO_KILL, "--kill-replica", "1@9", "--rejoin"],
+     "the others' next quorum after it dies comes at step 10 of 10, too late to rejoin"),
+]
+
+
+@pytest.mark.parametrize("item, module, argv, says", RUN_SIDE_REFUSED,
+                         ids=[f"item{c[0]}-{c[1].split('.')[0]}-{i}" for i, c in enumerate(RUN_SIDE_REFUSED)])
+def test_run_side_requests_are_refused_in_one_line(tmp_path, capsys, monkeypatch, item, module, argv, says):
+    """Item 7: a --network or --network-trace file that is not UTF-8 was a UnicodeDecodeError before
+    launch; item 13: a second --kill-replica replaced the first without a word; item 4: a --rejoin that
+    could not happen was run and reported as rejoining."""
+    binary = tmp_path / "x.json"
+    binary.write_bytes(b'\xff\xfe{"delay_ms": 1}')
+    monkeypatch.chdir(REPO)
+    status = _exit_status(_main(module), [a.format(BINARY=binary) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and says.format(BINARY=binary) in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]

@@ -1,9 +1,18 @@
-"""The install on GPU machines (scripts/setup_env.sh, scripts/torch_build.py) without a GPU: which
+"""The install: on GPU machines (scripts/setup_env.sh, scripts/torch_build.py) without a GPU, which
 CUDA build of torch fits a driver and its GPUs, the supported torch range, what --use-system-torch
-still installs."""
+still installs; and the package itself, built as a wheel and installed (not editable) into a fresh
+virtual environment, whose command runs from another directory, its ranks too."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
+import sys
+import sysconfig
+import tomllib
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,3 +79,72 @@ def test_setup_env_judges_its_arguments_first():
                            timeout=60)
     assert usage.returncode == 0 and "--use-system-torch" in usage.stdout and "--wheels DIR" in usage.stdout
     assert torch_build.main(["nonsense"]) == 2
+
+
+def _package_files() -> list[str]:
+    """Every file of the tree (``_tree``) in the packages pyproject.toml installs, and its top-level modules."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tops = tuple(pattern.rstrip("*") + "/" for pattern in config["packages"]["find"]["include"])
+    return [f for f in _tree() if f.startswith(tops)] + [f"{m}.py" for m in config["py-modules"]]
+
+
+def _tree() -> list[str]:
+    """The checkout's files as git sees them: tracked, or new and not ignored (a change not yet committed)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    return [f for f in listed if (REPO / f).is_file()]
+
+
+@pytest.mark.multiprocess
+def test_the_wheel_installs_and_its_command_runs_from_another_directory(tmp_path):
+    """pip builds a wheel of the tracked tree holding every file the packages read beside themselves;
+    installed without its dependencies into a fresh virtual environment that sees the project's
+    (torch and the rest: nothing is downloaded), and never the checkout, its ``pipebench`` predicts a
+    shipped scenario by name and runs the reference through torchrun from another directory, with a
+    --data path relative to that directory."""
+    tree, wheels, venv, elsewhere = (tmp_path / n for n in ("tree", "wheels", "venv", "elsewhere"))
+    for name in _tree():  # a copy: building writes build/ and *.egg-info beside the sources
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, tree / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(wheels), str(tree)], check=True, capture_output=True, timeout=300)
+    wheel = next(wheels.glob("pipebench-*.whl"))
+    in_wheel = set(zipfile.ZipFile(wheel).namelist())
+    package_files = _package_files()
+    assert {"workload/devices/h100-sxm.json", "predict/scenarios/two-sites.json", "sweeps/local.toml",
+            "pipebench.py"} <= set(package_files)
+    assert [f for f in package_files if f not in in_wheel] == []
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # the project's dependencies as a plain path: its .pth files (the editable install's) are not read
+    (site / "project-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    elsewhere.mkdir()
+    (elsewhere / "corpus.txt").write_text("a few words of text to train the tiny model on. " * 200)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+
+    def pipebench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(venv / "bin" / "pipebench"), *args], cwd=elsewhere, capture_output=True,
+                              text=True, timeout=300, env=env)
+
+    where = subprocess.run([python, "-c", "import runners.worker, predict, pipebench, report, sys; print(runners."
+                            "worker.__file__, predict.__file__, pipebench.__file__, report.__file__, *sys.path, "
+                            "sep='\\n')"], cwd=elsewhere, capture_output=True, text=True, env=env, check=True).stdout
+    where = where.split("\n")
+    assert all(Path(p).is_relative_to(site) for p in where[:4]) and str(REPO) not in where[4:], where
+
+    scenario = pipebench("predict", "scenario", "seed-gpipe-default", "--json")
+    assert scenario.returncode == 0, scenario.stderr
+    assert json.loads(scenario.stdout)["step_time_s"] > 0
+
+    run = pipebench("run", "--system", "reference", "--model", "tiny", "--batch-size", "2", "--micro-batch-size", "1",
+                    "--steps", "2", "--warmup", "1", "--data", "corpus.txt", "--out", "X.jsonl")
+    assert run.returncode == 0, run.stdout + run.stderr
+    record = json.loads((elsewhere / "X.jsonl").read_text())
+    assert record["status"] == "ok" and record["config"]["data"] == "corpus.txt" and len(record["losses"]) == 3
+    assert record["environment"]["git_commit"] is None  # the run command's code is not the checkout's
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["X.jsonl", "corpus.txt"]

@@ -50,6 +50,7 @@ def test_no_code_reads_its_inputs_from_results(monkeypatch):
     allowed = ("git log --follow -- results/predict/NOTE.md",
                'REPORTS = Path(__file__).resolve().parents[1] / "results" / "predict"',
                "--name N: results/predict/N)", "another name: results/predict/NAME.{md,json}",
+               "the check is kept as results/predict/NAME.{md,json}",
                'default="results/plan/cpu-small-p2-evaluation.json"', 'default=["results"]',
                'REPO / "results" / "measured-here"', '"results", f".cluster-',
                'Path("results") / "plan" / f"eval-')  # the planner's evaluation: where it writes

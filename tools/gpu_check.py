@@ -61,6 +61,8 @@ ONE_RANK = {  # system -> its arguments at one rank
 SHARED = {  # label -> arguments; each rank on a virtual node of its own, all on the one GPU
     "ours P-2": ["--system", "ours", "--pp", "2"],
     "ours P-2 D-2 sharded_ps": ["--system", "ours", "--pp", "2", "--dp", "2", "--dp-mode", "sharded_ps"],
+    "ours P-2 bf16": ["--system", "ours", "--pp", "2", "--precision", "bf16"],
+    "ours P-2 fp16": ["--system", "ours", "--pp", "2", "--precision", "fp16"],
     "torch_pipe 1f1b P-2": ["--system", "torch_pipe", "--pp", "2", "--schedule", "1f1b"],
     "torch_pipe zbv P-2": ["--system", "torch_pipe", "--pp", "2", "--schedule", "zbv"],
     "megatron T-2": ["--system", "megatron", "--tp", "2"],

@@ -27,18 +27,19 @@ import argparse
 import datetime
 import json
 import math
-import re
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tools.gpu_check import slug
+from workload.configs import PRECISIONS
+
 REPO = Path(__file__).resolve().parent.parent
 WIDTHS = {"gpt3-xl": (2048, 16), "gpt3-2.7b": (2560, 32), "gpt3-6.7b": (4096, 32), "gpt3-13b": (5120, 40)}
 LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 CONTEXTS = (0, 512, 1536)
-PRECISIONS = ("fp32", "bf16", "fp16")
 PARTS = ("gemm", "attention", "layer", "systems")
 SYSTEM_RUNS = {  # label -> the run command's system arguments at one rank
     "reference": ["--system", "reference"],
@@ -61,11 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, default=480.0, help="seconds for everything (default 480)")
     ap.add_argument("--only", action="append", choices=PARTS, default=[], help="only this part (repeatable)")
     ap.add_argument("--no-write-device", action="store_true", help="fit, but leave the device file as it is")
+    ap.add_argument("--refit", metavar="RAW.json", default=None,
+                    help="no measuring: fit and write the page again from a profile's raw measurements (no GPU needed)")
     return ap
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 # ---- measuring (on a GPU) ---------------------------------------------------------------------------
@@ -185,16 +184,30 @@ def measure_systems(deadline: float, out: Path) -> list[dict]:
 
 
 # ---- fitting and checking (no GPU needed) ----------------------------------------------------------
+# A GEMM timed alone includes the host's time to issue it (the GPU waits for the launch): the grid's
+# fastest time is that floor. GEMMs shorter than HOST_BOUND times it are timed mostly as the host and
+# say nothing of the kernel's speed; the curve is fitted on the others.
+HOST_BOUND = 3.0
+# The one-rank cell that sets the device's host time per modelled kernel (``host_op_us``): the most
+# host-bound run (ours' thinnest slices). Named on the page and not scored.
+HOST_CELL = "ours K=16"
+# The attention each system's one-rank run uses on a GPU: megatron-core's local layers (no
+# TransformerEngine) materialise the scores and softmax; the others call torch's fused SDPA.
+SYSTEM_ATTENTION = {"megatron": "materialized"}
+
+
 def fit_gemm_curve(device, rows: list[dict], precision: str) -> tuple[float, float, float]:
     """(e_max, half, median |error|) of ``precision``: the pair that makes the compute model's GEMM times
     closest to the measured ones (mean squared log ratio; half over a grid, e_max over a coarse then a fine
-    geometric grid for each)."""
+    geometric grid for each), on the GEMMs not bound by the host's issue time (``HOST_BOUND``)."""
     from workload.configs import ModelConfig
     from workload.compute import GpuCompute
 
     pts = [r for r in rows if r["precision"] == precision]
     if not pts:
         raise ValueError(f"no GEMM measured in {precision}")
+    floor = min(r["seconds"] for r in pts)
+    pts = [r for r in pts if r["seconds"] >= HOST_BOUND * floor] or pts
     model = ModelConfig("gemm", 1, 64, 1, 64, 0)
 
     def loss(eff: float, half: float) -> float:
@@ -202,7 +215,7 @@ def fit_gemm_curve(device, rows: list[dict], precision: str) -> tuple[float, flo
         return sum(math.log(g.gemm(r["m"], r["n"], r["k"]) / r["seconds"]) ** 2 for r in pts)
 
     best = None
-    for half in (4, 8, 16, 24, 32, 48, 64, 96, 128):
+    for half in (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024):
         grid = [0.05 * (1.0 / 0.05) ** (i / 24) for i in range(25)]
         for _ in range(3):
             e = min(grid, key=lambda x: loss(x, half))
@@ -218,93 +231,144 @@ def fit_gemm_curve(device, rows: list[dict], precision: str) -> tuple[float, flo
 
 
 def predicted_layers(device, rows: list[dict]) -> list[dict]:
+    """Each measured layer's GPU time as the compute model gives it (no host: a layer timed alone waits
+    for its host at small slices, the ``host-bound`` rows)."""
+    from dataclasses import replace
+
     from workload.compute import GpuCompute
     from workload.configs import ModelConfig
 
     out = []
+    gpu_only = replace(device, host_op_us=0.0)
     for r in rows:
         h, heads = WIDTHS[r["model"]]
-        g = GpuCompute(device, ModelConfig(r["model"], 1, h, heads, 2048, 0), r["precision"], "flash")
+        g = GpuCompute(gpu_only, ModelConfig(r["model"], 1, h, heads, 2048, 0), r["precision"], "flash")
         pred = g.layer_forward(1, r["l"], 0) + g.layer_backward(1, r["l"], 0)
-        out.append(dict(r, predicted_step=pred, error=pred / r["step"] - 1))
+        out.append(dict(r, predicted_step=pred, error=pred / r["step"] - 1, host_bound=pred < r["step"] / HOST_BOUND))
     return out
 
 
-def predicted_systems(device, rows: list[dict]) -> list[dict]:
-    """The one-rank step of each measured system as the simulator predicts it on ``device``."""
+def predict_system(gpu: str, label: str) -> float | None:
+    """The simulator's one-rank step of the system run ``label`` (``SYSTEM_RUNS``) on the device file ``gpu``."""
     from predict.scenario import parse, predict_scenario
 
+    system = label.split()[0]
+    run = dict(system=system, model="gpt3-xl", num_layers=SYSTEM_LAYERS, seq_length=2048, batch_size=SYSTEM_BATCH,
+               micro_batch_size=1, precision="bf16")  # the run's own flags (``measure_systems``)
+    if system == "ours":
+        run["n_slices"] = int(label.split("K=")[1])
+    sc = dict(run=run, cluster=dict(gpu=gpu, nodes=1, gpus_per_node=1),
+              predict=dict(attention=SYSTEM_ATTENTION.get(system, "flash")))
+    return predict_scenario(parse(sc, label))["step_time_s"]
+
+
+def predicted_systems(device, rows: list[dict], fitted_on: str | None = None) -> list[dict]:
+    """The one-rank step of each measured system as the simulator predicts it on ``device``; the row
+    ``fitted_on`` is marked as the fit's cell (not scored)."""
     out = []
     for r in rows:
         if r.get("step") is None or r["label"] == "reference":
             out.append(r)
             continue
-        system = r["label"].split()[0]
-        run = dict(system=system, tp=1, pp=1, dp=1, batch=SYSTEM_BATCH, micro_batch=1, precision="bf16",
-                   attention="flash")
-        if system == "ours":
-            run["n_slices"] = int(r["label"].split("K=")[1])
-        sc = dict(model=dict(layers=SYSTEM_LAYERS, hidden=2048, heads=16, seq_len=2048, vocab=50304),
-                  cluster=dict(gpu=device.path or device.name, nodes=1, gpus_per_node=1), run=run)
-        pred = predict_scenario(parse(sc, r["label"]))["step_time_s"]
-        out.append(dict(r, predicted=pred, error=None if pred is None else pred / r["step"] - 1))
+        pred = predict_system(device.path or device.name, r["label"])
+        out.append(dict(r, predicted=pred, error=None if pred is None else pred / r["step"] - 1,
+                        fit=r["label"] == fitted_on))
     return out
 
 
-def page(name: str, fitted: dict, layers: list[dict], systems: list[dict], commands: list[str]) -> str:
-    lines = [f"# GPU profile: {name}", "", "Commands:", "", "```", *commands, "```", "",
-             "## GEMM curve fitted (workload.compute)", "", "| precision | e_max | half (depth) | median error |",
-             "| --- | --- | --- | --- |"]
+def fit_host_op_us(device, rows: list[dict], cell: str = HOST_CELL) -> float | None:
+    """The host time per modelled kernel (``host_op_us``, microseconds) at which the simulator's step of
+    ``cell`` is the measured one (bisection: the step grows with it), or None where the cell was not
+    measured."""
+    import tempfile
+
+    measured = next((r.get("step") for r in rows if r["label"] == cell), None)
+    if not measured:
+        return None
+    d = device.to_json()
+    lo, hi = 0.1, 1000.0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "device.json")
+        for _ in range(24):
+            mid = math.sqrt(lo * hi)
+            Path(path).write_text(json.dumps(dict(d, host_op_us=mid)))
+            if predict_system(path, cell) > measured:
+                hi = mid
+            else:
+                lo = mid
+    return round(math.sqrt(lo * hi), 2)
+
+
+def _pct(x) -> str:
+    return f"{x * 100:+.1f} %" if isinstance(x, (int, float)) else "-"
+
+
+def page(name: str, fitted: dict, layers: list[dict], systems: list[dict], commands: list[str],
+         host: tuple[float, str] | None = None, about: list[str] | None = None) -> str:
+    lines = [f"# GPU profile: {name}", "", *(about or []), "Commands:", "", "```", *commands, "```", "",
+             "## GEMM curve fitted (workload.compute)", "",
+             f"GEMMs shorter than {HOST_BOUND:g}x the grid's fastest (the host's time to issue one) left out "
+             "of the fit.",
+             "", "| precision | e_max | half (depth) | median error |", "| --- | --- | --- | --- |"]
     for p, (e, h, err) in fitted.items():
         lines.append(f"| {p} | {e:.3f} | {h:g} | {err * 100:.1f} % |")
+    if host:
+        lines += ["", f"Host time per modelled kernel (`host_op_us`): {host[0]:g} us, fitted on `{host[1]}` "
+                  "(not scored)."]
     if layers:
-        lines += ["", "## One layer, forward and backward (measured against the fitted model)", "",
-                  "| precision | width | tokens | measured ms | predicted ms | error |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "## One layer, forward and backward, timed alone (GPU time as modelled)", "",
+                  "| precision | width | tokens | measured ms | modelled GPU ms | error | bound |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in layers:
             lines.append(f"| {r['precision']} | {r['model']} | {r['l']} | {r['step'] * 1e3:.3f} | "
-                         f"{r['predicted_step'] * 1e3:.3f} | {r['error'] * 100:+.1f} % |")
+                         f"{r['predicted_step'] * 1e3:.3f} | {_pct(r['error'])} | "
+                         f"{'host' if r.get('host_bound') else 'GPU'} |")
     if systems:
-        ref = next((r.get("step") for r in systems if r["label"] == "reference"), None)
-        lines += ["", f"## Every system at one rank (GPT-3 XL width, {SYSTEM_LAYERS} layers, sequence 2048, batch "
-                  f"{SYSTEM_BATCH}, bf16)", "",
-                  "| system | status | step s | over reference | MFU | peak GiB | predicted s | error |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in systems:
-            step = r.get("step")
-            over = f"{step / ref:.2f}x" if step and ref else "-"
-            pred = f"{r['predicted']:.3f}" if r.get("predicted") else "-"
-            err = f"{r['error'] * 100:+.1f} %" if r.get("error") is not None else "-"
-            mfu = f"{r['mfu'] * 100:.1f} %" if r.get("mfu") else "-"
-            lines.append(f"| {r['label']} | {r['status']} | {step:.3f} | {over} | {mfu} | "
-                         f"{r.get('memory_gb', 0):.1f} | {pred} | {err} |" if step
-                         else f"| {r['label']} | {r['status']} | - | - | - | - | - | - |")
+        lines += _systems_table(systems)
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.budget_s <= 0:
-        print("scripts/gpu_profile.sh: error: --budget-s must be > 0", file=sys.stderr)
-        return 2
-    try:
-        import torch
-    except ImportError:
-        print("gpu_profile: no torch here: nothing measured")
-        return 0
-    if not torch.cuda.is_available():
-        print("gpu_profile: no CUDA GPU here (torch.cuda.is_available() is False): nothing measured")
-        return 0
-    from workload.compute import DEVICES, find_device
+def _systems_table(systems: list[dict]) -> list[str]:
+    ref = next((r.get("step") for r in systems if r["label"] == "reference"), None)
+    lines = ["", f"## Every system at one rank (GPT-3 XL width, {SYSTEM_LAYERS} layers, sequence 2048, batch "
+             f"{SYSTEM_BATCH}, micro-batch 1, bf16)", "",
+             "| system | status | step s | over reference | MFU | peak GiB | predicted s | error |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in systems:
+        step = r.get("step")
+        if not step:
+            lines.append(f"| {r['label']} | {r['status']} | - | - | - | - | - | - |")
+            continue
+        over = f"{step / ref:.2f}x" if ref else "-"
+        pred = f"{r['predicted']:.3f}" if r.get("predicted") else "-"
+        err = _pct(r.get("error")) + (" (fit cell)" if r.get("fit") else "")
+        mfu = f"{r['mfu'] * 100:.1f} %" if r.get("mfu") else "-"
+        lines.append(f"| {r['label']} | {r['status']} | {step:.3f} | {over} | {mfu} | {r.get('memory_gb', 0):.1f} | "
+                     f"{pred} | {err} |")
+    scored = [r for r in systems if isinstance(r.get("error"), float) and not r.get("fit")]
+    if scored:
+        inside = [r["label"] for r in scored if abs(r["error"]) <= 0.10]
+        lines += ["", f"Within 10 %: {len(inside)} of {len(scored)} scored ({', '.join(inside) or 'none'})."]
+    return lines
 
-    started = time.monotonic()
-    deadline = started + args.budget_s
-    name = torch.cuda.get_device_name(0)
-    device = find_device(args.device_file or name)
-    out_dir = Path(args.out_dir or REPO / "results" / "measured-here")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    raw_path = out_dir / f"gpu-profile-{slug(name)}.json"
-    raw = dict(gpu=name, device_file=device.path, torch=torch.__version__, cuda=torch.version.cuda,
+
+def _driver() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
+def measure(args, name: str, raw_path: Path) -> dict:
+    """Every part asked for, in the budget; the raw measurements written after each part."""
+    import torch
+
+    deadline = time.monotonic() + args.budget_s
+    raw = dict(gpu=name, driver=_driver(), torch=torch.__version__, cuda=torch.version.cuda,
                created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     parts = args.only or list(PARTS)
     shares = {"gemm": 0.15, "attention": 0.05, "layer": 0.15, "systems": 0.65}  # of the budget
@@ -319,12 +383,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif part == "layer":
                 raw["layer"] = measure_layers(part_deadline)
             else:
-                raw["systems"] = measure_systems(deadline, out_dir / f"gpu-profile-{slug(name)}.jsonl")
+                raw["systems"] = measure_systems(deadline, raw_path.with_suffix(".jsonl"))
         except Exception as exc:  # noqa: BLE001 - a part that fails leaves the others' measurements
             raw.setdefault("errors", {})[part] = f"{type(exc).__name__}: {exc}"[:500]
         raw.setdefault("seconds", {})[part] = round(time.monotonic() - t0, 1)
         raw_path.write_text(json.dumps(raw, indent=1))
         print(f"gpu_profile: {part} done in {raw['seconds'][part]:.0f} s", flush=True)
+    return raw
+
+
+def fit_and_write(raw: dict, raw_path: Path, device, write_device: bool, commands: list[str]) -> Path:
+    """Fit the GEMM curves and the host time from ``raw``, write them into ``device``'s file (a
+    temporary copy under ``write_device=False``), set the compute model's predictions beside the
+    measurements and write the page; returns the page's path."""
+    import tempfile
+
+    from workload.compute import DEVICES, read_device
+
     fitted = {}
     for precision in PRECISIONS:
         if raw.get("gemm"):
@@ -333,26 +408,80 @@ def main(argv: Sequence[str] | None = None) -> int:
                 device = device.with_gemm(precision, *fitted[precision][:2])
             except ValueError:
                 pass
-    if fitted and not args.no_write_device:
-        path = Path(device.path) if device.path else DEVICES / f"{slug(name)}.json"
-        d = json.loads(path.read_text()) if path.exists() else device.to_json()
-        for p, (e, h, err) in fitted.items():
-            d["gemm"][p] = {"efficiency": round(e, 4), "half": h}
-        d["measured"] = dict(gpu=name, torch=raw["torch"], cuda=raw["cuda"], created=raw["created"],
-                             gemm_fit={p: dict(efficiency=e, half=h, median_error=err)
-                                       for p, (e, h, err) in fitted.items()},
-                             command="bash scripts/gpu_profile.sh", raw=str(raw_path.relative_to(REPO))
-                             if raw_path.is_relative_to(REPO) else str(raw_path))
-        d["sources"]["gemm"] = f"measured on {name} by scripts/gpu_profile.sh ({raw['created']})"
-        path.write_text(json.dumps(d, indent=1) + "\n")
-        print(f"gpu_profile: device file {path} fitted")
-    layers = predicted_layers(device, raw.get("layer") or [])
-    systems = predicted_systems(device, raw.get("systems") or [])
-    raw.update(layer=layers, systems=systems, fitted=fitted)
+    host = fit_host_op_us(device, raw.get("systems") or [])
+    path = Path(device.path) if device.path else DEVICES / f"{slug(raw['gpu'])}.json"
+    d = json.loads(path.read_text()) if path.exists() else device.to_json()
+    for p, (e, h, _) in fitted.items():
+        d["gemm"][p] = {"efficiency": round(e, 4), "half": h}
+    if "bf16" in fitted and "fp8" in d["gemm"]:  # fp8 GEMMs are not measured: bf16's curve, as the prior did
+        d["gemm"]["fp8"] = dict(d["gemm"]["bf16"])
+    if host is not None:
+        d["host_op_us"] = host
+    rel = str(raw_path.relative_to(REPO)) if raw_path.is_relative_to(REPO) else str(raw_path)
+    d["measured"] = dict(gpu=raw["gpu"], driver=raw.get("driver"), torch=raw["torch"], cuda=raw["cuda"],
+                         created=raw["created"], gemm_fit={p: dict(efficiency=e, half=h, median_error=err)
+                                                           for p, (e, h, err) in fitted.items()},
+                         host_op_us_fitted_on=HOST_CELL if host is not None else None,
+                         command="bash scripts/gpu_profile.sh", raw=rel)
+    d["sources"]["gemm"] = (f"measured on {raw['gpu']} by scripts/gpu_profile.sh ({raw['created']}; GEMMs shorter "
+                            f"than {HOST_BOUND:g}x the grid's fastest left out: the host's issue time)")
+    if host is not None:
+        d["sources"]["host_op_us"] = (f"measured on {raw['gpu']}'s host by scripts/gpu_profile.sh: the simulator's "
+                                      f"one-rank step of `{HOST_CELL}` set to the measured one")
+    with tempfile.TemporaryDirectory() as tmp:
+        target = path if write_device else Path(tmp) / path.name
+        target.write_text(json.dumps(d, indent=1) + "\n")
+        if write_device:
+            print(f"gpu_profile: device file {path} fitted")
+        device = read_device(target)
+        layers = predicted_layers(device, raw.get("layer") or [])
+        systems = predicted_systems(device, raw.get("systems") or [], HOST_CELL)
+    raw.update(layer=layers, systems=systems, fitted=fitted, host_op_us=host)
     raw_path.write_text(json.dumps(raw, indent=1))
-    commands = ["bash scripts/gpu_profile.sh" + "".join(f" --only {p}" for p in args.only)]
-    (out_dir / f"gpu-profile-{slug(name)}.md").write_text(page(name, fitted, layers, systems, commands))
-    print(f"gpu_profile: {out_dir / f'gpu-profile-{slug(name)}.md'} ({time.monotonic() - started:.0f} s)")
+    about = [f"Measured on {raw['gpu']} (driver {raw.get('driver') or '?'}, CUDA {raw['cuda']}, torch {raw['torch']}), "
+             f"{raw['created']}; parts took {raw.get('seconds')} s.", "", *raw.get("notes", [])]
+    page_path = raw_path.with_suffix(".md")
+    page_path.write_text(page(raw["gpu"], fitted, layers, systems, commands,
+                              (host, HOST_CELL) if host is not None else None, about))
+    return page_path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.budget_s <= 0:
+        print("scripts/gpu_profile.sh: error: --budget-s must be > 0", file=sys.stderr)
+        return 2
+    from workload.compute import DeviceError, find_device
+
+    if args.refit:
+        raw_path = Path(args.refit)
+        try:
+            raw = json.loads(raw_path.read_text())
+            device = find_device(args.device_file or raw["gpu"])
+        except (OSError, ValueError, KeyError, DeviceError) as exc:
+            print(f"scripts/gpu_profile.sh: error: --refit {raw_path}: {exc}", file=sys.stderr)
+            return 2
+        commands = [*raw.get("commands", []), f"bash scripts/gpu_profile.sh --refit {args.refit}"]
+        print(f"gpu_profile: {fit_and_write(raw, raw_path, device, not args.no_write_device, commands)}")
+        return 0
+    try:
+        import torch
+    except ImportError:
+        print("gpu_profile: no torch here: nothing measured")
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_profile: no CUDA GPU here (torch.cuda.is_available() is False): nothing measured")
+        return 0
+    started = time.monotonic()
+    name = torch.cuda.get_device_name(0)
+    device = find_device(args.device_file or name)
+    out_dir = Path(args.out_dir or REPO / "results" / "measured-here")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw_path = out_dir / f"gpu-profile-{slug(name)}.json"
+    raw = measure(args, name, raw_path)
+    raw["commands"] = ["bash scripts/gpu_profile.sh" + "".join(f" --only {p}" for p in args.only)]
+    page_path = fit_and_write(raw, raw_path, device, not args.no_write_device, raw["commands"])
+    print(f"gpu_profile: {page_path} ({time.monotonic() - started:.0f} s)")
     return 0
 
 

@@ -1,1 +1,1 @@
-"""The workload every system trains: one GPT model file, its configs, the data, FLOP counts."""
+"""The workload every system trains: one model file (the gpt and llama families), its configs, the data, FLOP counts."""

@@ -24,7 +24,11 @@ Two kinds:
   and softmax, or one fused kernel), the memory-bound operations (layer norms, GELU, softmax, residual
   adds, the optimizer) move their bytes at the memory bandwidth, and a phase takes at least the host's
   time to issue its kernels (eager PyTorch: ``host_op_us`` each). Forward, backward, and the forward
-  again under recompute.
+  again under recompute (``attention_forward``: the attention core alone, what selective recompute
+  runs again). Sequence parallelism (Megatron's) divides the norms', residual adds' and dropouts'
+  work by tp; a GEMM precision of its own (``gemm_precision="fp8"``: TransformerEngine's fp8 GEMMs on
+  Hopper) runs the layers' linear GEMMs at that precision's peak and curve, everything else as the
+  run's precision.
 - ``CpuCompute``: this machine, from a profile of its operations at the model's shape
   (``ours.plan.profile``): measured tables, interpolated.
 """
@@ -32,18 +36,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-from workload.configs import ModelConfig
+from workload.configs import OPTIMIZERS, PRECISIONS, ModelConfig, block_params, norm_params
 from workload.flops import GPU_PEAK_TFLOPS, gpu_model
 
 DEVICES = Path(__file__).resolve().parent / "devices"
-PRECISIONS = ("fp32", "bf16", "fp16")
 ATTENTION = ("flash", "materialized")
-OPTIMIZERS = ("single", "fused")
-UPDATE_RULES = ("adam", "sgd", "sgd_momentum")  # what the optimizer keeps and touches per parameter
+OPTIMIZER_KERNELS = ("single", "fused")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,17 @@ class ComputeModel:
 
     def layer_backward(self, b: int, l: int, c: int, tp: int = 1) -> float:
         return self.layer_backward_input(b, l, c, tp) + self.layer_wgrad(b, l, tp)
+
+    def attention_forward(self, b: int, l: int, c: int, tp: int = 1) -> float:
+        """The attention core's forward alone (scores, softmax, dropout and context, or the fused kernel):
+        what selective recompute runs again before a layer's backward. A model that cannot tell it
+        apart from the rest of the layer raises NotImplementedError."""
+        raise NotImplementedError(f"{self.name}: the attention core's time is not modelled apart from its layer")
+
+    def linear_time(self, kind: str, b: int, l: int, c: int, tp: int = 1) -> float:
+        """Seconds of a layer's linear GEMMs in one phase (forward, backward_input, wgrad): what a
+        tensor-parallel collective can hide behind where it overlaps them; 0 where not modelled."""
+        return 0.0
 
     def layer_step(self, b: int, l: int, c: int, tp: int = 1, recompute: bool = False) -> float:
         """One layer's forward and backward on a slice (the forward twice under recompute): TeraPipe's
@@ -164,6 +177,12 @@ class Scaled(ComputeModel):
     def engine_unit(self, layers):
         return self.base.engine_unit(layers)
 
+    def attention_forward(self, b, l, c, tp=1):
+        return self.base.attention_forward(b, l, c, tp) * self.factor
+
+    def linear_time(self, kind, b, l, c, tp=1):
+        return self.base.linear_time(kind, b, l, c, tp) * self.factor
+
     def optimizer(self, params):
         return self.base.optimizer(params)
 
@@ -207,6 +226,12 @@ class Device:
     """Where each number comes from."""
     measured: dict | None = None
     """What ``scripts/gpu_profile.sh`` measured on such a GPU (None where none was had)."""
+    validated: dict = field(default_factory=dict)
+    """Where its predictions were validated on published steps it was not fitted to: cells, median and
+    largest error, by which command (``pipebench predict validate-published --calibrate`` writes it)."""
+    kernels: dict = field(default_factory=dict)
+    """Per precision, the published kernel benchmark its GEMM curve was fitted to: the file (under
+    ``workload/devices/kernels/``), the rows used and the fit's error (``python -m predict fit-kernels``)."""
     path: str = ""
     """The file it was read from."""
     peak_tflops: dict | None = None
@@ -219,7 +244,20 @@ class Device:
         peaks = self.peak_tflops or GPU_PEAK_TFLOPS[self.part]
         return (peaks.get(precision) or peaks["fp32"]) * 1e12
 
+    def has_fp8(self) -> bool:
+        """Whether the part has fp8 tensor cores (a datasheet fp8 peak) and the file a curve for them."""
+        return bool((self.peak_tflops or GPU_PEAK_TFLOPS[self.part]).get("fp8")) and "fp8" in self.gemm
+
     def gemm_curve(self, precision: str) -> tuple[float, float]:
+        """(e_max, half) of ``precision``'s GEMMs: its own curve; a precision the part has no peak for
+        runs at the fp32 rate (``peak_flops``), so at fp32's curve too (V100's bf16); bf16 without a
+        curve of its own, fp16's (the same tensor cores). fp8 only where the part has it
+        (``has_fp8``)."""
+        peaks = self.peak_tflops or GPU_PEAK_TFLOPS[self.part]
+        if precision == "fp8" and not self.has_fp8():
+            raise DeviceError(f"the {self.name} has no fp8 GEMMs (no fp8 peak or no fp8 curve in {self.path})")
+        if not peaks.get(precision):
+            precision = "fp32"
         g = self.gemm.get(precision) or self.gemm.get("fp16" if precision == "bf16" else "fp32")
         if not g:
             raise DeviceError(f"device file {self.path}: no GEMM efficiency for {precision}")
@@ -240,6 +278,50 @@ class Device:
 
 
 _REQUIRED = ("name", "part", "memory_gb", "bandwidth_gbs", "sms", "gemm")
+# What a device file's GEMM curves may be of: a run's precisions, and fp8 (a GEMM precision only).
+GEMM_PRECISIONS = PRECISIONS + ("fp8",)
+# A device file's numbers: (field, the least it may be, whether it may be that least, an integer).
+_BOUNDS = (("memory_gb", 0.0, False, False), ("bandwidth_gbs", 0.0, False, False), ("sms", 1, True, True),
+           ("memory_efficiency", 0.0, False, False), ("kernel_us", 0.0, True, False), ("host_op_us", 0.0, True, False),
+           ("reserved_gb", 0.0, True, False))
+
+
+def _is_number(v, integer: bool = False) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int if integer else (int, float)) and math.isfinite(v)
+
+
+def _check_fields(d: dict, path: Path) -> None:
+    """DeviceError (one line) for a field of the wrong kind or out of its range."""
+    for key in ("name", "part"):
+        if not isinstance(d[key], str):
+            raise DeviceError(f"device file {path}: {key} must be a string, got {d[key]!r}")
+    for key, least, inclusive, integer in _BOUNDS:
+        v = d.get(key, least if inclusive else 1)
+        if not _is_number(v, integer) or v < least or (v == least and not inclusive):
+            what = "a whole number" if integer else "a finite number"
+            raise DeviceError(f"device file {path}: {key} must be {what} {'>=' if inclusive else '>'} {least:g}, "
+                              f"got {v!r}")
+    if d.get("memory_efficiency", 0.8) > 1:
+        raise DeviceError(f"device file {path}: memory_efficiency is a share of the bandwidth, at most 1, "
+                          f"got {d['memory_efficiency']!r}")
+    if d.get("reserved_gb", 0.75) >= d["memory_gb"]:
+        raise DeviceError(f"device file {path}: reserved_gb {d.get('reserved_gb', 0.75)!r} leaves nothing of "
+                          f"memory_gb {d['memory_gb']!r}")
+    curves = d["gemm"]
+    if not isinstance(curves, dict) or not curves or not all(isinstance(c, dict) for c in curves.values()):
+        raise DeviceError(f"device file {path}: gemm must map each precision to {{\"efficiency\": e, \"half\": k}}, "
+                          f"got {curves!r}")
+    for prec, c in curves.items():
+        e, h = c.get("efficiency"), c.get("half", 32.0)
+        if prec not in GEMM_PRECISIONS or not _is_number(e) or not _is_number(h) or not (0 < e <= 1 and h > 0):
+            raise DeviceError(f"device file {path}: gemm {prec!r}: a precision ({', '.join(GEMM_PRECISIONS)}) with an "
+                              f"efficiency in (0, 1] and a half > 0, got {c!r}")
+    peaks = d.get("peak_tflops")
+    if peaks is not None and not (isinstance(peaks, dict) and all(_is_number(v) and v > 0 for v in peaks.values())):
+        raise DeviceError(f"device file {path}: peak_tflops must map precisions to peaks > 0, got {peaks!r}")
+    for key in ("calibrated_on", "sources"):
+        if not isinstance(d.get(key, {}), dict):
+            raise DeviceError(f"device file {path}: {key} must be an object, got {d[key]!r}")
 
 
 def read_data(path: Path, what: str, error: type[Exception], parse=json.loads):
@@ -266,18 +348,14 @@ def read_device(path: str | Path) -> Device:
     missing = [k for k in _REQUIRED if k not in d]
     if missing:
         raise DeviceError(f"device file {path} lacks {', '.join(missing)}")
+    _check_fields(d, path)
     if d["part"] not in GPU_PEAK_TFLOPS:
         raise DeviceError(f"device file {path}: unknown part {d['part']!r} (known: {', '.join(GPU_PEAK_TFLOPS)})")
     fields = {k: v for k, v in d.items() if k in Device.__dataclass_fields__ and k != "path"}
     try:
-        dev = Device(**fields, path=str(path))
+        return Device(**fields, path=str(path))
     except TypeError as exc:
         raise DeviceError(f"device file {path}: {exc}") from None
-    for p in PRECISIONS:
-        e, h = dev.gemm_curve(p) if (dev.gemm.get(p) or dev.gemm.get("fp32")) else (None, None)
-        if e is not None and not (0 < e <= 1 and h > 0):
-            raise DeviceError(f"device file {path}: GEMM efficiency for {p} must lie in (0, 1], got {e}")
-    return dev
 
 
 def device_files() -> list[Path]:
@@ -349,6 +427,12 @@ def tile_efficiency(m: float, n: float, k: float, batch: float, sms: int, k_half
     return best
 
 
+# The layer's linear GEMMs (``GpuCompute.layer_ops``' names): what fp8 speeds up and a tensor-parallel
+# collective can overlap.
+LINEAR_OPS = frozenset(f"{name}{phase}" for name in ("qkv", "proj", "fc", "fc proj")
+                       for phase in ("", " dgrad", " wgrad"))
+
+
 @dataclass(frozen=True)
 class GpuCompute(ComputeModel):
     """A GPU from its device file, operation by operation (see the module docstring).
@@ -358,7 +442,12 @@ class GpuCompute(ComputeModel):
     skipped) or ``materialized`` (scores written out, a softmax and a dropout pass over them, as the
     V100-era stacks ran); optimizer: ``single`` (torch's Adam, a few kernels per parameter tensor) or
     ``fused`` (one multi-tensor kernel, apex's as Megatron runs it); overhead: per-system Overheads;
-    update_rule: ``adam``, ``sgd`` (plain: no state) or ``sgd_momentum`` (one momentum buffer)."""
+    update_rule: ``adam``, ``sgd`` (plain: no state) or ``sgd_momentum`` (one momentum buffer);
+    sequence_parallel: the norms, residual adds and dropouts of a layer (and ln_f) split along the
+    sequence over the tp ranks (Megatron's, Korthikanti et al. 2022); gemm_precision: the precision
+    of the layers' linear GEMMs where it is not ``precision`` (``fp8``: TransformerEngine's, on a part
+    with fp8 tensor cores; a half ``precision`` around it), the attention core, the output layer and
+    every memory-bound operation staying in ``precision``."""
 
     device: Device
     model: ModelConfig
@@ -367,6 +456,8 @@ class GpuCompute(ComputeModel):
     optimizer_kind: str = "single"
     overhead: dict = field(default_factory=dict)
     update_rule: str = "adam"
+    sequence_parallel: bool = False
+    gemm_precision: str | None = None
     name = "gpu"
 
     def __post_init__(self) -> None:
@@ -374,10 +465,17 @@ class GpuCompute(ComputeModel):
             raise DeviceError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.attention not in ATTENTION:
             raise DeviceError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
-        if self.optimizer_kind not in OPTIMIZERS:
-            raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer_kind!r}")
-        if self.update_rule not in UPDATE_RULES:
-            raise DeviceError(f"update rule must be one of {', '.join(UPDATE_RULES)}, got {self.update_rule!r}")
+        if self.optimizer_kind not in OPTIMIZER_KERNELS:
+            raise DeviceError(f"optimizer must be one of {', '.join(OPTIMIZER_KERNELS)}, got {self.optimizer_kind!r}")
+        if self.update_rule not in OPTIMIZERS:
+            raise DeviceError(f"update rule must be one of {', '.join(OPTIMIZERS)}, got {self.update_rule!r}")
+        if self.gemm_precision not in (None, self.precision, "fp8"):
+            raise DeviceError(f"gemm precision must be the run's ({self.precision}) or fp8, "
+                              f"got {self.gemm_precision!r}")
+        if self.gemm_precision == "fp8":
+            if self.precision == "fp32":
+                raise DeviceError("fp8 GEMMs run inside a half precision (bf16 or fp16), not fp32")
+            self.device.gemm_curve("fp8")  # DeviceError where the part has none
 
     # -- primitives ------------------------------------------------------------------------------
     @property
@@ -385,19 +483,26 @@ class GpuCompute(ComputeModel):
         return 4 if self.precision == "fp32" else 2
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1, out_bytes: float | None = None,
-             accumulate: bool = False) -> float:
-        """Seconds of ``batch`` GEMMs of (m x k) @ (k x n) on the GPU: the slower of its math and its
-        bytes (inputs in the activation type, the output in ``out_bytes`` per element, read back too
-        where it ``accumulate``s), plus one kernel's fixed cost."""
+             accumulate: bool = False, precision: str | None = None) -> float:
+        """Seconds of ``batch`` GEMMs of (m x k) @ (k x n) on the GPU: the slower of its math (at
+        ``precision``'s peak and curve; None: the run's) and its bytes (inputs in the activation type,
+        the output in ``out_bytes`` per element, read back too where it ``accumulate``s), plus one
+        kernel's fixed cost."""
         if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
             return 0.0
         dev = self.device
-        e_max, half = dev.gemm_curve(self.precision)
+        precision = precision or self.precision
+        e_max, half = dev.gemm_curve(precision)
         eff = e_max * tile_efficiency(m, n, k, batch, dev.sms, half)
-        math_s = 2.0 * m * n * k * batch / (dev.peak_flops(self.precision) * eff)
+        math_s = 2.0 * m * n * k * batch / (dev.peak_flops(precision) * eff)
         ob = self.act_bytes if out_bytes is None else out_bytes
         nbytes = batch * ((m * k + k * n) * self.act_bytes + m * n * ob * (2 if accumulate else 1))
         return max(math_s, nbytes / (dev.bandwidth_gbs * 1e9 * dev.memory_efficiency)) + dev.kernel_us * 1e-6
+
+    def linear(self, m: float, n: float, k: float, out_bytes: float | None = None, accumulate: bool = False) -> float:
+        """A layer's linear GEMM (qkv, proj, the MLP's; forward, input or weight gradient): at the GEMM
+        precision (``gemm_precision``)."""
+        return self.gemm(m, n, k, 1, out_bytes, accumulate, self.gemm_precision)
 
     def memory(self, nbytes: float, kernels: int = 1) -> float:
         """Seconds of memory-bound kernels moving ``nbytes`` in all."""
@@ -414,67 +519,96 @@ class GpuCompute(ComputeModel):
     # -- a layer ---------------------------------------------------------------------------------
     def layer_ops(self, kind: str, b: int, l: int, c: int, tp: int = 1) -> list[tuple[str, float, int]]:
         """(operation, GPU seconds, kernels) of one layer's ``kind`` (forward, backward_input, wgrad)
-        on b x l tokens after c, on one of tp tensor-parallel ranks."""
+        on b x l tokens after c, on one of tp tensor-parallel ranks. The family's shapes: q of the
+        query heads, k and v of the key/value heads (``qkv_rows``); gpt's MLP c_fc and c_proj with GELU
+        between, llama's gate and up (fused, 2 x ffn wide) and down with SwiGLU between, its query and
+        key heads rotated, no biases. The linears' GEMMs (``LINEAR_OPS``) run at the GEMM precision;
+        under sequence parallelism the norms and residual adds see 1/tp of the tokens."""
         m, h = self.model, self.model.n_embd
         T, a = b * l, self.act_bytes
+        Tn = T / tp if self.sequence_parallel else T  # the tokens a norm or residual add sees
         heads = max(1, m.n_head // tp)
-        hd = m.head_dim
-        ht = h / tp  # this rank's share of the heads' width and of the MLP's (x 4)
+        ht = h / tp  # this rank's share of the query heads' width
+        qkv = ht * (1 + 2 * m.n_kv_head / m.n_head)  # of the fused q, k and v (gpt: 3 ht)
+        kvt = ht * m.n_kv_head / m.n_head  # of k (and of v)
+        ft = m.ffn_dim / h * ht  # of the MLP's hidden width (gpt: 4 ht)
+        fc = 2 * ft if m.llama else ft  # of c_fc's output (llama: gate and up)
         keys = c + l  # the keys each query of the slice is scored against
-        mem, gemm = self.memory, self.gemm
+        mem, lin = self.memory, self.linear
         mat = self.attention == "materialized"
+        act, rope = ("swiglu", 3) if m.llama else ("gelu", 2)  # the activation and the elements it moves per ft
         if kind == "forward":
-            ops = [("ln_1", mem(2 * T * h * a), 1), ("qkv", gemm(T, 3 * ht, h), 1),
-                   ("split heads", mem(2 * T * 3 * ht * a), 1)]
-            if mat:
-                s = b * heads * l * keys  # score elements
-                ops += [("scores", gemm(l, keys, hd, b * heads), 1),
-                        ("softmax", mem(2 * s * a), 1),
-                        ("attention dropout", mem(2 * s * a + s), 1),
-                        ("context", gemm(l, hd, keys, b * heads), 1)]
-            else:
-                ops.append(("attention", self._flash(b, l, c, heads, hd, 1.0), 1))
-            ops += [("merge heads", mem(2 * T * ht * a), 1), ("proj", gemm(T, h, ht), 1),
-                    ("residual", mem(3 * T * h * a), 1), ("ln_2", mem(2 * T * h * a), 1),
-                    ("fc", gemm(T, 4 * ht, h), 1), ("gelu", mem(2 * T * 4 * ht * a), 1),
-                    ("fc proj", gemm(T, h, 4 * ht), 1), ("residual", mem(3 * T * h * a), 1)]
+            ops = [("ln_1", mem(2 * Tn * h * a), 1), ("qkv", lin(T, qkv, h), 1),
+                   ("split heads", mem(2 * T * qkv * a), 1)]
+            if m.llama:
+                ops.append(("rotary", mem(2 * T * (ht + kvt) * a), 1))
+            ops += self.attention_ops(b, l, c, tp)
+            ops += [("merge heads", mem(2 * T * ht * a), 1), ("proj", lin(T, h, ht), 1),
+                    ("residual", mem(3 * Tn * h * a), 1), ("ln_2", mem(2 * Tn * h * a), 1),
+                    ("fc", lin(T, fc, h), 1), (act, mem(rope * T * ft * a), 1),
+                    ("fc proj", lin(T, h, ft), 1), ("residual", mem(3 * Tn * h * a), 1)]
             return ops
         if kind == "backward_input":
-            ops = [("residual", mem(2 * T * h * a), 1), ("fc proj dgrad", gemm(T, 4 * ht, h), 1),
-                   ("gelu", mem(3 * T * 4 * ht * a), 1), ("fc dgrad", gemm(T, h, 4 * ht), 1),
-                   ("ln_2", mem(5 * T * h * a), 2), ("proj dgrad", gemm(T, ht, h), 1),
+            ops = [("residual", mem(2 * Tn * h * a), 1), ("fc proj dgrad", lin(T, ft, h), 1),
+                   (act, mem((rope + 1) * T * ft * a + (T * ft * a if m.llama else 0)), 1),
+                   ("fc dgrad", lin(T, h, fc), 1),
+                   ("ln_2", mem(5 * Tn * h * a), 2), ("proj dgrad", lin(T, ht, h), 1),
                    ("merge heads", mem(2 * T * ht * a), 1)]
             if mat:
                 s = b * heads * l * keys
                 ops += [("attention dropout", mem(2 * s * a + s), 1),
-                        ("context dgrad", gemm(l, keys, hd, b * heads), 1),
-                        ("value grad", gemm(keys, hd, l, b * heads), 1),
+                        ("context dgrad", self.gemm(l, keys, m.head_dim, b * heads), 1),
+                        ("value grad", self.gemm(keys, m.head_dim, l, b * heads), 1),
                         ("softmax", mem(3 * s * a), 1),
-                        ("query grad", gemm(l, hd, keys, b * heads), 1),
-                        ("key grad", gemm(keys, hd, l, b * heads), 1)]
+                        ("query grad", self.gemm(l, m.head_dim, keys, b * heads), 1),
+                        ("key grad", self.gemm(keys, m.head_dim, l, b * heads), 1)]
             else:
-                ops.append(("attention", self._flash(b, l, c, heads, hd, 2.5), 2))
+                ops.append(("attention", self._flash(b, l, c, heads, m.head_dim, 2.5, max(1, m.n_kv_head // tp)), 2))
             if c:  # the context's key and value gradients, accumulated for the earlier slices
-                ops.append(("context kv grad", mem(3 * b * c * 2 * ht * 4), 1))
-            ops += [("split heads", mem(2 * T * 3 * ht * a), 1), ("qkv dgrad", gemm(T, h, 3 * ht), 1),
-                    ("ln_1", mem(5 * T * h * a), 2)]
+                ops.append(("context kv grad", mem(3 * b * c * 2 * kvt * 4), 1))
+            if m.llama:
+                ops.append(("rotary", mem(2 * T * (ht + kvt) * a), 1))
+            ops += [("split heads", mem(2 * T * qkv * a), 1), ("qkv dgrad", lin(T, h, qkv), 1),
+                    ("ln_1", mem(5 * Tn * h * a), 2)]
             return ops
-        if kind == "wgrad":  # each linear's weight gradient over the slice's tokens, summed in fp32
+        if kind == "wgrad":  # each linear's weight gradient over the slice's tokens, summed in fp32 (and its bias's)
             ops = []
-            for name, n_in, n_out in (("qkv", h, 3 * ht), ("proj", ht, h), ("fc", h, 4 * ht), ("fc proj", 4 * ht, h)):
-                ops += [(f"{name} wgrad", gemm(n_in, n_out, T, out_bytes=4, accumulate=True), 1),
-                        (f"{name} bias grad", mem(T * n_out * a + 8 * n_out), 1)]
+            for name, n_in, n_out in (("qkv", h, qkv), ("proj", ht, h), ("fc", h, fc), ("fc proj", ft, h)):
+                ops.append((f"{name} wgrad", lin(n_in, n_out, T, out_bytes=4, accumulate=True), 1))
+                if not m.llama:
+                    ops.append((f"{name} bias grad", mem(T * n_out * a + 8 * n_out), 1))
             return ops
         raise ValueError(f"unknown layer phase {kind!r}")
 
-    def _flash(self, b: int, l: int, c: int, heads: int, hd: int, factor: float) -> float:
+    def attention_ops(self, b: int, l: int, c: int, tp: int = 1) -> list[tuple[str, float, int]]:
+        """The attention core's forward on one of tp ranks: the scores, their softmax and dropout and the
+        context (materialised), or one fused kernel."""
+        m = self.model
+        heads, hd = max(1, m.n_head // tp), m.head_dim
+        if self.attention != "materialized":
+            return [("attention", self._flash(b, l, c, heads, hd, 1.0, max(1, m.n_kv_head // tp)), 1)]
+        keys, a = c + l, self.act_bytes
+        s = b * heads * l * keys  # score elements
+        return [("scores", self.gemm(l, keys, hd, b * heads), 1), ("softmax", self.memory(2 * s * a), 1),
+                ("attention dropout", self.memory(2 * s * a + s), 1), ("context", self.gemm(l, hd, keys, b * heads), 1)]
+
+    def attention_forward(self, b, l, c, tp=1):
+        return self._cached(("a", b, l, c, tp), lambda: self.phase(self.attention_ops(b, l, c, tp)))
+
+    def linear_time(self, kind, b, l, c, tp=1):
+        return self._cached(("lin", kind, b, l, c, tp),
+                            lambda: sum(t for name, t, _ in self.layer_ops(kind, b, l, c, tp) if name in LINEAR_OPS))
+
+    def _flash(self, b: int, l: int, c: int, heads: int, hd: int, factor: float, kv_heads: int | None = None) -> float:
         """A fused attention kernel: the slice's queries against its c + l keys (the causal square's
         masked half skipped), ``factor`` times the forward's math (2.5 for the backward, which
-        recomputes the scores), its bytes those of q, k, v and the output."""
+        recomputes the scores), its bytes those of q and the output (``heads``) and of k and v
+        (``kv_heads``, None: ``heads``)."""
+        kv_heads = heads if kv_heads is None else kv_heads
         e_max, half = self.device.gemm_curve(self.precision)
         eff = FLASH_SHARE * e_max * tile_efficiency(l, hd, c + l, b * heads, self.device.sms, half)
         flops = factor * 4.0 * b * heads * l * (c + l / 2) * hd
-        nbytes = factor * b * heads * hd * (2 * l + 2 * (c + l)) * self.act_bytes
+        nbytes = factor * b * hd * (2 * l * heads + 2 * (c + l) * kv_heads) * self.act_bytes
         t = max(flops / (self.device.peak_flops(self.precision) * eff),
                 nbytes / (self.device.bandwidth_gbs * 1e9 * self.device.memory_efficiency))
         return t + self.device.kernel_us * 1e-6
@@ -500,13 +634,14 @@ class GpuCompute(ComputeModel):
         v = (self.model.vocab_size if width is None else width) / tp
         if v == 0:
             return []
+        tn = tokens / tp if self.sequence_parallel else tokens  # ln_f's tokens
         if kind == "forward":  # ln_f, the logits, the loss on fp32 logits (a cast, log-softmax, the pick)
-            return [("ln_f", self.memory(2 * tokens * h * a), 1), ("logits", self.gemm(tokens, v, h), 1),
+            return [("ln_f", self.memory(2 * tn * h * a), 1), ("logits", self.gemm(tokens, v, h), 1),
                     ("loss", self.memory(tokens * v * (a + 4 * 3)), 3)]
         if kind == "backward_input":
             return [("loss", self.memory(tokens * v * (4 * 2 + 2 * a)), 2),
                     ("logits dgrad", self.gemm(tokens, h, v), 1),
-                    ("ln_f", self.memory(5 * tokens * h * a), 2)]
+                    ("ln_f", self.memory(5 * tn * h * a), 2)]
         if kind == "wgrad":
             return [("logits wgrad", self.gemm(h, v, tokens, out_bytes=4, accumulate=True), 1)]
         raise ValueError(f"unknown head phase {kind!r}")
@@ -522,13 +657,13 @@ class GpuCompute(ComputeModel):
         return self._cached(("hw", tokens, tp, width), lambda: self.phase(self.head_ops("wgrad", tokens, tp, width)))
 
     def embed(self, tokens):
-        """Token and position embeddings: the gather and sum forward; backward a dense gradient of the
+        """Token and (gpt) position embeddings: the gather and sum forward; backward a dense gradient of the
         whole table (zeroed, then the tokens' rows added: eager PyTorch's embedding backward)."""
         m, a = self.model, self.act_bytes
         if not m.vocab_size:
             return 0.0
         fwd = [("embed", self.memory(tokens * m.n_embd * (3 * a)), 2)]
-        table = (m.vocab_size + m.seq_len) * m.n_embd * 4 * 2
+        table = (m.vocab_size + (0 if m.llama else m.seq_len)) * m.n_embd * 4 * 2  # llama: no position table
         bwd = [("embed grad", self.memory(table + 2 * tokens * m.n_embd * 4), 3)]
         return self.phase(fwd) + self.phase(bwd)
 
@@ -550,8 +685,7 @@ class GpuCompute(ComputeModel):
         return self.overhead.get(system, Overheads())
 
     def with_device(self, device: Device) -> "GpuCompute":
-        return GpuCompute(device, self.model, self.precision, self.attention, self.optimizer_kind, self.overhead,
-                          self.update_rule)
+        return replace(self, device=device)
 
 
 def gpu_compute(device: str | Device, model: ModelConfig, precision: str = "fp32", attention: str | None = None,
@@ -793,11 +927,11 @@ def stage_params(model: ModelConfig, layers: int, first: bool, last: bool, tp: i
     """Parameters a stage (or one tensor-parallel rank of it) holds; ``head``: the output layer's width
     (None: the vocabulary; 0: none)."""
     h = model.n_embd
-    n = layers * (12 * h * h + 13 * h) // tp
+    n = layers * block_params(model) // tp
     if first and model.vocab_size:  # vocabulary 0: no embeddings
-        n += (model.vocab_size * h) // tp + model.seq_len * h
+        n += (model.vocab_size * h) // tp + (0 if model.llama else model.seq_len * h)
     if last:
-        n += 2 * h + ((model.vocab_size if head is None else head) * h) // tp
+        n += norm_params(model) + ((model.vocab_size if head is None else head) * h) // tp
     return n
 
 

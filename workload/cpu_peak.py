@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from workload.cache import cache_dir
-from workload.configs import ModelConfig
+from workload.configs import ModelConfig, qkv_rows
 from workload.flops import cpu_name
 
 MAX_TOKENS = 8192  # a micro-batch's tokens beyond this cost time and no longer change the rate
@@ -53,25 +53,29 @@ class Op:
 
 def model_ops(m: ModelConfig, micro_batch: int, dtype: torch.dtype = torch.float32) -> list[Op]:
     """A step's operations at one micro-batch of ``m``: each layer's QKV, projection and MLP linears
-    (forward, input and weight gradient), its causal attention forward and backward (credited
-    12·h·s per token, as the FLOP count does), and the LM head's three GEMMs."""
+    (forward, input and weight gradient; llama's k and v by its key/value heads, its gate and up fused),
+    its causal attention forward and backward (credited 12·h·s per token, as the FLOP count does), and
+    the LM head's three GEMMs."""
     s = m.seq_len
     b = max(1, min(micro_batch, MAX_TOKENS // s)) if s <= MAX_TOKENS else 1
-    T, h, L = b * min(s, MAX_TOKENS), m.n_embd, m.n_layer
+    T, h, L, f = b * min(s, MAX_TOKENS), m.n_embd, m.n_layer, m.ffn_dim
     ops: list[Op] = []
-    for name, k, n, count in (("qkv", h, 3 * h, L), ("proj", h, h, L), ("fc", h, 4 * h, L), ("fc_proj", 4 * h, h, L),
-                              ("head", h, m.vocab_size, 1)):
+    fc = f * (2 if m.llama else 1)  # llama's gate and up
+    for name, k, n, count in (("qkv", h, sum(qkv_rows(m)), L), ("proj", h, h, L), ("fc", h, fc, L),
+                              ("fc_proj", f, h, L), ("head", h, m.vocab_size, 1)):
         x, w, dy = (torch.randn(T, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(T, n, dtype=dtype))
         flops = 2.0 * T * k * n
         ops += [Op(f"{name} forward", lambda x=x, w=w: F.linear(x, w), flops, count),
                 Op(f"{name} input grad", lambda dy=dy, w=w: dy.mm(w), flops, count),
                 Op(f"{name} weight grad", lambda dy=dy, x=x: dy.t().mm(x), flops, count)]
-    d = h // m.n_head
-    q, k, v = (torch.randn(b, m.n_head, min(s, MAX_TOKENS), d, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(b, m.n_head, min(s, MAX_TOKENS), d, dtype=dtype)
+    d, t = h // m.n_head, min(s, MAX_TOKENS)
+    q = torch.randn(b, m.n_head, t, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, m.n_kv_head, t, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    grad = torch.randn(b, m.n_head, t, d, dtype=dtype)
+    gqa = m.n_kv_head != m.n_head
 
     def attention() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).backward(grad)
         q.grad = k.grad = v.grad = None
 
     ops.append(Op("attention forward+backward", attention, 12.0 * h * min(s, MAX_TOKENS) * T, L))
@@ -107,6 +111,36 @@ def model_peak(ops: list[Op], times: list[float]) -> float:
     return sum(op.flops * op.count for op in ops) / sum(t * op.count for t, op in zip(times, ops)) / 1e12
 
 
+def host_ops() -> list[Op]:
+    """The host's speed, as every check of it times it: cpu-small's operations at one sequence of 256
+    tokens (a whole step's in tens of milliseconds on one thread): the speed probe of a calibration
+    (``predict.this_machine.speed_probe``, the best of trials) and the cores a benchmark finds at once
+    (``bench.machine``, sustained over seconds)."""
+    from workload.configs import get_model_config
+
+    return model_ops(get_model_config("cpu-small").with_overrides(seq_len=256), 1)
+
+
+def sustained_tflops(ops: list[Op], seconds: float) -> float:
+    """One thread's model-FLOP rate (TFLOP/s) running ``ops`` round after round for ``seconds`` (at least
+    one round, after an untimed one): the rate it gets while the host is shared, not its best."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for op in ops:
+            op.run()
+        flops, began = 0.0, time.perf_counter()
+        while True:
+            for op in ops:
+                for _ in range(op.count):
+                    op.run()
+            flops += sum(op.flops * op.count for op in ops)
+            if (elapsed := time.perf_counter() - began) >= seconds:
+                return flops / elapsed / 1e12
+    finally:
+        torch.set_num_threads(threads)
+
+
 @contextmanager
 def _locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,8 +156,11 @@ def cpu_peak_tflops(m: ModelConfig, micro_batch: int, dtype: torch.dtype = torch
     trial of the largest GEMM beats the rate kept for it."""
     ops = model_ops(m, micro_batch, dtype)
     largest = max(range(len(ops) - 1), key=lambda i: ops[i].flops)  # a GEMM (the last op is attention)
+    shape = [m.n_layer, m.n_embd, m.n_head, m.seq_len, m.vocab_size, micro_batch]
+    if m.llama or m.ffn_dim != 4 * m.n_embd:  # what else sets the ops' shapes (gpt's key as it always was)
+        shape += [m.family, m.n_kv_head, m.ffn_dim]
     key = json.dumps({"cpu": cpu_name(), "host": platform.node(), "torch": torch.__version__, "dtype": str(dtype),
-                      "shape": [m.n_layer, m.n_embd, m.n_head, m.seq_len, m.vocab_size, micro_batch]}, sort_keys=True)
+                      "shape": shape}, sort_keys=True)
     path = (cache or cache_dir()) / "cpu-peak.json"
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
     with _locked(path):

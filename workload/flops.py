@@ -10,7 +10,8 @@ from workload.configs import ModelConfig, count_params
 # Dense peaks in TFLOP/s of each GPU model, per precision (never the sparse figures, which are twice
 # these; fp32 is the plain fp32 rate, not TF32: torch leaves TF32 matmuls off by default). From
 # NVIDIA's datasheets, each cited beside its entry; a model without a precision (V100 and T4 have no
-# bf16 units) gets a measured peak for it.
+# bf16 units) gets a measured peak for it. ``fp8`` is a GEMM precision only (Hopper's tensor cores,
+# TransformerEngine's fp8 GEMMs), never a run's: a prediction may run a run's GEMMs at it.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # Tesla V100 datasheet (2020): SXM2 125 tensor / 15.7 fp32; PCIe 112 / 14; V100S PCIe 130 / 16.4
     "V100 SXM2": {"fp16": 125.0, "fp32": 15.7},
@@ -19,14 +20,15 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # A100 datasheet (2021): SXM and PCIe, 40 and 80 GB alike: bf16/fp16 tensor 312 (624 sparse), fp32 19.5
     "A100 SXM": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
     "A100 PCIe": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    # H100 datasheet (2023): SXM 1,979 sparse -> 989 dense, fp32 67; PCIe 1,513 -> 756, fp32 51;
-    # NVL 1,671 -> 835, fp32 60
-    "H100 SXM": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
-    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
-    # H200 datasheet (2024): SXM 1,979 sparse -> 989 dense, fp32 67; NVL 1,671 -> 835, fp32 60
-    "H200 SXM": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
+    # H100 datasheet (2023): SXM 1,979 sparse -> 989 dense, fp32 67, fp8 3,958 sparse -> 1,979 dense;
+    # PCIe 1,513 -> 756, fp32 51, fp8 3,026 -> 1,513; NVL 1,671 -> 835, fp32 60, fp8 3,341 -> 1,671
+    "H100 SXM": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0, "fp8": 1513.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0, "fp8": 1671.0},
+    # H200 datasheet (2024): SXM 1,979 sparse -> 989 dense, fp32 67, fp8 3,958 -> 1,979; NVL 1,671 -> 835,
+    # fp32 60, fp8 3,341 -> 1,671
+    "H200 SXM": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0},
+    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0, "fp8": 1671.0},
     # L4 datasheet (2023): bf16/fp16 tensor 242 sparse -> 121 dense, fp32 30.3
     "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
     # L40S datasheet (2023): bf16/fp16 tensor 362.05 dense (733 sparse), fp32 91.6
@@ -60,7 +62,10 @@ GPU_MODELS: tuple[tuple[str, str], ...] = (
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """6N + 12·L·h·s: N parameters without embeddings, forward and backward, attention included."""
+    """6N + 12·L·h·s: N parameters without embeddings (``count_params``: llama's k and v by its
+    key/value heads, its MLP's three matrices), forward and backward, attention included (its scores
+    and their product with the values go by the query heads, n_head x head_dim = h wide, whatever the
+    key/value heads)."""
     return 6.0 * count_params(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
 

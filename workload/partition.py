@@ -1,4 +1,4 @@
-"""Split the shared GPT into pipeline stages from outside: a stage is the full model with what it
+"""Split the shared model into pipeline stages from outside: a stage is the full model with what it
 does not own removed, so parameter names stay those of the single-process reference."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from workload.configs import ModelConfig
-from workload.model import GPT, init_weights
+from workload.model import GPT, init_weights, meta_gpt
 
 
 @dataclass(frozen=True)
@@ -26,18 +26,22 @@ class StageSpec:
         return self.index == self.n_stages - 1
 
 
-def stage_specs(n_layer: int, n_stages: int) -> list[StageSpec]:
-    """Equal, consecutive layer ranges; the caller has checked that n_stages divides n_layer."""
-    if n_stages < 1 or n_layer % n_stages:
-        raise ValueError(f"{n_layer} layers do not divide into {n_stages} stages")
-    per = n_layer // n_stages
-    return [StageSpec(i, n_stages, i * per, (i + 1) * per) for i in range(n_stages)]
+def stage_specs(n_layer: int, n_stages: int, counts: tuple[int, ...] | None = None) -> list[StageSpec]:
+    """Consecutive layer ranges: ``counts`` layers each (in model order), or equal ones (the caller has
+    checked that n_stages divides n_layer)."""
+    if counts is None:
+        if n_stages < 1 or n_layer % n_stages:
+            raise ValueError(f"{n_layer} layers do not divide into {n_stages} stages")
+        counts = (n_layer // n_stages,) * n_stages
+    if len(counts) != n_stages or sum(counts) != n_layer or min(counts) < 1:
+        raise ValueError(f"layer counts {counts} are not {n_stages} stages of {n_layer} layers")
+    ends = [sum(counts[:i + 1]) for i in range(n_stages)]
+    return [StageSpec(i, n_stages, end - counts[i], end) for i, end in enumerate(ends)]
 
 
 def build_stage(cfg: ModelConfig, spec: StageSpec, seed: int, device: torch.device | str) -> GPT:
     """Only the stage's parameters are materialised; they equal the full model's of the same names."""
-    with torch.device("meta"):
-        model = GPT(cfg)
+    model = meta_gpt(cfg)
     for i in range(cfg.n_layer):
         if not spec.first_layer <= i < spec.end_layer:
             del model.blocks[str(i)]
@@ -57,9 +61,15 @@ def build_stage(cfg: ModelConfig, spec: StageSpec, seed: int, device: torch.devi
 Unit = tuple[str, ...]  # the shared model's module names of one unit
 
 
-def stage_units(n_layer: int, pp: int, stage: int) -> list[Unit]:
+def embedding_names(cfg: ModelConfig) -> Unit:
+    """The modules of the first stage's embeddings unit: the tokens', and gpt's learned positions."""
+    return ("wte",) if cfg.llama else ("wte", "wpe")
+
+
+def stage_units(n_layer: int, pp: int, stage: int, embeddings: Unit = ("wte", "wpe")) -> list[Unit]:
+    """The stage's units in model order; ``embeddings``: the model's (``embedding_names``)."""
     spec = stage_specs(n_layer, pp)[stage]
-    units: list[Unit] = [("wte", "wpe")] if spec.is_first else []
+    units: list[Unit] = [embeddings] if spec.is_first else []
     units += [(f"blocks.{i}",) for i in range(spec.first_layer, spec.end_layer)]
     return units + ([("ln_f", "lm_head")] if spec.is_last else [])
 
@@ -79,11 +89,10 @@ def split_units(units: list[Unit], n: int) -> list[list[Unit]]:
 
 def fragment_names(cfg: ModelConfig, pp: int, n: int) -> list[list[str]]:
     """The shared model's parameter names of each of the ``n`` fragments, over all ``pp`` stages."""
-    with torch.device("meta"):  # names only
-        model = GPT(cfg)
+    model = meta_gpt(cfg)
     names: list[list[str]] = [[] for _ in range(n)]
     for stage in range(pp):
-        for f, group in enumerate(split_units(stage_units(cfg.n_layer, pp, stage), n)):
+        for f, group in enumerate(split_units(stage_units(cfg.n_layer, pp, stage, embedding_names(cfg)), n)):
             for unit in group:
                 for name in unit:
                     names[f] += [f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters()]

@@ -9,10 +9,14 @@ Tokenizers (``--tokenizer``):
   only (``BPE_SETTINGS``): a built-in corpus's training files as documents, a text file's training
   split as one. Made once per corpus text, vocabulary and settings, and cached
   (``workload.cache``: ``tokens/<corpus sha256>-bpe<V>-<settings>/``: the tokenizer, both splits'
-  ids as uint16 ``.npy``, memory-mapped by every rank, and ``info.json``); the run command makes it
-  before it launches (``describe``), a file lock keeps two makers from racing. Training and
-  encoding are deterministic: the same text, vocabulary and library version give the same ids
-  (``describe`` gives the tokenizer's SHA-256, which the record carries).
+  ids as uint16 ``.npy``, memory-mapped by every rank, and ``info.json``, which keeps each file's
+  SHA-256); the run command makes it before it launches (``prepare_bpe``, from its judgement), a
+  file lock keeps two makers from racing, and an entry whose files are not the ones made (changed,
+  truncated, missing; an ``info.json`` that is not JSON) is named on stderr and made again.
+  Training and encoding are deterministic: the same text, vocabulary and library version give the
+  same ids (``describe`` gives the tokenizer's SHA-256, which the record carries). A BPE that
+  learns fewer tokens than asked (a small text has few pairs to merge) is refused by the run
+  command (``learned_short``): its model would be built and timed with rows no token uses.
 
 The held-out eval batch (``heldout_starts``) is ``EVAL_ROWS`` windows of the held-out ids at evenly
 spaced starts. No torch: the run command describes the tokens before it imports torch.
@@ -32,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from workload.cache import cache_dir
+from workload import cache
 from workload.corpus import BUILTIN, Split, builtin_documents, describe as describe_corpus, read_corpus
 
 TOKENIZERS = ("byte", "bpe")
@@ -67,7 +71,7 @@ def _documents(source: str) -> tuple[list[str], list[str]]:
 
 def _bpe_dir(source: str, vocab_size: int) -> Path:
     settings = hashlib.sha256(json.dumps(BPE_SETTINGS, sort_keys=True).encode()).hexdigest()[:8]
-    return cache_dir() / "tokens" / f"{describe_corpus(source)['sha256'][:16]}-bpe{vocab_size}-{settings}"
+    return cache.cache_dir() / "tokens" / f"{describe_corpus(source)['sha256'][:16]}-bpe{vocab_size}-{settings}"
 
 
 def _train_bpe(train: list[str], vocab_size: int):
@@ -88,9 +92,12 @@ def _encode(tok, documents: list[str]) -> np.ndarray:
     return np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint16)
 
 
+INFO = "info.json"  # the entry's manifest (workload.cache.seal): what it is, and its files' SHA-256
+
+
 def _make_bpe(source: str, vocab_size: int, where: Path, final: Path) -> None:
     """Train the BPE, encode both splits and write them into ``where`` (a new directory, to become
-    ``final``)."""
+    ``final``), sealed."""
     import tokenizers
 
     print(f"tokens: training a BPE of {vocab_size} tokens on {source}'s training split (once; cached in {final})",
@@ -102,23 +109,27 @@ def _make_bpe(source: str, vocab_size: int, where: Path, final: Path) -> None:
     tok.save(str(where / "tokenizer.json"))
     np.save(where / "train.npy", train_ids)
     np.save(where / "heldout.npy", heldout_ids)
-    info = {"kind": "bpe", "vocab_size": vocab_size, "learned_vocab": tok.get_vocab_size(),
-            "settings": BPE_SETTINGS, "library": f"tokenizers {tokenizers.__version__}",
-            "sha256": hashlib.sha256((where / "tokenizer.json").read_bytes()).hexdigest(),
-            "train_tokens": len(train_ids), "heldout_tokens": len(heldout_ids)}
-    (where / "info.json").write_text(json.dumps(info, indent=1) + "\n")
+    cache.seal(where, INFO, {
+        "kind": "bpe", "vocab_size": vocab_size, "learned_vocab": tok.get_vocab_size(), "settings": BPE_SETTINGS,
+        "library": f"tokenizers {tokenizers.__version__}",
+        "sha256": hashlib.sha256((where / "tokenizer.json").read_bytes()).hexdigest(),
+        "train_tokens": len(train_ids), "heldout_tokens": len(heldout_ids)})
 
 
 def prepare_bpe(source: str, vocab_size: int) -> Path:
-    """The cached BPE of ``source`` with ``vocab_size`` tokens, made if missing (one maker at a time:
-    the others wait on a file lock and find it made)."""
+    """The cached BPE of ``source`` with ``vocab_size`` tokens, its files checked against their
+    digests; made if missing or damaged (one maker at a time: the others wait on a file lock and find
+    it made). CacheError (one line) if the cache cannot keep it."""
     final = _bpe_dir(source, vocab_size)
-    if (final / "info.json").exists():
+    if cache.damage(final, INFO) is None:
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    cache.writable(final.parent)
     with open(final.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (final / "info.json").exists():
+        why = cache.damage(final, INFO)
+        if why is not None:
+            if why != cache.ABSENT:
+                print(f"tokens: the cached BPE {final} is damaged ({why}): made again", file=sys.stderr, flush=True)
             tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".making-"))
             try:
                 _make_bpe(source, vocab_size, tmp / "out", final)
@@ -127,6 +138,25 @@ def prepare_bpe(source: str, vocab_size: int) -> Path:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def bpe_info(source: str, vocab_size: int) -> dict[str, Any]:
+    """What the cached BPE of ``source`` is (its manifest, made if missing; CacheError if it cannot
+    be): kind, vocab_size asked, learned_vocab, settings, library, the tokenizer's SHA-256, token counts."""
+    return cache.manifest_of(prepare_bpe(source, vocab_size), INFO)
+
+
+def learned_short(source: str, vocab_size: int) -> str | None:
+    """Why a BPE of ``vocab_size`` tokens on ``source`` would not be one (the run command's words): it
+    learned fewer tokens, so that the model's other rows would never be used; None if it learned them
+    all. Makes the BPE if missing (CacheError if the cache cannot keep it)."""
+    learned = bpe_info(source, vocab_size)["learned_vocab"]
+    if learned >= vocab_size:
+        return None
+    return (f"--vocab-size {vocab_size}: the BPE trained on {source}'s training split learned only {learned} tokens "
+            f"(its text has no more pairs seen {BPE_SETTINGS['min_frequency']} times to merge), so the model would "
+            f"be built and timed with {vocab_size - learned} vocabulary rows no token uses: give --vocab-size "
+            f"{learned} or a larger text")
 
 
 @lru_cache(maxsize=4)
@@ -174,7 +204,7 @@ def describe(source: str, tokenizer: str = "byte", vocab_size: int = 256, seq_le
     if tokenizer == "byte":
         out["tokenizer"] = {"kind": "byte"}
     else:
-        info = json.loads((prepare_bpe(source, vocab_size) / "info.json").read_text())
+        info = bpe_info(source, vocab_size)
         out["tokenizer"] = {k: v for k, v in info.items() if k not in ("train_tokens", "heldout_tokens")}
     out.update(train_tokens=len(split.train), heldout_tokens=len(split.heldout))
     if seq_len is not None and len(split.heldout) > seq_len + 1:

@@ -21,7 +21,7 @@ from typing import Iterable
 
 import torch
 
-from workload.configs import OptimizerConfig
+from workload.configs import SGD_MOMENTUM, OptimizerConfig
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # fp16's dynamic loss scaling, one policy for every system (torch.amp.GradScaler's defaults; megatron's
@@ -30,9 +30,12 @@ LOSS_SCALING = dict(init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0, g
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """``cfg``'s optimizer (``workload.configs.OPTIMIZERS``) over ``params``."""
     params = list(params)
     if cfg.kind == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)
+    if cfg.kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=SGD_MOMENTUM)
     return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
 

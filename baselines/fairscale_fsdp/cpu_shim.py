@@ -101,6 +101,38 @@ class _TorchProxy(types.ModuleType):
         return getattr(torch, name)
 
 
+def _cpu_clip_grad_norm(fsdp_mod):
+    """FSDP.clip_grad_norm_ as fairscale's, its norm on the module's compute device instead of .cuda()."""
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        self._lazy_init()
+        assert self._is_root, "clip_grad_norm should only be called on the root (parent) instance"
+        self.assert_state(fsdp_mod.TrainingState.IDLE)
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        params_with_grad = self.params_with_grad
+        if not self.children_share_process_group:
+            raise NotImplementedError("clip_grad_norm requires that all params share one process group")
+        local_norm = fsdp_mod.calc_grad_norm(params_with_grad, norm_type).to(self.compute_device)
+        if norm_type == inf:
+            total_norm = local_norm
+            torch.distributed.all_reduce(total_norm, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        else:
+            total_norm = local_norm**norm_type
+            torch.distributed.all_reduce(total_norm, group=self.process_group)
+            total_norm = total_norm ** (1.0 / norm_type)
+        if self.move_grads_to_cpu:
+            total_norm = total_norm.cpu()
+        clip_coef = torch.tensor(max_norm, dtype=total_norm.dtype, device=total_norm.device) / (total_norm + 1e-6)
+        if clip_coef < 1:
+            for p in params_with_grad:
+                assert p.grad is not None
+                p.grad.detach().mul_(clip_coef.to(p.grad.device))
+        return total_norm
+
+    return clip_grad_norm_
+
+
 def install() -> bool:
     """Patch fairscale FSDP for CPU. Returns True if patched, False if CUDA is present (no-op)."""
     global _installed
@@ -153,33 +185,7 @@ def install() -> bool:
     rsb.enable_nccl_base_collectives = False
 
     # 6. clip_grad_norm_ without .cuda()
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        self._lazy_init()
-        assert self._is_root, "clip_grad_norm should only be called on the root (parent) instance"
-        self.assert_state(fsdp_mod.TrainingState.IDLE)
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        params_with_grad = self.params_with_grad
-        if not self.children_share_process_group:
-            raise NotImplementedError("clip_grad_norm requires that all params share one process group")
-        local_norm = fsdp_mod.calc_grad_norm(params_with_grad, norm_type).to(self.compute_device)
-        if norm_type == inf:
-            total_norm = local_norm
-            torch.distributed.all_reduce(total_norm, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
-        else:
-            total_norm = local_norm**norm_type
-            torch.distributed.all_reduce(total_norm, group=self.process_group)
-            total_norm = total_norm ** (1.0 / norm_type)
-        if self.move_grads_to_cpu:
-            total_norm = total_norm.cpu()
-        clip_coef = torch.tensor(max_norm, dtype=total_norm.dtype, device=total_norm.device) / (total_norm + 1e-6)
-        if clip_coef < 1:
-            for p in params_with_grad:
-                assert p.grad is not None
-                p.grad.detach().mul_(clip_coef.to(p.grad.device))
-        return total_norm
-
-    FSDP.clip_grad_norm_ = clip_grad_norm_
+    FSDP.clip_grad_norm_ = _cpu_clip_grad_norm(fsdp_mod)
     _installed = True
     return True
 

@@ -1,14 +1,19 @@
-"""megatron-core (0.16.1) tensor, pipeline and data parallelism on the shared GPT workload.
+"""megatron-core (0.16.1) tensor, pipeline and data parallelism on the shared workload (both families).
 
 Ranks are laid out by ``parallel_state.initialize_model_parallel(tp, pp, virtual_pp)`` (megatron's
 default order: TP fastest, then DP, then PP). The model is megatron's ``GPTModel`` with the local
-(non-transformer-engine) layer spec: LayerNorm (eps 1e-5), biases, exact GELU, dropout 0, learned
-absolute position embeddings, an untied output layer. Its weights are the shared model's
+(non-transformer-engine) layer spec, configured by its ``TransformerConfig`` for the family
+(``transformer_config``): gpt: LayerNorm (eps 1e-5), biases, exact GELU, dropout 0, learned absolute
+position embeddings; llama: ``normalization="RMSNorm"``, no biases, ``gated_linear_unit`` with
+``F.silu`` (SwiGLU) and ``ffn_hidden_size``, ``num_query_groups`` = the key/value heads, and the
+``GPTModel``'s ``position_embedding_type="rope"`` with ``rotary_base`` (megatron-core 0.16.1 keeps
+both on the model, not the config), its unfused ``apply_rotary_pos_emb`` (``apply_rope_fusion=False``:
+the fused kernels are CUDA's); an untied output layer either way. Its weights are the shared model's
 (``workload.model.init_weights``), converted to megatron's layout and TP shards by
 ``baselines.megatron_convert``. Training uses megatron's ``get_forward_backward_func()`` (1F1B, or
 the interleaved 1F1B with ``--schedule interleaved``: ``virtual_pp`` model chunks per rank),
 megatron's DistributedDataParallel (fp32 grad buffers, all-reduce averaged over DP in
-``finalize_model_grads``) and megatron's optimizer (Adam, or SGD without momentum, with the
+``finalize_model_grads``) and megatron's optimizer (Adam, or SGD with or without momentum, with the
 shared hyperparameters, no weight decay, no clipping).
 
 Loss: the model returns per-token losses; each micro-batch's loss is their mean and megatron's
@@ -19,13 +24,24 @@ tokens, as ``workload.model.lm_loss`` on the whole batch.
 DistributedOptimizer (Adam only): gradients reduce-scattered over DP, each DP rank updates its
 shard of the fp32 main parameters and optimizer state, then the parameters are all-gathered.
 ``--sequence-parallel`` (TP > 1, the sequence length divisible by TP): the activations outside the
-tensor-parallel matmuls (LayerNorms, dropout, residuals) are split along the sequence over the TP
-ranks; megatron's own torch LayerNorm refuses it, so the layer spec and the block's final norm use
-``SequenceParallelLayerNorm`` (torch's LayerNorm with parameters marked ``sequence_parallel``, whose
-gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowParallel biases).
+tensor-parallel matmuls (norms, dropout, residuals) are split along the sequence over the TP
+ranks; megatron's own torch norm refuses it, so the layer spec and the block's final norm use
+``TorchNorm`` (torch's LayerNorm or RMSNorm with parameters marked ``sequence_parallel``, whose
+gradients ``finalize_model_grads`` all-reduces over TP, as it does for the RowParallel biases); the
+llama family's spec uses it always (megatron's block would otherwise take apex's LayerNorm where
+installed, which has no RMSNorm).
 
-``--recompute``: full activation recomputation of every layer (granularity full, method uniform,
-one layer per group). ``--precision bf16 | fp16``: megatron's own mixed precision (Float16Module:
+``--layers-per-stage``: megatron-core's ``pipeline_model_parallel_layout``, each stage's (model
+chunk's) layers in model order, the embedding on the first and the loss on the last.
+
+``--recompute``: activation recomputation, ``--recompute-granularity full`` (every layer: method
+uniform, one layer per group) or ``selective`` (megatron-core's ``recompute_modules=["core_attn"]``:
+the attention core run again in the backward, its activations not kept). ``--overlap-grad-reduce``
+and ``--overlap-param-gather``: megatron-core's DistributedDataParallelConfig fields, the schedule's
+``no_sync_func`` and ``grad_sync_func`` set as Megatron-LM's training loop sets them (gradients
+reduced bucket by bucket during the last micro-batch's backward; the distributed optimizer's
+all-gather started by ``zero_grad`` and waited bucket by bucket by the forward's pre-hooks, finished
+before weights are read). ``--precision bf16 | fp16``: megatron's own mixed precision (Float16Module:
 half-precision parameters and activations, fp32 main parameters and gradients in the optimizer),
 not the reference's autocast (``SystemSpec.half_weights``: --verify compares it with the reference
 run the same way, see ``runners.tolerance``). fp16's dynamic loss scaling is megatron's optimizer's,
@@ -68,8 +84,8 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from baselines.megatron import convert as conv  # noqa: E402
 from contract import RunConfig  # noqa: E402
 from contract.rank import Context, Measurements, StepOutput, run_steps  # noqa: E402
-from workload.configs import ModelConfig  # noqa: E402
-from workload.model import GPT, init_weights  # noqa: E402
+from workload.configs import SGD_MOMENTUM, ModelConfig  # noqa: E402
+from workload.model import init_weights, meta_gpt  # noqa: E402
 from workload.training import LOSS_SCALING, compute_dtype  # noqa: E402
 
 
@@ -77,11 +93,14 @@ def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
     m = cfg.model
     fp16, bf16 = cfg.precision == "fp16", cfg.precision == "bf16"
     dtype = compute_dtype(cfg.precision)
+    family = dict(normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False, gated_linear_unit=True,
+                  activation_func=torch.nn.functional.silu, num_query_groups=m.n_kv_head) if m.llama else \
+        dict(normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
+             activation_func=torch.nn.functional.gelu)
     kwargs = dict(
-        num_layers=m.n_layer, hidden_size=m.n_embd, num_attention_heads=m.n_head, ffn_hidden_size=4 * m.n_embd,
-        kv_channels=m.n_embd // m.n_head, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
-        normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True, gated_linear_unit=False,
-        activation_func=torch.nn.functional.gelu, init_method_std=0.02,
+        num_layers=m.n_layer, hidden_size=m.n_embd, num_attention_heads=m.n_head, ffn_hidden_size=m.ffn_dim,
+        kv_channels=m.head_dim, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=m.norm_eps,
+        **family, init_method_std=0.02,
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.options.virtual_pp if cfg.options.virtual_pp > 1 else None,
         sequence_parallel=cfg.options.sequence_parallel, use_cpu_initialization=True, perform_initialization=False,
@@ -95,15 +114,27 @@ def transformer_config(cfg: RunConfig, cuda: bool) -> TransformerConfig:
         # Megatron-LM issue 750). The unbatched path orders sends and receives by rank parity.
         batch_p2p_comm=False,
     )
-    if cfg.recompute:
+    if cfg.recompute and cfg.options.recompute_granularity == "selective":
+        kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif cfg.recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if cfg.options.layers_per_stage is not None:
+        kwargs["pipeline_model_parallel_layout"] = conv.layer_layout(cfg.options.stage_layers(cfg))
     return TransformerConfig(**kwargs)
+
+
+def ddp_config(cfg: RunConfig) -> DistributedDataParallelConfig:
+    """megatron-core's DDP configuration of the run: fp32 gradient buffers, the distributed optimizer and
+    the overlaps as its options ask."""
+    o = cfg.options
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce,
+                                         overlap_param_gather=o.overlap_param_gather,
+                                         use_distributed_optimizer=o.distributed_optimizer)
 
 
 def shared_weights(m: ModelConfig, seed: int, layers: set[int], first: bool, last: bool) -> dict[str, torch.Tensor]:
     """The shared model's weights of the given layers (and embeddings / head), built alone."""
-    with torch.device("meta"):
-        model = GPT(m)
+    model = meta_gpt(m)
     for i in range(m.n_layer):
         if i not in layers:
             del model.blocks[str(i)]
@@ -121,29 +152,33 @@ def chunk_first_layer(chunk: GPTModel) -> int:
     return min((layer.layer_number - 1 for layer in layers), default=0)
 
 
-class SequenceParallelLayerNorm(torch.nn.LayerNorm):
-    """torch's LayerNorm, built as megatron's specs build a norm, with its weight and bias marked
-    ``sequence_parallel`` when sequence parallelism is on: each TP rank then normalises only its
-    slice of the sequence, and ``finalize_model_grads`` sums their gradients over the TP group."""
+class TorchNorm:
+    """torch's LayerNorm or RMSNorm (``config.normalization``), built as megatron's specs build a
+    norm, with its parameters marked ``sequence_parallel`` when sequence parallelism is on: each TP
+    rank then normalises only its slice of the sequence, and ``finalize_model_grads`` sums their
+    gradients over the TP group."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
-        super().__init__(hidden_size, eps=eps)
-        for p in self.parameters():
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused) -> torch.nn.Module:
+        kind = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = kind(hidden_size, eps=eps)
+        for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def layer_spec(config: TransformerConfig, vp_stage: int | None) -> ModuleSpec:
-    """The local (non-TE) GPT layer spec; with sequence parallelism, the whole block's spec with
-    ``SequenceParallelLayerNorm`` for the layers' two norms and the block's final norm."""
-    layer = get_gpt_layer_local_spec()
-    if not config.sequence_parallel:
+    """The local (non-TE) GPT layer spec for the config's normalisation; with sequence parallelism
+    or RMSNorm, the whole block's spec with ``TorchNorm`` for the layers' two norms and the block's
+    final norm."""
+    layer = get_gpt_layer_local_spec(normalization=config.normalization if config.normalization != "LayerNorm"
+                                     else None)
+    if not config.sequence_parallel and config.normalization == "LayerNorm":
         return layer
-    sub = dataclasses.replace(layer.submodules, input_layernorm=SequenceParallelLayerNorm,
-                              pre_mlp_layernorm=SequenceParallelLayerNorm)
+    sub = dataclasses.replace(layer.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
     layer = dataclasses.replace(layer, submodules=sub)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer] * n, layer_norm=SequenceParallelLayerNorm))
+        layer_specs=[layer] * n, layer_norm=TorchNorm))
 
 
 def build_chunks(cfg: RunConfig, config: TransformerConfig) -> list[GPTModel]:
@@ -156,8 +191,9 @@ def build_chunks(cfg: RunConfig, config: TransformerConfig) -> list[GPTModel]:
             max_sequence_length=cfg.model.seq_len,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
-            parallel_output=True, vp_stage=vp_stage))
+            share_embeddings_and_output_weights=False, parallel_output=True, vp_stage=vp_stage,
+            **(dict(position_embedding_type="rope", rotary_base=cfg.model.rope_theta) if cfg.model.llama else
+               dict(position_embedding_type="learned_absolute"))))
     return chunks
 
 
@@ -167,12 +203,13 @@ def load_shared_weights(cfg: RunConfig, chunks: list[GPTModel]) -> None:
     layers = {layer.layer_number - 1 for c in chunks for layer in getattr(c.decoder, "layers", [])}
     first = any(c.pre_process for c in chunks)
     last = any(c.post_process for c in chunks)
-    full = conv.shared_to_megatron(shared_weights(cfg.model, cfg.seed, layers, first, last), cfg.model.n_head)
+    m = cfg.model
+    full = conv.shared_to_megatron(shared_weights(m, cfg.seed, layers, first, last), m.n_head, m.n_kv_head)
     for c in chunks:
         offset = chunk_first_layer(c)
         for name, p in c.named_parameters():
             gname = conv.global_name(name, offset)
-            p.copy_(conv.shard(gname, full.pop(gname), tp, tp_rank).to(p.dtype))
+            p.copy_(conv.shard(gname, full.pop(gname), tp, tp_rank, gated=m.llama).to(p.dtype))
     if full:
         raise RuntimeError(f"shared weights with no megatron parameter: {sorted(full)[:3]}")
 
@@ -210,9 +247,46 @@ def gather_grads(cfg: RunConfig, chunks: list[GPTModel], of: str = "grad") -> di
             if tp > 1 and conv.tp_dim(gname) is not None:
                 parts = [torch.empty_like(g) for _ in range(tp)]
                 dist.all_gather(parts, g, group=tp_group)
-                g = conv.unshard(gname, parts)
+                g = conv.unshard(gname, parts, gated=cfg.model.llama)
             out[gname] = g.clone()
-    return conv.megatron_to_shared(out, cfg.model.n_head)
+    return conv.megatron_to_shared(out, cfg.model.n_head, cfg.model.n_kv_head)
+
+
+def stage_layers(cfg: RunConfig, config: TransformerConfig) -> list[int]:
+    """The layers megatron-core builds on each pipeline stage (model chunk), in model order (its
+    layout's count for a rank, which ``get_num_layers_to_build`` takes from the calling rank)."""
+    vpp, layout = cfg.options.virtual_pp, config.pipeline_model_parallel_layout
+    out = []
+    for v in range(vpp):
+        for r in range(cfg.pp):
+            vp = v if vpp > 1 else None
+            out.append(layout.get_num_layers_to_build(vp_stage=vp, pp_rank=r) if layout is not None
+                       else get_num_layers_to_build(config, vp_stage=vp, pp_rank=r))
+    return out
+
+
+def _kind(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def describe_modules(chunk: GPTModel) -> dict:
+    """What megatron-core built for the model (from its modules, for the record): the first layer's
+    classes, norm, attention heads and query groups per TP rank, MLP gating and activation, whether
+    its linears have biases, whether its attention core is recomputed (selective recompute), and the
+    positions (rotary: the RotaryEmbedding and its base)."""
+    rotary = getattr(chunk, "rotary_pos_emb", None)
+    out: dict = {"positions": chunk.position_embedding_type, "rotary": _kind(rotary) if rotary else None,
+                 "rotary_base": chunk.rotary_base if rotary else None}
+    layers = getattr(chunk.decoder, "layers", [])
+    if layers:
+        layer = layers[0]
+        attn, mlp = layer.self_attention, layer.mlp
+        out.update(layer=_kind(layer), norm=_kind(layer.input_layernorm), attention=_kind(attn), mlp=_kind(mlp),
+                   heads=attn.num_attention_heads_per_partition, query_groups=attn.num_query_groups_per_partition,
+                   gated=mlp.config.gated_linear_unit, activation=mlp.config.activation_func.__name__,
+                   fc1_rows=mlp.linear_fc1.weight.shape[0], biases=attn.linear_qkv.bias is not None,
+                   recomputed_core=attn.checkpoint_core_attention)
+    return out
 
 
 def train(cfg: RunConfig, ctx: Context) -> Measurements:
@@ -231,6 +305,43 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
         ps.destroy_model_parallel()
 
 
+def _wrapped(config, ddp, models: list) -> list:
+    """The model chunks in megatron-core's DDP (behind Float16Module in half precision); with
+    overlap_grad_reduce, the schedule's hooks as Megatron-LM's training loop sets them (only the last
+    micro-batch syncs, chunk by chunk)."""
+    wrapped = models
+    if config.fp16 or config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        wrapped = [Float16Module(config, c) for c in models]
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp, module=c, disable_bucketing=i > 0)
+              for i, c in enumerate(wrapped)]
+    if ddp.overlap_grad_reduce:
+        one = len(chunks) == 1
+        config.no_sync_func = chunks[0].no_sync if one else [c.no_sync for c in chunks]
+        config.grad_sync_func = chunks[0].start_grad_sync if one else [c.start_grad_sync for c in chunks]
+    return chunks
+
+
+def optimizer_config(cfg: RunConfig, config) -> OptimizerConfig:
+    """megatron-core's optimizer for the run's (adam, sgd, sgd with momentum; no decay, no clipping)."""
+    opt = cfg.optimizer
+    return OptimizerConfig(
+        optimizer="adam" if opt.kind == "adam" else "sgd", lr=opt.lr, min_lr=opt.lr, weight_decay=0.0,
+        adam_beta1=opt.beta1, adam_beta2=opt.beta2, adam_eps=opt.eps,
+        sgd_momentum=SGD_MOMENTUM if opt.kind == "sgd_momentum" else 0.0, clip_grad=0.0, fp16=config.fp16,
+        bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=cfg.options.distributed_optimizer,
+        # fp16's loss scaling as every system's (megatron's defaults: 2^32, halved after 2 overflows in a row)
+        initial_loss_scale=LOSS_SCALING["init_scale"], loss_scale_window=LOSS_SCALING["growth_interval"],
+        hysteresis=1)
+
+
+def _loss_func(per_token: torch.Tensor):
+    loss = per_token.float().mean()
+    return loss, {"loss": loss.detach().clone()}  # the schedule divides loss in place
+
+
 def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     m = cfg.model
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
@@ -239,16 +350,9 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     load_shared_weights(cfg, models)
     if cuda:
         models = [c.to(ctx.device) for c in models]
-    wrapped = models
-    if config.fp16 or config.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        wrapped = [Float16Module(config, c) for c in models]
     distributed_optimizer = cfg.options.distributed_optimizer
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=distributed_optimizer)
-    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
-              for i, c in enumerate(wrapped)]
+    ddp = ddp_config(cfg)
+    chunks = _wrapped(config, ddp, models)
 
     sync = {"t": 0.0}
 
@@ -264,15 +368,7 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     config.finalize_model_grads_func = timed(finalize_model_grads)
     for c in chunks:  # the distributed optimizer's parameter all-gather (called by its step)
         c.start_param_sync = timed(c.start_param_sync)
-    opt_cfg = cfg.optimizer
-    opt_config = OptimizerConfig(
-        optimizer=opt_cfg.kind, lr=opt_cfg.lr, min_lr=opt_cfg.lr, weight_decay=0.0, adam_beta1=opt_cfg.beta1,
-        adam_beta2=opt_cfg.beta2, adam_eps=opt_cfg.eps, sgd_momentum=0.0, clip_grad=0.0, fp16=config.fp16,
-        bf16=config.bf16, params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
-        # fp16's loss scaling as every system's (megatron's defaults: 2^32, halved after 2 overflows in a row)
-        initial_loss_scale=LOSS_SCALING["init_scale"], loss_scale_window=LOSS_SCALING["growth_interval"],
-        hysteresis=1)
-    opt = get_megatron_optimizer(opt_config, chunks)
+    opt = get_megatron_optimizer(optimizer_config(cfg, config), chunks)
     if config.fp16:
         config.grad_scale_func = opt.scale_loss  # the schedule scales each micro-batch's loss before backward
     forward_backward = get_forward_backward_func()
@@ -282,13 +378,9 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
     dp_rank = ps.get_data_parallel_rank()
     positions = torch.arange(m.seq_len, device=ctx.device).unsqueeze(0).expand(mbs, -1)
 
-    def loss_func(per_token: torch.Tensor):
-        loss = per_token.float().mean()
-        return loss, {"loss": loss.detach().clone()}  # the schedule divides loss in place
-
     def forward_step(data_iterator, model):
         x, y = next(data_iterator)
-        return model(x, positions, None, labels=y), loss_func
+        return model(x, positions, None, labels=y), _loss_func
 
     def step(_: int, inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         sync["t"] = 0.0
@@ -307,15 +399,22 @@ def _train(cfg: RunConfig, ctx: Context, cuda: bool) -> Measurements:
             loss = float(torch.stack([d["loss"] for d in losses]).mean())
         return StepOutput(loss=loss, dp_sync_time=sync["t"])
 
+    def gathered() -> None:  # the distributed optimizer's all-gather, where it overlaps the next forward
+        if ddp.overlap_param_gather:
+            for c in chunks:
+                c.start_param_sync(force_sync=True)
+
     def weights() -> dict[str, torch.Tensor]:  # for --eval-every; TP ranks gather, one pipeline gives
+        gathered()
         held = gather_grads(cfg, models, of="data")
         return held if dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0 else {}
 
     result = run_steps(ctx, dp_rank, step, weights)
     inner = getattr(opt, "chained_optimizers", [opt])
-    result.extra["megatron_optimizer"] = "+".join(sorted({type(o).__name__ for o in inner}))
-    result.extra["megatron_layout"] = dict(tp_rank=ps.get_tensor_model_parallel_rank(),
-                                           pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank)
+    result.extra.update(megatron_optimizer="+".join(sorted({type(o).__name__ for o in inner})),
+                        megatron_layout=dict(tp_rank=ps.get_tensor_model_parallel_rank(),
+                                             pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=dp_rank),
+                        megatron_modules=describe_modules(models[0]), megatron_stage_layers=stage_layers(cfg, config))
     if cfg.verify:
         if distributed_optimizer:
             gather_grad_shards(chunks)

@@ -72,7 +72,7 @@ def train(cfg: RunConfig, ctx: Context) -> Measurements:
     P, D, V = cfg.pp, cfg.dp, cfg.options.virtual_pp
     dp_rank, pp_rank = divmod(ctx.rank, P)
     mesh = init_device_mesh(ctx.device.type, (D, P), mesh_dim_names=("dp", "pp"))
-    specs = stage_specs(cfg.model.n_layer, P * V)
+    specs = stage_specs(cfg.model.n_layer, P * V, cfg.options.stage_layers(cfg))
     mine = [specs[i] for i in stage_indices(cfg.options.schedule, P, pp_rank, V)]
     modules = [ctx.build_stage(spec) for spec in mine]
     for module in modules:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contract import ConfigError, RunConfig, SystemSpec, option
+from contract.faults import killed
 from contract.outer import OuterStep, describe
 from contract.registry import get_system
 from ours import OursOptions, describe_slicing, slice_count, slice_lengths
@@ -95,6 +96,26 @@ class DiLoCoOptions(DiLoCoAlgorithm):
         if config.pp > 1:
             self.pipeline().check(config)
         self.check_measured(config)
+        self.check_rejoin(config)
+
+    def check_rejoin(self, config: RunConfig) -> None:
+        """Under --rejoin, the killed replica's standby can rejoin: the killed replica took part in an
+        outer step (which the others then have to heal it from), and the others ask for a quorum after
+        it died and then run a step more (torchft's way in: a quorum, from which it heals)."""
+        kill = killed(config)
+        if not config.rejoin or kill is None:
+            return
+        replica, k = kill
+        every, tau, total = self.inner_steps // self.fragments, self.sync_delay, config.total_steps
+        if k < every:
+            raise ConfigError(f"--kill-replica {config.kill_replica} --rejoin: replica {replica} dies before the first "
+                              f"outer step (after step {every}), so the others would have none to heal it from: "
+                              f"kill it after {every} steps or more")
+        asks = next(s for s in range(k, k + every) if s % every == every - tau - 1)  # the others' next quorum
+        if asks + max(tau, 1) > total - 1:
+            raise ConfigError(f"--kill-replica {config.kill_replica} --rejoin: the others' next quorum after it dies "
+                              f"comes at step {asks + 1} of {total}, too late to rejoin and run a step with them "
+                              "(give more --steps or kill it earlier)")
 
 
 def label(config: RunConfig) -> str:

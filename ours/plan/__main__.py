@@ -1,51 +1,35 @@
-"""python -m ours.plan {profile,solve,layout}: TeraPipe's latency model, optimal slicing and layout, on the
-one compute model (``workload.compute``).
+"""pipebench plan (python -m ours.plan) {profile,solve,layout}: TeraPipe's latency model, its optimal
+token slicing and the layout (T, P) for a cluster, on the one compute model (``workload.compute``).
 
-    python -m ours.plan profile --model cpu-small [--quick] [--out FILE]   # this CPU's profile (default out:
+    pipebench plan profile --model cpu-small [--quick] [--out FILE]   # this CPU's profile (default out:
                                             # ours/plan/profiles/cpu-h..-a..-s..-v...json, where auto finds it)
-    python -m ours.plan solve --model cpu-small --pp 2 --batch-size 2 [--micro-batch-size 1] [--gpu NAME]
-    python -m ours.plan layout --model gpt3-xl --devices 8 --gpus-per-node 8 --intra 5us,300GB/s --batch-size 64
-        [--inter 10ms,1Gbps | --matrix FILE.json] [--gpu "V100 SXM2 16GB"] [--memory-gb 16] [--recompute]
+    pipebench plan solve --model cpu-small --pp 2 --batch-size 2 [--micro-batch-size 1] [--device-file NAME]
+    pipebench plan layout --model gpt3-xl --devices 8 --gpus-per-node 8 --intra 5us,300GB/s --batch-size 64
+        [--inter 10ms,1Gbps | --matrix FILE.json] [--device-file "V100 SXM2 16GB"] [--memory-gb 16] [--recompute]
 
+P is the pipeline's stages and K its token slices, as everywhere in the suite. A request the planner
+cannot answer is one line and exit status 2: solve's layout (--pp, --tp, --batch-size and
+--micro-batch-size) is judged as the run command judges ours' run of it.
 Predicted against measured step times: ``python -m bench plan-evaluation`` (runs the run command).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 
-from workload.configs import MODEL_CONFIGS, get_model_config
+from contract.cli import DEVICE_FILE, POSITIVE_INT, Parser, number, old_names
+from workload.configs import MODEL_CONFIGS, ModelConfig, get_model_config
 
-PROG = "python -m ours.plan"
+PROG = "python -m ours.plan"  # the command's name where pipebench does not give its own
+POSITIVE = number(float, 0, above=True)
 
 
 class PlanError(ValueError):
     """A request the planner cannot answer as asked (one line, exit 2)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line on stderr, exit status 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _number(kind, least: float, *, above: bool = False):
-    """An argparse type: a finite ``kind`` >= ``least`` (> with ``above``)."""
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value < least or (above and value == least):
-            raise argparse.ArgumentTypeError(f"takes a finite {'whole ' if kind is int else ''}number "
-                                             f"{'>' if above else '>='} {least:g}, got {text!r}")
-        return value
-    return convert
-
-
-POSITIVE_INT, POSITIVE = _number(int, 1), _number(float, 0, above=True)
 
 
 def _link(text: str) -> str:
@@ -76,10 +60,14 @@ def _check_matrix(d) -> None:
 
 
 def _ints(text: str) -> tuple[int, ...]:
+    """--batch-slices: comma-separated whole numbers >= 1."""
     try:
-        return tuple(int(x) for x in text.split(","))
+        values = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"takes comma-separated whole numbers >= 1, got {text!r}")
+    return values
 
 
 def _model(args):
@@ -123,14 +111,36 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def judge_layout(args, cfg: ModelConfig) -> None:
+    """PlanError unless ours can run ``cfg`` as solve's flags lay it out: the run command's own judgement
+    (``SystemSpec.validate``) of ours' run of it, so that a layout is refused here in the words and by
+    the rules that refuse it there."""
+    from contract import ConfigError, RunConfig
+    from ours import SPEC
+
+    if args.micro_batch_size is not None and args.batch_slices is not None:
+        raise PlanError("give --micro-batch-size (one batch slice) or --batch-slices (the sizes to try), not both")
+    run = RunConfig(system=SPEC.name, model=cfg, pp=args.pp, tp=args.tp, batch_size=args.batch_size,
+                    micro_batch_size=args.micro_batch_size or 1, precision=args.precision, recompute=args.recompute,
+                    options=SPEC.options())
+    try:
+        SPEC.validate(run)
+    except ConfigError as exc:
+        raise PlanError(str(exc)) from None
+
+
 def cmd_solve(args) -> int:
     from ours.plan.planner import plan
 
     cfg = _model(args)
+    judge_layout(args, cfg)
     cm, source = _compute(args, cfg)
     bs = list(args.batch_slices) if args.batch_slices else ([args.micro_batch_size] if args.micro_batch_size else None)
-    p = plan(cm, cfg, n_stages=args.pp, batch_size=args.batch_size, tp=args.tp, recompute=args.recompute,
-             granularity=args.granularity, batch_slices=bs)
+    try:
+        p = plan(cm, cfg, n_stages=args.pp, batch_size=args.batch_size, tp=args.tp, recompute=args.recompute,
+                 granularity=args.granularity, batch_slices=bs)
+    except ValueError as exc:  # a --batch-slices size that does not divide the batch, no feasible slicing
+        raise PlanError(str(exc)) from None
     d = p.to_dict()
     d.update(model=cfg.name, n_layer=cfg.n_layer, seq_len=cfg.seq_len, compute_model=source)
     if args.out:
@@ -155,6 +165,9 @@ def cmd_layout(args) -> int:
             why = exc.strerror if isinstance(exc, OSError) else f"no {exc}" if isinstance(exc, KeyError) else str(exc)
             raise PlanError(f"--matrix {args.matrix}: not a per-link matrix {{\"delay_ms\": [[...]], "
                             f"\"bandwidth_gbps\": [[...]]}} of finite delays >= 0 and bandwidths > 0 ({why})") from None
+        if args.devices is not None and args.devices != len(matrix["delay_ms"]):
+            raise PlanError(f"--devices {args.devices}, but --matrix {args.matrix} is of {len(matrix['delay_ms'])} "
+                            "devices (the matrix says how many: leave out --devices)")
     elif not args.devices:
         raise PlanError("give --devices N (with --intra / --inter) or --matrix FILE")
     elif args.devices > args.gpus_per_node and args.inter is None:
@@ -190,66 +203,84 @@ def cmd_layout(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    first, rest = __doc__.split("\n\n", 1)
+    p = Parser(prog=prog, description=first, epilog=rest.rstrip())
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
 
     def model_args(q):
-        q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
-        q.add_argument("--n-layer", "--num-layers", dest="n_layer", type=POSITIVE_INT, default=None)
-        q.add_argument("--seq-len", "--seq-length", dest="seq_len", type=POSITIVE_INT, default=None)
+        q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS), help="the model by name")
+        for name in ("n_layer", "seq_len"):  # the run command's flags for them (workload.configs)
+            f = MODEL_FIELDS[name]
+            q.add_argument(*f.metadata["flags"], dest=name, type=POSITIVE_INT, default=None,
+                           help=f"{f.metadata['help']}{old_names(f.metadata['flags'])} (default: the --model's)")
+
+    def device_file(q, default, said):
+        q.add_argument(*DEVICE_FILE, dest="gpu", default=default, metavar="NAME",
+                       help=f"a device file's name or path (workload/devices){old_names(DEVICE_FILE)}{said}")
 
     q = sub.add_parser("profile", help="this CPU's profile of a layer's operations (the CPU's compute model)")
     model_args(q)
     q.add_argument("--quick", action="store_true", help="b = 1, 2 repetitions (seconds, not minutes)")
-    q.add_argument("--batch-slices", type=_ints, default=None, help="b values, e.g. 1,2")
-    q.add_argument("--reps", type=int, default=5)
-    q.add_argument("--no-p2p", action="store_true")
-    q.add_argument("--no-progress", action="store_true")
-    q.add_argument("--out", default=None)
+    q.add_argument("--batch-slices", type=_ints, default=None, help="b values, e.g. 1,2 (default: 1,2; 1 with --quick)")
+    q.add_argument("--reps", type=POSITIVE_INT, default=5, help="repetitions of each timing (2 with --quick)")
+    q.add_argument("--no-p2p", action="store_true", help="leave out the point-to-point message timings")
+    q.add_argument("--no-progress", action="store_true", help="print no progress while profiling")
+    q.add_argument("--out", default=None, help="the profile's file (default: ours/plan/profiles/<the model's "
+                   "shape>.json, where --n-slices auto finds it)")
     q.set_defaults(fn=cmd_profile)
 
-    q = sub.add_parser("solve", help="the optimal slicing")
+    q = sub.add_parser("solve", help="the optimal token slicing of a pipeline (TeraPipe's formula, solved exactly)")
     model_args(q)
-    q.add_argument("--gpu", default=None, help="a device file's name (default: this CPU's profile)")
-    q.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    q.add_argument("--pp", type=int, required=True, help="P, pipeline stages")
-    q.add_argument("--tp", type=int, default=1)
-    q.add_argument("--recompute", action="store_true")
-    q.add_argument("--batch-size", type=int, required=True)
-    q.add_argument("--granularity", type=int, default=None, help="slice boundaries every this many tokens")
-    q.add_argument("--micro-batch-size", type=int, default=None, help="fix the batch slice (token slicing only)")
-    q.add_argument("--batch-slices", type=_ints, default=None, help="batch slice sizes to try (default: divisors of B)")
-    q.add_argument("--out", default=None)
+    device_file(q, None, " (default: this CPU's profile)")
+    q.add_argument("--precision", choices=PRECISIONS, default="fp32", help="the run's precision policy")
+    q.add_argument("--pp", type=POSITIVE_INT, required=True, help="P, pipeline stages")
+    q.add_argument("--tp", type=POSITIVE_INT, default=1, help="T, tensor-parallel degree inside a stage")
+    q.add_argument("--recompute", action="store_true", help="activation recomputation")
+    q.add_argument("--batch-size", type=POSITIVE_INT, required=True, help="B, the pipeline's batch (sequences)")
+    q.add_argument("--granularity", type=POSITIVE_INT, default=None, help="token slice boundaries at multiples of "
+                   "this (default: 8, coarser from 512 tokens on: at most 64 positions)")
+    q.add_argument("--micro-batch-size", type=POSITIVE_INT, default=None,
+                   help="b, the batch slice, fixed (default: each divisor of B tried)")
+    q.add_argument("--batch-slices", type=_ints, default=None,
+                   help="batch slice sizes b to try, e.g. 1,2 (default: each divisor of B)")
+    q.add_argument("--out", default=None, help="also write the plan (JSON) to this file")
     q.add_argument("--json", action="store_true", help="also print the plan as one JSON line")
     q.set_defaults(fn=cmd_solve)
 
     q = sub.add_parser("layout", help="choose T, P and the token slicing for a cluster (ours.plan.layout)")
     model_args(q)
-    q.add_argument("--devices", type=POSITIVE_INT, default=None, help="devices in all (with --intra / --inter)")
-    q.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1)
+    q.add_argument("--devices", type=POSITIVE_INT, default=None, help="devices in all (with --intra / --inter; "
+                   "with --matrix, its size)")
+    q.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1, help="devices a node (the links inside a node: "
+                   "--intra)")
     q.add_argument("--intra", type=_link, default=None,
                    help="the links inside a node: LATENCY,BANDWIDTH, e.g. 5us,300GB/s")
     q.add_argument("--inter", type=_link, default=None, help="the links between nodes, e.g. 10ms,1Gbps")
-    q.add_argument("--matrix", default=None, help='a per-link matrix {"delay_ms": [[...]], "bandwidth_gbps": [[...]]}')
-    q.add_argument("--gpu", default="V100 SXM2 16GB", help="a device file's name (workload/devices)")
+    q.add_argument("--matrix", default=None, help='a per-link matrix {"delay_ms": [[...]], "bandwidth_gbps": '
+                   '[[...]]}, N x N for N devices')
+    device_file(q, "V100 SXM2 16GB", "")
     q.add_argument("--memory-gb", type=POSITIVE, default=None, help="memory a device gives the run (default: the "
                    "device file's, less what is reserved)")
-    q.add_argument("--batch-size", type=POSITIVE_INT, required=True)
+    q.add_argument("--batch-size", type=POSITIVE_INT, required=True, help="the batch (sequences)")
     q.add_argument("--micro-batch-size", type=POSITIVE_INT, default=1, help="the batch slice")
-    q.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    q.add_argument("--recompute", action="store_true")
+    q.add_argument("--precision", choices=PRECISIONS, default="fp32", help="the run's precision policy")
+    q.add_argument("--recompute", action="store_true", help="activation recomputation")
     q.add_argument("--granularity", type=POSITIVE_INT, default=None, help="token slice boundaries at multiples of this")
     q.set_defaults(fn=cmd_layout)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog or PROG).parse_args(argv)
     try:
         return args.fn(args)
     except PlanError as exc:
-        print(f"{PROG} {args.cmd}: error: {exc}", file=sys.stderr)
+        print(f"{prog or PROG} {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -8,9 +8,9 @@ and recompute; one slice where slicing cannot pay.
 The compute model of the run's device:
 - a GPU: its device file (``workload/devices``), found by the name the driver reports;
 - a CPU: this host's profile at the model's layer shape (``python -m ours.plan profile`` writes it into
-  ``ours/plan/profiles/<device>-h..-a..-s..-v...json``; a profile at a longer sequence covers shorter
-  ones), its gloo loopback as the link between stages; without one, the host's measured matmul rate as
-  a device of its own (``host_device``).
+  ``ours/plan/profiles/<device>-h..-a..-s..-v...json``, llama's ``<device>-llama-h..-a..-kv..-f..-s..-v...json``;
+  a profile at a longer sequence covers shorter ones), its gloo loopback as the link between stages;
+  without one, the host's measured matmul rate as a device of its own (``host_device``).
 
 With one stage there is nothing to fill: the formula's (P - 1) term is zero and every slice only adds
 its own costs, so the rule keeps one slice. The warm-up search of earlier versions (time a few K and
@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ours.plan.latency import StageLink
+from contract.links import Link
 from ours.plan.planner import plan_for
 from workload.compute import ComputeModel, CpuCompute, Device, DeviceError, GpuCompute, default_attention, find_device
 from workload.configs import ModelConfig
@@ -42,16 +42,24 @@ def profile_dir() -> Path:
     return Path(os.environ.get("OURS_PLAN_DIR") or PROFILES)
 
 
+def _shape(model: ModelConfig) -> str:
+    """The layer shape a profile is of, in its file name: gpt's hidden size and heads; llama's with the
+    family, its key/value heads and its MLP's width (a gpt profile is never read for llama)."""
+    if model.llama:
+        return f"llama-h{model.n_embd}-a{model.n_head}-kv{model.n_kv_head}-f{model.ffn_dim}"
+    return f"h{model.n_embd}-a{model.n_head}"
+
+
 def cache_key(model: ModelConfig, device) -> str:
     kind = str(device).split(":")[0]  # a torch.device or "cpu" / "cuda"
-    return f"{kind}-h{model.n_embd}-a{model.n_head}-s{model.seq_len}-v{model.vocab_size}"
+    return f"{kind}-{_shape(model)}-s{model.seq_len}-v{model.vocab_size}"
 
 
 def profile_path(model: ModelConfig, device) -> Path | None:
     """The profile that covers ``model``'s layer shape on this device kind, if any: the exact sequence
     length first, else the shortest longer one."""
     kind = str(device).split(":")[0]
-    pattern = re.compile(rf"^{kind}-h{model.n_embd}-a{model.n_head}-s(\d+)-v{model.vocab_size}\.json$")
+    pattern = re.compile(rf"^{kind}-{_shape(model)}-s(\d+)-v{model.vocab_size}\.json$")
     found = sorted((int(m.group(1)), p) for p in profile_dir().glob("*.json") if (m := pattern.match(p.name)))
     longer = [(s, p) for s, p in found if s >= model.seq_len]
     return longer[0][1] if longer else None
@@ -65,7 +73,7 @@ def host_device(peak_tflops: float) -> Device:
                   host_op_us=15.0, reserved_gb=0.0, peak_tflops={"fp32": peak_tflops})
 
 
-def compute_model(config, device) -> tuple[ComputeModel, StageLink | None, str]:
+def compute_model(config, device) -> tuple[ComputeModel, Link | None, str]:
     """(compute model, link between stages, its name) of ``config``'s run on ``device`` (a torch.device,
     or "cpu" / "cuda")."""
     m = config.model
@@ -85,7 +93,7 @@ def compute_model(config, device) -> tuple[ComputeModel, StageLink | None, str]:
     if path is not None:
         prof = json.loads(path.read_text())
         fit = prof.get("p2p_fit") or {}
-        link = StageLink(fit.get("latency", 0.0), fit.get("bandwidth", float("inf"))) if fit else None
+        link = Link(max(0.0, fit.get("latency", 0.0)), fit.get("bandwidth", float("inf"))) if fit else None
         return CpuCompute(prof), link, f"profile {path.name}"
     from workload.cpu_peak import cpu_peak_tflops
 

@@ -11,9 +11,9 @@ A slice of b sequences, l tokens after c tokens of context, on a stage of ``laye
 
 where bytes = b l hidden x the bytes of an element, over the link to the next stage (latency a); on T
 tensor-parallel ranks each layer adds its all-reduces of the slice's activations (rings over the group's
-link). The pipeline of K stages and M = B / b batch slices sharing one slicing then takes
+link). The pipeline of P stages and M = B / b batch slices sharing one slicing then takes
 
-    T = M sum_i t_i + (K - 1) max_i f_i - hidden(first slice)      (``ours.plan.solve``)
+    T = M sum_i t_i + (P - 1) max_i f_i - hidden(first slice)      (``ours.plan.solve``)
 
 TeraPipe's formula with ours' engine's fill: f, what the neighbouring stages wait for, is a slice's
 forward and input gradient with their messages (the last stage waits for the first slices' forwards
@@ -31,25 +31,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from contract.links import Link
 from workload.compute import ComputeModel
 
 BYTES_PER_ELEMENT = 4  # ours sends fp32 activations unless --wire-dtype says otherwise
+# Megatron-style tensor parallelism (``ours.tp``, megatron): a layer's all-reduces in each pass, one after
+# attention and one after the MLP; a step runs its forward, its backward and, under recompute, the forward
+# again.
+TP_ALLREDUCES_PER_PASS = 2
 
 
-@dataclass(frozen=True)
-class StageLink:
-    """The link a stage sends its slices over: one-way latency (s) and bandwidth (bytes/s)."""
-
-    latency: float = 0.0
-    bandwidth: float = math.inf
-
-    def time(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-
-def ring_allreduce(link: StageLink, n: int, nbytes: float) -> float:
-    """A ring all-reduce of ``nbytes`` over ``n`` ranks joined by ``link``: 2(n - 1) steps of nbytes / n."""
-    return 2 * (n - 1) * (link.latency + nbytes / n / link.bandwidth) if n > 1 else 0.0
+def tp_allreduces(layers: int, recompute: bool) -> int:
+    """The tensor-parallel all-reduces of ``layers`` layers in one step (forward, backward, recompute)."""
+    return layers * TP_ALLREDUCES_PER_PASS * (3 if recompute else 2)
 
 
 @dataclass(frozen=True)
@@ -67,19 +61,20 @@ class SliceTimes:
 
 
 def slice_times(cm: ComputeModel, hidden: int, b: int, l: int, c: int, *, layers: int, n_stages: int, tp: int = 1,
-                recompute: bool = False, link: StageLink | None = None, element_bytes: int = BYTES_PER_ELEMENT,
-                tp_link: StageLink | None = None, act_bytes: int = 4) -> SliceTimes:
+                recompute: bool = False, link: Link | None = None, element_bytes: int = BYTES_PER_ELEMENT,
+                tp_link: Link | None = None, act_bytes: int = 4) -> SliceTimes:
     """The slice (b, l, c) on one stage (see the module docstring): ours' cost of a slice
     (``ComputeModel.slice_cost``), with ``tp_link`` the tensor-parallel group's all-reduces of the
-    slice's activations (two per layer forward, two backward, two more under recompute), each a ring
+    slice's activations (``tp_allreduces``: the forward's, and the backward's with the recompute's), each a ring
     over the group, and with ``link`` a message each way to the neighbouring stages."""
     cost = cm.slice_cost(b, l, c, layers, tp, recompute)
     ar_fwd = ar_bwd = msg = 0.0
     if tp > 1 and tp_link is not None:
-        ring = ring_allreduce(tp_link, tp, b * l * hidden * act_bytes)
-        ar_fwd, ar_bwd = layers * 2 * ring, layers * (2 + (2 if recompute else 0)) * ring
+        ring = tp_link.collective("allreduce", tp, b * l * hidden * act_bytes)
+        per_pass = layers * TP_ALLREDUCES_PER_PASS * ring
+        ar_fwd, ar_bwd = per_pass, tp_allreduces(layers, recompute) * ring - per_pass
     if n_stages > 1 and link is not None:
-        msg = link.time(b * l * hidden * element_bytes)
+        msg = link.transfer(b * l * hidden * element_bytes)
     fwd, bwd = cost.forward + ar_fwd + msg, cost.backward + ar_bwd + msg
     return SliceTimes(time=fwd + bwd + cost.wgrad, fill=fwd + bwd, backward=bwd, wgrad=cost.wgrad)
 

@@ -22,14 +22,14 @@ import math
 import re
 from dataclasses import dataclass
 
-from ours.plan.latency import StageLink, ring_allreduce
+from contract.links import Link
+from ours.plan.latency import tp_allreduces
 from ours.plan.planner import plan
 from ours.tp import rank_of
 from workload.compute import GpuCompute
 from workload.configs import ModelConfig
 from workload.memory import GB, rank_memory
 
-Link = StageLink
 
 _UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _RATES = {"gb/s": 1e9, "mb/s": 1e6, "gbps": 1e9 / 8, "gbit/s": 1e9 / 8, "mbps": 1e6 / 8, "mbit/s": 1e6 / 8}
@@ -59,14 +59,15 @@ class Cluster:
     gpus_per_node: int = 1
     intra: Link | None = None
     inter: Link | None = None
-    matrix: tuple[tuple[Link, ...], ...] | None = None
+    matrix: tuple[tuple[Link | None, ...], ...] | None = None  # None on the diagonal
 
     @classmethod
     def from_matrix(cls, d: dict) -> "Cluster":
         """From ``{"delay_ms": [[...]], "bandwidth_gbps": [[...]]}`` (N x N; the run command's format)."""
         delay, bw = d["delay_ms"], d["bandwidth_gbps"]
         n = len(delay)
-        rows = tuple(tuple(Link(delay[i][j] * 1e-3, bw[i][j] * 1e9 / 8) for j in range(n)) for i in range(n))
+        rows = tuple(tuple(Link(delay[i][j] * 1e-3, bw[i][j] * 1e9 / 8) if i != j else None for j in range(n))
+                     for i in range(n))
         return cls(n_devices=n, matrix=rows)
 
     def link(self, i: int, j: int) -> Link:
@@ -132,9 +133,10 @@ def evaluate(model: ModelConfig, cluster: Cluster, cm: GpuCompute, tp: int, pp: 
     for l in p.slices:
         compute += M * cm.slice_cost(batch_slice, l, ctx, layers, tp, recompute).total
         if ring is not None:
-            tp_comm += M * layers * (4 + (2 if recompute else 0)) * ring_allreduce(ring, tp, batch_slice * l * h * act)
+            ring_s = ring.collective("allreduce", tp, batch_slice * l * h * act)
+            tp_comm += M * tp_allreduces(layers, recompute) * ring_s
         if hop is not None:
-            p2p += M * 2 * hop.time(batch_slice * l * h * 4)
+            p2p += M * 2 * hop.transfer(batch_slice * l * h * 4)
         ctx += l
     mem = rank_memory(model, system="ours", tp=tp, pp=pp, dp=1, micro_batch=batch_slice, n_micro=M,
                       precision=cm.precision, recompute=recompute, schedule="1f1b", attention=cm.attention)

@@ -8,7 +8,8 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-from ours.plan.latency import BYTES_PER_ELEMENT, StageLink, hidden_at_end, slice_table, slice_times
+from contract.links import Link
+from ours.plan.latency import BYTES_PER_ELEMENT, hidden_at_end, slice_table, slice_times
 from ours.plan.solve import pipeline_latency, solve_table
 from workload.compute import ComputeModel
 from workload.configs import ModelConfig
@@ -21,7 +22,7 @@ class Plan:
     n_stages: int
     batch_size: int
     granularity: int
-    predicted_pipeline: float  # T = (B/b) * sum t_i + (K - 1) * max f_i - hidden at the end, seconds
+    predicted_pipeline: float  # T = (B/b) * sum t_i + (P - 1) * max f_i - hidden at the end, seconds (K = len(slices))
     solve_seconds: float
     candidates: int
     evaluated: int
@@ -33,8 +34,8 @@ class Plan:
 
     def summary(self) -> str:
         s = ",".join(map(str, self.slices))
-        return (f"K={self.n_stages} B={self.batch_size} b={self.batch_slice} g={self.granularity}: "
-                f"{len(self.slices)} slices [{s}] predicted pipeline {self.predicted_pipeline * 1e3:.1f} ms "
+        return (f"P={self.n_stages} B={self.batch_size} b={self.batch_slice} g={self.granularity}: "
+                f"K={len(self.slices)} token slices [{s}] predicted pipeline {self.predicted_pipeline * 1e3:.1f} ms "
                 f"(solved in {self.solve_seconds:.3f} s)")
 
 
@@ -48,7 +49,7 @@ def default_granularity(seq_len: int) -> int:
 
 
 def pipeline_time(cm: ComputeModel, model: ModelConfig, slices, *, b: int, batch_size: int, n_stages: int, tp: int = 1,
-                  recompute: bool = False, link: StageLink | None = None,
+                  recompute: bool = False, link: Link | None = None,
                   element_bytes: int = BYTES_PER_ELEMENT) -> float:
     """T of a given slicing (``ours.plan.latency``: ``ours.plan.solve.pipeline_latency`` over its slices'
     t and f, less what the deferred weight gradients hide at the step's end)."""
@@ -68,8 +69,8 @@ def pipeline_time(cm: ComputeModel, model: ModelConfig, slices, *, b: int, batch
 
 
 def plan(cm: ComputeModel, model: ModelConfig, *, n_stages: int, batch_size: int, tp: int = 1, recompute: bool = False,
-         link: StageLink | None = None, granularity: int | None = None, batch_slices: list[int] | None = None,
-         element_bytes: int = BYTES_PER_ELEMENT, tp_link: StageLink | None = None, act_bytes: int = 4) -> Plan:
+         link: Link | None = None, granularity: int | None = None, batch_slices: list[int] | None = None,
+         element_bytes: int = BYTES_PER_ELEMENT, tp_link: Link | None = None, act_bytes: int = 4) -> Plan:
     """The slicing minimising the pipeline latency over token slicings at ``granularity`` and batch slice
     sizes ``batch_slices`` (default: every divisor of ``batch_size``)."""
     seq_len = model.seq_len
@@ -109,10 +110,10 @@ def plan(cm: ComputeModel, model: ModelConfig, *, n_stages: int, batch_size: int
 def plan_for(cm: ComputeModel, model: ModelConfig, *, tp: int, pp: int, batch: int, micro_batch: int,
              recompute: bool = False, link=None, element_bytes: int = BYTES_PER_ELEMENT, tp_link=None) -> Plan:
     """ours' slicing for a run: batch slices of ``micro_batch`` sequences, P stages; ``link`` / ``tp_link``:
-    anything with ``latency`` (s) and ``bandwidth`` (bytes/s), between stages and inside a stage's
-    tensor-parallel group (None: free)."""
-    def stage(x):
-        return StageLink(x.latency, x.bandwidth) if x is not None else None
+    links (``contract.links.Link``), between stages and inside a stage's tensor-parallel group (None:
+    free), of which the planner's model takes the latency and the bandwidth."""
+    def stage(x: Link | None) -> Link | None:
+        return Link(x.latency, x.bandwidth) if x is not None else None
 
     act = 4 if getattr(cm, "precision", "fp32") == "fp32" else 2
     return plan(cm, model, n_stages=pp, batch_size=batch, tp=tp, recompute=recompute, link=stage(link),

@@ -3,10 +3,11 @@ model's shape. ``workload.compute.CpuCompute`` reads it: the CPU's compute model
 (``python -m ours.plan profile`` writes it where ``--n-slices auto`` finds it) and for the simulator's
 calibration (``python -m predict calibrate``).
 
-- one transformer layer on b sequences x l tokens after c tokens of context (cached keys and values
-  as leaves that receive gradients, as in ours' token slices): forward, backward with weight gradients,
-  backward without (the input gradients only; weight gradients = the difference); the cost of every
-  system's layer (``layer``);
+- one transformer layer of the model's family on b sequences x l tokens after c tokens of context
+  (cached keys and values, of the key/value heads, as leaves that receive gradients, as in ours' token
+  slices; llama's rotary positions at offset c): forward, backward with weight gradients, backward
+  without (the input gradients only; weight gradients = the difference); the cost of every system's
+  layer (``layer``);
 - ours' engine's own layer on a token slice (``slice``: its sliced attention over a key/value state
   holding c earlier positions, its deferred-gradient linears, their weight gradients drained from the
   stash as the engine drains them), over (b, l, c) down to thin slices after long contexts: forward,
@@ -15,9 +16,9 @@ calibration (``python -m predict calibrate``).
   stage holding the whole model (first and last), its tracer's span of each unit's forward and
   backward and its weight-gradient spans, less the slice's math, the embeddings and the head; fitted
   per phase to a part per unit and a part per layer over stages of 1 and 2 layers;
-- the head (ln_f + lm_head + cross-entropy) per token: forward, backward with and without the
-  lm_head's weight gradient; the embeddings per token; one Adam step per parameter (as the runs:
-  foreach=False);
+- the head (ln_f, the family's norm, + lm_head + cross-entropy) per token: forward, backward with and
+  without the lm_head's weight gradient; the embeddings per token; one Adam step per parameter (as the
+  runs: foreach=False);
 - a gloo message between two local processes (a ping-pong), fitted to latency + bytes / bandwidth.
 
 Every point is the minimum of a few repetitions, taken in rounds over the whole grid (contention on
@@ -26,6 +27,7 @@ The result is a JSON dict (``kind: ours.plan.profile``).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -40,24 +42,24 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ours.kernels import DeferredLinear, MaskCache, SliceAttention, WeightGrad
+from ours.kernels import DeferredLinear, KVState, SliceAttention, WeightGrad
 from ours.plan.latency import fit_comm
 from ours.plan.ping_pong import ping_pong
 from workload.compute import ENGINE_PHASES
-from workload.configs import ModelConfig
+from workload.configs import ModelConfig, qkv_rows
 from workload.flops import cpu_name
-from workload.model import Block, block_forward, merge_heads, split_heads
+from workload.model import GPT, Block, block_forward, merge_heads, norm, split_heads
 
 
-def context_attention(kc: torch.Tensor, vc: torch.Tensor, n_head: int):
-    """The attention of a slice after cached keys ``kc`` and values ``vc`` (b, heads, c, head_dim): its
-    queries attend to the cache and causally to its own positions (bottom-right aligned), as a token
-    pipeline's later slice does; for ``workload.model.block_forward``."""
+def context_attention(kc: torch.Tensor, vc: torch.Tensor, n_head: int, kv_heads: int | None = None):
+    """The attention of a slice after cached keys ``kc`` and values ``vc`` (b, kv_heads, c, head_dim; None:
+    one per query head): its queries attend to the cache and causally to its own positions (bottom-right
+    aligned), as a token pipeline's later slice does; for ``workload.model.block_forward``."""
     def attention(qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = split_heads(qkv, n_head)
+        q, k, v = split_heads(qkv, n_head, kv_heads)
         k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
         mask = causal_lower_right(q.shape[2], k.shape[2])
-        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        return merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != n_head))
 
     return attention
 
@@ -84,7 +86,7 @@ def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dic
     """Head + loss and embeddings per token; the optimizer (Adam, as the runs use) per parameter."""
     torch.manual_seed(0)
     h, V, L = cfg.n_embd, cfg.vocab_size, cfg.seq_len
-    ln_f = torch.nn.LayerNorm(h).to(device)
+    ln_f = norm(cfg).to(device)
     head = torch.nn.Linear(h, V, bias=False).to(device)
 
     def head_step():
@@ -92,16 +94,17 @@ def overhead_rates(cfg: ModelConfig, device: torch.device, reps: int = 3) -> dic
         y = torch.randint(0, V, (1, L), device=device)
         logits = head(ln_f(x))
         F.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1)).backward()
-        ln_f.weight.grad = ln_f.bias.grad = head.weight.grad = None
+        for p in (*ln_f.parameters(), head.weight):
+            p.grad = None
 
-    wte = torch.nn.Embedding(V, h).to(device)
-    wpe = torch.nn.Embedding(L, h).to(device)
+    embeddings = GPT(dataclasses.replace(cfg, n_layer=0)).to(device)  # wte (and gpt's wpe)
 
     def embed_step():
         idx = torch.randint(0, V, (1, L), device=device)
-        out = wte(idx) + wpe(torch.arange(L, device=device))
+        out = embeddings.embed(idx)
         out.backward(torch.ones_like(out))
-        wte.weight.grad = wpe.weight.grad = None
+        for p in embeddings.parameters():
+            p.grad = None
 
     block = Block(cfg).to(device)
     params = list(block.parameters()) + list(head.parameters())
@@ -192,12 +195,12 @@ class SliceTimer:
         torch.manual_seed(seed)
         self.cfg = cfg
         self.block = Block(cfg)
-        self.masks = MaskCache()
         self.grads: dict[str, WeightGrad] = {}
-        for name, mod in self.block.named_modules():
+        for mod in self.block.modules():
             if isinstance(mod, torch.nn.Linear):
-                mod.weight.requires_grad_(False)
-                mod.bias.requires_grad_(False)
+                for p in (mod.weight, mod.bias):
+                    if p is not None:
+                        p.requires_grad_(False)
 
     def _linear(self, name: str, module: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
         wg = self.grads.setdefault(name, WeightGrad(module.bias is not None))
@@ -205,17 +208,18 @@ class SliceTimer:
 
     def once(self, b: int, l: int, c: int) -> tuple[float, float, float]:
         """(forward, input gradient, weight gradient) seconds of one unit."""
-        from ours.kernels import KVState
-
-        cfg, H, T = self.cfg, self.cfg.n_head, self.cfg.seq_len
-        state = KVState(self.masks)
+        cfg, T = self.cfg, self.cfg.seq_len
+        H, H_kv = cfg.n_head, cfg.n_kv_head
+        width = sum(qkv_rows(cfg))
+        state = KVState()
         if c:
             with torch.no_grad():  # the earlier slices' keys and values, as their forwards left them
-                SliceAttention.apply(torch.randn(b, c, 3 * cfg.n_embd), state, 0, H, T)
+                SliceAttention.apply(torch.randn(b, c, width), state, 0, H, H_kv, T)
         x = torch.randn(b, l, cfg.n_embd, requires_grad=True)
         grad = torch.ones(b, l, cfg.n_embd)
         t0 = time.perf_counter()
-        out = block_forward(self.block, x, lambda qkv: SliceAttention.apply(qkv, state, c, H, T), self._linear)
+        out = block_forward(self.block, x, lambda qkv: SliceAttention.apply(qkv, state, c, H, H_kv, T), self._linear,
+                            offset=c)
         t1 = time.perf_counter()
         out.backward(grad)
         t2 = time.perf_counter()
@@ -365,15 +369,15 @@ class LayerTimer:
         cfg, blk = self.cfg, self.block
         for p in blk.parameters():
             p.requires_grad_(weight_grads)
-        H, D = cfg.n_head, cfg.head_dim
+        H, H_kv, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         x = torch.randn(b, l, cfg.n_embd, requires_grad=True)
-        kc = torch.randn(b, H, c, D, requires_grad=True) if c else None
-        vc = torch.randn(b, H, c, D, requires_grad=True) if c else None
+        kc = torch.randn(b, H_kv, c, D, requires_grad=True) if c else None
+        vc = torch.randn(b, H_kv, c, D, requires_grad=True) if c else None
         grad = torch.ones(b, l, cfg.n_embd)
         # c > 0: the slice attends to c cached positions, leaves that receive gradients (as in the pipeline)
-        attention = context_attention(kc, vc, H) if c else None
+        attention = context_attention(kc, vc, H, H_kv) if c else None
         t0 = time.perf_counter()
-        out = block_forward(blk, x, attention)
+        out = block_forward(blk, x, attention, offset=c)
         t1 = time.perf_counter()
         out.backward(grad)
         t2 = time.perf_counter()
@@ -417,7 +421,7 @@ def head_rates(cfg: ModelConfig, reps: int = 3, tokens: int | None = None) -> di
     torch.manual_seed(0)
     h, V = cfg.n_embd, cfg.vocab_size
     n = tokens or cfg.seq_len
-    ln_f = torch.nn.LayerNorm(h)
+    ln_f = norm(cfg)
     head = torch.nn.Linear(h, V, bias=False)
 
     def once(weight_grads: bool) -> tuple[float, float]:
@@ -430,7 +434,8 @@ def head_rates(cfg: ModelConfig, reps: int = 3, tokens: int | None = None) -> di
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        ln_f.weight.grad = ln_f.bias.grad = head.weight.grad = None
+        for p in (*ln_f.parameters(), head.weight):
+            p.grad = None
         return t1 - t0, t2 - t1
 
     once(True)
@@ -490,7 +495,8 @@ def profile(cfg: ModelConfig, batch_slices: tuple[int, ...] = (1,), reps: int = 
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hostname=socket.gethostname(), cpu=cpu_name(), torch=torch.__version__,
         threads=1, model=dict(name=cfg.name, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
-                               seq_len=cfg.seq_len, vocab_size=cfg.vocab_size),
+                               seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, family=cfg.family,
+                               kv_heads=cfg.n_kv_head, ffn_hidden=cfg.ffn_dim),
         layer=layer, slice=sliced, engine=engine_fit, head=head, embed_per_token=rates["embed_per_token"],
         optimizer_per_param=rates["optimizer_per_param"], p2p=p2p_points, p2p_fit=fit_p2p(p2p_points),
         seconds=time.perf_counter() - started)

@@ -1,6 +1,7 @@
-"""The optimal token slicing: minimise the pipeline latency T = M * sum_i t_i + (K - 1) * max_i f_i.
+"""The optimal token slicing: minimise the pipeline latency T = M * sum_i t_i + (P - 1) * max_i f_i.
 
-K is the number of pipeline stages and M the number of batch slices that share one token slicing
+P is the number of pipeline stages (K, as everywhere in the suite, the token slices a slicing makes)
+and M the number of batch slices that share one token slicing
 (M = 1 for token slicing only). ``t_i`` is the latency of slice i on one stage (all its work) and
 ``f_i`` its fill: the part of it the other stages wait for (TeraPipe: f = t; ours' engine: t without
 the weight gradients it defers into its waits). Both depend on where the slice starts (its context)
@@ -9,13 +10,13 @@ s < e (in units of the granularity).
 
 The exact algorithm (TeraPipe's): every slicing has some maximum fill, which is one value of the
 fill table. For a bound tau, F(tau) = the least sum of t over slicings whose every fill is <= tau (a
-DP over prefix lengths). Then T* = min over tau of M * F(tau) + (K - 1) * tau, because F(tau) is
+DP over prefix lengths). Then T* = min over tau of M * F(tau) + (P - 1) * tau, because F(tau) is
 achieved by a slicing whose max fill is <= tau, and the optimum's own max fill is one of the candidates.
 
 Fast and still exact, by branch and bound over the sorted candidates:
 - F is non-increasing in tau, so for a candidate tau_j the value F at any evaluated tau_k > tau_j is
   a lower bound of F(tau_j); also sum_i t_i >= max_i t_i >= max_i f_i where every f <= t. Hence
-  T(tau_j) >= M * max(F(tau_k), tau_j) + (K - 1) * tau_j (without the tau_j term where some f > t),
+  T(tau_j) >= M * max(F(tau_k), tau_j) + (P - 1) * tau_j (without the tau_j term where some f > t),
   and a candidate whose bound reaches the best T found is dropped (the bound grows with tau_j, so
   this also stops the ascending scan).
 - Candidates still alive are evaluated a batch at a time, the batch being a leading dimension of a
@@ -35,7 +36,7 @@ INF = math.inf
 @dataclass(frozen=True)
 class Solution:
     cuts: tuple[int, ...]  # boundary indices 0 = c_0 < c_1 < ... < c_n = n (positions in the table)
-    latency: float  # T = M * sum + (K - 1) * max fill
+    latency: float  # T = M * sum + (P - 1) * max fill
     total: float  # sum_i t_i of one batch slice
     max_slice: float  # max_i f_i (the fill; max_i t_i where the fill is the slice's time)
     evaluated: int = 0  # candidate bounds whose DP was run (diagnostics)
@@ -43,7 +44,7 @@ class Solution:
 
 
 def pipeline_latency(times, n_stages: int, n_batch_slices: int = 1, fill_factor: float = 1.0, fills=None) -> float:
-    """T = M * sum_i t_i + fill_factor * (K - 1) * max_i f_i (``fills`` None: f = t)."""
+    """T = M * sum_i t_i + fill_factor * (P - 1) * max_i f_i (``fills`` None: f = t)."""
     times = list(times)
     fills = times if fills is None else list(fills)
     return n_batch_slices * sum(times) + fill_factor * (n_stages - 1) * max(fills)
@@ -107,7 +108,7 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
     """The exact optimal slicing for a latency table ``table[s, e]`` (entries with s >= e ignored) and
     a fill table ``fill[s, e]`` of the same shape (None: the latency table, TeraPipe's T).
 
-    ``fill_factor`` (>= 0) weighs the max term: T = M * sum + fill_factor * (K - 1) * max fill (1: TeraPipe).
+    ``fill_factor`` (>= 0) weighs the max term: T = M * sum + fill_factor * (P - 1) * max fill (1: TeraPipe).
 
     Returns None only if no slicing beats ``upper_bound`` (a T found elsewhere, e.g. for another
     batch slice size) or if the table has no finite slicing.
@@ -119,8 +120,8 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
     fl = np.where(np.isfinite(t), fl, INF)  # a slice without a time has no fill either
     if fill_factor < 0:
         raise ValueError("fill_factor must be >= 0")
-    K, M = n_stages, n_batch_slices
-    W = fill_factor * (K - 1)  # weight of the max term
+    P, M = n_stages, n_batch_slices
+    W = fill_factor * (P - 1)  # weight of the max term
     finite = fl[np.isfinite(fl)]
     if finite.size == 0:
         return None
@@ -172,7 +173,7 @@ def solve_table(table, n_stages: int, n_batch_slices: int = 1, batch: int = 256,
     cuts, total = _dp_argmin(t, fl, float(taus[best_tau]))
     times = [t[a, b] for a, b in zip(cuts[:-1], cuts[1:])]
     fills = [fl[a, b] for a, b in zip(cuts[:-1], cuts[1:])]
-    return Solution(cuts=cuts, latency=pipeline_latency(times, K, M, fill_factor, fills), total=total,
+    return Solution(cuts=cuts, latency=pipeline_latency(times, P, M, fill_factor, fills), total=total,
                     max_slice=max(fills), evaluated=evaluated, candidates=Q)
 
 

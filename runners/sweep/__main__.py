@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from contract.cli import Parser
 from network_emulation.profiles import SEED_PROFILES
 from network_emulation.signals import cli_status, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
@@ -31,8 +32,8 @@ from runners.sweep.scale import scale_down
 from runners.sweep.slurm import SlurmExecutor, read_allocation
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m runners.sweep", description=__doc__.split("\n\n")[1])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    ap = Parser(prog=prog or "python -m runners.sweep", description=__doc__.split("\n\n")[1])
     ap.add_argument("sweep", nargs="?", help="a sweep file (TOML), e.g. sweeps/local.toml")
     ap.add_argument("--out", default=None, help="the record file (default results/<sweep name>.jsonl)")
     ap.add_argument("--dry-run", action="store_true", help="print the run commands, run nothing")
@@ -76,13 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     run_args: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, run_args = argv[:i], argv[i + 1:]
-    ap = build_parser()
+    ap = build_parser(prog)
     args = ap.parse_args(argv)
 
     def sweep() -> int:

@@ -4,7 +4,7 @@ A sweep file (see sweeps/*.toml)::
 
     name = "local"
     repeats = 3                    # launches of every run (default 1), interleaved round-robin per experiment
-    [fixed]                        # settings of every run: any flag of the run command, snake_case
+    [fixed]                        # settings of every run: a run's table (runners.request), snake_case
     model = "tiny"                 #   (model, seq_length, batch_size, steps, warmup, precision,
     batch_size = 4                 #    recompute, timeout, ...); booleans are switches
     [[experiment]]                 # each experiment is its own cross-product
@@ -45,18 +45,17 @@ from pathlib import Path
 from contract import ConfigError
 from network_emulation.profiles import ProfileError, parse_profile
 from contract.registry import get_system
-from runners.request import OPTION_PREFIX, build_parser, check_fits_here, config_from_args, judge, same_file
+from runners.request import (ALIASES, OPTION_PREFIX, PLACEMENT_FLAGS, build_parser, check_fits_here, config_from_args,
+                             judge, same_file, setting_flags, table_keys)
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEPS_DIR = REPO / "sweeps"
 # Flags a sweep controls itself: through its axes, or per run (out file, multi-node placement).
 AXIS_FLAGS = {"system": "systems", "pp": "layouts", "tp": "layouts", "dp": "layouts",
               "micro_batch_size": "micro_batch_sizes", "network": "networks"}
-PLACEMENT_FLAGS = frozenset({"out", "nnodes", "node_rank", "rdzv_endpoint"})
 EXPERIMENT_KEYS = frozenset({"name", "description", "systems", "layouts", "micro_batch_sizes", "networks",
                              "nproc_per_node"})
 SYSTEM_KEYS = frozenset({"name", "layouts", "micro_batch_sizes"})  # the rest of a system table: options
-ALIASES = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "seq_length": "seq_len"}
 
 
 class SweepError(ValueError):
@@ -99,8 +98,8 @@ class PlannedRun:
 
 
 def _parser_flags() -> dict[str, argparse.Action]:
-    """Sweep-file key (snake_case, a system option by its own name) -> the run command's action."""
-    return {a.dest.removeprefix(OPTION_PREFIX): a for a in build_parser()._actions if a.option_strings}
+    """Sweep-file key (a key of a run's table, or one the sweep sets) -> the run command's action."""
+    return {k: a for k, a in table_keys(build_parser()).items() if k not in AXIS_FLAGS and k not in PLACEMENT_FLAGS}
 
 
 def plan_run(args: Sequence[str], experiment: str, network: str, nproc_per_node: int | None = None,
@@ -159,26 +158,17 @@ def parse_layout(value, where: str) -> dict[str, int]:
 
 
 def setting_args(key: str, value, flags: dict[str, argparse.Action], where: str) -> list[str]:
-    """One sweep-file setting as run-command flags (checked against the run command's parser)."""
+    """One sweep-file setting as run-command flags: a key of a run's table (``runners.request``)
+    that is not one of the sweep's axes nor set by the sweep itself."""
     dest = ALIASES.get(key, key)
     if dest in AXIS_FLAGS:
         raise SweepError(f"{where}: {key!r} is set through the {AXIS_FLAGS[dest]!r} list, not as a setting")
     if dest in PLACEMENT_FLAGS:
         raise SweepError(f"{where}: {key!r} is set by the sweep itself (--out, --hostfile), not in a sweep file")
-    action = flags.get(dest)
-    if action is None:
-        known = sorted(k for k in flags if k not in AXIS_FLAGS and k not in PLACEMENT_FLAGS and k != "help")
-        raise SweepError(f"{where}: unknown setting {key!r}; known: {', '.join(known)}")
-    flag = max(action.option_strings, key=lambda s: s == "--" + key.replace("_", "-"))
-    if isinstance(action, argparse._StoreTrueAction):
-        if not isinstance(value, bool):
-            raise SweepError(f"{where}: {key!r} is a switch: true or false, got {value!r}")
-        return [flag] if value else []
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise SweepError(f"{where}: {key!r} must be a string or a number, got {value!r}")
-    if isinstance(value, str) and value.startswith("-"):
-        raise SweepError(f"{where}: {key!r} = {value!r} looks like a flag")
-    return [flag, str(value)]
+    try:
+        return setting_flags(key, value, flags, where)
+    except ConfigError as exc:
+        raise SweepError(str(exc)) from None
 
 
 def _list(value, what: str, where: str, kind=None) -> list:

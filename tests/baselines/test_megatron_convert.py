@@ -66,3 +66,39 @@ def test_chunk_local_names():
     assert conv.chunk_name("decoder.layers.5.mlp.linear_fc1.weight", 4) == "decoder.layers.1.mlp.linear_fc1.weight"
     assert conv.global_name("decoder.layers.1.mlp.linear_fc1.weight", 4) == "decoder.layers.5.mlp.linear_fc1.weight"
     assert conv.global_name("output_layer.weight", 4) == "output_layer.weight"
+
+
+LLAMA = get_model_config("llama-tiny").with_overrides(n_layer=2, n_embd=64, n_head=4, seq_len=16, vocab_size=128)
+
+
+def test_llama_qkv_is_grouped_by_query_group_and_round_trips():
+    """megatron's linear_qkv per query group: [q of its n_head / kv_heads heads; k_g; v_g]."""
+    sd = {k: v.detach().clone() for k, v in build_gpt(LLAMA, seed=3).state_dict().items()}
+    H, G, d = LLAMA.n_head, LLAMA.n_kv_head, LLAMA.head_dim
+    meg = conv.shared_to_megatron(sd, H, G)
+    assert "embedding.position_embeddings.weight" not in meg and "decoder.final_layernorm.weight" in meg
+    w = sd["blocks.0.attn.c_attn.weight"]
+    q, k, v = w.split([H * d, G * d, G * d])
+    mw = meg["decoder.layers.0.self_attention.linear_qkv.weight"].view(G, H // G + 2, d, -1)
+    for g in range(G):
+        for j in range(H // G):
+            assert torch.equal(mw[g, j], q[(g * H // G + j) * d:(g * H // G + j + 1) * d])
+        assert torch.equal(mw[g, H // G], k[g * d:(g + 1) * d]) and torch.equal(mw[g, H // G + 1], v[g * d:(g + 1) * d])
+    back = conv.megatron_to_shared(meg, H, G)
+    assert back.keys() == sd.keys() and all(torch.equal(back[n], sd[n]) for n in sd)
+
+
+def test_llama_tp_shards_whole_query_groups_and_gate_and_up_each():
+    sd = {k: v.detach().clone() for k, v in build_gpt(LLAMA, seed=3).state_dict().items()}
+    meg = conv.shared_to_megatron(sd, LLAMA.n_head, LLAMA.n_kv_head)
+    tp = 2
+    for name, t in meg.items():
+        shards = [conv.shard(name, t, tp, r, gated=True) for r in range(tp)]
+        assert torch.equal(conv.unshard(name, shards, gated=True), t), name
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    gate, up = meg[fc1].chunk(2)
+    for r in range(tp):  # rank r: [gate_r; up_r], the halves megatron's MLP chunks its output shard into
+        expected = torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]])
+        assert torch.equal(conv.shard(fc1, meg[fc1], tp, r, gated=True), expected)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert torch.equal(conv.shard(qkv, meg[qkv], tp, 1), meg[qkv].chunk(tp)[1])  # query group 1 whole

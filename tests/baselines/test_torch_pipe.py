@@ -57,6 +57,7 @@ def test_v_shaped_schedules_take_exactly_two_chunks_per_rank(schedule):
     assert TorchPipeOptions(schedule=schedule).virtual_pp == 2
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["zb", "dualpipev"])  # zbv: with FSDP2 below (the same stages, two pipelines)
 def test_zero_bubble_and_dualpipev_match_reference(schedule, out_file):

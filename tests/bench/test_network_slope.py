@@ -92,7 +92,7 @@ def test_bench_fits_ours_on_the_virtual_cluster():
          "--steps", "3", "--warmup", "1", "--batch-size", "2", "--micro-batch-size", "1", "--n-slices", "2",
          "--", *TINY[2:]], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    row = next(l for l in proc.stdout.splitlines() if l.startswith("ours P-2 "))
+    row = next(l for l in proc.stdout.splitlines() if l.strip().startswith("ours P-2 "))
     cells = [c.strip() for c in row.split("|")]
     paid, schedule, barrier = float(cells[3]), float(cells[4]), float(cells[6])
     # the pipeline's fill and drain (2 delays, less what computation hides), not absurdly many; the last rank to reach

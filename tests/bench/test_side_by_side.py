@@ -9,6 +9,7 @@ from bench.machine import Capacity, parallel_capacity
 from tests.conftest import REPO
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_parallel_capacity_measures_processes_at_once():
     cap = parallel_capacity(2, seconds=0.3)
@@ -18,6 +19,7 @@ def test_parallel_capacity_measures_processes_at_once():
     assert Capacity(2, 100.0, 50.0).effective_cores == 1.0
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
     proc = subprocess.run(
@@ -32,6 +34,7 @@ def test_ours_vs_gpipe_runs_both_systems_and_prints_ratios():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.extended
 def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_side(tmp_path):
     # batch 1 on P = 2: 1f1b and dualpipev cannot run it (judged before launching, not run)
     temp = tmp_path / "tmp"

@@ -72,3 +72,22 @@ def test_a_trace_is_judged_with_the_run(tmp_path):
         judge(*parse_request([*OURS, "--network-trace", str(trace)]))
     with pytest.raises(ConfigError, match="on a cluster of nodes it is not applied"):
         judge(cfg, spec, Placement(nnodes=2, node_rank=0, rdzv_endpoint="h:1"))
+
+
+def test_a_killed_replica_in_words_says_whether_it_rejoined():
+    """Issue #54 item 10: the report said 'rejoins' from the request, where the replica never ran a step
+    again; it now says what the record says happened."""
+    from contract.faults import alive_per_step, words
+
+    config = {"kill_replica": "1@3", "rejoin": True}
+    killed_life = {"steps": [0, 2], "ended": "killed after 3 steps"}
+    rejoined = {"replicas": [{"replica": 0, "lives": [{"steps": [0, 11], "ended": "finished"}]},
+                             {"replica": 1, "lives": [killed_life, {"steps": [4, 11], "ended": "finished",
+                                                                    "rejoined": True}]}]}
+    assert words(config, rejoined) == "replica 1 killed after 3 steps, rejoined at step 5 (ran steps 5-12)"
+    assert alive_per_step(rejoined, range(2, 6)) == [2, 1, 2, 2]
+    late = {"replicas": [rejoined["replicas"][0], {"replica": 1, "lives": [killed_life, {
+        "steps": None, "ended": "did not rejoin: the others had finished before it joined them", "rejoined": False}]}]}
+    assert words(config, late) == ("replica 1 killed after 3 steps, did not rejoin (did not rejoin: the others had "
+                                   "finished before it joined them)")
+    assert words({"kill_replica": "1@3"}) == "replica 1 killed after 3 steps"

@@ -109,6 +109,7 @@ def test_a_rank_that_fails_on_one_node(nodes: VirtualNodes, tmp_path: Path) -> N
     assert nothing_runs(nodes, range(4))                                        # the other nodes stopped too
 
 
+@pytest.mark.extended
 def test_a_node_that_crashes_mid_run_and_stays_down(nodes: VirtualNodes, tmp_path: Path) -> None:
     """node04's sshd (its pid 1) is killed during a shaped run: the run is an error naming node04, the
     shaping of node01-03 is cleared; the next run needs node04 and is an error naming it (it never

@@ -137,6 +137,7 @@ def wait_for(pred, timeout_s: float, what: str):
 
 
 @pytest.mark.faults
+@pytest.mark.extended
 def test_a_node_whose_slurmd_dies_mid_run(slurm: SlurmOnNodes, tmp_path: Path) -> None:
     """node02's slurmd is killed during a shaped run: Slurm sets node02 DOWN, the run's record is an error
     naming node02, its processes and shaping end on both nodes (on node02 through the step guard); the

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from network_emulation import ProfileError, matrix_profile, parse_profile
-from network_emulation.delayer import Link, parse_queue, queue_arg
+from network_emulation.delayer import Queue, parse_queue, queue_arg
 from network_emulation.netem import host_shaping_argv
 from network_emulation.profiles import describe_setting
 from network_emulation.traces import load_trace, trace_from
@@ -42,10 +42,10 @@ def test_matrix_loss_and_jitter_are_optional_and_checked() -> None:
 
 def test_delayer_drops_at_the_rate_and_keeps_the_order() -> None:
     rng = random.Random(1)
-    lossy = Link(10, loss_pct=1)
+    lossy = Queue(10, loss_pct=1)
     kept = [lossy.arrive(t * 1e-4, rng) for t in range(20000)]
     assert lossy.seen == 20000 and 150 <= lossy.dropped <= 250 and kept.count(None) == lossy.dropped
-    jittery = Link(10, jitter_ms=5)
+    jittery = Queue(10, jitter_ms=5)
     due = [jittery.arrive(t * 1e-3, rng) for t in range(2000)]
     assert due == sorted(due)  # never before the packet ahead of it: no reordering
     assert min(d - t * 1e-3 for t, d in enumerate(due)) >= 0.005 - 1e-9

@@ -94,7 +94,7 @@ def _p2p_ms(profile: str, nbytes: int) -> float:
                                            str(h.index), str(nbytes), "5", "4"], cwd=REPO,
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=120) for p in procs]
-        for p, (out, err) in zip(procs, outs):
+        for p, (_, err) in zip(procs, outs):
             assert p.returncode == 0, err[-2000:]
         return json.loads(outs[0][0])["round_trip"] * 1e3
 
@@ -152,7 +152,7 @@ def test_nothing_left_after_normal_end() -> None:
 def test_nothing_left_after_exception() -> None:
     with pytest.raises(ZeroDivisionError):
         with VirtualCluster(2, "d1-5g", name="exc"):
-            1 / 0
+            raise ZeroDivisionError  # an exception inside the block
     assert namespaces_of(os.getpid()) == [] and delayers_of(os.getpid()) == []
 
 

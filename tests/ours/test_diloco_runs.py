@@ -40,7 +40,9 @@ def record(out: Path) -> dict:
     return json.loads(out.read_text().splitlines()[-1])
 
 
-@pytest.mark.parametrize("inner_steps, precision", [("4", "fp32"), ("1", "bf16"), ("4", "bf16")])
+@pytest.mark.parametrize("inner_steps, precision", [
+    pytest.param("4", "fp32", marks=pytest.mark.extended), pytest.param("1", "bf16", marks=pytest.mark.extended),
+    pytest.param("4", "bf16", marks=pytest.mark.extended)])
 @pytest.mark.multiprocess
 def test_diloco_verifies_against_the_reference_math(inner_steps, precision, tmp_path):
     """H = 1 in fp32: test_h1_reaches_synchronous_training_and_h4_a_lower_loss_per_byte. Five steps:
@@ -70,6 +72,7 @@ def test_streaming_diloco_with_ours_pipeline_verifies(tmp_path):
     assert lighthouses() == []
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_h1_reaches_synchronous_training_and_h4_a_lower_loss_per_byte(tmp_path):
     runs = {}

@@ -95,3 +95,45 @@ def test_the_run_ends_one_step_after_the_eval_at_the_target():
     assert [e["step"] for e in stopped.evals] == [0, 1, 2, 3]  # the step after the target is not evaluated
     assert len(stopped.losses) == 4 and stopped.losses == first.losses[:4]
     assert len(stopped.step_times) == 4
+
+
+def test_torchft_through_its_public_api_only_waiting_on_no_sleep():
+    """Issue #53 item 7: the ranks' training reached into torchft's private attributes (DiLoCo's
+    fragments' backups) and waited for heartbeats with a sleep; no name with a leading underscore of
+    anything, no sleep, no function over 80 lines."""
+    import ast
+    from pathlib import Path
+
+    import ours.diloco.train as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+               and not n.attr.startswith("__")]
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith("torchft") for a in n.names]
+    assert not private and imported and not [name for name in imported if name.startswith("_")]
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "sleep"]
+    long = [f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.end_lineno - f.lineno >= 80]
+    assert not long, long
+
+
+def test_the_global_weights_are_those_of_each_outer_step():
+    """What the eval sees: the fragments' weights right after their outer step, before torchft mixes the
+    local ones back in (--fragment-alpha), and a healed replica's as it healed."""
+    from ours.diloco.train import GlobalWeights
+
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    named = [(f"a.{n}", p) for n, p in first.named_parameters()] + [(f"b.{n}", p) for n, p in second.named_parameters()]
+    outer = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (first, second)]
+    kept = GlobalWeights(named, [first, second], outer)
+    start = {n: t.clone() for n, t in kept.values.items()}
+    for p in first.parameters():
+        p.grad = torch.ones_like(p)
+    outer[0].step()
+    after = {n: p.detach().clone() for n, p in named}
+    with torch.no_grad():  # the local weights mixed back in
+        for p in first.parameters():
+            p.add_(5.0)
+    assert torch.equal(kept.values["a.weight"], after["a.weight"]) and not torch.equal(after["a.weight"],
+                                                                                      start["a.weight"])
+    assert torch.equal(kept.values["b.weight"], start["b.weight"])  # its fragment took no outer step

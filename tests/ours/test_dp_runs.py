@@ -12,7 +12,9 @@ from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["central_ps", "sharded_ps"])  # all-reduce: its P-2 D-2 case (test_ours_runs)
+# all-reduce: its P-2 D-2 case (test_ours_runs)
+@pytest.mark.extended
+@pytest.mark.parametrize("mode", ["central_ps", "sharded_ps"])
 def test_p1_d3_verified(tmp_path, mode):
     out = tmp_path / "runs.jsonl"
     proc = run_cli("--system", "ours", *TINY, *NCCL_RULES, "--pp", "1", "--dp", "3", "--dp-mode", mode,
@@ -23,6 +25,7 @@ def test_p1_d3_verified(tmp_path, mode):
     assert rec["layout"]["dp"] == 3 and rec["dp_sync_time"] > 0
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_lossy_wire_verified_with_its_tolerance_and_labelled(tmp_path):
     """--wire-dtype bf16 (opt-in, lossy): the record and label say so, and --verify judges it with the

@@ -1,5 +1,7 @@
-"""Quick in-process unit tests of ours' building blocks: the sliced attention Function against plain
-full causal attention, and a single-stage engine step against the shared model's autograd."""
+"""Quick in-process unit tests of ours' building blocks: the attention over a slice's context and its own
+positions (two passes merged by their log-sum-exp) against plain masked attention, the sliced attention
+Function against plain full causal attention, and a single-stage engine step against the shared model's
+autograd."""
 from __future__ import annotations
 
 import pytest
@@ -7,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from ours.engine import StageEngine
-from ours.kernels import DeferredLinear, KVState, MaskCache, SliceAttention, WeightGrad
+from ours.kernels import (MATH, DeferredLinear, KVState, SliceAttention, WeightGrad, context_attention_backward,
+                          context_attention_forward)
 from ours.trace import Tracer
-from workload.configs import ModelConfig
+from workload.configs import ModelConfig, get_model_config
 from workload.model import build_gpt, lm_loss
 from workload.partition import stage_specs
 
@@ -30,9 +33,9 @@ def _check_sliced_against_full(qkv: torch.Tensor, H: int, slices, atol: float) -
     ref.backward(gout)
     ref_grad, qkv.grad = qkv.grad, None
 
-    state, outs, c = KVState(MaskCache()), [], 0
+    state, outs, c = KVState(), [], 0
     for l in slices:
-        outs.append((c, l, SliceAttention.apply(qkv[:, c : c + l], state, c, H, T)))
+        outs.append((c, l, SliceAttention.apply(qkv[:, c : c + l], state, c, H, H, T)))
         c += l
     torch.testing.assert_close(torch.cat([o for _, _, o in outs], dim=1), ref.detach(), rtol=0, atol=atol)
     for c, l, o in reversed(outs):
@@ -50,10 +53,133 @@ def test_slice_attention_matches_full_attention(slices):
 
 
 def test_slice_attention_float32_flash_path():
-    """The fp32 CPU path (the flash kernel with a bottom-right causal mask), as the engine runs it."""
+    """The fp32 CPU path (the flash kernel, maskless over the context and causal over the slice), as the
+    engine runs it."""
     torch.manual_seed(1)
     qkv = torch.randn(1, 64, 3 * 64, requires_grad=True)
     _check_sliced_against_full(qkv, 4, (20, 28, 16), atol=1e-5)
+
+
+# (context c, slice length l): the first slice, contexts shorter, longer and much longer than the slice,
+# a context of one position, a slice of one row
+CASES = [(0, 24), (16, 16), (40, 24), (64, 8), (1, 31), (100, 28), (33, 1)]
+HALF_AND_FP32 = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _masked_attention(q, k, v, c, dout):
+    """The plain masked attention of queries [c, c + l) over keys [0, c + l) (bottom-right causal mask,
+    grouped heads repeated), by autograd: out, dq, dk, dv."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(c)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _context_attention(q, k, v, c, dout, kernel=None):
+    """ours: the maskless pass over [0, c) and the causal pass over [c, c + l), merged; out, dq, dk, dv."""
+    ctx = (k[:, :, :c], v[:, :, :c]) if c else (None, None)
+    own = (k[:, :, c:], v[:, :, c:])
+    out, lse, aux = context_attention_forward(q, *ctx, *own, kernel=kernel)
+    dq, dk_ctx, dv_ctx, dk, dv = context_attention_backward(dout, q, *ctx, *own, out, lse, aux)
+    if c:
+        dk, dv = torch.cat([dk_ctx, dk], dim=2), torch.cat([dv_ctx, dv], dim=2)
+    return out, dq, dk, dv
+
+
+def _inputs(c, l, H, H_kv, D, device="cpu", scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, H, l, D, generator=g, dtype=torch.float64) * scale
+    k, v = (torch.randn(2, H_kv, c + l, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return [t.to(device) for t in (q, k, v, torch.randn(2, H, l, D, generator=g, dtype=torch.float64))]
+
+
+def _max_errors(got, exact) -> list[float]:
+    return [float((a.double() - e).abs().max()) for a, e in zip(got, exact)]
+
+
+def _check_against_masked(dtype, H_kv, device="cpu", kernel=None, cases=CASES, scale=1.0) -> list[float]:
+    """At every (c, l): ours' output and gradients in ``dtype`` are as far from the exact values (the masked
+    attention in fp64) as three times the masked attention's own in ``dtype`` (plus one epsilon of the
+    type: errors of a few roundings of values of order one): the merge rounds the output once more, dq
+    is the sum of two rounded parts. fp32 at unit scale also within 1e-5 of the exact values
+    (scaled scores lose what fp32 inputs' rounding costs them, the masked attention alike). Returns the
+    largest error of each of out, dq, dk, dv."""
+    worst = [0.0] * 4
+    for c, l in cases:
+        q, k, v, dout = _inputs(c, l, 4, H_kv, 32, device, scale, seed=c * 131 + l)
+        exact = _masked_attention(q, k, v, c, dout)
+        low = [t.to(dtype) for t in (q, k, v, dout)]
+        ref = _max_errors(_masked_attention(*low[:3], c, low[3]), exact)
+        got = _max_errors(_context_attention(*low[:3], c, low[3], kernel=kernel), exact)
+        for name, e, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            assert e <= 3 * r + torch.finfo(dtype).eps, \
+                f"{dtype} c={c} l={l} {name}: error {e:.2e}, the masked attention's {r:.2e}"
+            if dtype == torch.float32 and scale == 1.0:
+                assert e <= 1e-5, f"fp32 c={c} l={l} {name}: error {e:.2e}"
+        worst = [max(w, e) for w, e in zip(worst, got)]
+    return worst
+
+
+@pytest.mark.parametrize("H_kv", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", HALF_AND_FP32, ids=str)
+def test_context_attention_equals_masked_attention(dtype, H_kv):
+    """On CPU (the flash kernel for CPU, grouped key / value heads passed to it as they are)."""
+    _check_against_masked(dtype, H_kv)
+
+
+@pytest.mark.parametrize("H_kv", [4, 2], ids=["mha", "gqa"])
+def test_context_attention_merge_exact_in_float64(H_kv):
+    """The merge and both backward passes, on the plain-products kernel in fp64 (the code every kernel
+    shares, also CUDA's, whose kernels take no grouped heads: repeated, their gradients summed back)."""
+    for c, l in CASES[:5]:
+        q, k, v, dout = _inputs(c, l, 4, H_kv, 16, seed=c + l)
+        for got, exact in zip(_context_attention(q, k, v, c, dout, kernel=MATH), _masked_attention(q, k, v, c, dout)):
+            torch.testing.assert_close(got, exact, rtol=0, atol=1e-12)
+
+
+def test_context_attention_merge_is_stable_for_large_scores():
+    """Scores in the hundreds (e^lse far outside fp32's range): the merge works with differences of lse."""
+    _check_against_masked(torch.float32, 4, cases=[(40, 24), (100, 28)], scale=60.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", HALF_AND_FP32, ids=str)
+def test_context_attention_equals_masked_attention_on_cuda(dtype):
+    """CUDA's kernels (flash for bf16 / fp16, memory-efficient for fp32; grouped heads repeated)."""
+    for H_kv in (4, 2):
+        _check_against_masked(dtype, H_kv, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_slice_attention_half_precision(dtype):
+    """SliceAttention slice by slice in bf16 / fp16: output and qkv gradient as far from full causal
+    attention in fp64 as three times full causal attention in the same type (the context's key / value
+    gradients summed over later slices in that type, as the engine keeps them)."""
+    torch.manual_seed(5)
+    slices, H = (10, 30, 20, 36), 4
+    qkv = torch.randn(2, sum(slices), 3 * 4 * 32, dtype=torch.float64)
+    gout = torch.randn(2, sum(slices), 4 * 32, dtype=torch.float64)
+
+    def full(x):
+        x = x.detach().requires_grad_()
+        out = _full_attention(x, H)
+        out.backward(gout.to(x.dtype))
+        return out.detach(), x.grad
+
+    def sliced(x):
+        x = x.detach().requires_grad_()
+        state, outs, c = KVState(), [], 0
+        for l in slices:
+            outs.append((c, l, SliceAttention.apply(x[:, c : c + l], state, c, H, H, x.shape[1])))
+            c += l
+        for c, l, o in reversed(outs):
+            o.backward(gout[:, c : c + l].to(x.dtype))
+        return torch.cat([o for _, _, o in outs], dim=1).detach(), x.grad
+
+    exact = full(qkv)
+    for e, r in zip(_max_errors(sliced(qkv.to(dtype)), exact), _max_errors(full(qkv.to(dtype)), exact)):
+        assert e <= 3 * r, (e, r)
 
 
 def test_deferred_linear_weight_grads():
@@ -104,18 +230,24 @@ def test_half_precision_weight_grads_are_summed_in_fp32(half):
 CFG = ModelConfig("unit", n_layer=2, n_embd=32, n_head=4, seq_len=24, vocab_size=64)
 
 
-def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False, schedule="1f1b", engine_hook=None):
+def _engine(model, slices, batch, mb, **kwargs) -> StageEngine:
+    """A single-stage engine over the whole model."""
+    return StageEngine(model, stage_specs(model.config.n_layer, 1)[0], slices=slices, batch_size=batch,
+                       micro_batch_size=mb, device=torch.device("cpu"), rank=0, prev_rank=None, next_rank=None,
+                       tracer=Tracer(0, False), **kwargs)
+
+
+def _engine_vs_model(slices, batch, mb, *, recompute=False, mixed=False, schedule="1f1b", engine_hook=None, cfg=CFG):
     torch.manual_seed(3)
-    x = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len))
-    y = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len))
-    ref = build_gpt(CFG, 0)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    ref = build_gpt(cfg, 0)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
         ref_loss = sum(lm_loss(ref(xc), yc) for xc, yc in zip(x.split(mb), y.split(mb))) / (batch // mb)
     ref_loss.backward()
-    model = build_gpt(CFG, 0)
-    eng = StageEngine(model, stage_specs(CFG.n_layer, 1)[0], slices=slices, batch_size=batch, micro_batch_size=mb,
-                      device=torch.device("cpu"), rank=0, prev_rank=None, next_rank=None, tracer=Tracer(0, False),
-                      precision="bf16" if mixed else "fp32", recompute=recompute, schedule=schedule)
+    model = build_gpt(cfg, 0)
+    eng = _engine(model, slices, batch, mb, precision="bf16" if mixed else "fp32", recompute=recompute,
+                  schedule=schedule)
     if engine_hook is not None:
         engine_hook(eng)
     loss = eng.step(x, y)
@@ -163,3 +295,40 @@ def test_engine_mixed_precision_close_to_model():
         assert p.grad.dtype == torch.float32
         g, r = p.grad, ref_grads[name].grad
         assert float((g - r).norm()) <= 0.1 * float(r.norm()) + 1e-4, name
+
+
+LLAMA = get_model_config("llama-tiny").with_overrides(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=128)
+"""tests/runners/test_verify.py's llama-tiny: rotary positions, 4 query heads sharing 2 key/value heads, SwiGLU,
+RMSNorm, no biases."""
+
+
+def test_llama_slices_give_the_whole_sequences_outputs():
+    """Each token slice through the engine's layers (rotated at the slice's offset, attending to the keys
+    and values cached by the slices before it, 2 heads of them) gives the whole sequence's hidden states
+    for its tokens (fp64: exact up to rounding)."""
+    model = build_gpt(LLAMA, 0).double()
+    x = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.seq_len), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        whole = model.embed(x)
+        for blk in model.blocks.values():
+            whole = blk(whole)
+        eng = _engine(model, (5, 16, 11), 2, 2)
+        eng._prepare_weights()
+        states = [KVState() for _ in model.blocks]
+        for i, (c, l) in enumerate(eng.slices):
+            out = eng._forward(None, x, states, 0, i)
+            torch.testing.assert_close(out, whole[:, c : c + l], rtol=0, atol=1e-12)
+        assert states[0].kv.shape == (2, LLAMA.seq_len, 2, 2, LLAMA.head_dim)  # k and v of the 2 key/value heads
+
+
+@pytest.mark.parametrize("slices,recompute", [((5, 16, 11), False), ((8, 8, 8, 8), True)])
+def test_llama_engine_step_matches_model(slices, recompute):
+    """A step over token slices gives the whole sequence's loss and every gradient: the rotary offset, the
+    grouped key/value cache (its heads' gradients summed over their query heads and over the later slices),
+    the linears without biases and the RMSNorms."""
+    ref, ref_loss, model, loss = _engine_vs_model(slices, 2, 1, recompute=recompute, cfg=LLAMA)
+    assert abs(float(loss) - float(ref_loss.detach())) < 1e-6
+    ref_grads = dict(ref.named_parameters())
+    assert not any(n.endswith(".bias") for n in ref_grads)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=0, atol=1e-6, msg=name)

@@ -41,6 +41,7 @@ def test_p2_equal_slices_verified_and_traced(tmp_path):
     assert rec["status"] == "ok"
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_p2_gpipe_order_verified(tmp_path):
     """--schedule gpipe: every forward, then every backward (the order before 1f1b became the default)."""
@@ -103,7 +104,7 @@ def test_p3_unequal_slices_with_recompute_verified(tmp_path):
 
 
 @pytest.mark.parametrize("mode,slicing,rules", [
-    ("allreduce", ["--n-slices", "1"], []),
+    pytest.param("allreduce", ["--n-slices", "1"], [], marks=pytest.mark.extended),
     ("central_ps", ["--slices", "12,12,8"], NCCL_RULES),
 ])  # sharded_ps: the prefetch test's launch (P-2 D-2, K=4, NCCL's rules)
 @pytest.mark.multiprocess
@@ -116,9 +117,9 @@ def test_p2_d2_data_parallel_modes_verified(tmp_path, mode, slicing, rules):
 
 
 @pytest.mark.parametrize("layout", [
-    ["--pp", "2", "--n-slices", "4"],
-    ["--dp", "2", "--dp-mode", "sharded_ps", "--n-slices", "2"],
-], ids=["t2-p2", "t2-d2"])
+    pytest.param(["--pp", "2", "--n-slices", "4"], id="t2-p2"),
+    pytest.param(["--dp", "2", "--dp-mode", "sharded_ps", "--n-slices", "2"], id="t2-d2", marks=pytest.mark.extended),
+])
 @pytest.mark.multiprocess
 def test_t2_tensor_parallel_verified(tmp_path, layout):
     """--tp 2 (ours.tp): each stage's block linears split over 2 ranks; losses and the gathered full

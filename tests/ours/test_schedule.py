@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from ours.schedule import SCHEDULES, unit_order
+from ours.schedule import SCHEDULES, ahead, leading_forwards, unit_order
 
 SHAPES = [(P, nb, K) for P, nb, K in itertools.product((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 4))]
 
@@ -94,3 +94,73 @@ def test_the_default_is_1f1b_and_a_record_from_before_the_option_ran_gpipe():
     assert OursOptions().schedule == "1f1b"
     assert OursOptions.from_dict({"n_slices": 4}).schedule == "gpipe"  # written before --schedule existed
     assert OursOptions.from_dict({"n_slices": 4, "schedule": "1f1b"}).schedule == "1f1b"
+
+
+def run_two_steps(schedule: str, P: int, nb: int, K: int, ahead_counts: list[int]) -> None:
+    """A step of every stage's order followed, on stage s, by the next step's first ``ahead_counts[s]``
+    forwards, all before any stage begins the next step (the timing barrier between them): fails if a
+    stage waits for something only the next step would run."""
+    orders = [[(1, a) for a in unit_order(schedule, nb, K, s, P)]
+              + [(2, a) for a in unit_order(schedule, nb, K, s, P)[:ahead_counts[s]]] for s in range(P)]
+    done: set = set()
+    pos = [0] * P
+    while any(pos[s] < len(orders[s]) for s in range(P)):
+        progressed = False
+        for s in range(P):
+            if pos[s] == len(orders[s]):
+                continue
+            step, (kind, b, i) = orders[s][pos[s]]
+            if kind == "F":
+                ready = s == 0 or (s - 1, step, "F", b, i) in done
+            else:
+                ready = (s, step, "F", b, K - 1) in done and (s == P - 1 or (s + 1, step, "B", b, i) in done)
+            if ready:
+                done.add((s, step, kind, b, i))
+                pos[s] += 1
+                progressed = True
+        assert progressed, f"stages stuck at {pos} of {[len(o) for o in orders]}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("P,nb,K", SHAPES)
+def test_what_a_stage_runs_ahead_needs_only_what_the_stages_before_it_ran_ahead(schedule, P, nb, K):
+    """--prefetch N (ours.schedule.ahead): stage s runs N - s of the next step's forwards, at most those
+    before its first backward, the last stage none; each stage's inputs for them were run ahead by the
+    stage before in the same step, so a step and what runs ahead of the next never deadlock."""
+    for n in sorted({0, 1, P - 1, P + 1, nb * K + P}):
+        counts = [ahead(n, schedule, nb, K, s, P) for s in range(P)]
+        assert counts[-1] == 0 and all(c <= max(0, n - s) for s, c in enumerate(counts))
+        assert all(c <= leading_forwards(schedule, nb, K, s, P) for s, c in enumerate(counts))
+        assert all(b <= a for a, b in zip(counts, counts[1:]))
+        run_two_steps(schedule, P, nb, K, counts)
+
+
+def test_a_stage_running_ahead_what_the_stage_before_did_not_deadlocks():
+    """The check above can fail: stage 1 of 3 running a forward of the next step that stage 0 has not."""
+    with pytest.raises(AssertionError, match="stuck"):
+        run_two_steps("1f1b", 3, 1, 2, [0, 1, 0])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("P,nb,K", SHAPES)
+def test_what_runs_ahead_is_within_what_the_memory_model_holds_at_a_stages_peak(schedule, P, nb, K):
+    """The forwards a stage can run ahead (those before its first backward) are the units of the batch
+    slices ``workload.memory`` counts the stage holding at its peak: running them at the end of the step
+    before (its gradients released) adds nothing to a rank's memory, so --prefetch auto is on wherever
+    the run fits at all."""
+    from workload.memory import in_flight
+
+    for s in range(P):
+        assert leading_forwards(schedule, nb, K, s, P) == in_flight("ours", schedule, s, P, nb) * K
+
+
+def test_prefetch_is_auto_by_default_and_resolves_to_the_pipelines_skew():
+    from ours import OursOptions, describe_run
+
+    o = OursOptions()
+    assert o.prefetch == "auto" and o.first_ahead(4) == 3 and o.first_ahead(1) == 0
+    assert [ahead(o.first_ahead(4), "1f1b", 1, 4, s, 4) for s in range(4)] == [3, 2, 1, 0]
+    assert [ahead(o.first_ahead(4), "1f1b", 1, 1, s, 4) for s in range(4)] == [1, 1, 1, 0]  # K = 1: one forward
+    assert OursOptions.from_dict({"n_slices": 4, "schedule": "1f1b"}).prefetch == 0  # a record from before it
+    assert OursOptions.from_dict({"n_slices": 4, "prefetch": "auto"}).prefetch == "auto"
+    assert describe_run({"n_slices": 4, "slices": [8] * 4, "prefetch": 1}) == "K=4 (8x4), prefetch 1"

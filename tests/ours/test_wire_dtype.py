@@ -21,6 +21,7 @@ GRAD_TOL = 2e-2  # relative to each tensor's largest |averaged gradient|
 PARAM_TOL = 2e-2  # relative to each tensor's largest |parameter| after one SGD step
 
 
+@pytest.mark.extended
 @pytest.mark.multiprocess
 def test_bf16_wire_close_to_fp32_for_every_dp_mode(tmp_path):
     out = tmp_path / "wire.json"

@@ -13,7 +13,7 @@ import torch
 
 from contract import RunConfig
 from ours import OursOptions, describe_slicing, uniform_slices
-from ours.plan.auto import PROFILES, auto_slicing, compute_model, host_device, profile_path
+from ours.plan.auto import PROFILES, auto_slicing, cache_key, compute_model, host_device, profile_path
 from ours.plan.planner import default_granularity, pipeline_time
 from workload.compute import GpuCompute
 from workload.configs import MODEL_CONFIGS
@@ -52,6 +52,20 @@ def test_a_profile_at_a_longer_sequence_covers_shorter_ones(tmp_path, monkeypatc
     assert profile_path(_config(seq_len=512).model, "cpu").name == "cpu-h128-a4-s512-v512.json"
     assert profile_path(_config(seq_len=1024).model, "cpu") is None
     assert profile_path(_config(vocab_size=1024).model, "cpu") is None
+
+
+def test_a_llama_model_reads_only_a_profile_of_its_family_and_heads(tmp_path, monkeypatch):
+    """llama-tiny has tiny's hidden size, heads, sequence and vocabulary: a gpt profile of that shape is not
+    its own; its file name says the family, the key/value heads and the MLP's width."""
+    monkeypatch.setenv("OURS_PLAN_DIR", str(tmp_path))
+    shutil.copy(TINY_PROFILE, tmp_path / TINY_PROFILE.name)
+    llama = _config("llama-tiny").model
+    assert profile_path(llama, "cpu") is None
+    assert cache_key(llama, "cpu") == "cpu-llama-h128-a4-kv2-f512-s128-v512"
+    shutil.copy(TINY_PROFILE, tmp_path / f"{cache_key(llama, 'cpu')}.json")
+    assert profile_path(llama, "cpu").name == "cpu-llama-h128-a4-kv2-f512-s128-v512.json"
+    assert profile_path(_config("llama-tiny", kv_heads=4).model, "cpu") is None
+    assert profile_path(_config().model, "cpu").name == TINY_PROFILE.name
 
 
 def test_without_a_profile_the_host_is_a_device_of_its_own(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from tests.conftest import assert_verified, run_cli
 pytestmark = pytest.mark.multiprocess
 
 
+@pytest.mark.extended
 def test_ours_searches_its_slicing_when_asked_and_stays_exact(out_file):
     """--n-slices search: the ranks time a few K equal slices, starting near the planner's slicing, and
     keep the fastest, recorded with every K they timed; the timing steps leave nothing behind (--verify
@@ -28,7 +29,7 @@ def test_ours_searches_its_slicing_when_asked_and_stays_exact(out_file):
     timed = how.split(" of ")[1].split(";")[0].split(", ")
     assert 3 <= len(timed) <= 5 and f"K={len(slices)} " in how.split(" of ")[1]
     assert rec["details"].startswith(f"search, tuned: K={len(slices)}")
-    lead = leading_forwards("1f1b", 2, len(slices), 2)
+    lead = leading_forwards("1f1b", 2, len(slices), 0, 2)
     assert rec["options"]["prefetch"] == lead < 99 and rec["options"]["prefetch_asked"] == 99
     assert rec["details"].endswith(f"prefetch {lead} (99 asked: the forwards the first stage runs before its first "
                                    "backward)") and rec["details"] in proc.stdout

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from ours.plan.latency import StageLink, fit_comm, ring_allreduce, slice_table, slice_time
+from contract.links import Link
+from ours.plan.latency import fit_comm, slice_table, slice_time
 from workload.compute import gpu_compute
 from workload.configs import get_model_config
 
@@ -15,15 +16,17 @@ XL = get_model_config("gpt3-xl")
 
 def test_a_slice_is_its_layers_and_its_two_messages():
     cm = gpu_compute("V100 SXM2 16GB", XL, "fp16")
-    link = StageLink(1e-3, 1e9)
+    link = Link(1e-3, 1e9)
     t = slice_time(cm, 2048, 1, 256, 512, layers=3, n_stages=4, link=link)
     assert t == pytest.approx(3 * cm.layer_step(1, 256, 512) + 2 * (1e-3 + 256 * 2048 * 4 / 1e9))
     one = slice_time(cm, 2048, 1, 256, 512, layers=3, n_stages=1, link=link)
     assert one == pytest.approx(3 * cm.layer_step(1, 256, 512))
-    ring = StageLink(5e-6, 1e11)
+    ring = Link(5e-6, 1e11)
     with_tp = slice_time(cm, 2048, 1, 256, 0, layers=1, n_stages=1, tp=4, tp_link=ring, act_bytes=2, recompute=True)
-    assert with_tp == pytest.approx(cm.layer_step(1, 256, 0, 4, True) + 6 * ring_allreduce(ring, 4, 256 * 2048 * 2))
-    assert ring_allreduce(ring, 4, 4e6) == pytest.approx(6 * (5e-6 + 1e6 / 1e11)) and ring_allreduce(ring, 1, 4e6) == 0
+    ring_s = ring.collective("allreduce", 4, 256 * 2048 * 2)
+    assert with_tp == pytest.approx(cm.layer_step(1, 256, 0, 4, True) + 6 * ring_s)
+    assert ring.collective("allreduce", 4, 4e6) == pytest.approx(6 * (5e-6 + 1e6 / 1e11))
+    assert ring.collective("allreduce", 1, 4e6) == 0
 
 
 def test_the_table_covers_every_slice_once():

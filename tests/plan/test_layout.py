@@ -6,7 +6,8 @@ import math
 import pytest
 
 from ours.plan.__main__ import main
-from ours.plan.layout import Cluster, Link, parse_link, plan_layout, why
+from contract.links import Link
+from ours.plan.layout import Cluster, parse_link, plan_layout, why
 from workload.compute import gpu_compute
 from workload.configs import get_model_config
 

@@ -10,9 +10,13 @@ from workload.compute import ENGINE_PHASES, CpuCompute
 from workload.configs import get_model_config
 
 
-def test_profile_of_the_tiny_model_measures_every_point():
-    cfg = get_model_config("tiny")
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_profile_of_the_tiny_model_measures_every_point(model):
+    """Either family's layer and ours' slice (llama's: 2 key/value heads cached, rotary positions at the
+    slice's offset, SwiGLU, RMSNorm)."""
+    cfg = get_model_config(model)
     prof = profile(cfg, reps=1, p2p=False, progress=False, engine=False)
+    assert (prof["model"]["family"], prof["model"]["kv_heads"]) == (cfg.family, cfg.n_kv_head)
     assert [(p["b"], p["l"], p["c"]) for p in prof["layer"]] == grid(cfg.seq_len, (1,))
     assert any(p["c"] > 0 for p in prof["layer"])  # slices after cached context, as in the pipeline
     for p in prof["layer"]:

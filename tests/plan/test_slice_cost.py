@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ours.plan.latency import StageLink, hidden_at_end, slice_times
+from ours.plan.latency import hidden_at_end, slice_times
 from ours.plan.planner import plan
 from predict.run_spec import Link, RunSpec
 from predict.step_time import predict
@@ -14,7 +14,7 @@ from workload.configs import ModelConfig
 
 SEQ = 64
 MODEL = ModelConfig("synthetic", 4, 64, 4, SEQ, 128)  # 2 layers a stage at P = 2
-LINK = StageLink(1e-4, 1e9)
+LINK = Link(1e-4, 1e9)
 
 
 def _profile(engine: tuple[float, float, float] | None = None) -> dict:

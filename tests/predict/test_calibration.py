@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from predict.fitting import fit_efficiency, fit_overheads
-from workload.compute import CpuCompute, Overheads, Table3, gpu_compute
+from predict.fitting import fit_overheads
+from workload.compute import CpuCompute, Overheads, Table3
 from predict.from_config import spec_from_config
 from predict.this_machine import local_link
 from predict.step_time import predict
-from predict.run_spec import Link, RunSpec
+from contract.links import Link
+from predict.run_spec import RunSpec
 from workload.configs import ModelConfig
 
 TOY = ModelConfig("toy", n_layer=4, n_embd=64, n_head=4, seq_len=64, vocab_size=128)
@@ -106,15 +107,6 @@ def test_a_tensor_parallel_calibration_run_is_its_own_layout():
     assert not matches(LocalRun("megatron", "cpu-small", pp=1, seq=256, schedule="1f1b"), rec)
 
 
-def test_efficiency_round_trip():
-    dev = gpu_compute("V100 SXM2 16GB", TOY, "fp32")
-    dev = dev.with_device(dev.device.with_gemm("fp32", 0.4))
-    spec = RunSpec("ours", TOY, 8, 1, Link.from_ms_gbps(0.1, 10, 1), pp=2, slices=(64,), transport="nccl")
-    measured = predict(spec, dev).step_time
-    fitted = fit_efficiency(spec, dev.with_device(dev.device.with_gemm("fp32", 0.9)), measured)
-    assert fitted == pytest.approx(0.4, rel=1e-3)
-
-
 def test_spec_from_a_run_config():
     from runners.request import parse_request
 
@@ -179,8 +171,9 @@ def test_the_glue_refuses_what_it_does_not_model_and_resolves_auto_slicing(tmp_p
         spec_from_config(cfg("--system", "ours", "--pp", "2", "--precision", "bf16"), link)
     with pytest.raises(NotModelled):
         spec_from_config(cfg("--system", "fairscale_fsdp"), link)
-    with pytest.raises(NotModelled, match="--prefetch"):
-        spec_from_config(cfg("--system", "ours", "--pp", "2", "--prefetch", "1"), link)
+    ahead = {a: spec_from_config(cfg("--system", "ours", "--pp", "2", *a), link).prefetch
+             for a in [(), ("--prefetch", "0"), ("--prefetch", "2")]}
+    assert ahead == {(): 1, ("--prefetch", "0"): 0, ("--prefetch", "2"): 2}  # --prefetch auto: P - 1
     assert record_prediction(cfg("--system", "reference")) is None  # a record without a prediction
 
 

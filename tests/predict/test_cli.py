@@ -163,10 +163,15 @@ def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp
     assert said == [] and set(made) == {lines[0].run_id, lines[2].run_id}
     assert all(p["source"] == f"predict, {cal.name}" and cal.identity["code"] in p["source"] for p in made.values())
     assert "(pred " in render(load_records([str(records)]))
-    # the host got 30 % faster than at its calibration: refused in one line, every run not modelled
+    # the host got 30 % faster than at its calibration: refused in one line, the predictions made while the
+    # calibration held kept as they are; without them, every run not modelled and why
     monkeypatch.setattr(local, "speed_probe", lambda: 0.065)
+    earlier = predictions_path(records).read_text()
     assert local.predict_records(records, directory=tmp_path, log=said.append) == {}
     assert len(said) == 1 and "1.30x the speed of its calibration" in said[0] and "bound ±10%" in said[0]
+    assert "earlier predictions are kept" in said[0] and predictions_path(records).read_text() == earlier
+    predictions_path(records).unlink()
+    assert local.predict_records(records, directory=tmp_path, log=said.append) == {}
     kept = json.loads(predictions_path(records).read_text())
     assert all("1.30x" in v["not_modelled"] for v in kept.values())
     # a validation of another calibration judges nothing for this one

@@ -35,33 +35,48 @@ IDLE = RUN.replace("threads = [threading.Thread(target=work) for _ in range(2)]"
 MOVED = 0.5  # runnable threads the host's own load may move between the first and the last reading
 # The host's own load (runnable threads) above which the test's three busy threads (the run's two, the
 # busy loop) crowd its cores: a sampler that reads the runnable threads then resolves no single one
-# (on 2 cores at a load of 3.4, a busy loop beside the run read +0.3 to +0.4).
-BUSY = (os.cpu_count() or 2) - 0.5
+# (on 2 cores at a load of 3.4, a busy loop beside the run read +0.3 to +0.4; at 1.45, +0.44).
+BUSY = (os.cpu_count() or 2) - 1.5
 
 
-def test_a_run_that_blocks_and_wakes_is_not_its_own_background_and_another_process_is():
-    """Relative to the host's own load, read before and after (a shared host is seldom quiet): the run's
-    threads add nothing to it, a busy loop beside the run about one thread. Skipped, with the readings,
-    where the host's load moved by more than ``MOVED`` meanwhile, or is above ``BUSY``: no difference of
-    one thread can be told then."""
+ATTEMPTS = 3  # the host's load can move between the readings (another session's ranks start): any one that holds
+
+
+def _readings() -> dict:
     def background(code: str) -> float:
         _, load = watch_run([sys.executable, "-c", code], Path.cwd(), timeout=60)
         assert load is not None
         return load
 
-    before, alone = background(IDLE), background(RUN)
+    before, alone, mid = background(IDLE), background(RUN), background(IDLE)
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         beside = background(RUN)
     finally:
         busy.kill()
         busy.wait()
-    after = background(IDLE)
-    readings = dict(before=before, alone=alone, beside=beside, after=after)
-    host = max(before, after)
-    if abs(after - before) > MOVED:
-        pytest.skip(f"the host's own load moved by {abs(after - before):.2f} runnable threads meanwhile: {readings}")
-    if host > BUSY:
-        pytest.skip(f"the host is busy: {host:.2f} runnable threads of its own on {os.cpu_count()} cores: {readings}")
-    assert alone < host + 0.5, readings  # clamping each sample at 0 made this about 1 (Megatron T-2 read 0.7-1.5)
-    assert beside > alone + 0.5, readings  # the busy loop: about one runnable thread more
+    return dict(before=before, alone=alone, mid=mid, beside=beside, after=background(IDLE))
+
+
+def test_a_run_that_blocks_and_wakes_is_not_its_own_background_and_another_process_is():
+    """Relative to the host's own load, read before and after (a shared host is seldom quiet): the run's
+    threads add nothing to it, a busy loop beside the run about one thread (the host read before, between
+    and after). Skipped, with the readings, where the host's load moved by more than ``MOVED`` meanwhile,
+    or is above ``BUSY``, in every one of
+    ``ATTEMPTS`` attempts: no difference of one thread can be told then; it fails where every attempt
+    on a steady host reads wrong."""
+    wrong, unsteady = [], []
+    for _ in range(ATTEMPTS):
+        r = _readings()
+        idle = (r["before"], r["mid"], r["after"])
+        host = max(idle)
+        if host - min(idle) > MOVED or host > BUSY:
+            unsteady.append(r)
+            continue
+        # clamping each sample at 0 made the first about 1 (Megatron T-2 read 0.7-1.5); the busy loop: one more
+        if r["alone"] < host + 0.5 and r["beside"] > r["alone"] + 0.5:
+            return
+        wrong.append(r)
+    if not wrong:
+        pytest.skip(f"the host's own load moved or was busy in every attempt: {unsteady}")
+    raise AssertionError(f"read wrong on a steady host: {wrong} (unsteady: {unsteady})")

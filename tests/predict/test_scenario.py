@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 from predict.placement import hosts_of
-from predict.scenario import SYSTEMS, ScenarioError, load, parse, predict_scenario, spec_of
+from predict.run_spec import MODELLED
+from predict.scenario import ScenarioError, load, parse, predict_scenario, spec_of
 from workload.compute import device_names
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = REPO / "predict" / "scenarios"
-SMALL = dict(model=dict(layers=8, hidden=1024, heads=16, seq_len=512, vocab=32000),
-             cluster=dict(gpu="A100 SXM4 80GB", nodes=2, gpus_per_node=4, inter_gbps=100, inter_delay_ms=0.01),
-             run=dict(system="megatron", tp=2, pp=2, dp=2, batch=16, micro_batch=2, precision="bf16"))
+SMALL = dict(run=dict(system="megatron", model="gpt3-xl", num_layers=8, hidden_size=1024, num_heads=16, seq_length=512,
+                      vocab_size=32000, tp=2, pp=2, dp=2, batch_size=8, micro_batch_size=2, precision="bf16"),
+             cluster=dict(gpu="A100 SXM4 80GB", nodes=2, gpus_per_node=4, inter_gbps=100, inter_delay_ms=0.01))
 
 
 def scenario(**changes) -> dict:
@@ -29,16 +30,16 @@ def scenario(**changes) -> dict:
         if value is None:
             d[section].pop(name, None)
         else:
-            d[section][name] = value
+            d.setdefault(section, {})[name] = value
     return d
 
 
 @pytest.mark.parametrize("gpu", device_names())
 def test_every_device_precision_and_system_is_predicted(gpu):
-    for system in SYSTEMS:
+    for system in MODELLED:
         for precision in ("fp32", "bf16", "fp16"):
             tp = 1 if system in ("torch_pipe", "fairscale_fsdp") else 2
-            sc = scenario(cluster__gpu=gpu, run__system=system, run__tp=tp, run__precision=precision, run__dp_mode=None)
+            sc = scenario(cluster__gpu=gpu, run__system=system, run__tp=tp, run__precision=precision)
             res = predict_scenario(parse(sc, f"{system}-{precision}"))
             assert res["status"] == "ok" and res["step_time_s"] > 0, res
             parts = res["parts"]
@@ -48,20 +49,24 @@ def test_every_device_precision_and_system_is_predicted(gpu):
 
 def test_a_bad_scenario_names_what_is_wrong():
     cases = {
-        "run__batch": (None, "[run] batch is missing"),
-        "model__heads": (None, "[model] heads is missing"),
+        "run__batch_size": (None, "[run] batch_size is missing"),
+        "run__model": (None, "[run] model is missing"),
+        "run__batch": (64, "[run]: unknown setting 'batch'"),
         "cluster__gpu": ("B200", "no device file for 'B200'"),
-        "run__precision": ("fp8", "precision must be fp32, bf16 or fp16"),
-        "run__tp": (3, "tp 3 does not divide"),
+        "run__precision": ("fp8", "[run]: precision = 'fp8' is not one of fp32, bf16, fp16"),
+        "run__tp": (3, "--tp 3 must divide the heads (16)"),
         "run__pp": (8, "needs 32 GPUs"),
-        "run__schedule": ("zbv", "is not one of megatron's"),
-        "run__n_slices": (4, "n_slices is ours'"),
+        "run__schedule": ("zbv", "megatron: unknown --schedule 'zbv'; choose from 1f1b, interleaved, zb1p, zb2p"),
+        "run__n_slices": (4, "--n-slices is an option of ours and diloco, not of megatron"),
         "cluster__inter_gbps": (None, "inter_delay_ms given without inter_gbps"),
-        "model__head": ("softmax", "head must be"),
-        "run__recompute": ("yes", "must be true or false"),
+        "predict__head": ("softmax", "head must be"),
+        "predict__extra": (1, "[predict] unknown key extra"),
+        "run__recompute": ("yes", "'recompute' is a switch: true or false"),
         "cluster__inter_delay_ms": (-1, "must be >= 0"),
-        "run__extra": (1, "unknown key extra"),
-        "run__optimizer": ("lamb", "optimizer must be one of adam, sgd, sgd_momentum"),
+        "run__extra": (1, "unknown setting 'extra'"),
+        "run__optimizer": ("lamb", "unknown --optimizer 'lamb'; choose from adam, sgd, sgd_momentum"),
+        "run__network": ("d10-1g", "[run] network: a scenario's links are its [cluster]'s"),
+        "run__out": ("x.jsonl", "'out' says where a run is launched or written"),
     }
     for key, (value, message) in cases.items():
         with pytest.raises(ScenarioError) as exc:
@@ -76,7 +81,7 @@ def test_the_command_prints_json_or_one_line_and_exit_2(tmp_path):
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert res["step_time_s"] == pytest.approx(15.16, rel=0.01) and res["status"] == "ok"
-    for text in ("[model]\nlayers = 2\n", "not toml [", ""):
+    for text in ("[model]\nlayers = 2\n", "not toml [", "", "[run]\n[cluster]\n"):
         bad = tmp_path / "bad.toml"
         bad.write_text(text)
         p = run(str(bad))
@@ -86,10 +91,10 @@ def test_the_command_prints_json_or_one_line_and_exit_2(tmp_path):
 
 
 def test_a_run_that_cannot_fit_is_oom_with_its_estimate():
-    d = scenario(model__layers=96, model__hidden=12288, model__heads=96, model__seq_len=2048, model__vocab=50257,
-                 cluster__gpu="V100 SXM2 16GB", cluster__nodes=1, cluster__gpus_per_node=1, run__tp=1, run__pp=1,
-                 run__dp=1, run__batch=1, run__micro_batch=1, run__precision="fp16", cluster__inter_gbps=None,
-                 cluster__inter_delay_ms=None)
+    d = scenario(run__model="gpt3-175b", run__num_layers=None, run__hidden_size=None, run__num_heads=None,
+                 run__seq_length=None, run__vocab_size=50257, cluster__gpu="V100 SXM2 16GB", cluster__nodes=1,
+                 cluster__gpus_per_node=1, run__tp=1, run__pp=1, run__dp=1, run__batch_size=1, run__micro_batch_size=1,
+                 run__precision="fp16", cluster__inter_gbps=None, cluster__inter_delay_ms=None)
     res = predict_scenario(parse(d))
     assert res["status"] == "oom" and res["step_time_s"] is None and res["memory_gb"] > 1000
 
@@ -106,7 +111,7 @@ def test_ranks_are_placed_as_each_system_places_them():
 def test_gpus_of_a_node_share_its_network_card():
     """Megatron T-1 P-1 D-8 on one node of 8 against 8 nodes of 1: the same all-reduce, but each node's
     card carries every ring crossing it; on 2 nodes of 4 the 8 GPUs' rings cross two cards."""
-    base = dict(run__tp=1, run__pp=1, run__dp=8, run__batch=8, run__micro_batch=1, cluster__inter_gbps=10,
+    base = dict(run__tp=1, run__pp=1, run__dp=8, run__batch_size=1, run__micro_batch_size=1, cluster__inter_gbps=10,
                 run__precision="fp32")
     spread = predict_scenario(parse(scenario(cluster__nodes=8, cluster__gpus_per_node=1, **base)))
     packed = predict_scenario(parse(scenario(cluster__nodes=2, cluster__gpus_per_node=4, **base)))
@@ -142,7 +147,7 @@ def test_the_optimizer_sets_the_state_each_gpu_keeps_and_the_update_it_runs():
 
     runs = {rule: parse(scenario(run__optimizer=rule, run__precision="fp32"))
             for rule in ("adam", "sgd_momentum", "sgd")}
-    assert parse(scenario()).optimizer == "adam"
+    assert parse(scenario()).config.optimizer.kind == "adam"
     mem = {rule: memory_of(sc) for rule, sc in runs.items()}
     params = (mem["adam"].weights) / 4  # fp32 weights: 4 bytes a parameter
     assert mem["adam"].optimizer == pytest.approx(8 * params)
@@ -159,3 +164,19 @@ def test_the_optimizer_sets_the_state_each_gpu_keeps_and_the_update_it_runs():
     res = {rule: predict_scenario(sc) for rule, sc in runs.items()}
     opt = {rule: r["parts"]["optimizer"] for rule, r in res.items()}
     assert opt["sgd"] < opt["sgd_momentum"] < opt["adam"]
+
+
+def test_a_per_flow_limit_slows_messages_between_nodes_unless_the_flows_cover_the_card():
+    """[cluster] flow_gbps (a provider's limit on one TCP flow) and flows_per_message (NCCL's sockets a
+    connection): a message between nodes moves at min(the card, flows x the limit)."""
+    free = predict_scenario(parse(scenario(), "free"))["step_time_s"]
+    one = predict_scenario(parse(scenario(cluster__flow_gbps=5), "one flow"))["step_time_s"]
+    covered = predict_scenario(parse(scenario(cluster__flow_gbps=10, cluster__flows_per_message=16), "16"))
+    assert one > free and covered["step_time_s"] == pytest.approx(free, rel=1e-12)
+    assert parse(scenario(cluster__flow_gbps=5, cluster__flows_per_message=4), "4").cluster.inter.bandwidth == \
+        pytest.approx(20e9 / 8)
+    for changes, says in [(dict(cluster__flows_per_message=4), "without flow_gbps"),
+                          (dict(cluster__flow_gbps=-1), "flow_gbps"),
+                          (dict(cluster__flow_gbps=5, cluster__flows_per_message=0), "flows_per_message")]:
+        with pytest.raises(ScenarioError, match=says):
+            parse(scenario(**changes), "bad")

@@ -9,7 +9,8 @@ import pytest
 from workload.compute import ComputeModel, Overheads
 from predict.simulator import Compute, Defer, FillWait, Flush, Mark, Network, Recv, Send, Simulator, Wait
 from predict.step_time import predict
-from predict.run_spec import Link, RunSpec
+from contract.links import Link
+from predict.run_spec import RunSpec
 from workload.configs import ModelConfig
 
 MODEL = ModelConfig("toy", n_layer=6, n_embd=64, n_head=4, seq_len=128, vocab_size=128)
@@ -21,8 +22,8 @@ class Fixed(ComputeModel):
     slice, independent of its context); no head, embeddings or optimizer; wgrad: the share of b that is
     weight gradients."""
 
-    def __init__(self, f: float, b: float, wgrad: float = 0.0, overheads: Overheads = Overheads()):
-        self.f, self.b, self.w, self.o = f, b, wgrad, overheads
+    def __init__(self, f: float, b: float, wgrad: float = 0.0, overheads: Overheads | None = None):
+        self.f, self.b, self.w, self.o = f, b, wgrad, overheads if overheads is not None else Overheads()
 
     def layer_forward(self, b, l, c, tp=1):
         return self.f * b * l / MODEL.seq_len / tp

@@ -120,7 +120,8 @@ def test_a_record_is_strict_json_with_label_key_and_options_from_the_spec():
     d = json.loads(rec.to_json())  # a NaN would not be valid JSON: it becomes null
     assert d["verify"]["max_abs_loss_diff"] is None
     assert d["label"] == "torch_pipe gpipe" and d["role"] == "baseline"
-    assert d["options"] == {"schedule": "gpipe", "virtual_pp": 1} and d["key"] == _cfg().key()
+    assert d["options"] == {"schedule": "gpipe", "virtual_pp": 1, "layers_per_stage": None} and d["key"] == _cfg().key()
+    assert json.loads(d["key"])["options"] == {"schedule": "gpipe", "virtual_pp": 1}  # equal stages: as it always was
     assert _cfg(timeout=5.0, verify=True).key() == _cfg().key() != _cfg(steps=3).key()
 
 
@@ -186,3 +187,82 @@ def test_every_record_says_what_produced_it(tmp_path, monkeypatch, request):
     monkeypatch.setattr(record_mod, "_ROOT", tmp_path.parent / "nowhere")
     record_mod.provenance.cache_clear()
     assert record_mod.provenance()["git_commit"] is None and record_mod.provenance()["git_dirty"] is None
+
+
+# -- issue #54 items 2 and 5: a record counts only the work that ran, and says when a trace was not reached
+
+def _diloco_cfg(**kw) -> RunConfig:
+    from ours.diloco import DiLoCoOptions
+
+    base = dict(system="diloco", model=get_model_config("tiny"), batch_size=2, micro_batch_size=1, dp=2,
+                steps=4, warmup=1, kill_replica="1@3", options=DiLoCoOptions(inner_steps=2))
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def test_a_killed_replica_counts_only_the_steps_it_ran():
+    """Item 2: replica 1 of 2 ran steps 0-2 of 5 (one warm-up): the measured steps 1..4 were run by 2, 2, 1,
+    1 replicas; tokens/s is their mean work over the median step time, per device over the devices
+    that ran (one a replica: the survivor's rank), so the MFU is one replica's, not two's."""
+    from ours.diloco import SPEC as DILOCO
+
+    faults = {"replicas": [{"replica": 0, "lives": [{"steps": [0, 4], "ended": "finished"}]},
+                           {"replica": 1, "lives": [{"steps": [0, 2], "ended": "killed after 3 steps"}]}]}
+    rec = build_record(_diloco_cfg(), DILOCO, "ok", None, [_rank(0, [1.0, 1.0, 2.0, 2.0])], {"faults": faults})
+    assert rec.replicas_per_step == [2, 2, 1, 1]
+    assert rec.median_step_time == 1.5 and rec.tokens_per_s == pytest.approx(1.5 * 2 * 128 / 1.5)
+    assert rec.environment["device_count"] == 2  # the run's devices, one a replica
+    assert rec.tokens_per_s_per_device == pytest.approx(2 * 128 / 1.5)  # one replica's pace, per device
+    healthy = build_record(_diloco_cfg(kill_replica=None), DILOCO, "ok", None,
+                           [_rank(0, [1.0, 1.0, 2.0, 2.0]), _rank(1, [1.0, 1.0, 2.0, 2.0])], {})
+    assert healthy.replicas_per_step == [] and healthy.tokens_per_s == 2 * 2 * 128 / 1.5
+    assert healthy.mfu == pytest.approx(rec.mfu)  # per device the same pace: the same MFU
+
+
+def test_an_old_record_of_a_killed_replica_is_counted_again_from_its_own_fields(tmp_path):
+    """Item 2: a record written when a killed replica's tokens still counted (the committed D-3 kill
+    records) is counted again from its step times, warm-up and replicas' lives (``recount``); other
+    records stay byte for byte."""
+    from ours.diloco import SPEC as DILOCO
+
+    faults = {"replicas": [{"replica": 0, "lives": [{"steps": [0, 4], "ended": "finished"}]},
+                           {"replica": 1, "lives": [{"steps": [0, 2], "ended": "killed after 3 steps"}]}]}
+    now = build_record(_diloco_cfg(), DILOCO, "ok", None, [_rank(0, [1.0, 1.0, 2.0, 2.0])], {"faults": faults})
+    old = json.loads(now.to_json())
+    del old["replicas_per_step"]
+    old["environment"]["device_count"] = 1  # the survivors' ranks, as such a record said
+    old.update(tokens_per_s=2 * 2 * 128 / 1.5, mfu=2 * now.mfu)  # both replicas' tokens, as it counted them
+    plain = build_record(_diloco_cfg(kill_replica=None), DILOCO, "ok", None, [_rank(0, [1.0] * 4)] * 2, {})
+    f = tmp_path / "old.jsonl"
+    f.write_bytes(plain.to_json().encode() + b"\n" + json.dumps(old).encode() + b"\n")
+    assert record_mod.recount_file(f) == 1 and record_mod.recount_file(f) == 0
+    first, second = f.read_bytes().splitlines()
+    assert first == plain.to_json().encode()
+    again = json.loads(second)
+    for name in ("replicas_per_step", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device", "mfu"):
+        assert again[name] == pytest.approx(getattr(now, name)), name
+    assert again["environment"]["device_count"] == 2
+
+
+def test_trace_points_no_measured_step_ran_under_are_warned_and_not_claimed():
+    """Item 5: a trace point applied after the last measured step (or never: the run ended first) is
+    named in the record's warnings; where no point had a step run under it, the label says the trace
+    was not reached instead of '+ trace'."""
+    from network_emulation.traces import trace_from
+
+    contents = {"links": "all", "points": [{"at_s": 0.5, "delay_ms": 5}, {"at_s": 60, "delay_ms": 20}]}
+    cfg = _cfg(network="delay 10ms bandwidth 1Gbps", network_trace="/x/late.json",
+               network_trace_contents=trace_from(contents, "late").contents())
+    ranks = [dict(_rank(0, [0.2, 0.2, 0.2]), step_starts=[0.0, 0.2, 0.4]), _rank(1, [0.2, 0.2, 0.2])]
+
+    def record(applied):
+        trace = {"name": "late", **contents, "applied": applied}
+        return build_record(cfg, TORCH_PIPE, "ok", None, ranks, {"network": {"trace": trace}})
+
+    reached = record([{"at_s": 0.5, "delay_ms": 5, "applied_s": 0.51}])  # during the last step: it ran under it
+    assert reached.environment["network"]["trace"]["applied"][0]["measured_steps"] == 1
+    assert "+ trace late" in reached.network_setting["label"]
+    assert len(reached.warnings) == 1 and "at 60 s" in reached.warnings[0]  # never applied: the run had ended
+    late = record([{"at_s": 0.5, "delay_ms": 5, "applied_s": 0.7}])  # after the last step ended
+    assert "+ trace" not in late.network_setting["label"] and "not reached" in late.network_setting["label"]
+    assert late.network_setting["trace"]["reached"] is False and "at 0.5 s, 60 s" in late.warnings[0]

@@ -11,7 +11,7 @@ from runners.launcher import LaunchResult
 from runners.run import compare
 from runners.tolerance import FP32_TOLERANCE, policy_class, verify_tolerance
 from contract.records import read_records
-from tests.conftest import TINY, assert_verified, run_cli
+from tests.conftest import NCCL_RULES, TINY, assert_verified, run_cli
 from workload.configs import get_model_config
 from workload.data import TokenSource
 from workload.model import build_gpt, lm_loss
@@ -120,10 +120,14 @@ HALF = {
 # torch_pipe and fairscale_fsdp run the reference's autocast, op for op: fp16 takes that path and adds the
 # loss scaling, so their bf16 runs are left to tools.verify_spread (every system, every policy, many seeds)
 RUNS = [(system, "fp16") for system in HALF] + [("ours", "bf16"), ("ours-tp2-pp2", "bf16"), ("megatron-pp2", "bf16")]
+HALF_EXTENDED = {("ours", "fp16"), ("ours", "bf16"), ("ours-tp2-pp2", "bf16"), ("megatron-pp2", "bf16")}
+"""Left to --all: ours' bf16 is in CI as the llama family's T-2 case, megatron's fp16 policy here."""
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("system, precision", RUNS, ids=[f"{s}-{p}" for s, p in RUNS])
+@pytest.mark.parametrize("system, precision", [
+    pytest.param(s, p, id=f"{s}-{p}", marks=[pytest.mark.extended] if (s, p) in HALF_EXTENDED else [])
+    for s, p in RUNS])
 def test_every_system_verifies_under_the_half_policies(system, precision, out_file):
     """Against the reference under the same policy (fp16: loss scaling on every side; megatron's
     through grad_scale_func: without it its gradients come out 2^-16 of the reference's; megatron
@@ -149,3 +153,53 @@ def test_every_policys_tolerance_follows_from_the_kept_measurements():
         runs = derivation_runs(policy, rows)
         assert len(runs) >= 20, (policy, len(runs))  # many seeds, the reference against itself: no system
         assert derive(policy, runs) == tolerance, policy
+
+
+LLAMA = ["--model", "llama-tiny", "--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--seq-length", "32",
+         "--vocab-size", "128"]
+"""The llama family's tiny model as the tests run it: 2 layers (one per stage at P-2), 4 query heads sharing 2
+key/value heads, an MLP 256 wide (2/3 of 4h rounded up to 256)."""
+
+LLAMA_RUNS = {
+    "torch_pipe-1f1b": ["--system", "torch_pipe", "--pp", "2", "--schedule", "1f1b", *NCCL_RULES],
+    "fairscale_fsdp": ["--system", "fairscale_fsdp", "--pp", "2"],
+    "megatron-pp2": ["--system", "megatron", "--pp", "2", *NCCL_RULES],
+    "megatron-tp2": ["--system", "megatron", "--tp", "2", *NCCL_RULES],
+    "diloco-dp2": ["--system", "diloco", "--dp", "2", "--inner-steps", "2"],
+    "ours-pp2": ["--system", "ours", "--pp", "2", "--n-slices", "2", *NCCL_RULES],
+    "ours-tp2": ["--system", "ours", "--tp", "2", "--n-slices", "2"],
+}
+LLAMA_CASES = [(name, precision) for name in LLAMA_RUNS for precision in ("fp32", "bf16")]
+LLAMA_CORE = {(name, "fp32") for name in LLAMA_RUNS if not name.endswith("tp2")} | {("ours-tp2", "bf16")}
+"""What CI runs of the family (every system once, ours' tensor parallelism in bf16); the rest: marker extended."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("system, precision", [
+    pytest.param(s, p, id=f"{s}-{p}", marks=[] if (s, p) in LLAMA_CORE else [pytest.mark.extended])
+    for s, p in LLAMA_CASES])
+def test_every_system_verifies_the_llama_family(system, precision, out_file):
+    """Every system trains the llama family as the reference does: RMSNorm, rotary positions, SwiGLU and
+    grouped-query attention; megatron through megatron-core's own layers, which the record describes (its
+    RMSNorm, RotaryEmbedding at the model's base, gated MLP with silu, 2 query groups of the 4 heads, split
+    over the tensor-parallel ranks; no biases); ours over 2 token slices (rotated at each slice's offset,
+    a cache of 2 key/value heads; under tensor parallelism one of them a rank)."""
+    batch = ["--batch-size", "2", "--micro-batch-size", "1"] if system.startswith("diloco") else \
+        ["--batch-size", "4", "--micro-batch-size", "2"]
+    proc = run_cli(*LLAMA_RUNS[system], *LLAMA, *batch, "--steps", "2", "--warmup", "0", "--precision", precision,
+                   "--verify", "--out", str(out_file))
+    assert_verified(proc)
+    (rec,) = read_records(out_file)
+    assert rec["config"]["model"]["family"] == "llama" and rec["config"]["model"]["kv_heads"] == 2
+    if system.startswith("megatron"):
+        tp = rec["layout"]["tp"]
+        modules = rec["options"]["megatron_modules"]
+        assert modules["norm"] == "torch.nn.modules.normalization.RMSNorm"
+        assert modules["layer"] == "megatron.core.transformer.transformer_layer.TransformerLayer"
+        assert modules["attention"] == "megatron.core.transformer.attention.SelfAttention"
+        assert modules["mlp"] == "megatron.core.transformer.mlp.MLP"
+        assert modules["positions"] == "rope" and modules["rotary_base"] == 500000.0
+        assert modules["rotary"] == "megatron.core.models.common.embeddings.rotary_pos_embedding.RotaryEmbedding"
+        assert (modules["heads"], modules["query_groups"]) == (4 // tp, 2 // tp)
+        assert modules["gated"] and modules["activation"] == "silu" and modules["fc1_rows"] == 2 * 256 // tp
+        assert modules["biases"] is False

@@ -29,7 +29,7 @@ def test_every_device_file_reads_with_its_sources():
             assert 0 < e <= 1 and half > 0 and d.peak_flops(p) > 0
         assert len(d.calibrated_on) <= 3  # at most one cell per precision, named
     v100 = find_device("V100 SXM2 16GB")
-    assert set(v100.calibrated_on) == {"fp32", "fp16"} and all("seed" in v for v in v100.calibrated_on.values())
+    assert not v100.calibrated_on and v100.kernels  # its GEMMs from published kernel benchmarks, no whole step
     assert v100.peak_flops("bf16") == v100.peak_flops("fp32")  # no bf16 units: the fp32 rate
     assert find_device("Tesla V100-SXM2-16GB").name == "V100 SXM2 16GB"  # as the driver names it
     assert find_device("NVIDIA H100 80GB HBM3").name == "H100 SXM"
@@ -65,11 +65,11 @@ def test_terapipes_latency_curve_flat_then_linear_and_context_adds():
     linearly with its tokens; attending to more context costs more, linearly in it."""
     g = gpu_compute("V100 SXM2 16GB", XL, "fp16")
     t = {l: g.layer_step(1, l, 0) for l in (16, 32, 64, 512, 1024)}
-    assert t[32] / t[16] < 1.25 and t[64] / t[16] < 1.5  # under-filled: 4x the tokens, < 1.5x the time
+    assert t[32] / t[16] < 1.25 and t[64] / t[16] < 1.6  # under-filled: 4x the tokens, < 1.6x the time
     assert 1.7 < t[1024] / t[512] < 2.3  # compute bound: twice the tokens, about twice the time
     c = [g.layer_step(1, 128, ctx) for ctx in (0, 512, 1024, 1536)]
     steps = [b - a for a, b in zip(c, c[1:])]
-    assert all(s > 0 for s in steps) and max(steps) / min(steps) < 1.5
+    assert all(s > 0 for s in steps) and max(steps) / min(steps) < 1.6
 
 
 def test_one_compute_model_for_the_simulator_the_latency_model_the_layout_and_auto():
@@ -78,7 +78,8 @@ def test_one_compute_model_for_the_simulator_the_latency_model_the_layout_and_au
     from contract import RunConfig
     from ours import OursOptions
     from ours.plan.auto import auto_slicing
-    from predict.run_spec import Cluster as SimCluster, Link, RunSpec
+    from contract.links import Link
+    from predict.run_spec import Cluster as SimCluster, RunSpec
     from predict.step_time import predict
 
     model = XL.with_overrides(n_layer=4)
@@ -117,5 +118,5 @@ def test_nothing_else_computes_an_operations_time():
                     found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.attr}")
                 if isinstance(node, ast.Name) and node.id in ("tile_efficiency",):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.id}")
-    allowed = ("tools/gpu_profile.py",)  # fits the curves the model reads
+    allowed = ("tools/gpu_profile.py", "predict/fitting.py")  # fit the curves the model reads
     assert [f for f in found if not f.startswith(allowed)] == []

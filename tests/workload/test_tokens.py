@@ -2,6 +2,7 @@
 unigram cross-entropy, the pydocs corpus and its fallback, and what the run command judges."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -14,7 +15,8 @@ from contract.spec import check_common
 from workload import corpus
 from workload.configs import get_model_config
 from workload.data import TokenSource
-from workload.tokens import describe, heldout_starts, prepare_bpe, read_tokens, unigram_nats
+from workload.tokens import (bpe_info, describe, heldout_starts, learned_short, prepare_bpe, read_tokens,
+                             unigram_nats)
 
 WORDS = ("the model reads a sentence and predicts the next word of the sentence; "
          "a pipeline sends activations from one stage to the next stage. ")
@@ -99,3 +101,42 @@ def test_the_tokenizer_is_judged_before_launch():
     byte = RunConfig(**base, data="stdlib")
     assert "tokenizer" not in byte.identity()
     assert RunConfig(**base, data="stdlib", tokenizer="bpe").identity()["tokenizer"] == "bpe"
+
+
+# -- issue #54 items 8 and 25: a damaged cache entry is named and made again; a BPE short of its vocabulary
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda d: (d / "info.json").write_text("{broken"), "info.json unreadable"),
+    (lambda d: (d / "train.npy").write_bytes((d / "train.npy").read_bytes()[:100]), "train.npy is not the file made"),
+    (lambda d: (d / "tokenizer.json").write_text("garbage"), "tokenizer.json is not the file made"),
+    (lambda d: (d / "heldout.npy").unlink(), "heldout.npy missing"),
+], ids=["info", "truncated-ids", "tokenizer", "missing"])
+def test_a_damaged_bpe_is_named_and_made_again(text, damage, says, capsys):
+    where = prepare_bpe(text, 300)
+    made = {p.name: p.read_bytes() for p in where.iterdir()}
+    damage(where)
+    read_tokens.cache_clear()
+    assert prepare_bpe(text, 300) == where
+    err = capsys.readouterr().err
+    assert f"the cached BPE {where} is damaged ({says}" in err and "made again" in err
+    assert {p.name: p.read_bytes() for p in where.iterdir()} == made  # deterministic: the same files again
+    assert describe(text, "bpe", 300)["tokenizer"]["sha256"] == \
+        hashlib.sha256((where / "tokenizer.json").read_bytes()).hexdigest()
+
+
+def test_an_unwritable_cache_and_a_short_vocabulary_are_refused_before_launch(text, tmp_path, monkeypatch, capsys):
+    from runners.run import main
+
+    args = ["--system", "reference", "--model", "tiny", "--batch-size", "1", "--micro-batch-size", "1", "--steps",
+            "1", "--data", text, "--tokenizer", "bpe", "--out", str(tmp_path / "r.jsonl")]
+    monkeypatch.setenv("PIPEBENCH_CACHE", "/proc/nope")
+    assert main([*args, "--vocab-size", "300"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "PIPEBENCH_CACHE=/proc/nope: cannot keep files in /proc/nope" in err, err
+    monkeypatch.setenv("PIPEBENCH_CACHE", str(tmp_path / "cache"))
+    assert main([*args, "--vocab-size", "60000"]) == 2
+    learned = bpe_info(text, 60000)["learned_vocab"]
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--vocab-size 60000: the BPE trained on {text}'s training split learned only {learned} tokens" in last
+    assert f"give --vocab-size {learned}" in last and not (tmp_path / "r.jsonl").exists()
+    assert learned_short(text, learned) is None  # a BPE of that many tokens learns them all

@@ -89,3 +89,21 @@ def test_text_tokens_stay_compact(tmp_path):
     x, y = TokenSource(seq_len=64, vocab_size=256, text_path=str(f)).replica_batch(0, 4, 0, 1)
     assert x.shape == (4, 64) and x.dtype == torch.int64
     assert _resident_bytes() - before < 32 << 20
+
+
+def test_every_optimizer_of_the_list_is_made_and_keeps_its_state():
+    """One list of optimizers (workload.configs.OPTIMIZERS): Adam two moments, SGD with momentum one
+    buffer, plain SGD none, as the compute and memory models charge them."""
+    from workload.configs import OPTIMIZERS, SGD_MOMENTUM, OptimizerConfig
+    from workload.training import make_optimizer
+
+    state = {}
+    for kind in OPTIMIZERS:
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = make_optimizer([p], OptimizerConfig(kind=kind, lr=0.1))
+        p.grad = torch.ones(3)
+        opt.step()
+        state[kind] = sorted(k for k, v in opt.state[p].items() if torch.is_tensor(v) and v.numel() == 3)
+        if kind == "sgd_momentum":
+            assert opt.param_groups[0]["momentum"] == SGD_MOMENTUM
+    assert state == {"adam": ["exp_avg", "exp_avg_sq"], "sgd": [], "sgd_momentum": ["momentum_buffer"]}

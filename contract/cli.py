@@ -1,0 +1,63 @@
+"""The suite's command-line parser, which every command (``pipebench run | sweep | predict | plan``)
+builds on: a bad argument is one line on stderr and exit status 2, as a request judged bad is, and
+every flag's help ends with its default (where it has one to show: not None, not a switch's False,
+and not already said in the help's own words).
+
+A command names itself in its usage and errors by ``prog``: ``pipebench run`` where the command
+``pipebench`` runs it (``pipebench.py`` passes its name to the module's ``main``), else
+``python -m runners.run`` as ``python -m`` runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+class DefaultsShown(argparse.RawDescriptionHelpFormatter):
+    """Help that ends with ``(default: X)`` where the flag has a default worth showing; a description
+    as written (its lines and indents kept)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text, default = action.help or "", action.default
+        if (not text or default is None or default is False or default is argparse.SUPPRESS or default == []
+                or "default" in text
+                or (not action.option_strings and action.nargs not in ("?", "*"))):
+            return action.help
+        shown = ", ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (exit status 2) and whose help shows defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # one line on stderr, exit status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def number(kind: type, least: float, *, above: bool = False):
+    """An argparse type: a finite ``kind`` (int or float) >= ``least`` (> with ``above``)."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < least or (above and value == least):
+            raise argparse.ArgumentTypeError(f"takes a finite {'whole ' if kind is int else ''}number "
+                                             f"{'>' if above else '>='} {least:g}, got {text!r}")
+        return value
+    return convert
+
+
+POSITIVE_INT = number(int, 1)  # a whole number >= 1: a count (stages, devices, a batch)
+
+# A GPU's device file (workload/devices), in every command that takes one; --gpu: its old name
+DEVICE_FILE = ("--device-file", "--gpu")
+
+
+def old_names(flags: tuple[str, ...] | list[str]) -> str:
+    """What a flag's help says of its other names (``flags[1:]``): old names, kept for one release."""
+    return f"; {', '.join(flags[1:])}: the old name, kept for one release" if len(flags) > 1 else ""
