@@ -69,7 +69,7 @@ def test_the_fill_leaves_out_the_deferred_weight_gradients_and_keeps_the_engines
     cm = CpuCompute(_profile(engine=(3e-4, 4e-4, 1e-4)))
     st = slice_times(cm, 64, 1, 16, 32, layers=2, n_stages=2, link=LINK)
     fwd, bwd, w = cm.slice_layer(1, 16, 32)
-    msg = LINK.time(16 * 64 * 4)
+    msg = LINK.transfer(16 * 64 * 4)
     assert st.fill == pytest.approx(2 * (fwd + bwd) + 7e-4 + 2 * msg)
     assert st.backward == pytest.approx(2 * bwd + 4e-4 + msg)
     assert st.time == pytest.approx(st.fill + 2 * w + 1e-4)
