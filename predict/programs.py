@@ -97,17 +97,18 @@ class _Step:
         return self.params(layers, 0 in chunks, self.n_chunks - 1 in chunks, tp)
 
     # ---- the math of one stage chunk on one micro-batch -------------------------------------
-    def forward(self, chunk: int, b: int, l: int, c: int) -> list:
+    def forward(self, chunk: int, b: int, l: int, c: int, stage: float | None = None) -> list:
         """Ops of a chunk's forward on b x l tokens after c (first chunk: embeddings; the last chunk of
-        the baselines also runs the head and the loss here). Where megatron's parameter all-gather runs
-        behind the step's first forwards (``_MegatronDDP.gate``), each part waits for its bucket."""
+        the baselines also runs the head and the loss here; ``stage``: its layers' time, ``_layers``).
+        Where megatron's parameter all-gather runs behind the step's first forwards
+        (``_MegatronDDP.gate``), each part waits for its bucket."""
         cm, tp, L = self.cm, self.tp, self.stage_layers[chunk]
         gate = self.ddp.gate(chunk) if self.ddp is not None else None
         ops = [Compute(self.o.per_unit(L) / 2, "overhead")]
         if chunk == 0:
             ops += (gate(L + 1) if gate else []) + [Compute(cm.embed(b * l) / 3, "embed")]
         if gate is None:
-            ops += self._layers("forward", L, b, l, c)
+            ops += self._layers("forward", L, b, l, c, stage)
         else:
             for j in range(L):  # the layers in forward order: units L .. 1 (``_megatron_order``)
                 ops += gate(L - j) + self._layers("forward", 1, b, l, c)
@@ -167,11 +168,15 @@ class _Step:
         signal = self.ddp.signal(chunk) if self.ddp is not None else None
         return ops + ([op for u in range(L + 2) for op in signal(u)] if signal else [])
 
-    def _layers(self, kind: str, L: int, b: int, l: int, c: int) -> list:
+    def _layers(self, kind: str, L: int, b: int, l: int, c: int, stage: float | None = None) -> list:
+        """A chunk's L layers of ``kind`` on b x l tokens after c: each layer's time from the compute
+        model, or ``stage`` / L (ours: its cost of a slice, ``ComputeModel.slice_cost``)."""
         cm, tp = self.cm, self.tp
-        if kind == "recompute" and self.spec.recompute_granularity == "selective":
+        if stage is not None:
+            t = stage / L
+        elif kind == "recompute" and self.spec.recompute_granularity == "selective":
             return [Compute(L * cm.attention_forward(b, l, c, tp), kind)]  # the attention core alone, no TP comm
-        if kind == "backward":
+        elif kind == "backward":
             t = cm.layer_backward_input(b, l, c, tp) + cm.layer_wgrad(b, l, tp)
         elif kind == "backward-input":  # ours: the weight gradients deferred
             t = cm.layer_backward_input(b, l, c, tp)
@@ -867,12 +872,13 @@ def _ours_backward(st: _Step, rank: int, u: int, l: int, c: int, sends: list, wg
     if last:  # the head split by vocabulary over the T ranks (ours.tp)
         ops.append(Compute(cm.head_forward(mb * l, tp, st.width) + cm.head_backward_input(mb * l, tp, st.width),
                            "head"))
+    cost = cm.slice_cost(mb, l, c, L, tp)  # the planner's cost of a slice (ours.plan.latency)
     if spec.recompute:
-        ops += st._layers("recompute", L, mb, l, c)
-    ops += st._layers("backward-input", L, mb, l, c)
+        ops += st._layers("recompute", L, mb, l, c, cost.forward)
+    ops += st._layers("backward-input", L, mb, l, c, cost.backward)
     if first:
         ops.append(Compute(cm.embed(mb * l) * 2 / 3, "embed"))
-    chunks = [cm.layer_wgrad(mb, l, tp) / 4] * (4 * L)  # one per linear (ours drains one stash entry at a time)
+    chunks = [cost.wgrad / (4 * L)] * (4 * L)  # one per linear (ours drains one stash entry at a time)
     if last:
         chunks.append(cm.head_wgrad(mb * l, tp, st.width))
     for k, t in enumerate(chunks):
@@ -893,7 +899,8 @@ def _ours_forward(st: _Step, rank: int, b: int, i: int) -> tuple[list, tuple | N
     d, s = divmod(rank, P)
     u, l, c = b * len(slices) + i, slices[i], sum(slices[:i])
     ops = [FillWait(_key(st.step, "f", d, s - 1, u), "wgrad")] if s > 0 else []  # waited like a gradient
-    ops += st.forward(s, spec.micro_batch_size, l, c)
+    cost = st.cm.slice_cost(spec.micro_batch_size, l, c, st.stage_layers[s], st.tp)  # ours.plan.latency's
+    ops += st.forward(s, spec.micro_batch_size, l, c, cost.forward)
     if s == P - 1:
         return ops, None
     key = _key(st.step, "f", d, s, u)

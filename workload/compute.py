@@ -71,6 +71,23 @@ class Overheads:
         return self.unit + self.unit_layer * layers
 
 
+@dataclass(frozen=True)
+class SliceCost:
+    """One unit of ours' token pipeline (b sequences x l tokens after c of context) on one stage: seconds
+    of its forward, its backward (the input gradients; the forward again under recompute) and its weight
+    gradients (deferred by the engine: they fill its waits), each the stage's layers' math plus the
+    engine's own time per unit beyond it (``ComputeModel.engine_unit``)."""
+
+    forward: float
+    backward: float
+    wgrad: float
+
+    @property
+    def total(self) -> float:
+        """The unit's work on the stage: what every unit adds to a stage's step."""
+        return self.forward + self.backward + self.wgrad
+
+
 class ComputeModel:
     """The interface every compute model implements (seconds of one rank)."""
 
@@ -106,6 +123,25 @@ class ComputeModel:
         f = self.layer_forward(b, l, c, tp)
         return f * (2 if recompute else 1) + self.layer_backward(b, l, c, tp)
 
+    # -- ours' token slices: the one cost of a slice (the planner, the layout chooser and the simulator) --
+    def slice_layer(self, b: int, l: int, c: int, tp: int = 1) -> tuple[float, float, float]:
+        """(forward, input gradient, weight gradient) of one layer of ours' engine on a token slice; by
+        default the shared layer's (a model that measured ours' own kernels answers with those)."""
+        return self.layer_forward(b, l, c, tp), self.layer_backward_input(b, l, c, tp), self.layer_wgrad(b, l, tp)
+
+    def engine_unit(self, layers: int) -> tuple[float, float, float]:
+        """(forward, backward, weight gradients): ours' engine's own time per unit on a stage of
+        ``layers`` layers beyond the layers' math (its Python, autograd and bookkeeping); none by default."""
+        return 0.0, 0.0, 0.0
+
+    def slice_cost(self, b: int, l: int, c: int, layers: int, tp: int = 1, recompute: bool = False) -> SliceCost:
+        """One unit of ours' token pipeline on a stage of ``layers`` layers (``SliceCost``)."""
+        f, bi, w = self.slice_layer(b, l, c, tp)
+        ef, eb, ew = self.engine_unit(layers)
+        forward = layers * f + ef
+        return SliceCost(forward=forward, backward=layers * bi + eb + (forward if recompute else 0.0),
+                         wgrad=layers * w + ew)
+
 
 class Scaled(ComputeModel):
     """``base`` with its layers', head's and embeddings' math scaled by ``factor`` (the optimizer and the
@@ -134,6 +170,12 @@ class Scaled(ComputeModel):
 
     def embed(self, tokens):
         return self.base.embed(tokens) * self.factor
+
+    def slice_layer(self, b, l, c, tp=1):
+        return tuple(t * self.factor for t in self.base.slice_layer(b, l, c, tp))
+
+    def engine_unit(self, layers):
+        return self.base.engine_unit(layers)
 
     def attention_forward(self, b, l, c, tp=1):
         return self.base.attention_forward(b, l, c, tp) * self.factor
@@ -731,7 +773,8 @@ def isotonic(y: list[float]) -> list[float]:
 @dataclass(frozen=True)
 class Table3:
     """t(b, l, c) from measurements on a grid: per b (nearest profiled b, scaled linearly), piecewise
-    linear in l at c = 0 plus a term linear in c and l*c fitted to the points with c > 0."""
+    linear in l at c = 0 plus a term linear in c and l*c fitted to the points with c > 0 (relative
+    least squares: a thin slice's point weighs as much as a long one's)."""
 
     points: tuple  # (b, l, c, t)
 
@@ -746,10 +789,20 @@ class Table3:
         return t0 * b / bb
 
     def _context_terms(self, bb: int) -> tuple[float, float]:
-        """Least squares of t(l, c) - t(l, 0) = kc c + klc l c over the points with c > 0 (>= 0)."""
+        """Least squares of t(l, c) - t(l, 0) = kc c + klc l c over the points with c > 0 (>= 0), each
+        point's equation divided by its measured t(l, c): relative errors, so that the fixed part kc c
+        (the cached keys and values read whatever the slice's length) is fitted on the thin slices
+        too, not drowned by the long ones."""
+        cache = self.__dict__.setdefault("_terms", {})
+        if bb not in cache:
+            cache[bb] = self._fit_context(bb)
+        return cache[bb]
+
+    def _fit_context(self, bb: int) -> tuple[float, float]:
         zero = sorted((p[1], p[3]) for p in self.points if p[0] == bb and p[2] == 0)
         xs, ys = [z[0] for z in zero], [z[1] for z in zero]
-        rows = [(p[2], p[1] * p[2], p[3] - _interp(p[1], xs, ys)) for p in self.points if p[0] == bb and p[2] > 0]
+        rows = [(p[2] / p[3], p[1] * p[2] / p[3], (p[3] - _interp(p[1], xs, ys)) / p[3])
+                for p in self.points if p[0] == bb and p[2] > 0 and p[3] > 0]
         if not rows:
             return 0.0, 0.0
         s11 = sum(a * a for a, _, _ in rows)
@@ -770,6 +823,9 @@ class Table3:
         return kc, klc
 
 
+ENGINE_PHASES = ("forward", "backward", "wgrad")  # a profile's ``engine`` fits, per phase of a unit
+
+
 @dataclass(frozen=True)
 class CpuCompute(ComputeModel):
     """This machine, one thread per rank, from a profile (``ours.plan.profile``) and calibrated
@@ -779,20 +835,21 @@ class CpuCompute(ComputeModel):
     overhead: dict = field(default_factory=dict)  # system -> Overheads
     name = "cpu"
 
-    def _table(self, key: str) -> Table3:
-        """The profile's points of one quantity; at c = 0 cleaned of contention outliers (points more
+    def _table(self, key: str, grid: str = "layer") -> Table3:
+        """The profile's points of one quantity of ``grid`` ("layer": the shared model's layer; "slice":
+        ours' engine's layer on a token slice); at c = 0 cleaned of contention outliers (points more
         than 25 % off what their neighbours predict) and made non-decreasing in l, so that a
         measurement slowed by contention does not make a longer slice look cheaper."""
         cache = self.__dict__.setdefault("_tables", {})
-        if key not in cache:
-            pts = [(p["b"], p["l"], p["c"], p[key]) for p in self.profile["layer"]]
+        if (grid, key) not in cache:
+            pts = [(p["b"], p["l"], p["c"], p[key]) for p in self.profile[grid]]
             out = [q for q in pts if q[2] > 0]
             for b in sorted({q[0] for q in pts}):
                 row = sorted(q for q in pts if q[0] == b and q[2] == 0)
                 ys, _ = clean_outliers([q[1] for q in row], [q[3] for q in row])
                 out += [(b, l, 0, float(t)) for (_, l, _, _), t in zip(row, isotonic(ys))]
-            cache[key] = Table3(tuple(out))
-        return cache[key]
+            cache[grid, key] = Table3(tuple(out))
+        return cache[grid, key]
 
     def layer_forward(self, b, l, c, tp=1):
         return self._table("fwd")(b, l, c) / tp
@@ -802,6 +859,29 @@ class CpuCompute(ComputeModel):
 
     def layer_wgrad(self, b, l, tp=1):
         return max(0.0, self._table("wgrad")(b, l, 0)) / tp
+
+    def slice_layer(self, b, l, c, tp=1):
+        """ours' engine's own layer on a token slice (its sliced attention over the cached keys and
+        values, its deferred-gradient linears), where the profile measured it (``slice``), times what
+        the engine's layers took beyond it in a two-rank run (``engine``'s scale); else the shared
+        layer's."""
+        if not self.profile.get("slice"):
+            return super().slice_layer(b, l, c, tp)
+        times = (self._table("fwd", "slice")(b, l, c), self._table("bwd_in", "slice")(b, l, c),
+                 max(0.0, self._table("wgrad", "slice")(b, l, 0)))
+        return tuple(t * self._engine_scale(k) / tp for t, k in zip(times, ENGINE_PHASES))
+
+    def _engine_scale(self, phase: str) -> float:
+        e = (self.profile.get("engine") or {}).get(phase) or {}
+        return max(0.5, 1.0 + e.get("scale", 0.0))
+
+    def engine_unit(self, layers):
+        """The engine's own time per unit from the profile (``engine``: per phase, a part per unit and a
+        part per layer, fitted to ours' engine traced in a two-rank run; none where it has no such field)."""
+        e = self.profile.get("engine")
+        if not e:
+            return super().engine_unit(layers)
+        return tuple(max(0.0, e[k]["unit"] + e[k]["layer"] * layers) for k in ENGINE_PHASES)
 
     def _head(self, key: str, tokens: int, tp: int, width: int | None) -> float:
         scale = (width / self.profile["model"]["vocab_size"]) if width else 1.0

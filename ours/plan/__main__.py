@@ -103,7 +103,11 @@ def cmd_profile(args) -> int:
     out = Path(args.out or profile_dir() / f"{cache_key(cfg, 'cpu')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(prof, indent=1))
-    print(f"profile: {len(prof['layer'])} layer points in {prof['seconds']:.1f} s -> {out}")
+    engine = prof.get("engine") or {}
+    per_unit = ", ".join(f"{k} {1e3 * v['unit']:.2f} ms + {1e3 * v['layer']:.2f} ms/layer, x{1 + v['scale']:.2f}"
+                         for k, v in engine.items() if isinstance(v, dict))
+    print(f"profile: {len(prof['layer'])} layer points, {len(prof['slice'])} slice points in {prof['seconds']:.1f} s "
+          f"-> {out}" + (f"; ours' engine per unit: {per_unit}" if per_unit else ""))
     return 0
 
 

@@ -1,7 +1,9 @@
 """``--n-slices auto`` (ours' default): the token slicing of a run, chosen before it starts, by one rule:
-TeraPipe's pipeline latency T = M sum_i t_i + (P - 1) max_i t_i solved exactly (``ours.plan.planner``)
-over the run's compute model (``workload.compute``), with the run's stages, layers, batch, micro-batch
-(the batch slice), tensor-parallel degree and recompute.
+TeraPipe's pipeline latency with ours' cost of a slice and ours' fill, T = M sum_i t_i + (P - 1) max_i f_i
+less what the deferred weight gradients hide at the step's end (``ours.plan.latency``), solved exactly
+(``ours.plan.planner``) over the run's compute model (``workload.compute``), with the run's stages,
+layers, batch, micro-batch (the batch slice: the run's layout, which auto keeps), tensor-parallel degree
+and recompute; one slice where slicing cannot pay.
 
 The compute model of the run's device:
 - a GPU: its device file (``workload/devices``), found by the name the driver reports;

@@ -4,13 +4,13 @@ fast links, the pipeline over the slow ones). ``python -m ours.plan layout`` pri
 
 Every (T, P) with T x P = the devices (D = 1), T dividing the heads and the hidden size, P the layers,
 is judged by one step's predicted time with its optimal token slicing (``ours.plan.planner``): a
-slice's time on a stage is its layers' forward and backward from the one compute model (the device
-file's GPU, ``workload.compute``) on 1/T of the layer, the group's all-reduces of the slice's
-activations (a ring over the slowest link inside the group), and its messages to and from the
-neighbouring stages (on the slowest link between adjacent stages); the step is TeraPipe's
-M x sum t_i + (P - 1) x max t_i. A layout that does not fit the device's memory
-(``workload.memory``: parameters, gradients, Adam, and the activations ours' 1F1B order keeps) is
-listed last with its estimate.
+slice's time on a stage is ours' cost of a slice from the one compute model (the device file's GPU,
+``workload.compute``: its layers' forward and backward on 1/T of the layer), the group's all-reduces of
+the slice's activations (a ring over the slowest link inside the group), and its messages to and from
+the neighbouring stages (on the slowest link between adjacent stages); the step is
+M x sum t_i + (P - 1) x max f_i, f the slice's fill (``ours.plan.latency``). A layout that does not
+fit the device's memory (``workload.memory``: parameters, gradients, Adam, and the activations ours'
+1F1B order keeps) is listed last with its estimate.
 
 Ranks are placed as ``ours.tp.rank_of`` numbers them (a stage's T ranks next to each other) and node
 by node (``gpus_per_node``), or on a per-link matrix: the links give each group its latency and
@@ -95,7 +95,7 @@ class Candidate:
     compute: float  # of the step: the slices' compute on a stage
     tp_comm: float  # the all-reduces
     p2p: float  # pipeline messages
-    bubble: float  # (P - 1) x max t_i
+    bubble: float  # (P - 1) x max f_i: the fill
     memory_gb: float
     fits: bool
 
@@ -131,7 +131,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, cm: GpuCompute, tp: int, pp: 
     ctx = 0
     M = batch_size // batch_slice
     for l in p.slices:
-        compute += M * layers * cm.layer_step(batch_slice, l, ctx, tp, recompute)
+        compute += M * cm.slice_cost(batch_slice, l, ctx, layers, tp, recompute).total
         if ring is not None:
             ring_s = ring.collective("allreduce", tp, batch_slice * l * h * act)
             tp_comm += M * tp_allreduces(layers, recompute) * ring_s

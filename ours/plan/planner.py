@@ -1,6 +1,7 @@
 """The optimal (batch slice, token slicing) of a pipeline, from the compute model: TeraPipe's
-latency model (``ours.plan.latency``) tabled over slice boundaries and solved exactly
-(``ours.plan.solve``)."""
+latency model (``ours.plan.latency``: each slice's time and fill by ours' cost of a slice) tabled over
+slice boundaries and solved exactly (``ours.plan.solve``), for every batch slice size asked, so that
+the batch split and the token slicing (one slice included) are chosen together."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from contract.links import Link
-from ours.plan.latency import BYTES_PER_ELEMENT, slice_table, slice_time
+from ours.plan.latency import BYTES_PER_ELEMENT, hidden_at_end, slice_table, slice_times
 from ours.plan.solve import pipeline_latency, solve_table
 from workload.compute import ComputeModel
 from workload.configs import ModelConfig
@@ -21,7 +22,7 @@ class Plan:
     n_stages: int
     batch_size: int
     granularity: int
-    predicted_pipeline: float  # T = (B/b) * sum t_i + (P - 1) * max t_i, seconds (P stages, K = len(slices))
+    predicted_pipeline: float  # T = (B/b) * sum t_i + (P - 1) * max f_i - hidden at the end, seconds (K = len(slices))
     solve_seconds: float
     candidates: int
     evaluated: int
@@ -50,14 +51,21 @@ def default_granularity(seq_len: int) -> int:
 def pipeline_time(cm: ComputeModel, model: ModelConfig, slices, *, b: int, batch_size: int, n_stages: int, tp: int = 1,
                   recompute: bool = False, link: Link | None = None,
                   element_bytes: int = BYTES_PER_ELEMENT) -> float:
-    """T of a given slicing (``ours.plan.solve.pipeline_latency`` over its slices' t)."""
+    """T of a given slicing (``ours.plan.latency``: ``ours.plan.solve.pipeline_latency`` over its slices'
+    t and f, less what the deferred weight gradients hide at the step's end)."""
     ctx = 0
-    times = []
+    parts = []
     for l in slices:
-        times.append(slice_time(cm, model.n_embd, b, int(l), ctx, layers=model.n_layer // n_stages,
-                                n_stages=n_stages, tp=tp, recompute=recompute, link=link, element_bytes=element_bytes))
+        parts.append(slice_times(cm, model.n_embd, b, int(l), ctx, layers=model.n_layer // n_stages,
+                                 n_stages=n_stages, tp=tp, recompute=recompute, link=link, element_bytes=element_bytes))
         ctx += int(l)
-    return pipeline_latency(times, n_stages, batch_size // b)
+    T = pipeline_latency([p.time for p in parts], n_stages, batch_size // b, fills=[p.fill for p in parts])
+    first = int(slices[0])
+    rest = 0.0
+    if first < model.seq_len:  # the rest of the sequence as one slice (``end_of_step``)
+        rest = slice_times(cm, model.n_embd, b, model.seq_len - first, first, layers=model.n_layer // n_stages,
+                           n_stages=n_stages, tp=tp, recompute=recompute, link=link, element_bytes=element_bytes).wgrad
+    return T - hidden_at_end(parts[0], rest, n_stages)
 
 
 def plan(cm: ComputeModel, model: ModelConfig, *, n_stages: int, batch_size: int, tp: int = 1, recompute: bool = False,
@@ -79,10 +87,12 @@ def plan(cm: ComputeModel, model: ModelConfig, *, n_stages: int, batch_size: int
     best = None  # (T, b, solution, pos)
     cand = ev = 0
     for b in sorted(bs):
-        pos, table = slice_table(cm, model.n_embd, seq_len, g, b, layers=model.n_layer // n_stages, n_stages=n_stages,
-                                 tp=tp, recompute=recompute, link=link, element_bytes=element_bytes, tp_link=tp_link,
-                                 act_bytes=act_bytes)
-        sol = solve_table(table, n_stages, batch_size // b, upper_bound=best[0] if best else math.inf)
+        pos, table, fill, hidden = slice_table(cm, model.n_embd, seq_len, g, b, layers=model.n_layer // n_stages,
+                                               n_stages=n_stages, tp=tp, recompute=recompute, link=link,
+                                               element_bytes=element_bytes, tp_link=tp_link, act_bytes=act_bytes)
+        M = batch_size // b
+        table[0, :] -= hidden / M  # with the first slice, once a step: M x (t_0 - hidden / M)
+        sol = solve_table(table, n_stages, M, upper_bound=best[0] if best else math.inf, fill=fill)
         if sol is None:
             continue
         cand += sol.candidates

@@ -31,11 +31,13 @@ def test_a_slice_is_its_layers_and_its_two_messages():
 
 def test_the_table_covers_every_slice_once():
     cm = gpu_compute("A100 SXM4 80GB", XL, "bf16")
-    pos, table = slice_table(cm, 2048, 2048, 256, 1, layers=2, n_stages=2)
+    pos, table, fill, _ = slice_table(cm, 2048, 2048, 256, 1, layers=2, n_stages=2)
     assert list(pos) == list(range(0, 2049, 256))
-    assert math.isinf(table[3, 3]) and math.isinf(table[5, 2])
+    assert math.isinf(table[3, 3]) and math.isinf(table[5, 2]) and math.isinf(fill[3, 3])
     assert table[1, 3] == pytest.approx(2 * cm.layer_step(1, 512, 256))
     assert table[0, 1] < table[7, 8]  # the same length after more context costs more
+    # the fill: what the other stages wait for, the slice without its deferred weight gradients
+    assert fill[1, 3] == pytest.approx(table[1, 3] - 2 * cm.layer_wgrad(1, 512))
 
 
 def test_comm_fit():

@@ -45,6 +45,25 @@ def test_random_tables_match_brute_force(seed):
         _check(t, P, M, fill, batch=int(rng.choice([1, 2, 3, 7, 256])))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_fill_table_apart_from_the_times_matches_brute_force(seed):
+    """T = M sum t + (K - 1) max f with f a table of its own: below t (ours' fill, t without the deferred
+    weight gradients) or unrelated to it (the bound without sum >= max f)."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(30):
+        n = int(rng.integers(1, 10))
+        t = rng.random((n + 1, n + 1)) * float(rng.choice([0.01, 1.0, 100.0]))
+        f = t * rng.random(t.shape) if rng.random() < 0.6 else rng.random(t.shape) * float(rng.choice([0.5, 5.0]))
+        K, M = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+        sol = solve_table(t, K, M, fill=f, batch=int(rng.choice([1, 3, 256])))
+        cuts, T = brute_force(t, K, M, fill=f)
+        assert sol.latency == pytest.approx(T, rel=1e-12, abs=1e-12), (sol, cuts, T)
+        times = [t[a, b] for a, b in zip(sol.cuts[:-1], sol.cuts[1:])]
+        fills = [f[a, b] for a, b in zip(sol.cuts[:-1], sol.cuts[1:])]
+        assert pipeline_latency(times, K, M, fills=fills) == pytest.approx(sol.latency, rel=1e-12)
+        assert sol.max_slice == max(fills)
+
+
 def _realistic(n, g=8, d=2e-3, a=1e-4, gam=3e-8, sq=1.5e-8, layers=2, comm=1e-4):
     pos = np.arange(n + 1) * g
     s, e = pos[:, None], pos[None, :]
