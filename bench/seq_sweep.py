@@ -101,6 +101,10 @@ def run(opts: argparse.Namespace) -> int:
             common = model_args(family, seq, opts) + ["--steps", str(opts.steps), "--warmup", str(opts.warmup)]
             where = f"{family} s={seq} "
             for batch in opts.batch:
+                if opts.max_tokens and seq * batch > opts.max_tokens:
+                    print(f"{where}batch {batch}: skipped ({seq * batch} tokens a step, over --max-tokens "
+                          f"{opts.max_tokens})", file=sys.stderr, flush=True)
+                    continue
                 configs = configurations(batch, common, opts, where)
                 sittings[family, seq, batch] = run_alternating(batch, configs, common, opts, capacities, where)
 
@@ -120,7 +124,8 @@ def run(opts: argparse.Namespace) -> int:
                         s.ms(c["ours"]), f"{c['ratio']:.2f}x", p.describe() if p else "-", verdict])
     for family in opts.families:
         for batch in opts.batch:
-            points = [(seq, compare(sittings[family, seq, batch])) for seq in opts.seq]
+            points = [(seq, compare(sittings[family, seq, batch])) for seq in opts.seq
+                      if (family, seq, batch) in sittings]
             start = pays_from(points)
             if start is None:
                 pays.append(f"{family}, batch {batch}: ours is not faster beyond noise at the longest sequences run")
@@ -136,7 +141,8 @@ def run(opts: argparse.Namespace) -> int:
         f"# {command}",
         f"# {opts.layers} layers, hidden {opts.hidden}, {opts.heads} heads{kv}, vocabulary {opts.vocab}; P={opts.pp}, "
         f"micro-batch 1, {opts.reps} round-robin launches of each configuration, {opts.steps} measured step(s) after "
-        f"{opts.warmup} warm-up each",
+        f"{opts.warmup} warm-up each" + (f"; steps of more than {opts.max_tokens} tokens not run"
+                                         if opts.max_tokens else ""),
         f"# the host's load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
         f"{os.cpu_count()} cores{cores}",
         f"# step ms: {INTERVAL_RULE}",
@@ -176,6 +182,8 @@ def fill_parser(p: argparse.ArgumentParser) -> None:
                    help="the Torch Pipe schedules (each where it can run the batch and the layers)")
     p.add_argument("--ours", type=slice_count, nargs="+", default=["auto"], metavar="K|auto",
                    help="ours' token slice counts (default: auto, the planner's slicing)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="skip a sequence and batch whose step holds more tokens than this (0: none skipped)")
     p.add_argument("--reps", type=int, default=3, help="round-robin launches of every configuration")
     p.add_argument("--steps", type=int, default=2, help="measured steps per launch")
     p.add_argument("--warmup", type=int, default=1)
