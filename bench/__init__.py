@@ -2,7 +2,8 @@
 (``python -m bench NAME``): systems side by side (``__main__``), the network delays paid per step
 (``network_slope``), ours' latency model against measured runs (``plan_evaluation``), and the check of
 how many cores this machine really gives at once (``machine``), one layer's attention over a slice
-(``attention``) and where each rank's step time goes (``breakdown``)."""
+(``attention``), where each rank's step time goes (``breakdown``), ours across sequence lengths
+(``seq_sweep``) and what the side-by-side benchmarks share (``sittings``)."""
 
 
 def cannot_run(args: list[str]) -> str | None:

@@ -328,7 +328,10 @@ def test_shipped_sweep_files_expand():
     assert any(r.system == "torch_pipe" for r in net)
     # P-2 D-2 of 4 ranks (no claim on 2 cores) is a sweep of its own; fairscale's (2 ranks) stays
     assert {r.system for r in net if flags(r)["--dp"] == "2"} == {"fairscale_fsdp"}
-    assert len({r.key for r in local.valid_runs}) == 19  # 19 runs a round: about 20 minutes (the file says why)
+    assert len({r.key for r in local.valid_runs}) == 21  # 21 runs a round: about 25 minutes (the file says why)
+    llama = [flags(r) for r in local.runs if r.experiment.startswith("llama")]
+    assert {(f["--model"], f["--seq-length"], f["--system"]) for f in llama} == {
+        ("llama-cpu-small", "4096", "torch_pipe"), ("llama-cpu-small", "4096", "ours")}  # today's shape, long
     dp = load_sweep(SWEEPS_DIR / "local-dp.toml")
     assert not dp.invalid_runs and dp.repeats == 3 and {r.network for r in dp.runs} == {"default", "d10-1g"}
     assert {flags(r).get("--dp-mode") for r in dp.runs if r.system == "ours"} == {"allreduce", "sharded_ps"}
