@@ -290,10 +290,7 @@ def ours_vs_megatron_tp(opts: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="bench", required=True)
-    b = sub.add_parser("ours-vs-gpipe", help="Torch Pipe GPipe against ours on cpu-small, P=2")
+def _fill_ours_vs_gpipe(b: argparse.ArgumentParser) -> None:
     b.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="batch sizes per pipeline")
     b.add_argument("--reps", type=int, default=5, help="alternating repetitions of every configuration")
     b.add_argument("--slices", type=int, nargs="+", default=[4, 8], help="token slice counts K of ours to run")
@@ -309,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--timeout", type=float, default=900.0)
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
-    b = sub.add_parser("ours-vs-best", help="the fastest Torch Pipe schedule that can run each batch against ours "
-                                            "at its best K, on cpu-small, P=2")
+
+
+def _fill_ours_vs_best(b: argparse.ArgumentParser) -> None:
     b.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4], help="batch sizes per pipeline")
     b.add_argument("--reps", type=int, default=3, help="alternating repetitions of every configuration")
     b.add_argument("--slices", type=slice_count, nargs="+", default=[2, 4, 8], metavar="K|auto",
@@ -331,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--timeout", type=float, default=900.0)
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
-    b = sub.add_parser("ours-vs-megatron-tp", help="ours --tp T against megatron --tp T on cpu-small, P=1")
+
+
+def _fill_ours_vs_megatron_tp(b: argparse.ArgumentParser) -> None:
     b.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="batch sizes")
     b.add_argument("--reps", type=int, default=4, help="alternating repetitions of every configuration")
     b.add_argument("--tp", type=int, default=2)
@@ -343,6 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--timeout", type=float, default=900.0)
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="bench", required=True)
+    b = sub.add_parser("ours-vs-gpipe", help="Torch Pipe GPipe against ours on cpu-small, P=2")
+    _fill_ours_vs_gpipe(b)
+    b = sub.add_parser("ours-vs-best", help="the fastest Torch Pipe schedule that can run each batch against ours "
+                                            "at its best K, on cpu-small, P=2")
+    _fill_ours_vs_best(b)
+    b = sub.add_parser("ours-vs-megatron-tp", help="ours --tp T against megatron --tp T on cpu-small, P=1")
+    _fill_ours_vs_megatron_tp(b)
     b = sub.add_parser("network-slope", help="how many one-way delays each system pays per step (virtual cluster; "
                                              "root); the same as python -m bench.network_slope")
     network_slope.fill_parser(b)
@@ -358,23 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                                          "both families at a tiny width, P=2: where token slicing starts to pay")
     seq_sweep.fill_parser(b)
     opts = p.parse_args(argv)
-    if opts.bench == "seq-sweep":
-        return seq_sweep.run(opts)
-    if opts.bench == "breakdown":
-        return breakdown.run(opts)
-    if opts.bench == "attention":
-        return attention.run(opts)
-    if opts.bench == "network-slope":
-        return network_slope.run(opts)
-    if opts.bench == "plan-evaluation":
-        return plan_evaluation.run(opts)
-    if opts.bench == "ours-vs-gpipe":
-        return ours_vs_gpipe(opts)
-    if opts.bench == "ours-vs-best":
-        return ours_vs_best(opts)
-    if opts.bench == "ours-vs-megatron-tp":
-        return ours_vs_megatron_tp(opts)
-    return 2
+    runs = {"seq-sweep": seq_sweep.run, "breakdown": breakdown.run, "attention": attention.run,
+            "network-slope": network_slope.run, "plan-evaluation": plan_evaluation.run, "ours-vs-gpipe": ours_vs_gpipe,
+            "ours-vs-best": ours_vs_best, "ours-vs-megatron-tp": ours_vs_megatron_tp}
+    return runs[opts.bench](opts)
 
 
 if __name__ == "__main__":
