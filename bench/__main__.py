@@ -48,7 +48,8 @@ from contract.estimate import INTERVAL_RULE
 from ours import prefetch_count, slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
 from bench import attention, breakdown, cannot_run, network_slope, plan_evaluation, seq_sweep
-from bench.sittings import Run, Sitting, print_machine, print_table, run_alternating  # noqa: F401 (Run: the tests')
+from bench.sittings import (Run, Sitting, megabytes, percents, print_machine, print_table,  # noqa: F401 (Run: the tests')
+                            run_alternating)
 
 
 def ours_args(P: int, batch: int, k: int | str | None = None, slices: str | None = None) -> list[str]:
@@ -116,14 +117,6 @@ def ours_vs_gpipe(opts: argparse.Namespace) -> int:
 GOALS = {1: 1.45, 2: 1.15, 4: 1.0}
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb": "interleaved zero bubble",
                   "zbv": "ZBV zero bubble", "dualpipev": "DualPipeV"}
-
-
-def percents(shares: tuple[float, ...]) -> str:
-    return "/".join(f"{100 * b:.0f}" for b in shares) if shares else "-"
-
-
-def megabytes(peaks: tuple[int, ...]) -> str:
-    return "/".join(f"{b / 2**20:.0f}" for b in peaks) if peaks else "-"
 
 
 def goal_met(s: Sitting, base: str, name: str, goal: float) -> bool:

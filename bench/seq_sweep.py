@@ -29,7 +29,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from bench import cannot_run
-from bench.sittings import Sitting, run_alternating
+from bench.sittings import Sitting, megabytes, run_alternating
 from contract.estimate import INTERVAL_RULE, PAIRED_RULE
 
 FAMILIES = {"gpt": "tiny", "llama": "llama-tiny"}  # each family's named model; every dimension is overridden
@@ -85,10 +85,6 @@ def pays_from(points: list[tuple[int, dict | None]]) -> int | None:
         faster = c is not None and c["paired"] is not None and c["paired"].separated and c["paired"].ratio.low > 1
         start = (start or seq) if faster else None
     return start
-
-
-def megabytes(peaks: tuple[int, ...]) -> str:
-    return "/".join(f"{b / 2**20:.0f}" for b in peaks) if peaks else "-"
 
 
 def run(opts: argparse.Namespace) -> int:

@@ -139,6 +139,16 @@ def print_machine(capacities: list[float], P: int, what: str) -> None:
               f"on a machine with {P} free cores")
 
 
+def percents(shares: tuple[float, ...]) -> str:
+    """Every rank's share as whole per cents, '92/94' ('-': none)."""
+    return "/".join(f"{100 * b:.0f}" for b in shares) if shares else "-"
+
+
+def megabytes(peaks: tuple[int, ...]) -> str:
+    """Every rank's peak memory in MB, '537/533' ('-': none)."""
+    return "/".join(f"{b / 2**20:.0f}" for b in peaks) if peaks else "-"
+
+
 def print_table(rows: list[list], headers: list[str]) -> None:
     """A benchmark's table as aligned text (``tabulate``), its first column (the batch) a number."""
     print(tabulate(rows, headers=headers, tablefmt="presto", disable_numparse=list(range(1, len(headers)))))
