@@ -116,15 +116,22 @@ def slice_table(cm: ComputeModel, hidden: int, seq_len: int, granularity: int, b
 
 
 def fit_comm(nbytes, times) -> tuple[float, float]:
-    """(latency a, bandwidth bytes/s) of t = a + bytes / bandwidth, by least squares (a ping-pong's)."""
+    """(latency a, bandwidth bytes/s) of t = a + bytes / bandwidth, by least squares on relative residuals
+    (a ping-pong's: sizes span three or more decades, so absolute residuals would let the largest message's
+    noise set the latency). A latency is positive: where noise drives the intercept to zero or below, it is
+    the smallest time left after the bandwidth term, or the smallest message's whole time."""
     x = np.asarray(nbytes, dtype=np.float64)
     y = np.asarray(times, dtype=np.float64)
     if x.size == 0:
         return 0.0, math.inf
     if x.size == 1 or np.ptp(x) == 0:
         return float(y.mean()), math.inf
-    A = np.stack([np.ones_like(x), x], axis=1)
-    (a, inv_bw), *_ = np.linalg.lstsq(A, y, rcond=None)
-    a = max(float(a), 0.0)
+    w = 1.0 / np.maximum(y, 1e-12)
+    A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (a, inv_bw), *_ = np.linalg.lstsq(A, y * w, rcond=None)
     bw = 1.0 / float(inv_bw) if inv_bw > 0 else math.inf
+    a = float(a)
+    if a <= 0:
+        left = y - x / bw
+        a = float(left[left > 0].min()) if (left > 0).any() else float(y[np.argmin(x)])
     return a, bw

@@ -45,3 +45,15 @@ def test_comm_fit():
     assert a == pytest.approx(1e-4, rel=1e-6) and bw == pytest.approx(1e9, rel=1e-6)
     assert fit_comm([], []) == (0.0, math.inf)
     assert fit_comm([1e3], [2e-4]) == (2e-4, math.inf)
+
+
+def test_comm_fit_keeps_a_positive_latency_under_noise():
+    """A ping-pong on a busy host: the largest message took twice its time. An absolute least
+    squares puts the intercept below zero (a 0-latency link); the fit keeps the small messages' latency."""
+    sizes = [2 ** k for k in range(10, 23, 3)]
+    times = [5e-5 + b / 2e9 for b in sizes]
+    times[-1] *= 2.0  # the 4 MiB message waited behind another process
+    a, bw = fit_comm(sizes, times)
+    assert 2e-5 < a < 1e-4 and 1e9 < bw < 5e9
+    a, _ = fit_comm([1e3, 1e6], [1e-3, 1e-4])  # slower at the small size: no positive slope
+    assert a > 0
