@@ -41,6 +41,7 @@ intervals, the ratio megatron / ours (of the medians, and paired) and whether th
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 from baselines.torch_pipe import SCHEDULES
@@ -52,8 +53,8 @@ from bench.sittings import (Run, Sitting, megabytes, percents, print_machine, pr
                             run_alternating)
 
 
-def ours_args(P: int, batch: int, k: int | str | None = None, slices: str | None = None) -> list[str]:
-    args = ["--system", "ours", "--pp", str(P), "--batch-size", str(batch), "--micro-batch-size", "1"]
+def ours_args(P: int, batch: int, k: int | str | None = None, slices: str | None = None, mb: int = 1) -> list[str]:
+    args = ["--system", "ours", "--pp", str(P), "--batch-size", str(batch), "--micro-batch-size", str(mb)]
     return args + (["--n-slices", str(k)] if k is not None else ["--slices", slices])
 
 
@@ -146,11 +147,13 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
                 continue
             configs[f"torch_pipe {schedule}"] = args
         for schedule in opts.ours_schedules if batch > 1 else opts.ours_schedules[:1]:  # the same at one row
-            for k in opts.slices:
-                for ahead in opts.ours_prefetch:
-                    name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
-                    name += f" prefetch {ahead}" if len(opts.ours_prefetch) > 1 else ""
-                    configs[name] = ours_args(P, batch, k=k) + ["--schedule", schedule, "--prefetch", str(ahead)]
+            for k, ahead, mb in itertools.product(opts.slices, opts.ours_prefetch, opts.ours_batch_slices):
+                if batch % mb or (schedule == "gpipe" and mb == batch):  # one batch slice: gpipe is 1f1b
+                    continue
+                name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
+                name += f" prefetch {ahead}" if len(opts.ours_prefetch) > 1 else ""
+                name += f" b={mb}" if opts.ours_batch_slices != [1] else ""
+                configs[name] = ours_args(P, batch, k=k, mb=mb) + ["--schedule", schedule, "--prefetch", str(ahead)]
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
 
     print(f"\nours vs the fastest Torch Pipe schedule on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating "
@@ -312,6 +315,9 @@ def _fill_ours_vs_best(b: argparse.ArgumentParser) -> None:
     b.add_argument("--ours-prefetch", type=prefetch_count, nargs="+", default=["auto"], metavar="N|auto",
                    help="ours' --prefetch values to run each configuration of ours with (with 0 among several: "
                         "each against it, paired)")
+    b.add_argument("--ours-batch-slices", type=int, nargs="+", default=[1], metavar="b",
+                   help="the sequences in each of ours' batch slices (its --micro-batch-size; each that divides the "
+                        "batch; the baselines run micro-batch 1)")
     b.add_argument("--ours-schedules", nargs="+", default=["1f1b"], choices=OURS_SCHEDULES,
                    help="the orders of ours' units to run (ours.schedule; gpipe only where the batch has several "
                         "batch slices: with one they are the same)")
