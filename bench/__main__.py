@@ -129,6 +129,22 @@ def goal_met(s: Sitting, base: str, name: str, goal: float) -> bool:
     return goal <= 1.0 and p is not None and p.ratio.high >= 1.0
 
 
+def ours_configs(opts: argparse.Namespace, batch: int) -> dict[str, list[str]]:
+    """ours' configurations of ours-vs-best at one batch: each order of its units, K, --prefetch and
+    batch slice size (--micro-batch-size) asked, but for the batch slices that do not divide the batch
+    and gpipe where the batch is one batch slice (there it is 1f1b)."""
+    configs = {}
+    for schedule in opts.ours_schedules if batch > 1 else opts.ours_schedules[:1]:  # the same at one row
+        for k, ahead, mb in itertools.product(opts.slices, opts.ours_prefetch, opts.ours_batch_slices):
+            if batch % mb or (schedule == "gpipe" and mb == batch):
+                continue
+            name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
+            name += f" prefetch {ahead}" if len(opts.ours_prefetch) > 1 else ""
+            name += f" b={mb}" if opts.ours_batch_slices != [1] else ""
+            configs[name] = ours_args(opts.pp, batch, k=k, mb=mb) + ["--schedule", schedule, "--prefetch", str(ahead)]
+    return configs
+
+
 def ours_vs_best(opts: argparse.Namespace) -> int:
     """Ours at each K against every Torch Pipe schedule that can run the batch, side by side; per
     batch, the fastest of each side by median step time, their ratio (and paired), peak memory."""
@@ -146,14 +162,7 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
                 print(f"batch {batch}: torch_pipe {schedule} skipped: {why}", file=sys.stderr, flush=True)
                 continue
             configs[f"torch_pipe {schedule}"] = args
-        for schedule in opts.ours_schedules if batch > 1 else opts.ours_schedules[:1]:  # the same at one row
-            for k, ahead, mb in itertools.product(opts.slices, opts.ours_prefetch, opts.ours_batch_slices):
-                if batch % mb or (schedule == "gpipe" and mb == batch):  # one batch slice: gpipe is 1f1b
-                    continue
-                name = f"ours K={k}" if schedule == "1f1b" else f"ours {schedule} K={k}"
-                name += f" prefetch {ahead}" if len(opts.ours_prefetch) > 1 else ""
-                name += f" b={mb}" if opts.ours_batch_slices != [1] else ""
-                configs[name] = ours_args(P, batch, k=k, mb=mb) + ["--schedule", schedule, "--prefetch", str(ahead)]
+        configs.update(ours_configs(opts, batch))
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
 
     print(f"\nours vs the fastest Torch Pipe schedule on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating "

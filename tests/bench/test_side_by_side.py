@@ -58,7 +58,7 @@ def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_si
         assert len(busy) == 2 and all(0 < b <= 105 for b in busy), r
     (best,) = [r for r in rows if len(r) == 11]  # the per-batch summary
     assert best[1].strip() == "GPipe" and best[3].strip() == "K=2"
-    assert float(best[5].strip().rstrip("x")) > 0 and best[7].strip().startswith("1.3x ")
+    assert float(best[5].strip().rstrip("x")) > 0 and best[7].strip().startswith("1.45x ")
     # one repetition: a step time without an interval, and no claim beyond noise
     assert best[2].strip().endswith("(1 run)") and best[10].strip() == "no claim: a single run has no interval"
 
@@ -78,3 +78,18 @@ def test_the_paired_ratio_is_the_reports():
     assert p.ratio.median == pytest.approx(1.25) and p.ratio.low == pytest.approx(1.2) and p.ratio.n == 3
     assert p == paired([(0, 1.0), (3, 1.2), (4, 0.9)], [(1, 0.8), (2, 1.0), (5, 0.7)])
     assert s.paired_text("a", "b") == "1.25x" and Sitting(1, {"a": [], "b": []}).paired_text("a", "b") == "-"
+
+
+def test_ours_batch_slices_are_ours_micro_batch_where_they_divide_the_batch():
+    import argparse
+
+    from bench.__main__ import ours_configs
+
+    opts = argparse.Namespace(pp=2, slices=["auto"], ours_prefetch=["auto"], ours_batch_slices=[1, 2, 4],
+                              ours_schedules=["1f1b", "gpipe"])
+    configs = ours_configs(opts, 2)
+    assert list(configs) == ["ours K=auto b=1", "ours K=auto b=2", "ours gpipe K=auto b=1"]
+    mb = {n: a[a.index("--micro-batch-size") + 1] for n, a in configs.items()}
+    assert mb == {"ours K=auto b=1": "1", "ours K=auto b=2": "2", "ours gpipe K=auto b=1": "1"}
+    opts.ours_batch_slices, opts.ours_schedules = [1], ["1f1b"]
+    assert list(ours_configs(opts, 1)) == ["ours K=auto"]  # the default names as before
