@@ -213,7 +213,8 @@ def validate(shares: dict[str, float] | None = None, calibration: dict[str, str]
     summary["fastest_layout_right"] = sum(f["right"] for f in fastest.values())
     summary["fastest_layout_tables"] = len(fastest)
     floor = consistency_floor()
-    summary["floor"] = max((f["floor"] for f in floor), default=0.0)
+    summary["floor"] = max((f["floor"] for f in floor if f["scored"]), default=0.0)
+    summary["floor_any_calibration"] = max((f["any_calibration"] for f in floor if f["scored"]), default=0.0)
     return dict(rows=rows, summary=summary, tables=per_table, fastest=fastest, floor=floor, scale=scale,
                 terapipe=terapipe() if headline else [])
 
@@ -268,30 +269,51 @@ def fastest_layouts(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def allowed_growth(n_seq: int, pp: int, a: int, b: int) -> float:
+    """How much slower a Megatron step (non-interleaved 1F1B over ``n_seq`` sequences a pipeline, P = ``pp``)
+    can get from micro-batch ``a`` to a larger ``b`` when a sequence's work, messages and all-reduces do not
+    get slower in a larger micro-batch (its GEMMs only grow, its launches and messages only merge): the
+    step is (n_seq / mb + P - 1) micro-batch times plus what does not depend on the micro-batch, so it
+    grows at most by the bubble's share, (n_seq + (P - 1) b) / (n_seq + (P - 1) a); 1 without a pipeline."""
+    return (n_seq + (pp - 1) * b) / (n_seq + (pp - 1) * a)
+
+
 def consistency_floor() -> list[dict]:
-    """What the seed's own numbers cost any model, whatever it is: Megatron without a pipeline (T-8, data
-    parallel across nodes) runs the same sequences, gradients and all-reduces per step at every
-    micro-batch size, a larger micro-batch only merging kernels, so a model's step cannot grow with the
-    micro-batch there (the one-node fp32 T-8 column, 25.00 -> 20.90 s over mb 1-8, shrinks). Where the
-    seed's step grows from t_a (smaller micro-batch) to t_b, the best a model can do is predict both
-    2 t_a t_b / (t_a + t_b), off by (t_b - t_a) / (t_a + t_b) each: the floor under the largest error.
-    One entry per such pair of scored cells."""
+    """What the seed's own numbers cost any model, whatever it is, as long as a larger micro-batch does not
+    make a sequence's work slower (``allowed_growth``: at most the bubble's growth; without a pipeline,
+    T-8, none at all: the one-node fp32 T-8 column, 25.00 -> 20.90 s over mb 1-8, shrinks). Where the
+    seed's step grows from t_a (smaller micro-batch) to t_b > g t_a, the best a model can do is predict
+    x and g x with x = 2 t_a t_b / (t_b + g t_a), off by (t_b - g t_a) / (t_b + g t_a) each; where the
+    smaller cell is a calibration cell, which the model reproduces exactly, the larger is off by at least
+    (t_b - g t_a) / t_b (and where the larger is, the smaller by (t_b / g - t_a) / t_a). One entry per such
+    pair of Megatron cells the seed ran and does not doubt; ``scored``: whether the floor binds the scored
+    cells' largest error (neither cell contradicted, and not both calibration cells); ``any_calibration``:
+    the floor whichever cells calibrate (a pinned cell only raises it), (t_b - g t_a) / (t_b + g t_a)."""
     calibrating = set(CALIBRATION.values())
     by_table: dict[tuple, list[Cell]] = {}
     for c in cells():
-        if not c.table.startswith("Megatron") or c.name in calibrating or c.unsure or not isinstance(c.seed, float):
-            continue
-        if c.scenario["run"]["pp"] == 1:
+        if c.table.startswith("Megatron") and not c.unsure and isinstance(c.seed, float):
             by_table.setdefault((c.table, _layout(c)[0]), []).append(c)
     out = []
     for (table, layout), cs in by_table.items():
         cs.sort(key=lambda c: _layout(c)[1])
         for i, a in enumerate(cs):
             for b in cs[i + 1:]:
-                if b.seed > a.seed:
-                    out.append(dict(table=table, layout=layout, smaller=a.name, larger=b.name,
-                                    smaller_mb=_layout(a)[1], larger_mb=_layout(b)[1], smaller_s=a.seed,
-                                    larger_s=b.seed, floor=(b.seed - a.seed) / (a.seed + b.seed)))
+                run = a.scenario["run"]
+                g = allowed_growth(run["batch_size"], run["pp"], _layout(a)[1], _layout(b)[1])
+                if b.seed <= g * a.seed:
+                    continue
+                pinned_a, pinned_b = a.name in calibrating, b.name in calibrating
+                if pinned_a:
+                    floor, how = (b.seed - g * a.seed) / b.seed, "smaller pinned by calibration"
+                elif pinned_b:
+                    floor, how = (b.seed / g - a.seed) / a.seed, "larger pinned by calibration"
+                else:
+                    floor, how = (b.seed - g * a.seed) / (b.seed + g * a.seed), "both predicted"
+                out.append(dict(table=table, layout=layout, smaller=a.name, larger=b.name, smaller_mb=_layout(a)[1],
+                                larger_mb=_layout(b)[1], smaller_s=a.seed, larger_s=b.seed, growth=g, floor=floor,
+                                how=how, scored=not (a.contradicted or b.contradicted or (pinned_a and pinned_b)),
+                                any_calibration=(b.seed - g * a.seed) / (b.seed + g * a.seed)))
     return sorted(out, key=lambda f: -f["floor"])
 
 
@@ -430,16 +452,23 @@ def markdown(res: dict) -> str:
             lines.append(f"| {r['micro_batch']} | {r['layout']} | {r['seed']:.2f} | {r['predicted']:.2f} |")
     if res.get("floor"):
         lines += ["", "## What the seed's own numbers cost any model", "",
-                  "Megatron without a pipeline (T-8) runs the same sequences, gradients and all-reduces at every "
-                  "micro-batch size (a larger one only merges kernels), so no model's step grows with the "
-                  "micro-batch there; where the seed's does, predicting both cells 2 a b / (a + b) is the best any "
-                  "model can do, off by (b - a) / (a + b) each (`predict.seed_tables.consistency_floor`):", "",
-                  "| table | layout | smaller micro-batch | larger | floor |", "| --- | --- | --- | --- | --- |"]
+                  "A larger micro-batch does not make a sequence's work slower (its GEMMs only grow, its launches "
+                  "and messages only merge; the gradients and all-reduces are the same), so a Megatron step grows "
+                  "from micro-batch a to b at most by its bubble's share, g = (N + (P - 1) b) / (N + (P - 1) a) "
+                  "over N sequences a pipeline (1 without a pipeline). Where the seed's step grows more, no model "
+                  "of that kind scores both cells within (t_b - g t_a) / (t_b + g t_a); where one of them is a "
+                  "calibration cell, which the model reproduces exactly, the other is off by at least "
+                  "(t_b - g t_a) / t_b (`predict.seed_tables.consistency_floor`):", "",
+                  "| table | layout | smaller micro-batch | larger | g | floor | |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for f in res["floor"]:
+            note = f["how"] + ("" if f["scored"] else "; contradicted cells, not scored")
             lines.append(f"| {f['table']} | {f['layout']} | mb{f['smaller_mb']} {f['smaller_s']:.2f} s | "
-                         f"mb{f['larger_mb']} {f['larger_s']:.2f} s | {f['floor'] * 100:.1f} % |")
-        lines += ["", "So no model whose T-8 step does not grow with the micro-batch scores every cell within "
-                  f"{s['floor'] * 100:.1f} %."]
+                         f"mb{f['larger_mb']} {f['larger_s']:.2f} s | {f['growth']:.3f} | {f['floor'] * 100:.1f} % | "
+                         f"{note} |")
+        lines += ["", "So no such model, calibrated on these cells, scores every scored cell within "
+                  f"{s['floor'] * 100:.1f} %, and whichever cells calibrate it, within "
+                  f"{s['floor_any_calibration'] * 100:.1f} %."]
     return "\n".join(lines) + "\n"
 
 
