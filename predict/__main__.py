@@ -1,9 +1,11 @@
 """pipebench predict (python -m predict): a run's step time without running it, and the simulator's
 calibration and checks. One mode a command (``pipebench predict MODE --help``: its flags):
 
-    pipebench predict scenario FILE.toml [--json]   # a run on a GPU cluster, described whole (predict.scenario:
-                                            # model, cluster, run): step time, parts, memory; FILE a path or the
-                                            # name of a shipped scenario (predict/scenarios: seed-gpipe-default)
+    pipebench predict scenario FILE.toml [--json] [--set SECTION.KEY=VALUE ...]   # a run on a GPU cluster,
+                                            # described whole (predict.scenario: model, cluster, run): step time,
+                                            # parts, memory; FILE a path or the name of a shipped scenario
+                                            # (predict/scenarios: seed-gpipe-default); --set run.pp=4: one key
+                                            # changed before it is judged
     pipebench predict validate-seed [--json] [--out DIR] [--calibrate]   # every cell of the seed's GPT-3 XL
                                             # tables predicted; the V100's calibration cells named, not scored
     pipebench predict validate-seed --sensitivity [--out DIR]   # every cell as the calibration cell in turn
@@ -198,7 +200,7 @@ def _scenario(args) -> int:
     from predict.scenario import ScenarioError, line, load, predict_scenario
 
     try:
-        res = predict_scenario(load(_scenario_file(args.file)))
+        res = predict_scenario(load(_scenario_file(args.file), args.set))
     except ScenarioError as exc:
         print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -405,6 +407,9 @@ def build_parser(prog: str = PROG) -> Parser:
     q = sub.add_parser("scenario", help="a run on a GPU cluster described by a scenario file (predict.scenario)")
     q.add_argument("file", help="the scenario (TOML): a path, or the name of a shipped one (predict/scenarios)")
     q.add_argument("--json", action="store_true", help="one JSON object: step_time_s, parts, memory, status")
+    q.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="change one key of the file before it is judged (repeatable; VALUE as TOML, else a string): "
+                        "--set run.pp=4 --set run.batch_size=2")
     q.set_defaults(fn=_scenario)
     q = sub.add_parser("records", help="this machine's prediction of every recorded CPU run, kept beside its "
                        "records file for the report")

@@ -338,9 +338,32 @@ def _gemm_precision(p: dict, cfg: RunConfig, device: Device) -> str | None:
     return value
 
 
-def load(path: str | Path) -> Scenario:
+def with_settings(data: dict, settings: list[str] | tuple[str, ...]) -> dict:
+    """A scenario's contents with ``SECTION.KEY=VALUE`` settings applied in order (``pipebench predict
+    scenario --set``): VALUE is read as a TOML value (``8``, ``true``, ``"zbv"``, ``[2, 2, 1, 1]``), else
+    taken as a bare string (``--set run.schedule=zbv``). ``parse`` judges the result as it judges a file."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for setting in settings:
+        where, eq, text = setting.partition("=")
+        section, dot, key = where.strip().partition(".")
+        if not eq or not dot or not section or not key.strip():
+            raise ScenarioError(f"--set {setting!r}: give SECTION.KEY=VALUE (e.g. run.pp=4)")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        table = out.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ScenarioError(f"--set {setting!r}: [{section}] is not a table")
+        table[key.strip()] = value
+    return out
+
+
+def load(path: str | Path, settings: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """A scenario file, with ``settings`` (``with_settings``) applied before it is judged."""
     path = Path(path)
-    return parse(read_data(path, "scenario file", ScenarioError, tomllib.loads), path.stem, path.parent)
+    data = with_settings(read_data(path, "scenario file", ScenarioError, tomllib.loads), settings)
+    return parse(data, path.stem, path.parent)
 
 
 def compute_of(sc: Scenario, stalls: float | None = None) -> GpuCompute:
