@@ -145,6 +145,24 @@ def ours_configs(opts: argparse.Namespace, batch: int) -> dict[str, list[str]]:
     return configs
 
 
+def best_of_each(s: Sitting) -> tuple[tuple[float | None, str | None], tuple[float | None, str | None]]:
+    """((median, name) of the fastest Torch Pipe schedule, the same of ours' fastest configuration) of a
+    batch's sitting, by median step time; (None, None) for a side with no run."""
+    def best(prefix: str):
+        runs = [(s.median(n), n) for n in s.runs if n.startswith(prefix) and s.median(n)]
+        return min(runs) if runs else (None, None)
+
+    return best("torch_pipe"), best("ours")
+
+
+def _say_best(s: Sitting) -> None:
+    """A batch's result on stderr as soon as its launches end, so that a long run stopped early keeps it."""
+    (base_t, base), (t, name) = best_of_each(s)
+    if base and name:
+        print(f"batch {s.batch} done: {base} {s.ms(base)}, {name} {s.ms(name)}: {base_t / t:.2f}x, paired "
+              f"{s.paired_text(base, name)}", file=sys.stderr, flush=True)
+
+
 def ours_vs_best(opts: argparse.Namespace) -> int:
     """Ours at each K against every Torch Pipe schedule that can run the batch, side by side; per
     batch, the fastest of each side by median step time, their ratio (and paired), peak memory."""
@@ -164,6 +182,7 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
             configs[f"torch_pipe {schedule}"] = args
         configs.update(ours_configs(opts, batch))
         sittings[batch] = run_alternating(batch, configs, common, opts, capacities)
+        _say_best(sittings[batch])
 
     print(f"\nours vs the fastest Torch Pipe schedule on {opts.model}, P={P}, micro-batch 1, {opts.reps} alternating "
           f"reps (step ms: {INTERVAL_RULE}; min: fastest step of any run; peak MB: peak memory of each rank, RSS on "
@@ -171,9 +190,7 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
     rows, summary = [], []
     for batch in opts.batch:
         s = sittings[batch]
-        baselines = [(s.median(n), n) for n in s.runs if n.startswith("torch_pipe") and s.median(n)]
-        ours = [(s.median(n), n) for n in s.runs if n.startswith("ours") and s.median(n)]
-        base_t, base = min(baselines) if baselines else (None, None)
+        (base_t, base), best_ours = best_of_each(s)
         for name in s.runs:
             t = s.median(name)
             if t is None:
@@ -182,8 +199,8 @@ def ours_vs_best(opts: argparse.Namespace) -> int:
             rows.append([batch, name, s.ms(name), f"{s.best(name) * 1e3:.0f}", len(s.ok(name)),
                          megabytes(s.peak_memory(name)), percents(s.busy(name)),
                          f"{base_t / t:.2f}x" if base_t and name.startswith("ours") else "-"])
-        if baselines and ours:
-            t, name = min(ours)
+        if base and best_ours[1]:
+            t, name = best_ours
             goal = GOALS.get(batch)
             schedule = base.removeprefix("torch_pipe ")
             summary.append([batch, SCHEDULE_NAMES.get(schedule, schedule), s.ms(base), name.removeprefix("ours "),

@@ -49,6 +49,7 @@ def test_ours_vs_best_runs_the_schedules_that_fit_and_prints_the_best_of_each_si
     left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own compile cache
     assert not left, left  # the runs' temporary records, their locks and run directories removed
     assert "torch_pipe 1f1b skipped: " in proc.stderr and "torch_pipe dualpipev skipped: " in proc.stderr
+    assert "batch 1 done: torch_pipe gpipe " in proc.stderr  # each batch's result as soon as its launches end
     rows = [l.split("|") for l in proc.stdout.splitlines() if l.strip().startswith("1 |")]
     configs = [r[1].strip() for r in rows if len(r) == 8]
     assert configs == ["torch_pipe gpipe", "ours K=2"], proc.stdout
@@ -93,3 +94,23 @@ def test_ours_batch_slices_are_ours_micro_batch_where_they_divide_the_batch():
     assert mb == {"ours K=auto b=1": "1", "ours K=auto b=2": "2", "ours gpipe K=auto b=1": "1"}
     opts.ours_batch_slices, opts.ours_schedules = [1], ["1f1b"]
     assert list(ours_configs(opts, 1)) == ["ours K=auto"]  # the default names as before
+
+
+def test_each_batch_says_its_best_of_each_side_as_soon_as_it_ends(capsys):
+    """A long bench stopped early keeps the batches that ended: each one's fastest baseline and fastest
+    ours, their ratio and paired ratio, on stderr (the same choice as the final summary's)."""
+    from bench.__main__ import Run, Sitting, _say_best, best_of_each
+
+    def run(median: float, launched: int) -> Run:
+        return Run(median, median, (), launched=launched)
+
+    s = Sitting(2, {"torch_pipe zbv": [run(1.2, 0), run(1.3, 5)], "torch_pipe gpipe": [run(1.5, 1), run(1.6, 4)],
+                    "ours K=auto": [run(1.0, 2), run(1.0, 3)], "ours K=2": [None, None]})
+    assert best_of_each(s) == ((1.25, "torch_pipe zbv"), (1.0, "ours K=auto"))
+    _say_best(s)
+    err = capsys.readouterr().err
+    assert err.startswith("batch 2 done: torch_pipe zbv 1250 ") and "ours K=auto 1000 " in err
+    assert ": 1.25x, paired " in err
+    assert best_of_each(Sitting(1, {"ours K=2": [None]})) == ((None, None), (None, None))
+    _say_best(Sitting(1, {"ours K=2": [run(1.0, 0)]}))  # no baseline ran: nothing to say
+    assert capsys.readouterr().err == ""
