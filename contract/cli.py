@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import tomllib
 
 
 class DefaultsShown(argparse.RawDescriptionHelpFormatter):
@@ -61,3 +62,12 @@ DEVICE_FILE = ("--device-file", "--gpu")
 def old_names(flags: tuple[str, ...] | list[str]) -> str:
     """What a flag's help says of its other names (``flags[1:]``): old names, kept for one release."""
     return f"; {', '.join(flags[1:])}: the old name, kept for one release" if len(flags) > 1 else ""
+
+
+def toml_value(text: str):
+    """A ``--set KEY=VALUE``'s VALUE: read as a TOML value (a number, a boolean, a quoted string, an array),
+    else the text itself (a bare string)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text

@@ -71,6 +71,7 @@ from pathlib import Path
 from contract import ConfigError, RunConfig
 from network_emulation.profiles import MAX_DELAY_MS
 from predict.from_config import NotModelled, gpu_compute_of, memory_of as config_memory, spec_from_config
+from contract.cli import toml_value
 from contract.links import Link
 from predict.run_spec import Cluster, RunSpec
 from predict.stacks import StackError, stall_share
@@ -346,16 +347,13 @@ def with_settings(data: dict, settings: list[str] | tuple[str, ...]) -> dict:
     for setting in settings:
         where, eq, text = setting.partition("=")
         section, dot, key = where.strip().partition(".")
-        if not eq or not dot or not section or not key.strip():
+        key = key.strip()
+        if not eq or not dot or not section or not key:
             raise ScenarioError(f"--set {setting!r}: give SECTION.KEY=VALUE (e.g. run.pp=4)")
-        try:
-            value = tomllib.loads(f"v = {text.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text.strip()
         table = out.setdefault(section, {})
         if not isinstance(table, dict):
             raise ScenarioError(f"--set {setting!r}: [{section}] is not a table")
-        table[key.strip()] = value
+        table[key] = toml_value(text.strip())
     return out
 
 

@@ -304,16 +304,17 @@ def consistency_floor() -> list[dict]:
                 if b.seed <= g * a.seed:
                     continue
                 pinned_a, pinned_b = a.name in calibrating, b.name in calibrating
+                both = (b.seed - g * a.seed) / (b.seed + g * a.seed)
                 if pinned_a:
                     floor, how = (b.seed - g * a.seed) / b.seed, "smaller pinned by calibration"
                 elif pinned_b:
                     floor, how = (b.seed / g - a.seed) / a.seed, "larger pinned by calibration"
                 else:
-                    floor, how = (b.seed - g * a.seed) / (b.seed + g * a.seed), "both predicted"
+                    floor, how = both, "both predicted"
                 out.append(dict(table=table, layout=layout, smaller=a.name, larger=b.name, smaller_mb=_layout(a)[1],
                                 larger_mb=_layout(b)[1], smaller_s=a.seed, larger_s=b.seed, growth=g, floor=floor,
                                 how=how, scored=not (a.contradicted or b.contradicted or (pinned_a and pinned_b)),
-                                any_calibration=(b.seed - g * a.seed) / (b.seed + g * a.seed)))
+                                any_calibration=both))
     return sorted(out, key=lambda f: -f["floor"])
 
 

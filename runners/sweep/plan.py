@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract import ConfigError
+from contract.cli import toml_value
 from network_emulation.profiles import ProfileError, parse_profile
 from contract.registry import get_system
 from runners.request import (ALIASES, OPTION_PREFIX, PLACEMENT_FLAGS, build_parser, check_fits_here, config_from_args,
@@ -325,10 +326,7 @@ def fixed_settings(pairs: Sequence[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise SweepError(f"--set {pair!r}: expected KEY=VALUE")
-        try:
-            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip()] = value
+        out[key.strip()] = toml_value(value)
     return out
 
 
