@@ -112,9 +112,11 @@ class NodeSetup:
         """Set up every node in parallel: host -> None (set up) or the error. Prints a line per node."""
         results: dict[str, str | None] = {}
         threads = [threading.Thread(target=self._one, args=(h, results), daemon=True) for h in self.hosts]
-        for t in threads:
-            t.start()
         try:
+            # started inside the try: an interruption between two starts still stops what the
+            # started ones launched (their ssh clients would otherwise outlive this process)
+            for t in threads:
+                t.start()
             while any(t.is_alive() for t in threads):
                 time.sleep(0.1)
         except BaseException:
@@ -131,7 +133,8 @@ class NodeSetup:
                             p.kill()
                     time.sleep(0.02)
                 for t in threads:
-                    t.join(timeout=1)
+                    if t.ident is not None:  # started
+                        t.join(timeout=1)
             raise
         return results
 

@@ -34,6 +34,17 @@ def live_processes(word: str) -> list[int]:
     return found
 
 
+def commands(pids: list[int]) -> dict[int, str]:
+    """pid -> command line, for a failure's message (what was left running)."""
+    found = {}
+    for pid in pids:
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            found[pid] = "(ended)"
+    return found
+
+
 def namespaces_of(owner: int) -> list[str]:
     """The virtual-node namespaces of ``owner`` (switch and nodes)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

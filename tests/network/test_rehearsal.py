@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ._node_checks import live_processes, needs_sshd
+from ._node_checks import commands, live_processes, needs_sshd
 from .conftest import REPO, needs_root, root_links
 
 pytestmark = [pytest.mark.network, pytest.mark.multiprocess, needs_root, needs_sshd]
@@ -124,7 +124,8 @@ def test_ctrl_c_at_any_moment_leaves_nothing(tmp_path: Path, moment: str) -> Non
     reader.join(timeout=10)
     # interrupted: 130, or killed by the signal when it came before python had started
     assert p.returncode in (130, -signal.SIGINT), "".join(lines)[-3000:]
-    assert live_processes(str(directory)) == [], "".join(lines)[-3000:]
+    left = live_processes(str(directory))
+    assert left == [], f"left running: {commands(left)}\n" + "".join(lines)[-3000:]
     assert vnode_namespaces() <= namespaces
     assert {l for l in root_links() - links if l.startswith("vn")} == set()
     assert not (tmp_path / "r.jsonl").exists() or all(

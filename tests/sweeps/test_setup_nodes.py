@@ -95,3 +95,51 @@ def test_setup_nodes_dry_run_copies_nothing(tmp_path: Path) -> None:
         assert len(mine) == 3 and all(f"cd /srv/{host}/suite" in r and f"/srv/{host}/suite/.venv/bin/python" in r
                                       for r in mine), mine
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_an_interruption_while_the_nodes_threads_start_stops_what_they_launched(monkeypatch) -> None:
+    """Ctrl-C as the second node's thread starts, the first node's step already running: run() raises
+    and that step's process (an ssh client on a real cluster) is killed, not left behind."""
+    import os
+    import threading
+    import time
+    import uuid
+
+    from runners.sweep import setup_nodes as sn
+
+    marker = f"pipebench-setup-test-{uuid.uuid4().hex}"
+
+    def running() -> list[int]:
+        found = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and marker.encode() in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                continue
+        return found
+
+    class InterruptedStart(threading.Thread):
+        started = 0
+
+        def start(self) -> None:
+            super().start()
+            InterruptedStart.started += 1
+            if InterruptedStart.started == 2:
+                end = time.monotonic() + 20
+                while not running() and time.monotonic() < end:
+                    time.sleep(0.02)
+                raise KeyboardInterrupt
+
+    class Setup(sn.NodeSetup):
+        def ssh(self, host: str, argv: list[str]) -> list[str]:
+            return [sys.executable, "-c", "import time; time.sleep(60)", marker]
+
+    monkeypatch.setattr(sn.threading, "Thread", InterruptedStart)
+    setup = Setup(["a", "b", "c"], suite_files(REPO), out=open(os.devnull, "w"))
+    with pytest.raises(KeyboardInterrupt):
+        setup.run()
+    end = time.monotonic() + 5
+    while running() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert running() == []
