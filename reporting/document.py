@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from reporting.frame import to_frame
 from reporting.quality import quality_section, quality_target_lines
-from reporting.summary import provenance, summary
+from reporting.summary import predictions, provenance, summary
 from reporting.tables import all_runs, failures, layout_tables, network_tables, table_groups
 
 
@@ -17,7 +17,8 @@ def render(records: list[dict], target: float | None = None) -> str:
         return "No run records found.\n"
     layouts, networks = table_groups(df, emulated=False), table_groups(df, emulated=True)
     commits = list(dict.fromkeys(df["commit"]))  # in the order their runs were recorded: the newest last
-    parts = ["# Results", provenance(records)[0], *quality_target_lines(records), summary(layouts, networks, commits)]
+    parts = ["# Results", provenance(records)[0], *quality_target_lines(records), summary(layouts, networks, commits),
+             predictions(df)]
     net, lay = network_tables(networks), layout_tables(layouts)
     if lay:
         parts += ["## Layouts (no network emulation)", *lay]

@@ -48,6 +48,32 @@ def summary(layouts: list[tuple[dict, pd.DataFrame]], networks: list[tuple[dict,
             f"Every claim: {PAIRED_RULE}.\n\n" + "\n".join(lines))
 
 
+def predictions(df: pd.DataFrame) -> str:
+    """How the predictions shown (``pred``) compare with the runs they sit beside, or '' where none is
+    shown: their median relative error and range; where every one errs the same way (three or more), that
+    a shift common to every case points at the host's speed, not at a case's model."""
+    shown = df[(df["status"] == "ok") & df["predicted"].notna() & df["median_step_time"].notna()]
+    shown = shown[shown["predicted"] > 0]
+    if shown.empty:
+        return ""
+    errors = ((shown["predicted"] - shown["median_step_time"]) / shown["median_step_time"]).sort_values()
+    text = (f"**Predictions** (`pred` in the tables: the simulator's, on this host's calibration, shown only for "
+            f"the cases its validation on other runs found modelled, `predict/calibration/validation.md`): "
+            f"{len(errors)} run{'s' if len(errors) != 1 else ''} (each the median of its repetitions), each "
+            f"prediction against the run's measured step: {_pct(errors.median())} at the median "
+            f"({_pct(errors.iloc[0])} to {_pct(errors.iloc[-1])}).")
+    if len(errors) >= 3 and ((errors < 0).all() or (errors > 0).all()):
+        way = "faster" if errors.iloc[-1] < 0 else "slower"
+        text += (f" Every one predicts the run {way} than it ran: a shift common to every case is more likely "
+                 f"this host running at another speed than at its calibration than the cases' models (the "
+                 f"speed probe `predict records` takes sees the host after the runs, not during them).")
+    return text
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.1f} %"
+
+
 def _count(values: list[str]) -> str:
     seen: dict[str, int] = {}
     for v in values:

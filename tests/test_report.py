@@ -520,3 +520,29 @@ def test_the_network_plot_draws_each_column_over_every_delay_with_its_interval(t
     assert len(left) == 1 and left[0].startswith("delay 10ms bandwidth 1Gbps loss 1%: its link loses")
     (path,) = plot_networks(to_frame(recs), tmp_path)
     assert path.stat().st_size > 0 and "plot: left out delay 10ms bandwidth 1Gbps loss 1%" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ratios, common", [((0.85, 0.9, 0.8), "faster"), ((1.1, 1.2, 1.05), "slower"),
+                                            ((0.9, 1.1, 1.0), None)])
+def test_the_predictions_shown_are_scored_against_the_runs_beside_them(ratios, common) -> None:
+    """The report says how far the predictions it shows lie from the measured runs beside them, and names
+    a shift every case shares (the host's speed since calibration) where all of them err one way."""
+    layouts = [dict(tp=8, t=10.0), dict(pp=8, t=12.0), dict(tp=2, pp=4, t=14.0)]
+    records = []
+    for ratio, layout in zip(ratios, layouts):
+        t = layout["t"]
+        for rec in _reps(**layout):
+            rec["prediction"] = {"step_time": t * ratio}
+            records.append(rec)
+    text = render(records)
+    errors = sorted(r - 1 for r in ratios)
+    assert (f"3 runs (each the median of its repetitions), each prediction against the run's measured step: "
+            f"{errors[1] * 100:+.1f} % at the median ({errors[0] * 100:+.1f} % to {errors[-1] * 100:+.1f} %)") in text
+    if common:
+        assert f"Every one predicts the run {common} than it ran" in text
+    else:
+        assert "Every one" not in text
+
+
+def test_no_prediction_shown_no_predictions_paragraph() -> None:
+    assert "**Predictions**" not in render(_reps(tp=8, t=10.0))
