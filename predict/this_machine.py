@@ -706,8 +706,9 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
         e = [abs(x) for x in case["errors"]]
         case.update(median=statistics.median(e) if e else None, max=max(e) if e else None,
                     modelled=bool(e) and statistics.median(e) <= MODELLED_MEDIAN and max(e) <= MODELLED_MAX)
+    commits = sorted({str((rec.get("environment") or {}).get("git_commit") or "no commit recorded")[:12] for rec in ok})
     result = dict(kind="predict.validation", calibration=cal.identity, records=[str(p) for p in paths],
-                  bounds=dict(median=MODELLED_MEDIAN, max=MODELLED_MAX), rows=rows, cases=cases)
+                  commits=commits, bounds=dict(median=MODELLED_MEDIAN, max=MODELLED_MAX), rows=rows, cases=cases)
     text = validation_table(result, cal)
     if name is not None:
         out = out or directory
@@ -726,7 +727,9 @@ def _warn(why: str) -> None:
 def validation_table(result: dict, cal: Calibration) -> str:
     """The validation as markdown: every run predicted against measured, then the cases' verdicts."""
     pct = lambda x: "-" if x is None else f"{x * 100:+.1f} %"  # noqa: E731
-    lines = [f"Validation of {cal.name} on {', '.join(result['records'])}: every ok CPU run, the measured step "
+    made = result.get("commits") or []
+    by = f" (records of commit{'s' if len(made) != 1 else ''} {', '.join(made)})" if made else ""
+    lines = [f"Validation of {cal.name} on {', '.join(result['records'])}{by}: every ok CPU run, the measured step "
              f"time the median over its repetitions (± the larger side of their min-max or bootstrap interval), the "
              "predicted one the median of each repetition's prediction as it ran (ours' auto: the K that launch "
              "kept).", "",

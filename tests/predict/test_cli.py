@@ -148,6 +148,10 @@ def test_predictions_only_for_validated_cases_with_the_calibration_they_used(tmp
     assert list(v["cases"]) == ["ours P-2 s128"] and v["cases"]["ours P-2 s128"]["max"] == pytest.approx(0.3 / 1.3)
     assert not v["cases"]["ours P-2 s128"]["modelled"] and "| ours P-2 s128 | 2 | 13.9 % | 23.1 % | no |" in \
         (tmp_path / "validation.md").read_text()
+    # the records file may be run again and replaced: the validation names the commit its records are of
+    made = sorted({json.loads(r.to_json())["environment"]["git_commit"][:12] for r in lines})
+    assert v["commits"] == made
+    assert f"{records} (records of commit {made[0]})" in (tmp_path / "validation.md").read_text()
     said = []
     assert local.predict_records(records, directory=tmp_path, log=said.append) == {} and said == []
     assert "largest 23 %" in json.loads(predictions_path(records).read_text())[lines[0].run_id]["not_modelled"]
