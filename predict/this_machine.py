@@ -706,7 +706,8 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
         e = [abs(x) for x in case["errors"]]
         case.update(median=statistics.median(e) if e else None, max=max(e) if e else None,
                     modelled=bool(e) and statistics.median(e) <= MODELLED_MEDIAN and max(e) <= MODELLED_MAX)
-    commits = sorted({str((rec.get("environment") or {}).get("git_commit") or "no commit recorded")[:12] for rec in ok})
+    commits = sorted({str(c)[:12] if (c := (rec.get("environment") or {}).get("git_commit")) else "no commit recorded"
+                      for rec in ok})
     result = dict(kind="predict.validation", calibration=cal.identity, records=[str(p) for p in paths],
                   commits=commits, bounds=dict(median=MODELLED_MEDIAN, max=MODELLED_MAX), rows=rows, cases=cases)
     text = validation_table(result, cal)

@@ -52,8 +52,7 @@ def predictions(df: pd.DataFrame) -> str:
     """How the predictions shown (``pred``) compare with the runs they sit beside, or '' where none is
     shown: their median relative error and range; where every one errs the same way (three or more), that
     a shift common to every case points at the host's speed, not at a case's model."""
-    shown = df[(df["status"] == "ok") & df["predicted"].notna() & df["median_step_time"].notna()]
-    shown = shown[shown["predicted"] > 0]
+    shown = df[(df["status"] == "ok") & (df["predicted"] > 0) & (df["median_step_time"] > 0)]
     if shown.empty:
         return ""
     errors = ((shown["predicted"] - shown["median_step_time"]) / shown["median_step_time"]).sort_values()

@@ -100,24 +100,18 @@ def test_setup_nodes_dry_run_copies_nothing(tmp_path: Path) -> None:
 def test_an_interruption_while_the_nodes_threads_start_stops_what_they_launched(monkeypatch) -> None:
     """Ctrl-C as the second node's thread starts, the first node's step already running: run() raises
     and that step's process (an ssh client on a real cluster) is killed, not left behind."""
-    import os
+    import io
     import threading
     import time
     import uuid
 
     from runners.sweep import setup_nodes as sn
+    from tests.network._node_checks import live_processes
 
     marker = f"pipebench-setup-test-{uuid.uuid4().hex}"
 
     def running() -> list[int]:
-        found = []
-        for d in Path("/proc").iterdir():
-            try:
-                if d.name.isdigit() and marker.encode() in (d / "cmdline").read_bytes():
-                    found.append(int(d.name))
-            except OSError:
-                continue
-        return found
+        return live_processes(marker)
 
     class InterruptedStart(threading.Thread):
         started = 0
@@ -136,7 +130,7 @@ def test_an_interruption_while_the_nodes_threads_start_stops_what_they_launched(
             return [sys.executable, "-c", "import time; time.sleep(60)", marker]
 
     monkeypatch.setattr(sn.threading, "Thread", InterruptedStart)
-    setup = Setup(["a", "b", "c"], suite_files(REPO), out=open(os.devnull, "w"))
+    setup = Setup(["a", "b", "c"], suite_files(REPO), out=io.StringIO())
     with pytest.raises(KeyboardInterrupt):
         setup.run()
     end = time.monotonic() + 5
