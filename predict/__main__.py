@@ -220,15 +220,14 @@ def _plan_check(args) -> int:
 
 def _target(device_file: str | None, cfg, in_flight: int | None):
     """(compute model, link, cores, transport) of a prediction: this machine, or a GPU's device file."""
-    from workload.compute import CpuCompute
-    from predict.this_machine import find_profile, load_calibration
+    from predict.this_machine import load_calibration
 
     if device_file is None:
         from predict.this_machine import at_host_speed
 
         cal = load_calibration()
         print(f"with the {cal.name}", file=sys.stderr)
-        compute = at_host_speed(CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)), cal,
+        compute = at_host_speed(cal.compute(cfg.model), cal,
                                 log=lambda line: print(line, file=sys.stderr))
         return compute, cal.link(cfg.network, None, cfg.network_matrix), cal.cores, "gloo"
     from predict.from_config import gpu_compute_of, single_link

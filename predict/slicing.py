@@ -25,7 +25,7 @@ def ours_spec(model, pp: int, batch: int, micro: int, slices, cal: Calibration) 
 
 
 def compute_for(model, cal: Calibration) -> CpuCompute:
-    return CpuCompute(load_profile(model, cal.directory, batch_slices=(1,)), dict(cal.overhead))
+    return cal.compute(model, load_profile(model, cal.directory, batch_slices=(1,)))
 
 
 def check_evaluation(path: str | Path, cal: Calibration | None = None, directory: Path = CALIBRATIONS,

@@ -221,6 +221,12 @@ def shape_key(m: ModelConfig) -> str:
     return f"h{m.n_embd}-a{m.n_head}-s{m.seq_len}-v{m.vocab_size}"
 
 
+def model_key(m: ModelConfig) -> str:
+    """A model's width as its profiles name it, at any sequence length: what a system's overheads fitted
+    to its runs of one model (``Calibration.model_overhead``) are kept under."""
+    return f"h{m.n_embd}-a{m.n_head}-v{m.vocab_size}"
+
+
 def find_profile(m: ModelConfig, directory: Path) -> dict:
     """A profile that covers shape ``m``: its own, else the shortest one of a longer sequence with the
     same hidden size, heads and vocabulary (its (b, l, c) points hold every shorter slice and context).
@@ -267,6 +273,9 @@ class Calibration:
     # which host and code version it is of, when it was made, the host's speed then (``speed_probe``)
     identity: dict = field(default_factory=dict)
     directory: Path = CALIBRATIONS  # where its profiles are (not kept in the file: where the file was read)
+    # {model_key: {system: {field: value}}}: a system's overheads fitted to its runs of that model alone
+    # (the math's factor), where they span several models (``fit_calibration``: ``_fit_per_model``)
+    model_overhead: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -276,12 +285,20 @@ class Calibration:
             return f"calibration of an unknown host and code version ({self.directory})"
         return f"calibration of {i['host']}, code {i['code']}, {i.get('when', '?')}"
 
-    def compute(self, m: ModelConfig, directory: Path | None = None) -> CpuCompute:
-        return CpuCompute(load_profile(m, directory or self.directory), dict(self.overhead))
+    def overheads_for(self, m: ModelConfig) -> dict:
+        """Every system's overheads for model ``m``: those fitted to its runs of ``m``'s width where there
+        are such (``model_overhead``), else those of all its runs."""
+        own = self.model_overhead.get(model_key(m), {})
+        return {k: dataclasses.replace(o, **own.get(k, {})) for k, o in self.overhead.items()}
+
+    def compute(self, m: ModelConfig, profile: dict | None = None) -> CpuCompute:
+        """The compute model of ``m`` on this host: the profile that covers its shape (``find_profile``;
+        FileNotFoundError where none does) or ``profile``, with ``m``'s overheads (``overheads_for``)."""
+        return CpuCompute(profile if profile is not None else find_profile(m, self.directory), self.overheads_for(m))
 
     def to_json(self) -> dict:
         return dict(kind="predict.calibration", identity=self.identity,
-                    overhead={k: asdict(v) for k, v in self.overhead.items()},
+                    overhead={k: asdict(v) for k, v in self.overhead.items()}, model_overhead=self.model_overhead,
                     loopback=list(self.loopback), cores=list(self.cores), stall_bytes=self.stall_bytes,
                     message_latency=self.message_latency, runs=list(self.runs))
 
@@ -289,7 +306,7 @@ class Calibration:
     def from_json(cls, d: dict, directory: Path) -> "Calibration":
         return cls({k: Overheads(**v) for k, v in d["overhead"].items()}, tuple(d["loopback"]), tuple(d["cores"]),
                    tuple(d.get("runs") or ()), d.get("stall_bytes"), d.get("message_latency"),
-                   d.get("identity") or {}, directory)
+                   d.get("identity") or {}, directory, d.get("model_overhead") or {})
 
     def link(self, network: str, probed: dict | None = None, matrix: dict | None = None):
         return local_link(network, self.loopback, probed, self.stall_bytes, self.message_latency, matrix)
@@ -426,6 +443,23 @@ def profiles_of(runs, directory: Path) -> dict[str, dict]:
     return {k: load_profile(m, directory) for k, m in shapes.items()}
 
 
+def _fit_per_model(system: str, widths: list[str], rows_of, model_overhead: dict) -> list[dict]:
+    """A system's runs of several models: the math's factor of each model fitted to its runs alone, its
+    other overheads as the fit of all its runs found them (the rows' own). A profile measures each
+    width's kernels apart, and how far a step of two ranks departs from them depends on the width: on
+    this host ours' tiny runs take 0.84 of its profile's math, its cpu-small runs 1.20, where one factor
+    for both (0.99) predicts the cpu-small runs 15-17 % fast. The overheads stay shared: fitted per model
+    (two runs each) or with the factors together, they explain tiny's runs by overheads alone at a factor
+    of 0. ``rows_of(key)``: the fit's rows of the model ``key``. Fills ``model_overhead``; returns each
+    model's runs as fitted (``fit_overheads``' report)."""
+    report = []
+    for key in widths:
+        o, part = fit_overheads(system, rows_of(key), None, ("compute",))
+        model_overhead.setdefault(key, {})[system] = {"compute": o.compute}
+        report += part
+    return report
+
+
 def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibration:
     """Fit every system's overheads (``FIT_STAGES``) to the runs kept in ``directory``'s
     calibration-runs.jsonl, each run's median repetition (``median_runs``), simulated with the
@@ -444,25 +478,41 @@ def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibrati
     measured = median_runs(recorded_runs(runs, directory / "calibration-runs.jsonl"))
     link = local_link("none", loopback)
     overhead: dict = {}
+    model_overhead: dict = {}  # {model_key: {system: {field: value}}}
     report: list = []
 
     def rows(select, crowded: float = 1.0):
         return [(spec_from_record(rec, link), rec["median_step_time"],
-                 CpuCompute(profiles[shape_key(r.shape())], dict(overhead)),
+                 CpuCompute(profiles[shape_key(r.shape())], Calibration(overhead, loopback, (), model_overhead=
+                                                                        model_overhead).overheads_for(r.shape())),
                  cores_with_background(QUIET_CORES, bg, crowded=crowded))
                 for r, rec, bg in measured if select(r)]
 
     for system, params, select in FIT_STAGES:
         sel = rows(lambda r: r.system == system and select(r))
-        if sel:
-            overhead[system], rep = fit_overheads(system, sel, None, params)
-            report += rep
+        if not sel:
+            continue
+        fitted, rep = fit_overheads(system, sel, None, params)
+        # a later stage's fit started from its first run's model's own overheads: those of all the runs kept
+        own = {f for key in model_overhead.values() for f in key.get(system, {})} - set(params)
+        overhead[system] = dataclasses.replace(fitted, **{f: getattr(overhead[system], f) for f in own})
+        widths = sorted({model_key(r.shape()) for r, _, _ in measured if r.system == system and select(r)})
+        if len(widths) > 1 and "compute" in params:
+            rep = _fit_per_model(system, widths, lambda key: rows(
+                lambda r: r.system == system and select(r) and model_key(r.shape()) == key), model_overhead)
+            log(f"calibration: {system} per model: " + "; ".join(
+                f"{key} " + ", ".join(f"{f} {v:.3g}" for f, v in model_overhead[key][system].items())
+                for key in widths) + " (all its runs: " + ", ".join(
+                f"{f} {getattr(overhead[system], f):.3g}" for f in params) + ")")
+        report += rep
     crowded = 1.0
     if any(r.system == "ours" and r.dp > 1 for r, _, _ in measured):
         at = {e: fit_overheads("ours", rows(lambda r: r.system == "ours" and r.dp > 1, e), None, ("dp",))
               for e in CROWDED_GRID}
         crowded = min(at, key=lambda e: sum(row["error"] ** 2 for row in at[e][1]))
-        overhead["ours"], rep = at[crowded]
+        fitted, rep = at[crowded]
+        own = {f for key in model_overhead.values() for f in key.get("ours", {})}
+        overhead["ours"] = dataclasses.replace(fitted, **{f: getattr(overhead["ours"], f) for f in own})
         report += rep
         log(f"calibration: {len(rep)} runs of more ranks than cores keep {crowded:.2f} of the cores' worth")
     for row in report:
@@ -475,7 +525,7 @@ def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibrati
     identity = dict(host=host_name(), code=code_version(), when=time.strftime("%Y-%m-%dT%H:%M:%S"),
                     speed_tflops=speed, speed_probe=SPEED_PROBE)
     cal = Calibration(overhead, loopback, cores_with_background(QUIET_CORES, 0.0, crowded=crowded), tuple(report),
-                      *load_stall(directory, log=log), identity, directory)
+                      *load_stall(directory, log=log), identity, directory, model_overhead)
     (directory / "calibration.json").write_text(json.dumps(cal.to_json(), indent=1))
     log(f"calibration written: {directory / 'calibration.json'} ({cal.name})")
     return cal
@@ -512,7 +562,7 @@ def predict_here(cfg: RunConfig, probed: dict | None = None, cal: Calibration | 
     profile's. FileNotFoundError without a calibration or a profile that covers the shape; NotModelled."""
     cal = cal or load_calibration()
     spec = spec_from_config(cfg, cal.link(cfg.network, probed, cfg.network_matrix))
-    return predict(spec, CpuCompute(find_profile(cfg.model, cal.directory), dict(cal.overhead)), cal.cores)
+    return predict(spec, cal.compute(cfg.model), cal.cores)
 
 
 def record_prediction(cfg: RunConfig, probed: dict | None = None, cal: Calibration | None = None) -> dict | None:

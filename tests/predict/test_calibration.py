@@ -2,6 +2,7 @@
 to RunConfig, and the seed's tables predicted from its default GPipe row."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -284,3 +285,64 @@ def test_a_prediction_is_never_shown_beside_a_run_its_validation_scored(tmp_path
     # the calibration's own runs (its calibration-runs*.jsonl) are left out of a validation
     (tmp_path / "calibration-runs.jsonl").write_text((tmp_path / "job.jsonl").read_text().splitlines()[0] + "\n")
     assert tm.calibration_run_ids(cal) == {runs[0]}
+
+
+def test_a_systems_math_factor_is_fitted_per_model_where_its_runs_span_several(tmp_path):
+    """Runs of two models whose math ours runs at different factors of the profile's (tiny's below it,
+    cpu-small's above: what this host's calibration runs show): each model's factor is the one that fits
+    its runs best at the overheads of all the runs, and predicts them closer than the one factor of all
+    the runs; where one factor holds for both models (torch_pipe) each model's is it; a model without
+    runs takes what all the runs fitted; the factors survive the calibration file."""
+    from contract.registry import get_system
+    from predict.from_config import spec_from_config
+    from predict.host_load import cores_with_background
+    from predict.this_machine import Calibration, LocalRun, fit_calibration, model_key, shape_key
+    from runners.record import build_record
+    from runners.request import build_parser, config_from_args
+    from workload.configs import get_model_config
+
+    factor = {"tiny": 0.85, "cpu-small": 1.2}
+    truth = {"torch_pipe": Overheads(step=0.004, compute=1.2), "ours": Overheads()}
+    runs = (LocalRun("torch_pipe", "tiny", batch=2), LocalRun("torch_pipe", "tiny", batch=4),
+            LocalRun("torch_pipe", "cpu-small", seq=64, batch=2), LocalRun("torch_pipe", "cpu-small", seq=64, batch=4),
+            LocalRun("ours", "tiny", n_slices=1), LocalRun("ours", "tiny", n_slices=4),
+            LocalRun("ours", "cpu-small", seq=64, n_slices=2), LocalRun("ours", "cpu-small", seq=64, batch=4))
+    prof = synthetic_profile()
+    for m in [r.shape() for r in runs] + [get_model_config("cpu-small")]:
+        (tmp_path / f"profile-{shape_key(m)}.json").write_text(json.dumps(prof))
+    (tmp_path / "stall-probe.json").write_text(json.dumps({"stall_bytes": 0.0, "message_latency": None}))
+    link, cores = local_link("none", (1e-4, 1e9)), cores_with_background(2.0, 0.0)
+    specs, measured = {}, {}
+    with open(tmp_path / "calibration-runs.jsonl", "w") as out:
+        for r in runs:
+            args = build_parser().parse_args(r.argv(tmp_path / "x.jsonl", 2, 1)[3:])
+            cfg = config_from_args(args, get_system(r.system))
+            specs[r] = spec_from_config(cfg, link)
+            made = {**truth, "ours": Overheads(compute=factor[r.model])}
+            measured[r] = predict(specs[r], CpuCompute(prof, made), cores).step_time
+            rec = build_record(cfg, get_system(r.system), "ok", None, None, {})
+            rec.median_step_time = measured[r]
+            out.write(rec.to_json() + "\n")
+    cal = fit_calibration(runs, tmp_path, speed=0.1, log=lambda *_: None)
+    own = {m: cal.model_overhead[model_key(get_model_config(m))] for m in factor}
+    for m in factor:
+        assert own[m]["torch_pipe"]["compute"] == pytest.approx(1.2, rel=0.02)
+    assert cal.overhead["torch_pipe"].step == pytest.approx(0.004, rel=0.05)
+
+    def squares(m: str, overheads: Overheads) -> float:  # ours' runs of model m: their squared relative errors
+        return sum((predict(specs[r], CpuCompute(prof, {"ours": overheads}), cores).step_time / measured[r] - 1) ** 2
+                   for r in runs if r.system == "ours" and r.model == m)
+
+    for m in factor:
+        best = own[m]["ours"]["compute"]
+        fitted = dataclasses.replace(cal.overhead["ours"], compute=best)
+        assert squares(m, fitted) < squares(m, cal.overhead["ours"])  # closer than one factor of all the runs
+        assert squares(m, fitted) < min(squares(m, dataclasses.replace(fitted, compute=best * k)) for k in (0.98, 1.02))
+    assert own["tiny"]["ours"]["compute"] < own["cpu-small"]["ours"]["compute"]
+    small = get_model_config("cpu-small")
+    assert cal.overheads_for(small)["ours"].compute == own["cpu-small"]["ours"]["compute"]
+    other = get_model_config("gpt3-xl")  # no run of its width: what all ours' runs fitted
+    assert cal.overheads_for(other)["ours"] == cal.overhead["ours"]
+    kept = Calibration.from_json(json.loads((tmp_path / "calibration.json").read_text()), tmp_path)
+    assert kept.overheads_for(small) == cal.overheads_for(small)
+    assert kept.compute(small.with_overrides(seq_len=64)).overheads("ours") == cal.overheads_for(small)["ours"]
