@@ -431,7 +431,7 @@ def build_parser(prog: str = PROG) -> Parser:
                    "calibration cell in turn, the validation's median and largest error for each (a few minutes; "
                    "--out writes DIR/seed-calibration-sensitivity.{md,json})")
     q.set_defaults(fn=_validate_seed)
-    q = sub.add_parser("calibrate", help="this host and code version's calibration (about 13 minutes on 2 cores)")
+    q = sub.add_parser("calibrate", help="this host and code version's calibration (about 22 minutes on 2 cores)")
     q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
     q.add_argument("--warmup", type=int, default=1, help="warm-up steps per run, not timed")
     q.add_argument("--repeats", type=int, default=3, help="runs of each calibration config, round-robin (each "

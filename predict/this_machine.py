@@ -195,9 +195,11 @@ CALIBRATION_RUNS = (
     LocalRun("ours", "cpu-small", pp=1, tp=2, seq=256, batch=2, schedule="1f1b"),
     LocalRun("ours", "cpu-small", pp=1, tp=2, seq=1024, batch=1, schedule="1f1b"),  # auto keeps K=1 there
 )
-# The shapes a calibration profiles beyond its runs' own: the main job's (cpu-small at 1024 tokens,
-# whose profile covers its 256-token runs too)
-PROFILED = (get_model_config("cpu-small"),)
+# The shapes a calibration profiles beyond its runs' own, with the batch slices each profiles: the main
+# job's (cpu-small at 1024 tokens, whose profile covers its 256-token runs too; its llama experiment,
+# llama-cpu-small at 4096 tokens and batch 1, about 10 minutes here)
+PROFILED = ((get_model_config("cpu-small"), (1, 2)),
+            (get_model_config("llama-cpu-small").with_overrides(seq_len=4096), (1,)))
 
 
 def run_and_read(run: LocalRun, out: Path, steps: int, warmup: int,
@@ -218,7 +220,11 @@ def run_and_read(run: LocalRun, out: Path, steps: int, warmup: int,
 
 
 def shape_key(m: ModelConfig) -> str:
-    return f"h{m.n_embd}-a{m.n_head}-s{m.seq_len}-v{m.vocab_size}"
+    """A profile's shape in its file name, as the planner names its profiles (``ours.plan.auto``: a gpt
+    profile is never read for llama)."""
+    from ours.plan.auto import _shape
+
+    return f"{_shape(m)}-s{m.seq_len}-v{m.vocab_size}"
 
 
 def model_key(m: ModelConfig) -> str:
@@ -231,9 +237,9 @@ def find_profile(m: ModelConfig, directory: Path) -> dict:
     """A profile that covers shape ``m``: its own, else the shortest one of a longer sequence with the
     same hidden size, heads and vocabulary (its (b, l, c) points hold every shorter slice and context).
     FileNotFoundError if none."""
-    import re
+    from ours.plan.auto import _shape
 
-    pattern = re.compile(rf"^profile-h{m.n_embd}-a{m.n_head}-s(\d+)-v{m.vocab_size}\.json$")
+    pattern = re.compile(rf"^profile-{re.escape(_shape(m))}-s(\d+)-v{m.vocab_size}\.json$")
     found = sorted((int(g.group(1)), p) for p in directory.glob("profile-*.json") if (g := pattern.match(p.name)))
     longer = [p for s, p in found if s >= m.seq_len]
     if not longer:
@@ -439,8 +445,9 @@ CROWDED_GRID = tuple(round(1.0 - 0.02 * i, 2) for i in range(26))  # 1.0 .. 0.5
 def profiles_of(runs, directory: Path) -> dict[str, dict]:
     """The profile of each shape the calibration needs (its runs' and ``PROFILED``), by ``shape_key``;
     measured where ``directory`` has none yet (``load_profile``)."""
-    shapes = {shape_key(m): m for m in [r.shape() for r in runs] + list(PROFILED)}
-    return {k: load_profile(m, directory) for k, m in shapes.items()}
+    shapes = {shape_key(m): (m, (1, 2)) for m in [r.shape() for r in runs]}
+    shapes.update({shape_key(m): (m, slices) for m, slices in PROFILED})
+    return {k: load_profile(m, directory, batch_slices=slices) for k, (m, slices) in shapes.items()}
 
 
 def _fit_per_model(system: str, widths: list[str], rows_of, model_overhead: dict) -> list[dict]:

@@ -219,10 +219,9 @@ def test_calibration_fit_recovers_what_made_its_runs(tmp_path):
     from contract.registry import get_system
     from predict.from_config import spec_from_config
     from predict.host_load import cores_with_background
-    from predict.this_machine import LocalRun, fit_calibration, shape_key
+    from predict.this_machine import PROFILED, LocalRun, fit_calibration, shape_key
     from runners.record import build_record
     from runners.request import build_parser, config_from_args
-    from workload.configs import get_model_config
 
     truth = {"torch_pipe": Overheads(step=0.004, unit=0.002, compute=1.2),
              "ours": Overheads(step=0.01, unit_layer=2e-4, dp=0.003, compute=1.15)}
@@ -234,7 +233,7 @@ def test_calibration_fit_recovers_what_made_its_runs(tmp_path):
             LocalRun("ours", "tiny", dp=2, n_slices=4, dp_mode="central_ps"),
             LocalRun("ours", "tiny", batch=8, seq=64, dp=2, n_slices=2, dp_mode="allreduce"))
     prof = synthetic_profile()
-    for m in [r.shape() for r in runs] + [get_model_config("cpu-small")]:
+    for m in [r.shape() for r in runs] + [m for m, _ in PROFILED]:
         (tmp_path / f"profile-{shape_key(m)}.json").write_text(json.dumps(prof))
     (tmp_path / "stall-probe.json").write_text(json.dumps({"stall_bytes": 0.0, "message_latency": None}))
     link = local_link("none", (1e-4, 1e9))
@@ -296,7 +295,7 @@ def test_a_systems_math_factor_is_fitted_per_model_where_its_runs_span_several(t
     from contract.registry import get_system
     from predict.from_config import spec_from_config
     from predict.host_load import cores_with_background
-    from predict.this_machine import Calibration, LocalRun, fit_calibration, model_key, shape_key
+    from predict.this_machine import PROFILED, Calibration, LocalRun, fit_calibration, model_key, shape_key
     from runners.record import build_record
     from runners.request import build_parser, config_from_args
     from workload.configs import get_model_config
@@ -308,7 +307,7 @@ def test_a_systems_math_factor_is_fitted_per_model_where_its_runs_span_several(t
             LocalRun("ours", "tiny", n_slices=1), LocalRun("ours", "tiny", n_slices=4),
             LocalRun("ours", "cpu-small", seq=64, n_slices=2), LocalRun("ours", "cpu-small", seq=64, batch=4))
     prof = synthetic_profile()
-    for m in [r.shape() for r in runs] + [get_model_config("cpu-small")]:
+    for m in [r.shape() for r in runs] + [m for m, _ in PROFILED]:
         (tmp_path / f"profile-{shape_key(m)}.json").write_text(json.dumps(prof))
     (tmp_path / "stall-probe.json").write_text(json.dumps({"stall_bytes": 0.0, "message_latency": None}))
     link, cores = local_link("none", (1e-4, 1e9)), cores_with_background(2.0, 0.0)
@@ -346,3 +345,20 @@ def test_a_systems_math_factor_is_fitted_per_model_where_its_runs_span_several(t
     kept = Calibration.from_json(json.loads((tmp_path / "calibration.json").read_text()), tmp_path)
     assert kept.overheads_for(small) == cal.overheads_for(small)
     assert kept.compute(small.with_overrides(seq_len=64)).overheads("ours") == cal.overheads_for(small)["ours"]
+
+
+def test_a_gpt_profile_is_never_read_for_llama(tmp_path):
+    """Profiles are found by the planner's shape names: llama-cpu-small has cpu-small's width, heads and
+    vocabulary but its own layers (grouped key/value heads, SwiGLU), so cpu-small's profile does not cover
+    it; its own does, at any shorter sequence."""
+    from predict.this_machine import find_profile, shape_key
+    from workload.configs import get_model_config
+
+    gpt, llama = get_model_config("cpu-small"), get_model_config("llama-cpu-small")
+    (tmp_path / f"profile-{shape_key(gpt.with_overrides(seq_len=4096))}.json").write_text('{"of": "gpt"}')
+    assert find_profile(gpt, tmp_path) == {"of": "gpt"}
+    with pytest.raises(FileNotFoundError, match="no profile covers llama-"):
+        find_profile(llama, tmp_path)
+    (tmp_path / f"profile-{shape_key(llama.with_overrides(seq_len=4096))}.json").write_text('{"of": "llama"}')
+    assert find_profile(llama.with_overrides(seq_len=2048), tmp_path) == {"of": "llama"}
+    assert find_profile(gpt, tmp_path) == {"of": "gpt"}
