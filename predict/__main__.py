@@ -59,6 +59,16 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _probe(args) -> int:
+    from predict.this_machine import keep_speed, speed_probe
+
+    speed = speed_probe()
+    if args.out:
+        keep_speed(Path(args.out), speed, args.label)
+    print(f"speed probe{f' ({args.label})' if args.label else ''}: {speed * 1e3:.1f} GFLOP/s")
+    return 0
+
+
 def _validate(args) -> int:
     from predict.this_machine import NothingToValidate, validate_records
 
@@ -414,6 +424,11 @@ def build_parser(prog: str = PROG) -> Parser:
                        "records file for the report")
     q.add_argument("records", nargs="+", help="records files (JSON lines)")
     q.set_defaults(fn=_records)
+    q = sub.add_parser("probe", help="this host's speed now: the calibration's speed probe (a few seconds)")
+    q.add_argument("--out", default=None, help="also append it to this file (JSON lines: when, speed_tflops, label; "
+                   "a sweep's --speed-probes keep theirs in RECORDS.speed, which predict records reads)")
+    q.add_argument("--label", default="", help="what the probe is taken beside (e.g. 'before layout')")
+    q.set_defaults(fn=_probe)
     q = sub.add_parser("validate", help="recorded runs predicted against measured, by case")
     q.add_argument("records", nargs="*", default=["results/local.jsonl"],
                    help="records files (default: the main job's, results/local.jsonl)")

@@ -96,6 +96,39 @@ def speed_probe() -> float:
     return model_peak(ops, best_times(ops, trials=SPEED_TRIALS, budget_s=3.0))
 
 
+def keep_speed(path: Path, speed: float, label: str = "") -> None:
+    """Append a speed probe (TFLOP/s) to ``path``, a JSON line with when it was taken (epoch seconds)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"when": time.time(), "speed_tflops": speed, "label": label}) + "\n")
+
+
+SPEED_SPAN_S = 3600.0  # a sweep's probe counts for records made within this long of it
+
+
+def speeds_during(records_file: Path, records: list[dict]) -> list[float]:
+    """The host's speed probes its sweep took between its experiments (``runners.sweep.execute.
+    speed_probes_path``), those within ``SPEED_SPAN_S`` of the records' own times (a probe of an earlier
+    sweep into a file since made again is not theirs); [] where there are none."""
+    import datetime
+
+    from runners.sweep.execute import speed_probes_path
+
+    path = speed_probes_path(records_file)
+    times = [datetime.datetime.fromisoformat(r["timestamp"]).timestamp() for r in records if r.get("timestamp")]
+    if not path.is_file() or not times:
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            p = json.loads(line)
+            if min(times) - SPEED_SPAN_S <= p["when"] <= max(times) + SPEED_SPAN_S and p["speed_tflops"] > 0:
+                out.append(float(p["speed_tflops"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def speed_moved(cal: "Calibration", now: float | None = None) -> str | None:
     """Why ``cal`` no longer holds for this host (its speed probe now differs from the one taken while
     calibrating by more than ``SPEED_BOUND``), or None."""
@@ -613,7 +646,8 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
     """The report's predictions of the ok CPU runs recorded in ``path``, by run id, kept beside it
     (``contract.records.predictions_path``): a prediction (``record_prediction``, over the link the run's
     probe measured; it names its calibration) only with this host's and code version's calibration
-    (``load_calibration(strict=True)``), while the host's speed is within ``SPEED_BOUND`` of it, and for
+    (``load_calibration(strict=True)``), while the host's speed (during the runs: the median of the
+    probes their sweep took, ``speeds_during``; else now) is within ``SPEED_BOUND`` of it, and for
     a case its validation found modelled (``validate_records``) on runs other than this one (a run the
     validation scored gets none: a prediction is never shown beside a run it was judged on); every other
     run gets {"not_modelled": why}. Where the calibration is missing or the host's speed has moved, one line
@@ -628,7 +662,14 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print) -> di
     why_not = None
     try:
         cal = load_calibration(directory, strict=True)
-        why_not = speed_moved(cal)
+        during = speeds_during(path, records)
+        why_not = speed_moved(cal, statistics.median(during) if during else None)
+        if during:
+            then = (cal.identity or {}).get("speed_tflops") or 0.0
+            log(f"predict records: the host's speed during {path}'s runs, the median of the {len(during)} probes its "
+                f"sweep took: {statistics.median(during) * 1e3:.1f} GFLOP/s (min {min(during) * 1e3:.1f}, max "
+                f"{max(during) * 1e3:.1f}; the calibration's {then * 1e3:.1f})")
+            why_not = why_not and f"during the runs, {why_not}"
     except FileNotFoundError as exc:
         cal, why_not = None, str(exc)
     if why_not:

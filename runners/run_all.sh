@@ -134,7 +134,7 @@ elif [ -z "$hostfile" ]; then
       extra+=(--set "target_loss=$target")
     fi
   fi
-  "$PY" -m runners.sweep "$sweep" --no-report ${extra[@]+"${extra[@]}"} || status=$?
+  "$PY" -m runners.sweep "$sweep" --no-report --speed-probes ${extra[@]+"${extra[@]}"} || status=$?
   if [ -z "$dry_run$no_report" ] && [ "$status" != 2 ] && [ -f "$out" ]; then
     "$PY" -m predict records "$out" || true
     "$PY" report.py "$out" --out "${out%.jsonl}.md" --plots results/plots

@@ -41,7 +41,7 @@ def test_no_or_an_unknown_subcommand_is_one_line_and_exit_2(capsys):
                                        "(choose from run, sweep, report, predict, plan)\n")
 
 
-MODES = {"run", "sweep", "scenario", "records", "validate", "validate-seed", "calibrate", "plan-check",
+MODES = {"run", "sweep", "scenario", "records", "probe", "validate", "validate-seed", "calibrate", "plan-check",
          "validate-published", "fit-kernels", "compare"}
 
 

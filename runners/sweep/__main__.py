@@ -47,6 +47,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                          "5.95, \"bpe\", true), over the file's own (repeatable)")
     ap.add_argument("--no-report", action="store_true", help="do not run report.py at the end")
     ap.add_argument("--no-probe", action="store_true", help="do not probe the emulated networks first")
+    ap.add_argument("--speed-probes", action="store_true", help="probe this host's speed before each experiment "
+                    "and after the last (OUT.speed: what predict records judges the host's speed during the runs by)")
     ap.add_argument("--plots", default=None, help="also write the report's plots into this directory")
     ap.add_argument("--scale-down", action="store_true",
                     help="the sweep scaled down to one small machine: same layouts, micro-batch sizes and networks, "
@@ -139,7 +141,8 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
             return None
     return run_sweep(sweep, out, executor=executor, only=args.only, dry_run=args.dry_run,
                      retry_failed=args.retry_failed, need_root_for_network=executor is None,
-                     probe=not args.no_probe, report=not args.no_report, plots=args.plots)
+                     probe=not args.no_probe, report=not args.no_report, plots=args.plots,
+                     speed_probes=args.speed_probes)
 
 
 def _transform(args: argparse.Namespace):

@@ -7,7 +7,9 @@ every system alike, and a resumed sweep runs only the launches a run's key still
 fails is not launched again in the same sweep (``--retry-failed`` retries it).
 
 A failed run is recorded by the run command and the sweep goes on. Before the runs, each emulated
-network profile is probed once. An executor runs one planned run: ``executor(run, out) -> (exit
+network profile is probed once; with ``speed_probes`` (a local sweep) this host's speed is probed
+before each experiment and after the last (``speed_probes_path``: what ``predict records`` judges the
+host's speed during the runs by). An executor runs one planned run: ``executor(run, out) -> (exit
 status, last output lines)``; ``LocalExecutor`` on this machine, ``ClusterExecutor`` over ssh.
 """
 from __future__ import annotations
@@ -138,6 +140,24 @@ def probe_lines(networks: Iterable[str], python: str = sys.executable) -> list[s
     return lines
 
 
+def speed_probes_path(out: str | os.PathLike) -> Path:
+    """Where a sweep keeps the host's speed probes taken between its experiments: ``X.jsonl`` ->
+    ``X.jsonl.speed`` (JSON lines: when, speed_tflops, label)."""
+    return Path(str(out) + ".speed")
+
+
+def speed_probe_line(out: str | os.PathLike, label: str, python: str = sys.executable) -> str:
+    """This host's speed now (``python -m predict probe``: the calibration's probe, a few seconds), kept
+    in ``speed_probes_path(out)``; the line it printed, or why there is none."""
+    try:
+        p = subprocess.run([python, "-m", "predict", "probe", "--out", str(speed_probes_path(out)), "--label", label],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "speed probe: no answer within 120 s"
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    return lines[-1] if lines else f"speed probe: exit status {p.returncode}"
+
+
 def _fmt_elapsed(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
@@ -181,9 +201,10 @@ def select_runs(sweep: Sweep, only: Sequence[str] = ()) -> list[PlannedRun]:
 def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only: Sequence[str] = (),
               dry_run: bool = False, retry_failed: bool = False, need_root_for_network: bool = True,
               probe: bool = True, report: bool = True, plots: str | None = None, python: str = sys.executable,
-              stream: IO | None = None, repeats: int | None = None) -> Outcome:
+              stream: IO | None = None, repeats: int | None = None, speed_probes: bool = False) -> Outcome:
     """Run (or with dry_run print) the sweep's runs, ``repeats`` launches each (default: the sweep's
-    own); returns the counts."""
+    own); ``speed_probes``: this host's speed probed before each experiment and after the last (not in
+    cluster mode); returns the counts."""
     repeats = sweep.repeats if repeats is None else repeats
     stream = stream or sys.stdout  # this process's stdout now (not the one when this module was imported)
     t0 = time.monotonic()
@@ -231,7 +252,8 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
             say(shlex.join(r.command(out, python)))
         return outcome
     with records_lock(out) as lock_fd:
-        interrupted = _run_all(sweep, todo, out, executor, outcome, lock_fd, probe, python, say, stream)
+        interrupted = _run_all(sweep, todo, out, executor, outcome, lock_fd, probe, python, say, stream,
+                               speed_probes and not getattr(executor, "cluster", False))
     say(outcome.line(sweep.name, time.monotonic() - t0) + (" (interrupted)" if interrupted else ""))
     if report and Path(out).exists():
         md = Path(out).with_suffix(".md")
@@ -246,8 +268,9 @@ def run_sweep(sweep: Sweep, out: Path, *, executor: Executor | None = None, only
 
 
 def _run_all(sweep: Sweep, todo: list[PlannedRun], out: Path, executor: Executor | None, outcome: Outcome,
-             lock_fd: int, probe: bool, python: str, say, stream: IO) -> bool:
-    """The runs, with a progress bar; True if interrupted."""
+             lock_fd: int, probe: bool, python: str, say, stream: IO, speeds: bool = False) -> bool:
+    """The runs, with a progress bar (``speeds``: the host's speed probed before each experiment and
+    after the last); True if interrupted."""
     if probe and not getattr(executor, "cluster", False):
         for line in probe_lines((r.network for r in todo if r.emulated), python):
             say(line)
@@ -258,8 +281,12 @@ def _run_all(sweep: Sweep, todo: list[PlannedRun], out: Path, executor: Executor
         bar = tqdm(total=len(todo), desc=f"sweep {sweep.name}", unit="run", file=sys.stderr, dynamic_ncols=True,
                    bar_format="{desc}: {n_fmt}/{total_fmt} runs |{bar}| elapsed {elapsed}, left ~{remaining}{postfix}")
         stopped: set[str] = set()  # runs that failed, did not fit or were refused: not launched again
+        experiment = None
         try:
             for r in todo:
+                if speeds and r.experiment != experiment:
+                    experiment = r.experiment
+                    bar.write(speed_probe_line(out, f"before {experiment}", python), file=stream)
                 if r.key in stopped:
                     outcome.not_run += 1
                     bar.update(1)
@@ -292,6 +319,8 @@ def _run_all(sweep: Sweep, todo: list[PlannedRun], out: Path, executor: Executor
                     why = last[-1] if last else f"exit status {rc}"
                     bar.write(f"FAILED {r.label()}\n       {why[:300]}", file=stream)
                 bar.update(1)
+            if speeds and todo:
+                bar.write(speed_probe_line(out, "after the runs", python), file=stream)
         except KeyboardInterrupt:
             return True
         finally:

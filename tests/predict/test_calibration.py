@@ -273,7 +273,7 @@ def test_a_prediction_is_never_shown_beside_a_run_its_validation_scored(tmp_path
     case = tm.case_of(json.loads((tmp_path / "job.jsonl").read_text().splitlines()[0]))
     cal = type("Cal", (), {"identity": "x", "directory": tmp_path, "name": "a test calibration"})()
     monkeypatch.setattr(tm, "load_calibration", lambda *a, **k: cal)
-    monkeypatch.setattr(tm, "speed_moved", lambda c: None)
+    monkeypatch.setattr(tm, "speed_moved", lambda c, now=None: None)
     monkeypatch.setattr(tm, "modelled_cases", lambda c, d=None: {case: dict(modelled=True, run_ids=[runs[0]],
                                                                             median=0.01, max=0.02)})
     monkeypatch.setattr(tm, "record_prediction", lambda cfg, probed=None, cal=None: {"step_time": 0.105})
@@ -362,3 +362,43 @@ def test_a_gpt_profile_is_never_read_for_llama(tmp_path):
     (tmp_path / f"profile-{shape_key(llama.with_overrides(seq_len=4096))}.json").write_text('{"of": "llama"}')
     assert find_profile(llama.with_overrides(seq_len=2048), tmp_path) == {"of": "llama"}
     assert find_profile(gpt, tmp_path) == {"of": "gpt"}
+
+
+def test_predictions_are_judged_by_the_hosts_speed_during_their_sweep(tmp_path, monkeypatch):
+    """A sweep's speed probes (OUT.speed) within an hour of its records: their median is the host's speed
+    the predictions are judged by (one 20 % slow: refused, saying so; the probe now is not asked); a probe
+    of another time is not theirs, and without any the probe now decides."""
+    from predict import this_machine as tm
+    from runners.record import append_record, build_record
+    from runners.request import parse_request
+    from runners.sweep.execute import speed_probes_path
+
+    cfg, spec = parse_request(["--system", "ours", "--model", "tiny", "--pp", "2", "--batch-size", "2",
+                               "--micro-batch-size", "1", "--n-slices", "2"])
+    rec = build_record(cfg, spec, "ok", None, None, {"device_kind": "cpu"})
+    rec.median_step_time = 0.1
+    records = tmp_path / "job.jsonl"
+    append_record(records, rec)
+    cal = tm.Calibration({}, (1e-4, 1e9), (1.0, 2.0), identity={"host": "h", "code": "c", "speed_tflops": 0.1},
+                         directory=tmp_path)
+    monkeypatch.setattr(tm, "load_calibration", lambda *a, **k: cal)
+    asked = []
+    monkeypatch.setattr(tm, "speed_probe", lambda: asked.append(1) or 0.1)
+    import datetime
+
+    when = datetime.datetime.fromisoformat(json.loads(records.read_text())["timestamp"]).timestamp()
+    tm.keep_speed(speed_probes_path(records), 0.08)  # what the file holds: when (now, here), speed, label
+    assert set(json.loads(speed_probes_path(records).read_text())) == {"when", "speed_tflops", "label"}
+    speed_probes_path(records).write_text("".join(  # the sweep's, and one of five hours before: not theirs
+        json.dumps({"when": t, "speed_tflops": v, "label": ""}) + "\n"
+        for t, v in [(when - 60, 0.08), (when + 60, 0.08), (when + 30, 0.1), (when - 5 * 3600, 0.1)]))
+    assert sorted(tm.speeds_during(records, [json.loads(records.read_text())])) == [0.08, 0.08, 0.1]
+    said: list[str] = []
+    assert tm.predict_records(records, tmp_path, log=said.append) == {}
+    assert not asked
+    assert any("median of the 3 probes its sweep took: 80.0 GFLOP/s" in line for line in said)
+    assert any("not predicting" in line and "during the runs, this host runs at 0.80x" in line for line in said)
+    speed_probes_path(records).unlink()
+    said.clear()
+    tm.predict_records(records, tmp_path, log=said.append)
+    assert asked and not any("during the runs" in line for line in said)

@@ -662,3 +662,35 @@ def test_repeats_must_be_a_positive_integer(tmp_path, value, capsys):
                                               "systems": ["reference"]}})
     assert main([str(write(tmp_path, SMALL)), "--repeats", "0", "--dry-run"]) == 2
     assert "positive integer" in capsys.readouterr().err
+
+
+def test_speed_probes_are_taken_before_each_experiment_and_after_the_last(tmp_path):
+    """``--speed-probes``: the host's speed (``python -m predict probe``, a real one) before each experiment's
+    first launch and after the last launch, kept in OUT.speed for ``predict records``; none in cluster mode."""
+    from runners.sweep.execute import speed_probes_path
+
+    sweep = load_sweep(write(tmp_path, SMALL))
+    out, said, order = tmp_path / "o.jsonl", io.StringIO(), []
+    probes = speed_probes_path(out)
+
+    def executor(r, o):
+        order.append((r.experiment, len(probes.read_text().splitlines())))
+        return 0, ""
+
+    run_sweep(sweep, out, executor=executor, probe=False, report=False, need_root_for_network=False, stream=said,
+              speed_probes=True)
+    kept = [json.loads(line) for line in probes.read_text().splitlines()]
+    assert [p["label"] for p in kept] == ["before net", "before layout", "after the runs"]
+    assert all(p["speed_tflops"] > 0 for p in kept)
+    assert {e: n for e, n in order} == {"net": 1, "layout": 2}  # each experiment's launches after its probe
+    assert said.getvalue().count("speed probe (before ") == 2
+
+    class Cluster:
+        cluster = True
+
+        def __call__(self, r, o):
+            return 0, ""
+
+    run_sweep(sweep, tmp_path / "c.jsonl", executor=Cluster(), probe=False, report=False, need_root_for_network=False,
+              stream=io.StringIO(), speed_probes=True)
+    assert not speed_probes_path(tmp_path / "c.jsonl").exists()
