@@ -96,6 +96,13 @@ def speed_probe() -> float:
     return model_peak(ops, best_times(ops, trials=SPEED_TRIALS, budget_s=3.0))
 
 
+def overheads_for(overhead: dict, model_overhead: dict, m: ModelConfig) -> dict:
+    """Every system's overheads for model ``m``: those fitted to its runs of ``m``'s width where there are
+    such (``model_overhead``: {model_key: {system: {field: value}}}), else those of all its runs."""
+    own = model_overhead.get(model_key(m), {})
+    return {k: dataclasses.replace(o, **own.get(k, {})) for k, o in overhead.items()}
+
+
 def keep_speed(path: Path, speed: float, label: str = "") -> None:
     """Append a speed probe (TFLOP/s) to ``path``, a JSON line with when it was taken (epoch seconds)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -261,14 +268,14 @@ def shape_key(m: ModelConfig) -> str:
 
 
 def model_key(m: ModelConfig) -> str:
-    """A model's width as its profiles name it, at any sequence length: what a system's overheads fitted
-    to its runs of one model (``Calibration.model_overhead``) are kept under."""
+    """A model's width (hidden size, heads, vocabulary) at any sequence length and of either family: what
+    a system's overheads fitted to its runs of one width (``Calibration.model_overhead``) are kept under."""
     return f"h{m.n_embd}-a{m.n_head}-v{m.vocab_size}"
 
 
 def find_profile(m: ModelConfig, directory: Path) -> dict:
     """A profile that covers shape ``m``: its own, else the shortest one of a longer sequence with the
-    same hidden size, heads and vocabulary (its (b, l, c) points hold every shorter slice and context).
+    same layer shape and vocabulary (its (b, l, c) points hold every shorter slice and context).
     FileNotFoundError if none."""
     from ours.plan.auto import _shape
 
@@ -325,10 +332,7 @@ class Calibration:
         return f"calibration of {i['host']}, code {i['code']}, {i.get('when', '?')}"
 
     def overheads_for(self, m: ModelConfig) -> dict:
-        """Every system's overheads for model ``m``: those fitted to its runs of ``m``'s width where there
-        are such (``model_overhead``), else those of all its runs."""
-        own = self.model_overhead.get(model_key(m), {})
-        return {k: dataclasses.replace(o, **own.get(k, {})) for k, o in self.overhead.items()}
+        return overheads_for(self.overhead, self.model_overhead, m)
 
     def compute(self, m: ModelConfig, profile: dict | None = None) -> CpuCompute:
         """The compute model of ``m`` on this host: the profile that covers its shape (``find_profile``;
@@ -500,6 +504,15 @@ def _fit_per_model(system: str, widths: list[str], rows_of, model_overhead: dict
     return report
 
 
+def _shared(fitted: Overheads, before: Overheads | None, model_overhead: dict, system: str,
+            params: tuple[str, ...]) -> Overheads:
+    """A stage's fit of ``params`` kept as the overheads of all the system's runs: its fit started from its
+    first run's model's own overheads (``model_overhead``), whose per-model fields are put back to those of
+    all the runs (``before``)."""
+    own = {f for key in model_overhead.values() for f in key.get(system, {})} - set(params)
+    return dataclasses.replace(fitted, **{f: getattr(before, f) for f in own}) if own else fitted
+
+
 def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibration:
     """Fit every system's overheads (``FIT_STAGES``) to the runs kept in ``directory``'s
     calibration-runs.jsonl, each run's median repetition (``median_runs``), simulated with the
@@ -523,8 +536,7 @@ def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibrati
 
     def rows(select, crowded: float = 1.0):
         return [(spec_from_record(rec, link), rec["median_step_time"],
-                 CpuCompute(profiles[shape_key(r.shape())], Calibration(overhead, loopback, (), model_overhead=
-                                                                        model_overhead).overheads_for(r.shape())),
+                 CpuCompute(profiles[shape_key(r.shape())], overheads_for(overhead, model_overhead, r.shape())),
                  cores_with_background(QUIET_CORES, bg, crowded=crowded))
                 for r, rec, bg in measured if select(r)]
 
@@ -533,9 +545,7 @@ def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibrati
         if not sel:
             continue
         fitted, rep = fit_overheads(system, sel, None, params)
-        # a later stage's fit started from its first run's model's own overheads: those of all the runs kept
-        own = {f for key in model_overhead.values() for f in key.get(system, {})} - set(params)
-        overhead[system] = dataclasses.replace(fitted, **{f: getattr(overhead[system], f) for f in own})
+        overhead[system] = _shared(fitted, overhead.get(system), model_overhead, system, params)
         widths = sorted({model_key(r.shape()) for r, _, _ in measured if r.system == system and select(r)})
         if len(widths) > 1 and "compute" in params:
             rep = _fit_per_model(system, widths, lambda key: rows(
@@ -551,8 +561,7 @@ def fit_calibration(runs, directory: Path, speed: float, log=print) -> Calibrati
               for e in CROWDED_GRID}
         crowded = min(at, key=lambda e: sum(row["error"] ** 2 for row in at[e][1]))
         fitted, rep = at[crowded]
-        own = {f for key in model_overhead.values() for f in key.get("ours", {})}
-        overhead["ours"] = dataclasses.replace(fitted, **{f: getattr(overhead["ours"], f) for f in own})
+        overhead["ours"] = _shared(fitted, overhead["ours"], model_overhead, "ours", ("dp",))
         report += rep
         log(f"calibration: {len(rep)} runs of more ranks than cores keep {crowded:.2f} of the cores' worth")
     for row in report:
