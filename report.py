@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from contract.cli import Parser
+from contract.cli import Parser, cannot_create_in, cannot_write_file
 from contract.records import predictions_path, read_records, record_files
 from reporting import load_records, plot_networks, plot_quality, quality_targets, render, to_frame
 from reporting.summary import provenance
@@ -27,10 +27,12 @@ def check_outputs(inputs: list[str], out: str | None, plots: str | None) -> str 
     run records; ``--out`` is a file, ``--plots`` a directory."""
     if plots and Path(plots).exists() and not Path(plots).is_dir():
         return f"--plots {plots} is not a directory"
+    if plots and (why := cannot_create_in(Path(plots))):
+        return f"--plots {plots}: {why}"
     if not out:
         return None
-    if Path(out).is_dir():
-        return f"--out {out} is a directory, not a file"
+    if why := cannot_write_file(out, "--out"):
+        return why
     read = [f for p in record_files(inputs) for f in (p, predictions_path(p))]
     same = next((f for f in read if f.exists() and Path(out).exists() and Path(out).samefile(f)), None)
     if same is not None:

@@ -45,6 +45,7 @@ import itertools
 import sys
 
 from baselines.torch_pipe import SCHEDULES
+from contract.cli import cannot_write_file
 from contract.estimate import INTERVAL_RULE
 from ours import prefetch_count, slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
@@ -395,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "both families at a tiny width, P=2: where token slicing starts to pay")
     seq_sweep.fill_parser(b)
     opts = p.parse_args(argv)
+    if getattr(opts, "out", None) and (why := cannot_write_file(opts.out, "--out")):
+        print(f"{p.prog}: error: {why}", file=sys.stderr)  # judged before the minutes of runs, not at the end
+        return 2
     runs = {"seq-sweep": seq_sweep.run, "breakdown": breakdown.run, "attention": attention.run,
             "network-slope": network_slope.run, "plan-evaluation": plan_evaluation.run, "ours-vs-gpipe": ours_vs_gpipe,
             "ours-vs-best": ours_vs_best, "ours-vs-megatron-tp": ours_vs_megatron_tp}

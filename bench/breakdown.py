@@ -220,6 +220,7 @@ def run(opts: argparse.Namespace) -> int:
         "", table(rows), ""])
     print(text)
     if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.out).write_text(text)
     return 0
 

@@ -11,7 +11,39 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 import tomllib
+from pathlib import Path
+
+
+def cannot_create_in(directory: Path) -> str | None:
+    """Why a file cannot be made in ``directory`` (created with its parents where missing), or None:
+    its nearest existing ancestor is a directory that takes a new file, tried for real (root passes
+    every permission check but not a read-only or virtual file system)."""
+    existing = next(a for a in (directory.absolute(), *directory.absolute().parents) if a.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-check-")
+    except OSError as exc:
+        return f"cannot write in {existing} ({exc.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def cannot_write_file(path: str, flag: str) -> str | None:
+    """Why a command's output file ``flag PATH`` (written at its end, its directories made) cannot be
+    written, in one line, or None: judged before the command does its work, not after."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{flag} {path} is a directory, not a file"
+    if why := cannot_create_in(p.parent):
+        return f"{flag} {path}: {why}"
+    if p.exists() and not os.access(p, os.W_OK):
+        return f"{flag} {path}: not writable"
+    return None
 
 
 class DefaultsShown(argparse.RawDescriptionHelpFormatter):

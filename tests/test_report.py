@@ -2,6 +2,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -266,6 +267,31 @@ def test_the_report_never_writes_over_what_it_reads(tmp_path, capsys):
     assert main([str(tmp_path), "--out", str(tmp_path / "sub" / "x.jsonl")]) == 0  # not yet a file of records
     assert main([str(tmp_path / "sub"), "--out", str(tmp_path / "sub" / "x.jsonl")]) == 2  # now an input
     assert records.read_text() == before and len(read_records(other)) == 1
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_report_is_made(tmp_path, capsys):
+    """``--out`` or ``--plots`` where no file can be made (under a file, a virtual file system) was a
+    traceback after the whole report was rendered; now one line and exit status 2, nothing written.
+    A directory that does not exist yet is made, as before."""
+    from report import main
+
+    records = tmp_path / "F.jsonl"
+    append_record(records, _rec(pp=8, t=19.71))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    cases = [("--out", str(blocker / "sub" / "x.md"), f"{blocker} is not a directory"),
+             ("--plots", str(blocker / "plots"), f"{blocker} is not a directory")]
+    if Path("/proc").is_dir():  # a file system that takes no new file, even from root
+        cases.append(("--out", "/proc/pipebench-report.md", "cannot write in /proc"))
+    for flag, out, message in cases:
+        assert main([str(records), flag, out]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and f"{flag} {out}: {message}" in err[0], err
+        assert captured.out == ""  # refused before the report was made
+    made = tmp_path / "new" / "dir" / "x.md"
+    assert main([str(records), "--out", str(made)]) == 0 and made.is_file()
+    assert not list(tmp_path.rglob(".write-check-*"))
 
 
 def test_malformed_fields_are_left_out_with_a_warning_naming_file_and_line(tmp_path, capsys):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench import breakdown
 from bench.breakdown import (ATTENTION, GEMM, IDLE, KV, OPTIMIZER, OTHER, PARTS, PYTHON, WAIT, Op, account, medians,
                              op_tree, step_parts)
 from ours.engine import StageEngine
@@ -66,3 +67,18 @@ def test_a_profiled_engine_step_splits_into_its_parts(monkeypatch):
     assert all(parts[p] > 0 for p in (GEMM, ATTENTION, KV, OTHER, PYTHON)), parts
     assert parts[OPTIMIZER] == parts[IDLE] == 0  # no optimizer in an engine step; idle is outside the window
     assert parts[WAIT] < 0.05 * window  # one stage: no messages, only its (empty) wait for sends
+
+
+@pytest.mark.parametrize("bench", ["breakdown", "seq-sweep"])
+def test_an_out_file_that_cannot_be_written_is_refused_before_any_run(bench, tmp_path, capsys, monkeypatch):
+    """The table was written only after the benchmark's minutes of runs, where an unwritable ``--out``
+    was a traceback; now one line and exit status 2, and nothing is launched."""
+    from bench import __main__ as cli
+
+    monkeypatch.setattr(breakdown, "run", lambda opts: pytest.fail("breakdown ran"))
+    monkeypatch.setattr(cli.seq_sweep, "run", lambda opts: pytest.fail("seq-sweep ran"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert cli.main([bench, "--out", str(blocker / "table.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m bench: error: --out {blocker / 'table.txt'}: {blocker} is not a directory"]
