@@ -21,7 +21,7 @@ import math
 import sys
 from pathlib import Path
 
-from contract.cli import DEVICE_FILE, POSITIVE_INT, Parser, number, old_names
+from contract.cli import DEVICE_FILE, POSITIVE_INT, Parser, cannot_write_file, number, old_names
 from workload.configs import MODEL_CONFIGS, ModelConfig, get_model_config
 
 PROG = "python -m ours.plan"  # the command's name where pipebench does not give its own
@@ -97,10 +97,12 @@ def cmd_profile(args) -> int:
     from ours.plan.profile import profile
 
     cfg = _model(args)
+    out = Path(args.out or profile_dir() / f"{cache_key(cfg, 'cpu')}.json")
+    if why := cannot_write_file(str(out), "--out"):  # judged before the minutes of profiling
+        raise PlanError(why)
     batch = args.batch_slices or ((1,) if args.quick else (1, 2))
     prof = profile(cfg, tuple(batch), reps=2 if args.quick else args.reps, p2p=not args.no_p2p,
                    progress=not args.no_progress)
-    out = Path(args.out or profile_dir() / f"{cache_key(cfg, 'cpu')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(prof, indent=1))
     engine = prof.get("engine") or {}

@@ -80,6 +80,23 @@ def test_without_a_profile_the_host_is_a_device_of_its_own(tmp_path, monkeypatch
 
 
 @pytest.mark.multiprocess  # the profile's point-to-point part starts two gloo processes
+def test_a_profile_that_cannot_be_written_is_refused_before_profiling(tmp_path, monkeypatch, capsys):
+    """``profile --out`` (or the profile directory) where no file can be made was a traceback after the
+    minutes of profiling; now one line and exit status 2, and nothing is profiled."""
+    from ours.plan import __main__ as cli
+    from ours.plan import profile as profiling
+
+    monkeypatch.setattr(profiling, "profile", lambda *a, **k: pytest.fail("profiled"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for args, env in ((["--out", str(blocker / "p.json")], None), ([], str(blocker / "profiles"))):
+        if env:
+            monkeypatch.setenv("OURS_PLAN_DIR", env)
+        assert cli.main(["profile", "--model", "tiny", "--quick", "--no-progress", *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{blocker} is not a directory" in err[0], err
+
+
 def test_cli_profile_solve(tmp_path):
     env = {"OURS_PLAN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
 
