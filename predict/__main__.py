@@ -42,7 +42,7 @@ import re
 import sys
 from pathlib import Path
 
-from contract.cli import DEVICE_FILE, Parser, old_names
+from contract.cli import DEVICE_FILE, POSITIVE_INT, Parser, old_names
 from contract.records import predictions_path
 
 REPORTS = Path(__file__).resolve().parents[1] / "results" / "predict"  # what the checks write
@@ -181,7 +181,7 @@ def _compare(args) -> int:
     except ScenarioError as exc:
         print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(as_json(res)) if args.json else table(res, args.top))
+    print(json.dumps(as_json(res, args.top)) if args.json else table(res, args.top))
     return 0
 
 
@@ -459,9 +459,9 @@ def build_parser(prog: str = PROG) -> Parser:
     q.add_argument("file", help="a compare file (TOML: [run] model, [cluster], [compare] global_batch): a path, or "
                    "the name of a shipped one (predict/scenarios)")
     q.add_argument("--json", action="store_true", help="one JSON object: every candidate that runs, ranked")
-    q.add_argument("--top", type=int, default=None, help="only the N fastest (default: all)")
-    q.add_argument("--jobs", type=int, default=None, help="candidates predicted at once, in processes (default: "
-                   "the cores)")
+    q.add_argument("--top", type=POSITIVE_INT, default=None, help="only the N fastest, table and --json (default: all)")
+    q.add_argument("--jobs", type=POSITIVE_INT, default=None,
+                   help="candidates predicted at once, in processes (default: the cores)")
     q.set_defaults(fn=_compare)
     q = sub.add_parser("fit-kernels", help="the GPU device files' GEMM curves fitted to the published kernel "
                        "benchmarks they name (workload/devices/kernels/)")

@@ -28,6 +28,7 @@ benchmarks, validated on published cells (``validated`` in the file) or a datash
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from concurrent.futures import ProcessPoolExecutor
@@ -124,6 +125,8 @@ def candidates(data: dict, cmp: dict) -> list[Candidate]:
                 if (dp > 1 and "dp" not in dims) or gb % dp:
                     continue
                 schedules = MODELLED[system] if pp > 1 else MODELLED[system][:1]
+                if "schedule" not in {f.name for f in dataclasses.fields(specs[system].options)}:
+                    schedules = (None,)  # one the system has no option for (fairscale: GPipe only)
                 for schedule in schedules:
                     for mb in cmp["micro_batch_sizes"]:
                         if (gb // dp) % mb == 0:
@@ -183,7 +186,7 @@ def compare(path: str | Path, jobs: int | None = None, progress: bool = True) ->
     (fastest first), then those that do not fit; with the device's status and the counts refused."""
     data, cmp = _read(path)
     cands = candidates(data, cmp)
-    jobs = jobs or min(len(cands), os.cpu_count() or 1)
+    jobs = max(1, jobs or min(len(cands), os.cpu_count() or 1))
     # the widest data parallelism first (the longest to simulate), one candidate at a time: the workers end together
     work = [(data, cmp, c) for c in sorted(cands, key=lambda c: (-c.dp, c.system == "ours"), reverse=False)]
     rows = []
@@ -200,13 +203,18 @@ def compare(path: str | Path, jobs: int | None = None, progress: bool = True) ->
                 bar.update()
     if bar:
         bar.close()
-    refused = [r for r in rows if "refused" in r]
+    refused: dict[str, dict[str, int]] = {}  # system -> why -> candidates refused for it
+    for r in rows:
+        if "refused" in r:
+            why = refused.setdefault(r["candidate"].system, {})
+            why[r["refused"]] = why.get(r["refused"], 0) + 1
     ok = sorted((r for r in rows if r.get("status") == "ok"), key=lambda r: r["step_time_s"])
     oom = sorted((r for r in rows if r.get("status") == "oom"), key=lambda r: r["memory_gb"])
     probe = _probe(data)
     return dict(model=probe.model.name, gpu=probe.device.name, gpus=probe.cluster.gpus,
                 global_batch=cmp["global_batch"], precision=probe.config.precision,
-                device_status=device_status(probe.device), ranked=ok, oom=oom, refused=len(refused),
+                device_status=device_status(probe.device), ranked=ok, oom=oom,
+                refused=sum(n for why in refused.values() for n in why.values()), refused_why=refused,
                 candidates=len(cands))
 
 
@@ -219,7 +227,7 @@ def table(res: dict, top: int | None = None) -> str:
     from tabulate import tabulate
 
     body = []
-    for i, r in enumerate(res["ranked"][:top] if top else res["ranked"], 1):
+    for i, r in enumerate(res["ranked"][:top], 1):
         c = r["candidate"]
         k = f", K={r['n_slices']}" if r.get("n_slices", 1) > 1 else ""
         body.append([i, _label(c) + k, c.layout, c.micro_batch, "yes" if c.recompute else "no",
@@ -228,17 +236,25 @@ def table(res: dict, top: int | None = None) -> str:
     head = (f"{res['model']} on {res['gpus']} x {res['gpu']} ({res['precision']}), global batch {res['global_batch']}: "
             f"{len(res['ranked'])} of {res['candidates']} candidates run, {len(res['oom'])} do not fit, "
             f"{res['refused']} refused by their system.\n{res['gpu']}: {res['device_status']}.\n")
+    if not res["candidates"]:
+        head += ("No candidate: no micro-batch size of [compare] divides a replica's batch on any layout the "
+                 "systems can take on this cluster.\n")
+    for system, why in res.get("refused_why", {}).items():  # the most frequent reason of each system first
+        (first, n), more = max(why.items(), key=lambda kv: kv[1]), sum(why.values())
+        head += (f"{system}: {more} refused, {n} of them: {first}"
+                 + (f" (and {more - n} for {len(why) - 1} other reason{'s' if len(why) > 2 else ''}: --json)"
+                    if more > n else "") + "\n")
     return head + "\n" + tabulate(body, ["#", "system", "layout", "mb", "recompute", "step s", "MFU", "GiB/GPU",
                                          "largest part"], tablefmt="github") + "\n"
 
 
-def as_json(res: dict) -> dict:
-    """The comparison as plain JSON (candidates as their fields)."""
+def as_json(res: dict, top: int | None = None) -> dict:
+    """The comparison as plain JSON (candidates as their fields); ``top``: only the N fastest ranked."""
     from dataclasses import asdict
 
     def plain(r):
         return {**{k: v for k, v in r.items() if k != "candidate"}, **asdict(r["candidate"])}
 
     return dict({k: v for k, v in res.items() if k not in ("ranked", "oom")},
-                ranked=[plain(r) for r in res["ranked"]], oom=[plain(r) for r in res["oom"]])
+                ranked=[plain(r) for r in res["ranked"][:top]], oom=[plain(r) for r in res["oom"]])
 

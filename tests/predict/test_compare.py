@@ -74,6 +74,26 @@ def test_the_table_names_the_devices_status_and_json_is_plain(small):
     assert plain["ranked"][0]["system"] in ("megatron", "torch_pipe")
 
 
+def test_every_modelled_system_is_ranked_and_a_refusal_says_why(tmp_path):
+    """fairscale_fsdp was never ranked: each of its candidates was given a --schedule, an option it does
+    not have, and refused; the table said only how many were refused. --top held for the table only, and
+    a file without candidates crashed the process pool."""
+    from predict.compare import as_json, table
+
+    path = tmp_path / "fs.toml"
+    path.write_text(SMALL.replace('["megatron", "torch_pipe"]', '["fairscale_fsdp", "torch_pipe"]'))
+    res = compare(path, jobs=2, progress=False)
+    assert {r["candidate"].system for r in res["ranked"]} == {"fairscale_fsdp", "torch_pipe"}
+    assert "fairscale_fsdp" not in res["refused_why"]
+    assert res["refused"] == sum(n for why in res["refused_why"].values() for n in why.values()) > 0
+    text = table(res)
+    assert all(f"{system}: " in text for system in res["refused_why"])  # each system's refusals, with a reason
+    assert len(as_json(res, top=2)["ranked"]) == 2 and len(as_json(res)["ranked"]) == len(res["ranked"])
+    path.write_text(SMALL.replace("[1, 2]", "[3]"))  # divides no replica's batch of 8
+    none = compare(path, progress=False)
+    assert none["candidates"] == 0 and "No candidate" in table(none)
+
+
 @pytest.mark.parametrize("body, words", [
     ("[run]\nmodel = 'gpt3-xl'\n[cluster]\ngpu = 'H100 SXM'\n", "global_batch is missing"),
     ("[run]\nmodel = 'gpt3-xl'\npp = 2\n[compare]\nglobal_batch = 8\n", "compare chooses it"),
