@@ -79,13 +79,18 @@ def megatron_options(cfg: RunConfig) -> dict:
     return {name: getattr(cfg.options, name) for name in MEGATRON_ONLY if hasattr(cfg.options, name)}
 
 
-def _ours_slices(cfg: RunConfig, link: Link, compute) -> tuple[int, ...]:
+def _check_ours_modelled(cfg: RunConfig) -> None:
+    """ours' options the simulator has no model of, whoever gives its slices."""
     o = cfg.options
     if o.search:
         raise NotModelled("--n-slices search keeps the K its timed steps ran fastest: nothing to predict before "
                           "the run")
     if o.wire_dtype != "fp32":
         raise NotModelled(f"ours' --wire-dtype {o.wire_dtype}: the simulator sends ours' messages in fp32")
+
+
+def _ours_slices(cfg: RunConfig, link: Link, compute) -> tuple[int, ...]:
+    o = cfg.options
     if o.auto:
         from ours.plan.auto import auto_slicing
 
@@ -104,6 +109,8 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", comput
     if cfg.system not in systems:
         raise NotModelled(f"the simulator has no program for {cfg.system} {'on a GPU' if compute else 'here'} "
                           f"(it models {', '.join(systems)})")
+    if cfg.system == "ours":
+        _check_ours_modelled(cfg)
     if cfg.system == "ours" and slices is None:
         slices = _ours_slices(cfg, link, compute)
     elif cfg.system == "gpipe" and slices is None:

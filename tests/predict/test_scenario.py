@@ -230,3 +230,14 @@ def test_the_command_takes_set(tmp_path):
     assert res["layout"] == "T-1 P-8 D-1" and res["status"] == "ok"
     p = run("xl-h100-ours", "--set", "pp=8")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "SECTION.KEY=VALUE" in p.stderr, p.stderr
+
+
+def test_ours_options_without_a_model_are_refused_whoever_chooses_the_slices():
+    """ours' messages in bf16 were refused with explicit slices but predicted in fp32 with "auto" ones."""
+    for slices in ("auto", 4):
+        for changes, message in ((dict(run__n_slices=slices, run__wire_dtype="bf16"), "--wire-dtype bf16"),
+                                 (dict(run__n_slices="search"), "search")):
+            sc = scenario(run__system="ours", run__tp=1, **changes)
+            with pytest.raises(ScenarioError, match=message):
+                predict_scenario(parse(sc))
+    assert predict_scenario(parse(scenario(run__system="ours", run__tp=1, run__n_slices="auto")))["status"] == "ok"
