@@ -23,8 +23,10 @@ where P = 1), every T x P x D with T x P x D = the cluster's GPUs, T at most a n
 P dividing the layers (the system's own dimensions only), each micro-batch size dividing the replica's
 batch; without recomputation, and with it where that alone does not fit. Each is judged as the run
 command judges a request (a layout the system refuses is not a candidate) and by the memory model before
-it is simulated. The answer names, per GPU type, whether its device file is measured, fitted to kernel
-benchmarks, validated on published cells (``validated`` in the file) or a datasheet prior.
+it is simulated. A candidate only the simulator runs (megatron's zero-bubble schedules, published but not
+in megatron-core 0.16.1) is ranked with the others, marked ``*`` (``runnable`` false in ``--json``). The
+answer names, per GPU type, whether its device file is measured, fitted to kernel benchmarks, validated on
+published cells (``validated`` in the file) or a datasheet prior.
 """
 from __future__ import annotations
 
@@ -141,6 +143,7 @@ def _evaluate(args: tuple[dict, dict, Candidate]) -> dict:
     from dataclasses import replace
 
     from predict.scenario import memory_of
+    from predict.systems import runnable
     from workload.flops import GPU_PEAK_TFLOPS, flops_per_token
 
     def load(c: Candidate):
@@ -154,7 +157,8 @@ def _evaluate(args: tuple[dict, dict, Candidate]) -> dict:
         res = predict_scenario(sc)
     except ScenarioError as exc:
         return dict(candidate=cand, refused=str(exc))
-    row = dict(candidate=cand, status=res["status"], memory_gb=res["memory_gb"], step_time_s=res["step_time_s"])
+    row = dict(candidate=cand, status=res["status"], memory_gb=res["memory_gb"], step_time_s=res["step_time_s"],
+               runnable=runnable(cand.system, cand.schedule))
     if res["status"] == "ok":
         tokens = cmp["global_batch"] * sc.model.seq_len
         peaks = GPU_PEAK_TFLOPS[sc.device.part]  # MFU against the datasheet's peak, as the report's
@@ -222,6 +226,15 @@ def _label(c: Candidate) -> str:
     return c.system + (f" {c.schedule}" if c.schedule and c.pp > 1 else "")
 
 
+PREDICTED_ONLY = "*"  # the label's mark of a candidate only the simulator runs
+
+
+def _note_predicted_only(rows: list[dict]) -> str:
+    marked = sorted({_label(r["candidate"]) for r in rows if not r.get("runnable", True)})
+    return (f"{PREDICTED_ONLY} predicted only: {', '.join(marked)} (published, not in this repository's build; "
+            "pipebench run refuses it)\n" if marked else "")
+
+
 def table(res: dict, top: int | None = None) -> str:
     """The ranked table for people."""
     from tabulate import tabulate
@@ -230,7 +243,8 @@ def table(res: dict, top: int | None = None) -> str:
     for i, r in enumerate(res["ranked"][:top], 1):
         c = r["candidate"]
         k = f", K={r['n_slices']}" if r.get("n_slices", 1) > 1 else ""
-        body.append([i, _label(c) + k, c.layout, c.micro_batch, "yes" if c.recompute else "no",
+        mark = "" if r.get("runnable", True) else f" {PREDICTED_ONLY}"
+        body.append([i, _label(c) + k + mark, c.layout, c.micro_batch, "yes" if c.recompute else "no",
                      f"{r['step_time_s']:.3f}", f"{r['mfu'] * 100:.1f} %", f"{r['memory_gb']:.1f}",
                      r["largest_part"].replace("_", " ")])
     head = (f"{res['model']} on {res['gpus']} x {res['gpu']} ({res['precision']}), global batch {res['global_batch']}: "
@@ -245,7 +259,8 @@ def table(res: dict, top: int | None = None) -> str:
                  + (f" (and {more - n} for {len(why) - 1} other reason{'s' if len(why) > 2 else ''}: --json)"
                     if more > n else "") + "\n")
     return head + "\n" + tabulate(body, ["#", "system", "layout", "mb", "recompute", "step s", "MFU", "GiB/GPU",
-                                         "largest part"], tablefmt="github") + "\n"
+                                         "largest part"], tablefmt="github") + "\n" + _note_predicted_only(
+        res["ranked"][:top])
 
 
 def as_json(res: dict, top: int | None = None) -> dict:

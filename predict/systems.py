@@ -56,3 +56,13 @@ def prediction_systems() -> dict[str, SystemSpec]:
     """Every system a prediction may name: the registry's (megatron with its predicted-only schedules),
     then the predicted-only ones."""
     return {**systems(), MEGATRON.name: MEGATRON, GPIPE.name: GPIPE}
+
+
+def runnable(system: str, schedule: str | None) -> bool:
+    """Whether the run command runs ``system`` with ``schedule`` (None: the system's default); False for
+    what only the simulator runs (the seed's GPipe, megatron's zero-bubble schedules)."""
+    spec = systems().get(system)
+    if spec is None:
+        return False
+    return schedule is None or schedule in spec.options.choices("schedule")
+

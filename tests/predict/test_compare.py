@@ -74,6 +74,22 @@ def test_the_table_names_the_devices_status_and_json_is_plain(small):
     assert plain["ranked"][0]["system"] in ("megatron", "torch_pipe")
 
 
+def test_a_schedule_only_the_simulator_runs_is_marked(small):
+    """megatron's zero-bubble schedules were ranked beside the rest unmarked, though the run command
+    refuses them."""
+    from predict.compare import as_json, table
+
+    _, res = small
+    rows = as_json(res)["ranked"]
+    zero_bubble = [r for r in rows if r["schedule"] in ("zb1p", "zb2p") and r["pp"] > 1]
+    assert zero_bubble and not any(r["runnable"] for r in zero_bubble)
+    assert all(r["runnable"] for r in rows if r not in zero_bubble)
+    text = table(res)
+    marked = [line for line in text.splitlines() if line.startswith("|") and " *" in line]
+    assert len(marked) == len(zero_bubble) and all(" zb" in line for line in marked)
+    assert "* predicted only: megatron zb1p, megatron zb2p" in text
+
+
 def test_every_modelled_system_is_ranked_and_a_refusal_says_why(tmp_path):
     """fairscale_fsdp was never ranked: each of its candidates was given a --schedule, an option it does
     not have, and refused; the table said only how many were refused. --top held for the table only, and
