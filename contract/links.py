@@ -31,6 +31,22 @@ if TYPE_CHECKING:
 Ends = tuple[int, int]  # a link's (source, destination) global ranks
 
 
+# What a link given by a person may be (a cluster's, a planner's flag): a one-way delay of at most 10 s (the
+# network profiles' limit, network_emulation.profiles.MAX_DELAY_MS) and 1 Mbit/s to 100 Tbit/s; beyond
+# these a number is a slip of a unit, not a network.
+MAX_GIVEN_DELAY_MS = 10_000.0
+GIVEN_GBPS = (1e-3, 100_000.0)
+
+
+def given_link_error(delay_ms: float, gbps: float) -> str | None:
+    """Why a link of ``delay_ms`` and ``gbps`` given by a person is absurd (one line), or None."""
+    if not (math.isfinite(delay_ms) and 0 <= delay_ms <= MAX_GIVEN_DELAY_MS):
+        return f"delay {delay_ms:g} ms is absurd (0 to {MAX_GIVEN_DELAY_MS:g} ms)"
+    if not (math.isfinite(gbps) and GIVEN_GBPS[0] <= gbps <= GIVEN_GBPS[1]):
+        return f"bandwidth {gbps:g} Gbit/s is absurd ({GIVEN_GBPS[0]:g} to {GIVEN_GBPS[1]:g} Gbit/s)"
+    return None
+
+
 @dataclass(frozen=True)
 class Link:
     """One direction of a link.

@@ -69,10 +69,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from contract import ConfigError, RunConfig
-from network_emulation.profiles import MAX_DELAY_MS
 from predict.from_config import NotModelled, gpu_compute_of, memory_of as config_memory, spec_from_config
 from contract.cli import toml_value
-from contract.links import Link
+from contract.links import Link, given_link_error
 from predict.run_spec import Cluster, RunSpec
 from predict.stacks import StackError, stall_share
 from predict.stacks import check as check_stack
@@ -96,7 +95,6 @@ NVLINK_GBPS = {"V100": 1000.0, "A100": 1900.0, "H100": 3600.0, "H200": 3600.0}
 NVLINK_DELAY_MS = 0.005
 # A cluster's links are bounded far above an emulated link's (the run command's --network: 1 Tbit/s): a node's
 # network cards together (eight 400 Gbit/s cards: 3.2 Tbit/s) and NVLink (7.2 Tbit/s on H100) exceed that.
-MAX_CLUSTER_GBPS = 100_000.0
 
 
 class ScenarioError(ValueError):
@@ -149,11 +147,10 @@ def _positive(section: str, key: str, v, zero: bool = False):
 
 
 def _link_of(where: str, delay_ms, gbps) -> Link:
-    """A link of a delay and a bandwidth, bounded as the run command bounds a network profile's."""
-    if delay_ms > MAX_DELAY_MS:
-        raise ScenarioError(f"{where}: delay {delay_ms:g} ms is absurd (limit {MAX_DELAY_MS:g} ms)")
-    if gbps > MAX_CLUSTER_GBPS:
-        raise ScenarioError(f"{where}: bandwidth {gbps:g} Gbit/s is absurd (limit {MAX_CLUSTER_GBPS:g} Gbit/s)")
+    """A link of a delay and a bandwidth, bounded as every link a person gives (``given_link_error``)."""
+    why = given_link_error(delay_ms, gbps)
+    if why:
+        raise ScenarioError(f"{where}: {why}")
     return Link.from_ms_gbps(delay_ms, gbps)
 
 

@@ -39,7 +39,7 @@ layouts = ["1"]
 TWICE = SWEEP + SWEEP[SWEEP.index("[[experiment]]"):]
 OURS = ["--system", "ours", "--model", "cpu-small", "--pp", "2", "--batch-size", "2", "--micro-batch-size", "1"]
 LAYOUT = ["layout", "--model", "gpt3-xl", "--batch-size", "64"]
-LINK = "a link needs a latency >= 0 and a bandwidth > 0, both finite"
+LINK = "is absurd"
 DILOCO = ["--system", "diloco", "--model", "tiny", "--batch-size", "1", "--micro-batch-size", "1"]
 
 
@@ -81,6 +81,8 @@ REFUSED = [
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter=-5ms,1Gbps"], LINK),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "nanms,infGbps"], "a link is LATENCY,BANDWIDTH"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "1e999ms,1Gbps"], LINK),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "1e9ms,1Gbps"], "delay 1e+09 ms is absurd"),
+    (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "1ms,0.0001Mbps"], "bandwidth 1e-07 Gbit/s"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "8", "--gpus-per-node", "8", "--intra", "fast"],
      "a link is LATENCY,BANDWIDTH"),
     (7, "ours.plan.__main__", [*LAYOUT, "--devices", "12", "--inter", "10,1"], "a link is LATENCY,BANDWIDTH"),
@@ -414,6 +416,7 @@ SCENARIOS_54 = [
         'batch_size = 64\nmicro_batch_size = 1\n' + _scenario_text(cluster=INTER)[_scenario_text().index("[cluster]"):],
      "interleaved schedule needs the micro-batch count (64) to divide by --pp 6"),
     (16, _scenario_text(cluster="inter_gbps = 10\ninter_delay_ms = 1e300\n"), "delay 1e+300 ms is absurd"),
+    (16, _scenario_text(cluster="intra_gbps = 1e-9\n"), "bandwidth 1e-09 Gbit/s is absurd"),
     (17, _scenario_text('n_slices = true', INTER).replace('"megatron"', '"ours"'), "'n_slices' must be a string"),
     (17, _scenario_text(extra="[cluster.matrix]\ndelay_ms = 5\nbandwidth_gbps = 1\n"), "matrix must be 2 x 2"),
 ]

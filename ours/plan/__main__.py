@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from contract.cli import DEVICE_FILE, POSITIVE_INT, Parser, cannot_write_file, number, old_names
+from contract.links import given_link_error
 from workload.configs import MODEL_CONFIGS, ModelConfig, get_model_config
 
 PROG = "python -m ours.plan"  # the command's name where pipebench does not give its own
@@ -44,7 +45,8 @@ def _link(text: str) -> str:
 
 
 def _check_matrix(d) -> None:
-    """ValueError unless ``d`` is N x N finite delays (ms, >= 0) and bandwidths (Gbit/s, > 0 between two devices)."""
+    """ValueError unless ``d`` is N x N delays (ms) and bandwidths (Gbit/s), each pair of devices' within what
+    a link may be (``contract.links.given_link_error``)."""
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
     delay, bandwidth = d["delay_ms"], d["bandwidth_gbps"]
@@ -57,6 +59,10 @@ def _check_matrix(d) -> None:
                or (i != j and not ok(x))]
         if bad:
             raise ValueError(f"{name} holds {bad[0]!r}")
+    for i, j in ((i, j) for i in range(n) for j in range(n) if i != j):
+        why = given_link_error(delay[i][j], bandwidth[i][j])
+        if why:
+            raise ValueError(f"[{i}][{j}]: {why}")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -166,7 +172,7 @@ def cmd_layout(args) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else f"no {exc}" if isinstance(exc, KeyError) else str(exc)
             raise PlanError(f"--matrix {args.matrix}: not a per-link matrix {{\"delay_ms\": [[...]], "
-                            f"\"bandwidth_gbps\": [[...]]}} of finite delays >= 0 and bandwidths > 0 ({why})") from None
+                            f"\"bandwidth_gbps\": [[...]]}} of delays and bandwidths ({why})") from None
         if args.devices is not None and args.devices != len(matrix["delay_ms"]):
             raise PlanError(f"--devices {args.devices}, but --matrix {args.matrix} is of {len(matrix['delay_ms'])} "
                             "devices (the matrix says how many: leave out --devices)")

@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from contract.links import Link
+from contract.links import Link, given_link_error
 from ours.plan.latency import tp_allreduces
 from ours.plan.planner import plan
 from ours.tp import rank_of
@@ -37,7 +37,7 @@ _RATES = {"gb/s": 1e9, "mb/s": 1e6, "gbps": 1e9 / 8, "gbit/s": 1e9 / 8, "mbps": 
 
 def parse_link(text: str) -> Link:
     """'5us,300GB/s' or '10ms,1Gbps': one-way latency, bandwidth (GB/s, MB/s bytes; Gbps, Mbps bits);
-    a latency >= 0 and a bandwidth > 0, both finite (ValueError, one line, otherwise)."""
+    within what a link may be (``given_link_error``; ValueError, one line, otherwise)."""
     m = re.fullmatch(r"\s*([\d.e+-]+)\s*(s|ms|us|ns)\s*,\s*([\d.e+-]+)\s*([a-zA-Z/]+)\s*", text)
     if not m or m.group(4).lower() not in _RATES:
         raise ValueError(f"a link is LATENCY,BANDWIDTH, e.g. 5us,300GB/s or 10ms,1Gbps; got {text!r}")
@@ -45,8 +45,9 @@ def parse_link(text: str) -> Link:
         latency, rate = float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _RATES[m.group(4).lower()]
     except ValueError:
         raise ValueError(f"a link is LATENCY,BANDWIDTH with numbers, e.g. 10ms,1Gbps; got {text!r}") from None
-    if not (math.isfinite(latency) and latency >= 0 and math.isfinite(rate) and rate > 0):
-        raise ValueError(f"a link needs a latency >= 0 and a bandwidth > 0, both finite; got {text!r}")
+    why = given_link_error(latency * 1e3, rate * 8 / 1e9)
+    if why:
+        raise ValueError(f"{text!r}: {why}")
     return Link(latency, rate)
 
 
