@@ -4,6 +4,7 @@ token slicing and the layout (T, P) for a cluster, on the one compute model (``w
     pipebench plan profile --model cpu-small [--quick] [--out FILE]   # this CPU's profile (default out:
                                             # ours/plan/profiles/cpu-h..-a..-s..-v...json, where auto finds it)
     pipebench plan solve --model cpu-small --pp 2 --batch-size 2 [--micro-batch-size 1] [--device-file NAME]
+        [--tp T --tp-link 5us,300GB/s] [--link 10ms,1Gbps]
     pipebench plan layout --model gpt3-xl --devices 8 --gpus-per-node 8 --intra 5us,300GB/s --batch-size 64
         [--inter 10ms,1Gbps | --matrix FILE.json] [--device-file "V100 SXM2 16GB"] [--memory-gb 16] [--recompute]
 
@@ -34,7 +35,7 @@ class PlanError(ValueError):
 
 
 def _link(text: str) -> str:
-    """--intra / --inter: LATENCY,BANDWIDTH, judged by ``ours.plan.layout.parse_link``; the text."""
+    """--intra, --inter, --link, --tp-link: LATENCY,BANDWIDTH, judged by ``layout.parse_link``; the text."""
     from ours.plan.layout import parse_link
 
     try:
@@ -140,17 +141,27 @@ def judge_layout(args, cfg: ModelConfig) -> None:
 def cmd_solve(args) -> int:
     from ours.plan.planner import plan
 
+    from ours.plan.layout import parse_link
+
     cfg = _model(args)
     judge_layout(args, cfg)
+    if args.tp > 1 and args.tp_link is None:
+        raise PlanError(f"--tp {args.tp} needs --tp-link LATENCY,BANDWIDTH (the links inside a tensor-parallel group, "
+                        "e.g. 5us,300GB/s: each layer's all-reduces are charged on them)")
+    if args.out and (why := cannot_write_file(args.out, "--out")):
+        raise PlanError(why)
     cm, source = _compute(args, cfg)
     bs = list(args.batch_slices) if args.batch_slices else ([args.micro_batch_size] if args.micro_batch_size else None)
+    link, tp_link = (parse_link(x) if x else None for x in (args.link, args.tp_link))
     try:
         p = plan(cm, cfg, n_stages=args.pp, batch_size=args.batch_size, tp=args.tp, recompute=args.recompute,
-                 granularity=args.granularity, batch_slices=bs)
+                 granularity=args.granularity, batch_slices=bs, link=link, tp_link=tp_link,
+                 act_bytes=4 if args.precision == "fp32" else 2)
     except ValueError as exc:  # a --batch-slices size that does not divide the batch, no feasible slicing
         raise PlanError(str(exc)) from None
     d = p.to_dict()
-    d.update(model=cfg.name, n_layer=cfg.n_layer, seq_len=cfg.seq_len, compute_model=source)
+    d.update(model=cfg.name, n_layer=cfg.n_layer, seq_len=cfg.seq_len, compute_model=source, link=args.link,
+             tp_link=args.tp_link)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(d, indent=1))
@@ -250,6 +261,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     q.add_argument("--tp", type=POSITIVE_INT, default=1, help="T, tensor-parallel degree inside a stage")
     q.add_argument("--recompute", action="store_true", help="activation recomputation")
     q.add_argument("--batch-size", type=POSITIVE_INT, required=True, help="B, the pipeline's batch (sequences)")
+    q.add_argument("--link", type=_link, default=None, help="the link between two stages: LATENCY,BANDWIDTH, "
+                   "e.g. 10ms,1Gbps (s/ms/us/ns; Gbps/Mbps bits, GB/s/MB/s bytes; default: messages cost nothing)")
+    q.add_argument("--tp-link", type=_link, default=None, help="the links inside a tensor-parallel group, "
+                   "e.g. 5us,300GB/s (required with --tp > 1: each layer's all-reduces are charged on them)")
     q.add_argument("--granularity", type=POSITIVE_INT, default=None, help="token slice boundaries at multiples of "
                    "this (default: 8, coarser from 512 tokens on: at most 64 positions)")
     q.add_argument("--micro-batch-size", type=POSITIVE_INT, default=None,
@@ -267,7 +282,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     q.add_argument("--gpus-per-node", type=POSITIVE_INT, default=1, help="devices a node (the links inside a node: "
                    "--intra)")
     q.add_argument("--intra", type=_link, default=None,
-                   help="the links inside a node: LATENCY,BANDWIDTH, e.g. 5us,300GB/s")
+                   help="the links inside a node: LATENCY,BANDWIDTH, e.g. 5us,300GB/s (s/ms/us/ns; Gbps/Mbps bits, "
+                   "GB/s/MB/s bytes)")
     q.add_argument("--inter", type=_link, default=None, help="the links between nodes, e.g. 10ms,1Gbps")
     q.add_argument("--matrix", default=None, help='a per-link matrix {"delay_ms": [[...]], "bandwidth_gbps": '
                    '[[...]]}, N x N for N devices')

@@ -1,6 +1,7 @@
 """ours.plan.layout: T, P and the slicing chosen from the links, on the device file's compute model."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -65,3 +66,22 @@ def test_parse_link_and_the_command(capsys):
     assert main(["layout", "--model", "gpt3-xl", "--devices", "8", "--gpus-per-node", "8", "--intra", "5us,300GB/s",
                  "--batch-size", "8", "--gpu", "nonesuch"]) == 2
     assert "no device file for 'nonesuch'" in capsys.readouterr().err
+
+
+def test_solve_charges_the_links_it_is_given_and_asks_for_the_tensor_parallel_ones(capsys, tmp_path):
+    """solve --tp T charged no all-reduce (more T always looked faster) and no stage-to-stage message."""
+    base = ["solve", "--model", "gpt3-xl", "--device-file", "H100 SXM", "--precision", "bf16", "--pp", "4",
+            "--batch-size", "8", "--micro-batch-size", "1"]
+    assert main([*base, "--tp", "2"]) == 2
+    assert "--tp 2 needs --tp-link" in capsys.readouterr().err
+
+    def pipeline(*flags) -> float:
+        out = tmp_path / "plan.json"
+        assert main([*base, *flags, "--out", str(out)]) == 0
+        capsys.readouterr()
+        return json.loads(out.read_text())["predicted_pipeline"]
+
+    alone = pipeline()
+    nvlink, slow = pipeline("--tp", "2", "--tp-link", "5us,300GB/s"), pipeline("--tp", "2", "--tp-link", "50us,10GB/s")
+    assert nvlink < alone < slow   # halving each GPU's work pays over NVLink, not over 10 GB/s
+    assert pipeline("--link", "10ms,1Gbps") > 2 * alone
