@@ -87,6 +87,9 @@ def _read(path: str | Path) -> tuple[dict, dict]:
     if not isinstance(mbs, list) or not mbs or any(isinstance(m, bool) or not isinstance(m, int) or m < 1
                                                     for m in mbs):
         raise ScenarioError(f"[compare] micro_batch_sizes must be a list of whole numbers >= 1, got {mbs!r}")
+    systems = cmp.get("systems", [])
+    if not isinstance(systems, list) or any(not isinstance(x, str) for x in systems):
+        raise ScenarioError(f"[compare] systems must be a list of system names, e.g. [\"ours\"], got {systems!r}")
     if "run" not in data or "model" not in data.get("run", {}):
         raise ScenarioError("[run] model is missing (the model to compare the systems on)")
     for key in ("system", "tp", "pp", "dp", "batch_size", "micro_batch_size", "recompute", "schedule"):
@@ -158,7 +161,7 @@ def _evaluate(args: tuple[dict, dict, Candidate]) -> dict:
     except ScenarioError as exc:
         return dict(candidate=cand, refused=str(exc))
     row = dict(candidate=cand, status=res["status"], memory_gb=res["memory_gb"], step_time_s=res["step_time_s"],
-               runnable=runnable(cand.system, cand.schedule))
+               usable_gb=res["usable_gb"], runnable=runnable(cand.system, cand.schedule))
     if res["status"] == "ok":
         tokens = cmp["global_batch"] * sc.model.seq_len
         peaks = GPU_PEAK_TFLOPS[sc.device.part]  # MFU against the datasheet's peak, as the report's
@@ -253,6 +256,12 @@ def table(res: dict, top: int | None = None) -> str:
     if not res["candidates"]:
         head += ("No candidate: no micro-batch size of [compare] divides a replica's batch on any layout the "
                  "systems can take on this cluster.\n")
+    if not res["ranked"] and res["oom"]:
+        least = res["oom"][0]  # the smallest first
+        c = least["candidate"]
+        head += (f"None fits: the least memory a GPU, {least['memory_gb']:.1f} GiB of {least['usable_gb']:.1f} usable, "
+                 f"is {_label(c)} {c.layout} mb {c.micro_batch}{' with recompute' if c.recompute else ''} "
+                 "(it needs more GPUs or GPUs with more memory).\n")
     for system, why in res.get("refused_why", {}).items():  # the most frequent reason of each system first
         (first, n), more = max(why.items(), key=lambda kv: kv[1]), sum(why.values())
         head += (f"{system}: {more} refused, {n} of them: {first}"

@@ -256,7 +256,8 @@ def config_from_args(args: argparse.Namespace, spec: SystemSpec,
 # A run's table (a file's [run] for --config, a scenario's [run], a sweep's settings): the run command's
 # flags by their names in snake_case (RunConfig's fields, the model's and the optimizer's, a system's
 # options), the model's fields also by the names below; a switch is true or false.
-ALIASES = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "seq_length": "seq_len"}
+ALIASES = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "seq_length": "seq_len",
+           "ffn_hidden_size": "ffn_hidden"}  # a table's key named as its flag is -> the key it stands for
 # Keys of the run command that say where it runs and writes, not what the run is.
 PLACEMENT_FLAGS = frozenset({"out", "nnodes", "node_rank", "rdzv_endpoint"})
 
@@ -272,7 +273,9 @@ def setting_flags(key: str, value, keys: dict[str, argparse.Action], where: str)
     unknown key or a value of the wrong kind; its text is judged with the rest)."""
     action = keys.get(ALIASES.get(key, key))
     if action is None:
-        raise ConfigError(f"{where}: unknown setting {key!r}; known: {', '.join(sorted(keys))}")
+        named = {dest: name for name, dest in ALIASES.items()}  # each known key as its flag names it
+        known = ", ".join(sorted(named.get(k, k) for k in keys))
+        raise ConfigError(f"{where}: unknown setting {key!r}; known: {known}")
     flag = max(action.option_strings, key=lambda s: s == "--" + key.replace("_", "-"))
     if isinstance(action, argparse._StoreTrueAction):
         if not isinstance(value, bool):
@@ -281,7 +284,7 @@ def setting_flags(key: str, value, keys: dict[str, argparse.Action], where: str)
     if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         value = ",".join(map(str, value))  # a list flag's text (--layers-per-stage 5,7,7,5)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{where}: {key!r} must be a string or a number, got {value!r}")
+        raise ConfigError(f"{where}: {key!r} must be a string, a number or a list of whole numbers, got {value!r}")
     if isinstance(value, str) and value.startswith("-"):
         raise ConfigError(f"{where}: {key!r} = {value!r} looks like a flag")
     return [flag, str(value)]

@@ -95,7 +95,7 @@ def _compute(args, cfg):
     path = profile_path(cfg, "cpu")
     if path is None:
         raise PlanError(f"no profile of {cache_key(cfg, 'cpu')} in {profile_dir()} (python -m ours.plan profile "
-                        f"--model {args.model}), or give --gpu NAME")
+                        f"--model {args.model}), or give --device-file NAME")
     return CpuCompute(json.loads(path.read_text())), str(path)
 
 

@@ -117,6 +117,7 @@ def test_every_modelled_system_is_ranked_and_a_refusal_says_why(tmp_path):
      "global_batch = 8\nsystems = ['nope']\n",
      "not a system the simulator"),
     ("[run]\nmodel = 'gpt3-xl'\n[compare]\nglobal_batch = 0\n", "whole number"),
+    ("[run]\nmodel = 'gpt3-xl'\n[compare]\nglobal_batch = 8\nsystems = 'ours'\n", "must be a list of system names"),
 ])
 def test_a_malformed_compare_file_is_one_line(tmp_path, body, words):
     path = tmp_path / "bad.toml"
@@ -134,3 +135,16 @@ def test_the_command_on_two_nodes_of_eight_h100_in_under_a_minute():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "H100 SXM: " in proc.stdout and re.search(r"^\|\s+1 \|", proc.stdout, re.M)  # the table's first row
+
+
+def test_a_cluster_where_nothing_fits_says_what_comes_closest(tmp_path):
+    """An empty table was all the table said where every candidate was out of memory."""
+    from predict.compare import table
+
+    path = tmp_path / "big.toml"
+    path.write_text("[run]\nmodel = 'gpt3-175b'\n[cluster]\ngpu = 'V100 SXM2 16GB'\nnodes = 1\ngpus_per_node = 2\n"
+                    "[compare]\nglobal_batch = 2\nsystems = ['megatron']\nmicro_batch_sizes = [1]\n")
+    res = compare(path, jobs=1, progress=False)
+    assert not res["ranked"] and res["oom"]
+    least = min(r["memory_gb"] for r in res["oom"])
+    assert f"None fits: the least memory a GPU, {least:.1f} GiB of 15.2 usable" in table(res)

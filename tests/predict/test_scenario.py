@@ -241,3 +241,14 @@ def test_ours_options_without_a_model_are_refused_whoever_chooses_the_slices():
             with pytest.raises(ScenarioError, match=message):
                 predict_scenario(parse(sc))
     assert predict_scenario(parse(scenario(run__system="ours", run__tp=1, run__n_slices="auto")))["status"] == "ok"
+
+
+def test_an_unknown_key_is_answered_with_the_keys_as_the_flags_name_them():
+    """The list named n_layer, n_embd, ffn_hidden (the old flags' or no flag's names), and a table took
+    ffn_hidden but not ffn_hidden_size (--ffn-hidden-size)."""
+    with pytest.raises(ScenarioError) as exc:
+        parse(scenario(run__extra=1))
+    known = str(exc.value).split("known: ")[1].split(", ")
+    assert {"num_layers", "hidden_size", "num_heads", "seq_length", "ffn_hidden_size"} <= set(known)
+    assert not {"n_layer", "n_embd", "n_head", "seq_len", "ffn_hidden"} & set(known)
+    assert parse(scenario(run__ffn_hidden_size=2048)).model.ffn_hidden == 2048

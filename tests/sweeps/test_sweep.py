@@ -189,7 +189,7 @@ def test_a_layout_this_machine_cannot_hold_is_refused_for_a_local_sweep(tmp_path
     ("[fixed]\nbatch_size=2\n[[experiment]]\nsystems=['ours']\nmicro_batch_sizes=[1]", "no 'model'"),
     ("[fixed]\nmodel='tiny'\nbatch_size=2\n[[experiment]]\nsystems=[]\nmicro_batch_sizes=[1]", "non-empty list"),
     ("[fixed]\nmodel='tiny'\nbatch_size=2\nsteps={a=1}\n[[experiment]]\nsystems=['ours']\nmicro_batch_sizes=[1]",
-     "must be a string or a number"),
+     "must be a string, a number or a list of whole numbers"),
     ("[fixed]\nmodel='tiny'\nbatch_size=[]\n[[experiment]]\nsystems=['ours']\nmicro_batch_sizes=[1]",
      "non-empty list"),
     ("stray = 1\n[[experiment]]\nsystems=['ours']", "unexpected top-level key"),
