@@ -219,7 +219,41 @@ def cmd_layout(args) -> int:
           f"batch {args.batch_size}, batch slice {args.micro_batch_size}, {args.precision}"
           f"{', recompute' if args.recompute else ''}")
     print(describe(cands))
+    print(_simulated(args, cfg, cands[0]))
     return 0
+
+
+def _gbps_ms(link) -> dict:
+    return dict(gbps=link.bandwidth * 8 / 1e9, delay_ms=link.latency * 1e3)
+
+
+def _simulated(args, cfg: ModelConfig, best) -> str:
+    """The chosen layout's whole step (the optimizer too) as the simulator predicts it, as
+    ``pipebench predict scenario`` would for the same run and cluster; or why it is not."""
+    from ours.plan.layout import parse_link
+    from predict.scenario import ScenarioError, parse, predict_scenario
+
+    if args.matrix or args.devices % min(args.gpus_per_node, args.devices):
+        return "the simulator's whole step: not predicted (a per-link matrix, or nodes not all full: a scenario " \
+               "is of whole nodes over two tiers of links)"
+    gpn = min(args.gpus_per_node, args.devices)
+    cluster = dict(gpu=args.gpu, nodes=args.devices // gpn, gpus_per_node=gpn)
+    for tier, text in (("intra", args.intra), ("inter", args.inter)):
+        if text and (tier == "inter" or gpn > 1):
+            link = _gbps_ms(parse_link(text))
+            cluster.update({f"{tier}_gbps": link["gbps"], f"{tier}_delay_ms": link["delay_ms"]})
+    run = dict(system="ours", model=cfg.name, num_layers=cfg.n_layer, seq_length=cfg.seq_len, tp=best.tp,
+               pp=best.pp, dp=1, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+               precision=args.precision, recompute=args.recompute, slices=",".join(map(str, best.slices)))
+    try:
+        res = predict_scenario(parse(dict(run=run, cluster=cluster), "layout"))
+    except ScenarioError as exc:
+        return f"the simulator's whole step: not predicted ({exc})"
+    if res["step_time_s"] is None:
+        return f"the simulator's whole step: does not fit by its memory model ({res['memory_gb']:.1f} GiB)"
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in res["parts"].items() if v > 0.0005)
+    return (f"the simulator's whole step of {best.label} (ranks in time, the optimizer too, as `pipebench predict "
+            f"scenario` predicts it): {res['step_time_s']:.3f} s ({parts})")
 
 
 MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}

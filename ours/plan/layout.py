@@ -169,21 +169,21 @@ def why(c: Candidate) -> str:
     if not c.fits:
         return f"does not fit: {c.memory_gb:.1f} GiB of weights, gradients, Adam state and activations"
     parts = [("compute", c.compute), ("TP all-reduce", c.tp_comm), ("pipeline messages", c.p2p), ("bubble", c.bubble)]
-    return ", ".join(f"{name} {t:.2f} s" for name, t in parts if t > 0)
+    return ", ".join(f"{name} {t:.3f} s" for name, t in parts if t > 0)
 
 
 def describe(cands: list[Candidate]) -> str:
     """The candidates as a table, then the choice (or that nothing fits)."""
     from tabulate import tabulate
 
-    rows = [[c.label, len(c.slices), _slicing(c.slices), f"{c.step:.2f}" if c.fits else "-", f"{c.memory_gb:.1f}",
+    rows = [[c.label, len(c.slices), _slicing(c.slices), f"{c.step:.3f}" if c.fits else "-", f"{c.memory_gb:.1f}",
              why(c)] for c in cands]
-    table = tabulate(rows, headers=["layout", "K", "slices", "step s", "GiB", "why"], tablefmt="github")
+    table = tabulate(rows, headers=["layout", "K", "slices", "pipeline s", "GiB", "why"], tablefmt="github")
     best = cands[0]
     if not best.fits:
         return f"{table}\n\nno layout fits the devices' memory"
     return f"{table}\n\nchosen: {best.label}, K={len(best.slices)} token slices ({_slicing(best.slices)}), " \
-           f"predicted step {best.step:.2f} s"
+           f"predicted pipeline {best.step:.3f} s (TeraPipe's formula: the forwards and backwards, no optimizer)"
 
 
 def _slicing(slices: tuple[int, ...]) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -58,6 +59,7 @@ def test_parse_link_and_the_command(capsys):
                  "--recompute"]) == 0
     out = capsys.readouterr().out
     assert "chosen: T-1 P-12" in out and "| T-2 P-6" in out
+    assert re.search(r"the simulator's whole step of T-1 P-12 .*: \d+\.\d+ s \(compute", out)  # the same run, simulated
     assert main(["layout", "--model", "gpt3-175b", "--devices", "8", "--gpus-per-node", "8", "--intra",
                  "5us,300GB/s", "--batch-size", "8"]) == 2
     refused = capsys.readouterr()
