@@ -473,9 +473,8 @@ def build_parser(prog: str = PROG) -> Parser:
     q.add_argument("--out", default=None, help="write DIR/published-validation.{md,json}")
     q.add_argument("--jobs", type=POSITIVE_INT, default=1, help="cells predicted at once, in processes (default: 1)")
     q.add_argument("--only", default=None, help="only the cells whose name contains this text")
-    q.add_argument("--calibrate", action="store_true", help="first refit the stacks' stall shares on their "
-                   "calibration cells (writes predict/stacks.json); without --only, then write each GPU's result "
-                   "into its device file (validated)")
+    q.add_argument("--calibrate", action="store_true", help="first refit the stacks' stall shares on their calibration "
+                   "cells (predict/stacks.json); without --only, each GPU's result then goes into its device file")
     q.set_defaults(fn=_validate_published)
     q = sub.add_parser("plan-check", help="the planner's evaluation: its formula against the simulator")
     q.add_argument("evaluation", nargs="?", default="results/plan/cpu-small-p2-evaluation.json",

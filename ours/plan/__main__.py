@@ -7,6 +7,7 @@ token slicing and the layout (T, P) for a cluster, on the one compute model (``w
         [--tp T --tp-link 5us,300GB/s] [--link 10ms,1Gbps]
     pipebench plan layout --model gpt3-xl --devices 8 --gpus-per-node 8 --intra 5us,300GB/s --batch-size 64
         [--inter 10ms,1Gbps | --matrix FILE.json] [--device-file "V100 SXM2 16GB"] [--memory-gb 16] [--recompute]
+        [--scenario FILE.toml]   # the choice as a scenario: pipebench predict scenario FILE.toml, its whole step
 
 P is the pipeline's stages and K its token slices, as everywhere in the suite. A request the planner
 cannot answer is one line and exit status 2: solve's layout (--pp, --tp, --batch-size and
@@ -195,6 +196,11 @@ def cmd_layout(args) -> int:
     elif min(args.devices, args.gpus_per_node) > 1 and args.intra is None:
         raise PlanError(f"--gpus-per-node {args.gpus_per_node} needs --intra LATENCY,BANDWIDTH (the links inside "
                         "a node)")
+    if args.scenario and (args.matrix or args.devices % min(args.gpus_per_node, args.devices)):
+        raise PlanError("--scenario: a scenario is of whole nodes over two tiers of links (--devices a multiple of "
+                        "--gpus-per-node, --intra / --inter), not a per-link matrix of devices")
+    if args.scenario and (why := cannot_write_file(args.scenario, "--scenario")):
+        raise PlanError(why)
     try:
         if args.matrix:
             cluster = Cluster.from_matrix(matrix)
@@ -219,41 +225,38 @@ def cmd_layout(args) -> int:
           f"batch {args.batch_size}, batch slice {args.micro_batch_size}, {args.precision}"
           f"{', recompute' if args.recompute else ''}")
     print(describe(cands))
-    print(_simulated(args, cfg, cands[0]))
+    print(_scenario(args, cfg, cands[0]))
     return 0
 
 
-def _gbps_ms(link) -> dict:
-    return dict(gbps=link.bandwidth * 8 / 1e9, delay_ms=link.latency * 1e3)
+def _toml(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else json.dumps(value)
 
 
-def _simulated(args, cfg: ModelConfig, best) -> str:
-    """The chosen layout's whole step (the optimizer too) as the simulator predicts it, as
-    ``pipebench predict scenario`` would for the same run and cluster; or why it is not."""
+def _scenario(args, cfg: ModelConfig, best) -> str:
+    """The chosen layout written as a scenario file (``--scenario FILE``) for the simulator's whole step
+    (``pipebench predict scenario FILE``: the ranks in time, the optimizer too), or how to get one."""
     from ours.plan.layout import parse_link
-    from predict.scenario import ScenarioError, parse, predict_scenario
 
-    if args.matrix or args.devices % min(args.gpus_per_node, args.devices):
-        return "the simulator's whole step: not predicted (a per-link matrix, or nodes not all full: a scenario " \
-               "is of whole nodes over two tiers of links)"
-    gpn = min(args.gpus_per_node, args.devices)
-    cluster = dict(gpu=args.gpu, nodes=args.devices // gpn, gpus_per_node=gpn)
-    for tier, text in (("intra", args.intra), ("inter", args.inter)):
-        if text and (tier == "inter" or gpn > 1):
-            link = _gbps_ms(parse_link(text))
-            cluster.update({f"{tier}_gbps": link["gbps"], f"{tier}_delay_ms": link["delay_ms"]})
+    hint = "the whole step as the simulator predicts it (the ranks in time, the optimizer too): "
+    gpn = min(args.gpus_per_node, args.devices or 1)
+    if args.matrix or args.devices % gpn:
+        return hint + "not written as a scenario (a scenario is of whole nodes over two tiers of links)"
+    if not args.scenario:
+        return hint + "--scenario FILE writes the chosen layout as a scenario, then pipebench predict scenario FILE"
     run = dict(system="ours", model=cfg.name, num_layers=cfg.n_layer, seq_length=cfg.seq_len, tp=best.tp,
                pp=best.pp, dp=1, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                precision=args.precision, recompute=args.recompute, slices=",".join(map(str, best.slices)))
-    try:
-        res = predict_scenario(parse(dict(run=run, cluster=cluster), "layout"))
-    except ScenarioError as exc:
-        return f"the simulator's whole step: not predicted ({exc})"
-    if res["step_time_s"] is None:
-        return f"the simulator's whole step: does not fit by its memory model ({res['memory_gb']:.1f} GiB)"
-    parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in res["parts"].items() if v > 0.0005)
-    return (f"the simulator's whole step of {best.label} (ranks in time, the optimizer too, as `pipebench predict "
-            f"scenario` predicts it): {res['step_time_s']:.3f} s ({parts})")
+    cluster = dict(gpu=args.gpu, nodes=args.devices // gpn, gpus_per_node=gpn)
+    for tier, text in (("intra", args.intra), ("inter", args.inter)):
+        if text and (tier == "inter" or gpn > 1):
+            link = parse_link(text)
+            cluster.update({f"{tier}_gbps": link.bandwidth * 8 / 1e9, f"{tier}_delay_ms": link.latency * 1e3})
+    body = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in table.items()) + "\n"
+                   for name, table in (("run", run), ("cluster", cluster)))
+    Path(args.scenario).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.scenario).write_text(f"# pipebench plan layout's choice: {best.label}, K={len(best.slices)}\n" + body)
+    return hint + f"pipebench predict scenario {args.scenario}"
 
 
 MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
@@ -321,6 +324,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     q.add_argument("--inter", type=_link, default=None, help="the links between nodes, e.g. 10ms,1Gbps")
     q.add_argument("--matrix", default=None, help='a per-link matrix {"delay_ms": [[...]], "bandwidth_gbps": '
                    '[[...]]}, N x N for N devices')
+    q.add_argument("--scenario", default=None, help="write the chosen layout as a scenario file, for its whole step "
+                   "as the simulator predicts it (pipebench predict scenario FILE)")
     device_file(q, "V100 SXM2 16GB", "")
     q.add_argument("--memory-gb", type=POSITIVE, default=None, help="memory a device gives the run (default: the "
                    "device file's, less what is reserved)")
