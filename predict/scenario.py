@@ -224,6 +224,8 @@ def _run(table: dict) -> RunConfig:
     for key, why in NOT_A_PREDICTION.items():
         if key in table:
             raise ScenarioError(f"[run] {key}: {why}")
+    if table.get("device", "cuda") != "cuda":
+        raise ScenarioError(f"[run] device = {table['device']!r}: a scenario runs on its [cluster]'s GPUs (cuda)")
     specs = prediction_systems()
     try:
         cfg, spec = config_from_table(table, specs)

@@ -67,6 +67,7 @@ def test_a_bad_scenario_names_what_is_wrong():
         "run__optimizer": ("lamb", "unknown --optimizer 'lamb'; choose from adam, sgd, sgd_momentum"),
         "run__network": ("d10-1g", "[run] network: a scenario's links are its [cluster]'s"),
         "run__out": ("x.jsonl", "'out' says where a run is launched or written"),
+        "run__device": ("cpu", "a scenario runs on its [cluster]'s GPUs"),
     }
     for key, (value, message) in cases.items():
         with pytest.raises(ScenarioError) as exc:
