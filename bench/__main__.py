@@ -45,7 +45,7 @@ import itertools
 import sys
 
 from baselines.torch_pipe import SCHEDULES
-from contract.cli import cannot_write_file
+from contract.cli import NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, cannot_write_file, count_or_word
 from contract.estimate import INTERVAL_RULE
 from ours import prefetch_count, slice_count
 from ours.schedule import SCHEDULES as OURS_SCHEDULES
@@ -314,59 +314,60 @@ def ours_vs_megatron_tp(opts: argparse.Namespace) -> int:
 
 
 def _fill_ours_vs_gpipe(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="batch sizes per pipeline")
-    b.add_argument("--reps", type=int, default=5, help="alternating repetitions of every configuration")
-    b.add_argument("--slices", type=int, nargs="+", default=[4, 8], help="token slice counts K of ours to run")
+    b.add_argument("--batch", type=POSITIVE_INT, nargs="+", default=[1, 2], help="batch sizes per pipeline")
+    b.add_argument("--reps", type=POSITIVE_INT, default=5, help="alternating repetitions of every configuration")
+    b.add_argument("--slices", type=POSITIVE_INT, nargs="+", default=[4, 8], help="token slice counts K of ours to run")
     b.add_argument("--ours-slices", nargs="*", default=[], metavar="L1,L2,...",
                    help="also run ours with these explicit token slicings (each comma-separated lengths)")
     b.add_argument("--model", default="cpu-small")
-    b.add_argument("--pp", type=int, default=2)
-    b.add_argument("--steps", type=int, default=5, help="measured steps per run")
-    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--pp", type=POSITIVE_INT, default=2)
+    b.add_argument("--steps", type=POSITIVE_INT, default=5, help="measured steps per run")
+    b.add_argument("--warmup", type=NONNEGATIVE_INT, default=2)
     b.add_argument("--gpipe-system", default="torch_pipe",
                    help="the GPipe system (default torch_pipe; 'reference' to try the script without it)")
     b.add_argument("--no-reference", action="store_true", help="skip the single-process reference runs")
-    b.add_argument("--timeout", type=float, default=900.0)
+    b.add_argument("--timeout", type=POSITIVE, default=900.0)
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
 
 
 def _fill_ours_vs_best(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4], help="batch sizes per pipeline")
-    b.add_argument("--reps", type=int, default=3, help="alternating repetitions of every configuration")
-    b.add_argument("--slices", type=slice_count, nargs="+", default=[2, 4, 8], metavar="K|auto",
+    b.add_argument("--batch", type=POSITIVE_INT, nargs="+", default=[1, 2, 4], help="batch sizes per pipeline")
+    b.add_argument("--reps", type=POSITIVE_INT, default=3, help="alternating repetitions of every configuration")
+    b.add_argument("--slices", type=count_or_word(slice_count, 1), nargs="+", default=[2, 4, 8], metavar="K|auto",
                    help="token slice counts K of ours to run ('auto': the planner's slicing)")
     b.add_argument("--schedules", nargs="*", default=list(SCHEDULES), choices=SCHEDULES,
                    help="the Torch Pipe schedules to run (each where it can run the batch; none given: ours "
                         "alone, for auto against the fixed K)")
-    b.add_argument("--ours-prefetch", type=prefetch_count, nargs="+", default=["auto"], metavar="N|auto",
+    b.add_argument("--ours-prefetch", type=count_or_word(prefetch_count, 0), nargs="+", default=["auto"],
+                   metavar="N|auto",
                    help="ours' --prefetch values to run each configuration of ours with (with 0 among several: "
                         "each against it, paired)")
-    b.add_argument("--ours-batch-slices", type=int, nargs="+", default=[1], metavar="b",
+    b.add_argument("--ours-batch-slices", type=POSITIVE_INT, nargs="+", default=[1], metavar="b",
                    help="the sequences in each of ours' batch slices (its --micro-batch-size; each that divides the "
                         "batch; the baselines run micro-batch 1)")
     b.add_argument("--ours-schedules", nargs="+", default=["1f1b"], choices=OURS_SCHEDULES,
                    help="the orders of ours' units to run (ours.schedule; gpipe only where the batch has several "
                         "batch slices: with one they are the same)")
     b.add_argument("--model", default="cpu-small")
-    b.add_argument("--pp", type=int, default=2)
-    b.add_argument("--steps", type=int, default=5, help="measured steps per run")
-    b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--timeout", type=float, default=900.0)
+    b.add_argument("--pp", type=POSITIVE_INT, default=2)
+    b.add_argument("--steps", type=POSITIVE_INT, default=5, help="measured steps per run")
+    b.add_argument("--warmup", type=NONNEGATIVE_INT, default=2)
+    b.add_argument("--timeout", type=POSITIVE, default=900.0)
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
 
 
 def _fill_ours_vs_megatron_tp(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="batch sizes")
-    b.add_argument("--reps", type=int, default=4, help="alternating repetitions of every configuration")
-    b.add_argument("--tp", type=int, default=2)
-    b.add_argument("--slices", type=slice_count, nargs="+", default=[1], metavar="K|auto",
+    b.add_argument("--batch", type=POSITIVE_INT, nargs="+", default=[1, 2], help="batch sizes")
+    b.add_argument("--reps", type=POSITIVE_INT, default=4, help="alternating repetitions of every configuration")
+    b.add_argument("--tp", type=POSITIVE_INT, default=2)
+    b.add_argument("--slices", type=count_or_word(slice_count, 1), nargs="+", default=[1], metavar="K|auto",
                    help="token slice counts K of ours to run")
     b.add_argument("--model", default="cpu-small")
-    b.add_argument("--steps", type=int, default=3, help="measured steps per run")
-    b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--timeout", type=float, default=900.0)
+    b.add_argument("--steps", type=POSITIVE_INT, default=3, help="measured steps per run")
+    b.add_argument("--warmup", type=NONNEGATIVE_INT, default=1)
+    b.add_argument("--timeout", type=POSITIVE, default=900.0)
     b.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
 

@@ -31,6 +31,7 @@ from tabulate import tabulate
 from contract.estimate import estimate
 from ours.kernels import KVState, SliceAttention
 from workload.configs import get_model_config
+from contract.cli import NONNEGATIVE_INT, POSITIVE_INT
 
 _flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -154,13 +155,13 @@ def run(opts: argparse.Namespace) -> int:
 
 def fill_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="cpu-small")
-    p.add_argument("--slices", type=int, nargs="+", default=[128, 256], help="slice lengths l")
-    p.add_argument("--contexts", type=int, nargs="+", default=[0, 128, 256, 384, 512, 640, 768, 896],
+    p.add_argument("--slices", type=POSITIVE_INT, nargs="+", default=[128, 256], help="slice lengths l")
+    p.add_argument("--contexts", type=NONNEGATIVE_INT, nargs="+", default=[0, 128, 256, 384, 512, 640, 768, 896],
                    help="contexts c (positions before the slice); pairs with c + l past the sequence are skipped")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
-    p.add_argument("--reps", type=int, default=9, help="alternating repetitions")
-    p.add_argument("--inner", type=int, default=3, help="calls per repetition (its value: the fastest)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (a rank runs one)")
+    p.add_argument("--reps", type=POSITIVE_INT, default=9, help="alternating repetitions")
+    p.add_argument("--inner", type=POSITIVE_INT, default=3, help="calls per repetition (its value: the fastest)")
+    p.add_argument("--threads", type=POSITIVE_INT, default=1, help="torch threads (a rank runs one)")
     p.add_argument("--clock", choices=CLOCKS, default="cpu",
                    help="cpu: the calling thread's CPU time (with --threads 1 the kernels' own); wall: elapsed time")
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tabulate import tabulate
+from contract.cli import POSITIVE, POSITIVE_INT, count_or_word
 
 REPO = Path(__file__).resolve().parent.parent
 WAIT_RANGE = "pipebench::wait"
@@ -191,10 +192,6 @@ def table(rows: list[tuple[int, str, int, dict[str, float]]]) -> str:
 
 
 def run(opts: argparse.Namespace) -> int:
-    if opts.warmup < 1:
-        print("python -m bench breakdown: error: --warmup must be at least 1 (the profiler starts after the last "
-              "warm-up step)", file=sys.stderr)
-        return 2
     command = "python -m bench " + shlex.join(sys.argv[1:])
     load_before = os.getloadavg()[0]
     rows = []
@@ -229,15 +226,15 @@ def fill_parser(p: argparse.ArgumentParser) -> None:
     from baselines.torch_pipe import SCHEDULES
     from ours import slice_count
 
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4], help="batch sizes per pipeline")
+    p.add_argument("--batch", type=POSITIVE_INT, nargs="+", default=[1, 2, 4], help="batch sizes per pipeline")
     p.add_argument("--model", default="cpu-small")
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--ours-slices", type=slice_count, nargs="+", default=["auto"], metavar="K|auto",
+    p.add_argument("--pp", type=POSITIVE_INT, default=2)
+    p.add_argument("--ours-slices", type=count_or_word(slice_count, 1), nargs="+", default=["auto"], metavar="K|auto",
                    help="ours' token slice counts (default: auto, the planner's slicing)")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
                    help="the Torch Pipe schedules (each where it can run the batch)")
-    p.add_argument("--steps", type=int, default=4, help="measured (profiled) steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps (at least 1: the profiler starts after "
-                                                          "the last)")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--steps", type=POSITIVE_INT, default=4, help="measured (profiled) steps per run")
+    p.add_argument("--warmup", type=POSITIVE_INT, default=2,
+                   help="warm-up steps (at least 1: the profiler starts after the last)")
+    p.add_argument("--timeout", type=POSITIVE, default=900.0)
     p.add_argument("--out", help="also write the table to this file")

@@ -46,6 +46,7 @@ from tabulate import tabulate
 from contract.records import read_records
 from runners.invoke import run_command
 from contract.estimate import estimate
+from contract.cli import NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT
 
 DP_MODES = ("allreduce", "central_ps", "sharded_ps")
 CONFIG_KEYS = ("ours", *DP_MODES, "gpipe", "1f1b")
@@ -322,23 +323,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def fill_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--delays", type=float, nargs="+", default=[20.0, 80.0, 160.0], help="one-way delays in ms")
-    p.add_argument("--bandwidth", type=float, default=10.0, help="Gbit/s of every link")
+    p.add_argument("--delays", type=NONNEGATIVE, nargs="+", default=[20.0, 80.0, 160.0], help="one-way delays in ms")
+    p.add_argument("--bandwidth", type=POSITIVE, default=10.0, help="Gbit/s of every link")
     p.add_argument("--configs", nargs="+", choices=CONFIG_KEYS, default=list(CONFIG_KEYS),
                    help="which configurations to run (default: all)")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--batch-size", type=int, default=2, help="batch per pipeline")
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--n-slices", type=int, default=4, help="ours' token slices K")
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--dp", type=int, default=2, help="pipelines of the data-parallel configurations")
-    p.add_argument("--reps", type=int, default=2, help="alternating repetitions")
-    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    p.add_argument("--wire-bytes", type=int, default=4, help="bytes per parameter on the wire (for the bound)")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=2, help="batch per pipeline")
+    p.add_argument("--micro-batch-size", type=POSITIVE_INT, default=1)
+    p.add_argument("--n-slices", type=POSITIVE_INT, default=4, help="ours' token slices K")
+    p.add_argument("--pp", type=POSITIVE_INT, default=2)
+    p.add_argument("--dp", type=POSITIVE_INT, default=2, help="pipelines of the data-parallel configurations")
+    p.add_argument("--reps", type=POSITIVE_INT, default=2, help="alternating repetitions")
+    p.add_argument("--steps", type=POSITIVE_INT, default=8, help="measured steps per run")
+    p.add_argument("--warmup", type=NONNEGATIVE_INT, default=2)
+    p.add_argument("--timeout", type=POSITIVE, default=600.0, help="seconds per run")
+    p.add_argument("--wire-bytes", type=POSITIVE_INT, default=4, help="bytes per parameter on the wire (for the bound)")
     p.add_argument("--keep", default=None, help="append every run's record to this JSON-lines file")
-    p.add_argument("--start-rep", type=int, default=0,
+    p.add_argument("--start-rep", type=POSITIVE_INT, default=0,
                    help="number of the first repetition (its parity sets the order: continue an alternation)")
     p.add_argument("--from-records", nargs="+", default=None, metavar="FILE",
                    help="run nothing: print the tables of the records kept in these files (--keep)")

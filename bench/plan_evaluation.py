@@ -31,6 +31,7 @@ from runners.invoke import run_command
 from workload.compute import ComputeModel, CpuCompute, stage_params
 from workload.configs import MODEL_CONFIGS, get_model_config
 from contract.estimate import estimate
+from contract.cli import NONNEGATIVE_INT, POSITIVE_INT
 
 
 @dataclass
@@ -189,18 +190,18 @@ def markdown(res: dict) -> str:
 def fill_parser(q: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench plan-evaluation``."""
     q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
-    q.add_argument("--num-layers", dest="n_layer", type=int, default=None)
-    q.add_argument("--seq-length", dest="seq_len", type=int, default=None)
+    q.add_argument("--num-layers", dest="n_layer", type=POSITIVE_INT, default=None)
+    q.add_argument("--seq-length", dest="seq_len", type=POSITIVE_INT, default=None)
     q.add_argument("--profile", default=None, help="this CPU's profile (default: the one --n-slices auto uses)")
-    q.add_argument("--pp", type=int, required=True, help="pipeline stages")
-    q.add_argument("--batch-size", type=int, required=True)
-    q.add_argument("--micro-batch-size", type=int, default=1)
-    q.add_argument("--granularity", type=int, default=8, help="the optimal slicing's token granularity")
+    q.add_argument("--pp", type=POSITIVE_INT, required=True, help="pipeline stages")
+    q.add_argument("--batch-size", type=POSITIVE_INT, required=True)
+    q.add_argument("--micro-batch-size", type=POSITIVE_INT, default=1)
+    q.add_argument("--granularity", type=POSITIVE_INT, default=8, help="the optimal slicing's token granularity")
     q.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="uniform slice counts, comma-separated (default 1,2,4,...,64)")
-    q.add_argument("--steps", type=int, default=5)
-    q.add_argument("--warmup", type=int, default=1)
-    q.add_argument("--rounds", type=int, default=1)
+    q.add_argument("--steps", type=POSITIVE_INT, default=5)
+    q.add_argument("--warmup", type=NONNEGATIVE_INT, default=1)
+    q.add_argument("--rounds", type=POSITIVE_INT, default=1)
     q.add_argument("--network", default=None)
     q.add_argument("--out-dir", default=None)
 

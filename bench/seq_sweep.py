@@ -31,6 +31,7 @@ from tabulate import tabulate
 from bench import cannot_run
 from bench.sittings import Sitting, megabytes, run_alternating
 from contract.estimate import INTERVAL_RULE, PAIRED_RULE
+from contract.cli import NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, count_or_word
 
 FAMILIES = {"gpt": "tiny", "llama": "llama-tiny"}  # each family's named model; every dimension is overridden
 SEQS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -167,24 +168,24 @@ def fill_parser(p: argparse.ArgumentParser) -> None:
     from ours import slice_count
 
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    p.add_argument("--seq", type=int, nargs="+", default=list(SEQS), help="sequence lengths (tokens)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 2], help="batch sizes per pipeline")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2, help="llama's key/value heads")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--seq", type=POSITIVE_INT, nargs="+", default=list(SEQS), help="sequence lengths (tokens)")
+    p.add_argument("--batch", type=POSITIVE_INT, nargs="+", default=[1, 2], help="batch sizes per pipeline")
+    p.add_argument("--layers", type=POSITIVE_INT, default=2)
+    p.add_argument("--hidden", type=POSITIVE_INT, default=128)
+    p.add_argument("--heads", type=POSITIVE_INT, default=4)
+    p.add_argument("--kv-heads", type=POSITIVE_INT, default=2, help="llama's key/value heads")
+    p.add_argument("--vocab", type=POSITIVE_INT, default=512)
+    p.add_argument("--pp", type=POSITIVE_INT, default=2)
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
                    help="the Torch Pipe schedules (each where it can run the batch and the layers)")
-    p.add_argument("--ours", type=slice_count, nargs="+", default=["auto"], metavar="K|auto",
+    p.add_argument("--ours", type=count_or_word(slice_count, 1), nargs="+", default=["auto"], metavar="K|auto",
                    help="ours' token slice counts (default: auto, the planner's slicing)")
-    p.add_argument("--max-tokens", type=int, default=0,
+    p.add_argument("--max-tokens", type=NONNEGATIVE_INT, default=0,
                    help="skip a sequence and batch whose step holds more tokens than this (0: none skipped)")
-    p.add_argument("--reps", type=int, default=3, help="round-robin launches of every configuration")
-    p.add_argument("--steps", type=int, default=2, help="measured steps per launch")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a launch is stopped")
+    p.add_argument("--reps", type=POSITIVE_INT, default=3, help="round-robin launches of every configuration")
+    p.add_argument("--steps", type=POSITIVE_INT, default=2, help="measured steps per launch")
+    p.add_argument("--warmup", type=NONNEGATIVE_INT, default=1)
+    p.add_argument("--timeout", type=POSITIVE, default=1800.0, help="seconds before a launch is stopped")
     p.add_argument("--no-capacity-check", action="store_true",
                    help="skip measuring, before each repetition, how many cores the machine really gives at once")
     p.add_argument("--out", help="also write the tables to this file")

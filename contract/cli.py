@@ -86,6 +86,23 @@ def number(kind: type, least: float, *, above: bool = False):
 
 
 POSITIVE_INT = number(int, 1)  # a whole number >= 1: a count (stages, devices, a batch)
+NONNEGATIVE_INT = number(int, 0)  # a whole number >= 0 (warm-up steps, a context length)
+POSITIVE = number(float, 0, above=True)  # a finite number > 0 (seconds of a timeout, a bandwidth)
+NONNEGATIVE = number(float, 0)  # a finite number >= 0 (a delay)
+
+
+def count_or_word(parse, least: int):
+    """An argparse type over an option's ``parse`` (a whole number or a word, 'auto'; ValueError otherwise):
+    its words as they are, its numbers only from ``least`` on; each refusal one line naming the text."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if isinstance(value, int) and value < least:
+            raise argparse.ArgumentTypeError(f"takes a whole number >= {least} (or 'auto'), got {text!r}")
+        return value
+    return convert
 
 # A GPU's device file (workload/devices), in every command that takes one; --gpu: its old name
 DEVICE_FILE = ("--device-file", "--gpu")

@@ -82,3 +82,23 @@ def test_an_out_file_that_cannot_be_written_is_refused_before_any_run(bench, tmp
     assert cli.main([bench, "--out", str(blocker / "table.txt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"python -m bench: error: --out {blocker / 'table.txt'}: {blocker} is not a directory"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["ours-vs-best", "--batch", "0"], ["ours-vs-best", "--reps", "0"], ["ours-vs-best", "--slices", "0"],
+    ["ours-vs-best", "--ours-prefetch", "-1"], ["ours-vs-gpipe", "--steps", "0"], ["ours-vs-megatron-tp", "--tp", "0"],
+    ["attention", "--reps", "-1"], ["breakdown", "--batch", "-2"], ["breakdown", "--warmup", "0"],
+    ["breakdown", "--ours-slices", "0"], ["seq-sweep", "--seq", "0"], ["seq-sweep", "--timeout", "0"],
+    ["network-slope", "--delays", "-1"], ["network-slope", "--bandwidth", "0"],
+    ["plan-evaluation", "--model", "tiny", "--pp", "0", "--batch-size", "1"],
+])
+def test_a_count_or_time_that_cannot_be_is_refused_before_any_run(argv, capsys):
+    """A batch of 0, reps of 0 or a negative repetition count launched runs (or raised a traceback after
+    them); each is now refused by the parser, one line naming the flag."""
+    from bench import __main__ as cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {argv[-2] if argv[0] != 'plan-evaluation' else '--pp'}: takes" in last, last
