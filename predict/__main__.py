@@ -42,7 +42,7 @@ import re
 import sys
 from pathlib import Path
 
-from contract.cli import DEVICE_FILE, POSITIVE_INT, Parser, old_names
+from contract.cli import DEVICE_FILE, NONNEGATIVE_INT, POSITIVE_INT, Parser, old_names
 from contract.records import predictions_path
 
 REPORTS = Path(__file__).resolve().parents[1] / "results" / "predict"  # what the checks write
@@ -447,9 +447,9 @@ def build_parser(prog: str = PROG) -> Parser:
                    "--out writes DIR/seed-calibration-sensitivity.{md,json})")
     q.set_defaults(fn=_validate_seed)
     q = sub.add_parser("calibrate", help="this host and code version's calibration (about 22 minutes on 2 cores)")
-    q.add_argument("--steps", type=int, default=6, help="measured steps per run (the record's median is its time)")
-    q.add_argument("--warmup", type=int, default=1, help="warm-up steps per run, not timed")
-    q.add_argument("--repeats", type=int, default=3, help="runs of each calibration config, round-robin (each "
+    q.add_argument("--steps", type=POSITIVE_INT, default=6, help="measured steps per run (their median: its time)")
+    q.add_argument("--warmup", type=NONNEGATIVE_INT, default=1, help="warm-up steps per run, not timed")
+    q.add_argument("--repeats", type=POSITIVE_INT, default=3, help="runs of each calibration config, round-robin (each "
                    "config's median record in calibration-runs.jsonl is fitted)")
     q.add_argument("--refit", action="store_true", help="run nothing: fit this host and code version's kept "
                    "calibration runs again (after a change to the fit itself)")

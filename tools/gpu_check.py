@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.cli import POSITIVE_INT, number
 from contract import ConfigError
 from contract.config import PRECISIONS
 from runners.request import check_writable
@@ -92,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", action="append", choices=CHECKS, default=[], help="only this check (repeatable)")
     ap.add_argument("--case", action="append", choices=list(SHARED), default=[],
                     help="of the shared check, only this run (repeatable; default all)")
-    ap.add_argument("--steps", type=int, default=3, help="measured steps of each run (default 3)")
-    ap.add_argument("--run-timeout", type=float, default=240.0,
+    ap.add_argument("--steps", type=POSITIVE_INT, default=3, help="measured steps of each run (default 3)")
+    ap.add_argument("--run-timeout", type=number(float, 30), default=240.0,
                     help="seconds each run may take before it is stopped and its row fails (default 240)")
-    ap.add_argument("--jobs", type=int, default=1, help="one-rank checks run at once (default 1)")
+    ap.add_argument("--jobs", type=POSITIVE_INT, default=1, help="one-rank checks run at once (default 1)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: the same checks on CPU over gloo, a rehearsal of this script (default cuda)")
     return ap
@@ -382,12 +383,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
-    if args.run_timeout < 30:
-        ap.error(f"--run-timeout must be >= 30 s, got {args.run_timeout:g}")
-    if args.jobs < 1:
-        ap.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.out is not None:
         try:
             check_writable(args.out, "--out")

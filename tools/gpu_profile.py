@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from contract.cli import POSITIVE
 from tools.gpu_check import slug
 from workload.configs import PRECISIONS
 
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out-dir", default=None, help="where the page and the raw measurements go "
                     "(default results/measured-here)")
     ap.add_argument("--device-file", default=None, help="the device file to fit (default: the one for this GPU)")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="seconds for everything (default 480)")
+    ap.add_argument("--budget-s", type=POSITIVE, default=480.0, help="seconds for everything (default 480)")
     ap.add_argument("--only", action="append", choices=PARTS, default=[], help="only this part (repeatable)")
     ap.add_argument("--no-write-device", action="store_true", help="fit, but leave the device file as it is")
     ap.add_argument("--refit", metavar="RAW.json", default=None,
@@ -448,9 +449,6 @@ def fit_and_write(raw: dict, raw_path: Path, device, write_device: bool, command
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.budget_s <= 0:
-        print("scripts/gpu_profile.sh: error: --budget-s must be > 0", file=sys.stderr)
-        return 2
     from workload.compute import DeviceError, find_device
 
     if args.refit:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from contract.cli import POSITIVE_INT
 from network_emulation.netem import NotRootError
 from network_emulation.signals import Terminated, signals_raise
 from network_emulation.ssh_shaping import for_host
@@ -57,7 +58,7 @@ IFACE = "eth0"  # the virtual nodes' interface
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="python -m tools.rehearse", description=__doc__.split("\n\n")[0])
-    ap.add_argument("nodes", type=int, help="number of virtual nodes")
+    ap.add_argument("nodes", type=POSITIVE_INT, help="number of virtual nodes")
     ap.add_argument("--sweep", default=None,
                     help=f"the cluster sweep to rehearse (default {DEFAULT_SWEEP}; on fewer than 12 nodes "
                          "rehearsal-4.toml or rehearsal-2.toml)")
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="the record file (default results/<sweep name>-scaled.jsonl)")
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR,
                     help=f"the nodes' keys, configs, logs and suite copies (default {DEFAULT_DIR})")
-    ap.add_argument("--nproc-per-node", type=int, default=None, metavar="S",
+    ap.add_argument("--nproc-per-node", type=POSITIVE_INT, default=None, metavar="S",
                     help="GPU slots per node (default: the hostfile's 1, as on p3.2xlarge nodes)")
     ap.add_argument("--only", action="append", default=[], metavar="SYSTEM", help="only this system (repeatable)")
     ap.add_argument("--retry-failed", action="store_true", help="re-run configurations recorded as failed")
@@ -155,8 +156,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args.sweep = args.sweep or default_sweep(args.nodes)
     try:
-        if args.nodes < 1:
-            raise SweepError(f"the number of nodes must be >= 1, got {args.nodes}")
         with signals_raise():
             rc = rehearse(args)
     except (SweepError, NodesError, NotRootError, FileNotFoundError) as e:

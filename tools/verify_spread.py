@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from contract.cli import POSITIVE, POSITIVE_INT
 from runners.invoke import run_command
 from runners.tolerance import (DERIVED_AT_STEPS, DERIVED_TOKENS, Tolerance, derivation_runs, derive, policy_class,
                                tolerance_table)
@@ -235,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--seeds", type=seeds, default=seeds("0-23"), help="e.g. 0-23 or 0,5,9")
     r.add_argument("--model", default="test", choices=list(MODELS),
                    help="test: the tests' model (4 layers, hidden 64, sequence 32); tiny: hidden 128, sequence 128")
-    r.add_argument("--steps", type=int, nargs="+", default=[DERIVED_AT_STEPS], help="optimizer steps per run")
-    r.add_argument("--budget", type=float, default=None, help="stop starting runs after this many seconds")
-    r.add_argument("--timeout", type=float, default=300.0)
+    r.add_argument("--steps", type=POSITIVE_INT, nargs="+", default=[DERIVED_AT_STEPS], help="optimizer steps per run")
+    r.add_argument("--budget", type=POSITIVE, default=None, help="stop starting runs after this many seconds")
+    r.add_argument("--timeout", type=POSITIVE, default=300.0)
     r.add_argument("--keep", default=str(KEEP))
     r.add_argument("extra", nargs="*", help="after --: more run-command flags (e.g. --seq-length 128)")
     s = sub.add_parser("summary", help="the spread per policy and case, and the tolerances it gives")

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from contract.cli import Parser
+from contract.cli import POSITIVE_INT, Parser
 from network_emulation.profiles import SEED_PROFILES
 from network_emulation.signals import cli_status, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
@@ -63,7 +63,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--iface", default="eth0",
                    help="the nodes' network interface: shaped, and given to the ranks "
                         "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)")
-    c.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+    c.add_argument("--nproc-per-node", type=POSITIVE_INT, default=None, metavar="N",
                    help="every host has N GPU slots (overrides the hostfile's slots=)")
     c.add_argument("--ssh-user", default=None)
     c.add_argument("--sudo", action="store_true", help="shape through 'sudo -n' on the nodes")
@@ -72,7 +72,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--remote-python", default=None,
                    help="python on the nodes (default: this interpreter's path, or REMOTE_DIR/.venv/bin/python "
                         "with --remote-dir)")
-    c.add_argument("--port", type=int, default=29500, help="rendezvous port on node 0")
+    c.add_argument("--port", type=POSITIVE_INT, default=29500, help="rendezvous port on node 0")
     c.add_argument("--slurm", action="store_true",
                    help="inside a Slurm allocation: its nodes (SLURM_JOB_NODELIST) and GPUs per node instead of a "
                         "hostfile, every run started with srun + torchrun, the network shaped through srun")

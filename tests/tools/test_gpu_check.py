@@ -26,10 +26,12 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
 
 
 def test_its_arguments_are_judged_first(tmp_path):
-    for args, message in ((["--only", "bogus"], "invalid choice: 'bogus'"), (["--steps", "0"], "--steps must be >= 1"),
+    for args, message in ((["--only", "bogus"], "invalid choice: 'bogus'"),
+                          (["--steps", "0"], "--steps: takes a finite whole number >= 1"),
                           (["--out", str(tmp_path / "missing" / "s.md")], "no such directory"),
-                          (["--device", "tpu"], "invalid choice: 'tpu'"), (["--jobs", "0"], "--jobs must be >= 1"),
-                          (["--run-timeout", "5"], "--run-timeout must be >= 30 s")):
+                          (["--device", "tpu"], "invalid choice: 'tpu'"),
+                          (["--jobs", "0"], "--jobs: takes a finite whole number >= 1"),
+                          (["--run-timeout", "5"], "--run-timeout: takes a finite number >= 30")):
         p = _check(*args)
         assert p.returncode == 2 and message in p.stderr.strip().splitlines()[-1], (args, p.stderr)
 
