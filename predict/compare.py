@@ -234,8 +234,8 @@ PREDICTED_ONLY = "*"  # the label's mark of a candidate only the simulator runs
 
 def _note_predicted_only(rows: list[dict]) -> str:
     marked = sorted({_label(r["candidate"]) for r in rows if not r.get("runnable", True)})
-    return (f"{PREDICTED_ONLY} predicted only: {', '.join(marked)} (published, not in this repository's build; "
-            "pipebench run refuses it)\n" if marked else "")
+    return (f"{PREDICTED_ONLY} predicted only: {', '.join(marked)} (published, not in this repository's build: "
+            "pipebench run refuses them)\n" if marked else "")
 
 
 def table(res: dict, top: int | None = None) -> str:

@@ -140,9 +140,8 @@ def judge_layout(args, cfg: ModelConfig) -> None:
 
 
 def cmd_solve(args) -> int:
-    from ours.plan.planner import plan
-
     from ours.plan.layout import parse_link
+    from ours.plan.planner import plan
 
     cfg = _model(args)
     judge_layout(args, cfg)
