@@ -47,7 +47,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from contract.cli import POSITIVE_INT
 from network_emulation import netem
 from network_emulation.signals import (Guarded, Terminated, cli_status, processes_where, signals_deferred,
                                       signals_raise, stop_process)
@@ -546,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"where keys, configs, hostfile and logs live (default {DEFAULT_DIR})")
 
     p = sub.add_parser("up", help="start N virtual nodes with sshd; writes DIR/hostfile and DIR/ssh_config")
-    p.add_argument("--nodes", type=POSITIVE_INT, required=True)
+    p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--subnet", default=None, help="first three octets of a /24 (default: the first free 10.88.k)")
     dir_arg(p)
     p = sub.add_parser("down", help="remove the nodes of DIR (and any whose owner died)")
@@ -554,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="list the nodes of DIR and whether sshd answers")
     dir_arg(p)
     p = sub.add_parser("keep", help="(started by up) own the nodes until SIGTERM")
-    p.add_argument("--nodes", type=POSITIVE_INT, required=True)
+    p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--subnet", default=None)
     dir_arg(p)
     return ap
