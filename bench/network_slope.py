@@ -339,7 +339,7 @@ def fill_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=POSITIVE, default=600.0, help="seconds per run")
     p.add_argument("--wire-bytes", type=POSITIVE_INT, default=4, help="bytes per parameter on the wire (for the bound)")
     p.add_argument("--keep", default=None, help="append every run's record to this JSON-lines file")
-    p.add_argument("--start-rep", type=POSITIVE_INT, default=0,
+    p.add_argument("--start-rep", type=NONNEGATIVE_INT, default=0,
                    help="number of the first repetition (its parity sets the order: continue an alternation)")
     p.add_argument("--from-records", nargs="+", default=None, metavar="FILE",
                    help="run nothing: print the tables of the records kept in these files (--keep)")
