@@ -102,3 +102,17 @@ def test_a_count_or_time_that_cannot_be_is_refused_before_any_run(argv, capsys):
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"argument {argv[-2] if argv[0] != 'plan-evaluation' else '--pp'}: takes" in last, last
+
+
+def test_a_zero_where_zero_means_something_is_taken():
+    """--start-rep 0 (network-slope's default), --warmup 0 and an attention context of 0 stay accepted."""
+    import argparse
+
+    from bench import attention, network_slope
+
+    p = argparse.ArgumentParser()
+    network_slope.fill_parser(p)
+    assert p.parse_args(["--start-rep", "0", "--warmup", "0", "--delays", "0"]).start_rep == 0
+    p = argparse.ArgumentParser()
+    attention.fill_parser(p)
+    assert p.parse_args(["--contexts", "0", "128"]).contexts == [0, 128]
