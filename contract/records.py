@@ -3,7 +3,8 @@ command), and the one way to read it, which the report, the sweep, the cluster m
 the simulator and the tests share. Plain JSON, no torch.
 
 A line that is not UTF-8 text, not JSON, or JSON that is not a record (an object without ``REQUIRED``'s
-fields, or with one of another type), is skipped; a field of a record that is malformed (a step time that is
+fields, or with one of another type; a count, a layout's degree or a ``model_shape`` entry of ``SHAPE`` that is
+not a whole number >= 1), is skipped; a field of a record that is malformed (a step time that is
 NaN or text, a list of numbers holding something else, a table that is not one) is left out of it;
 ``warn`` (if given) is told where and why, in one line naming the file and the line (after
 ``WARNINGS`` lines of one file, one more line counts the rest: a binary file is not a screenful). Beside a records file
@@ -24,6 +25,7 @@ from contract.config import legacy_precision
 REQUIRED = ("system", "status", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network")
 _REQUIRED_TYPES = dict(system=str, status=str, model=str, model_shape=dict, layout=dict, batch_size=int,
                        micro_batch_size=int, network=str)
+SHAPE = ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size")  # of ``model_shape``: what the tables show of a model
 # Fields a record may lack (or hold null), by what they must be when present: a finite number, a list
 # of finite numbers, a table, text.
 NUMBERS = ("median_step_time", "min_step_time", "max_step_time", "tokens_per_s", "tflops_per_device", "mfu",
@@ -52,12 +54,19 @@ def _not_a_record(rec: Any) -> str | None:
     missing = [k for k in REQUIRED if k not in rec]
     if missing:
         return f"not a run record (no {', '.join(missing)})"
-    wrong = [k for k, kind in _REQUIRED_TYPES.items()
-             if not isinstance(rec[k], kind) or (kind is int and isinstance(rec[k], bool))]
-    wrong += [f"layout {k}" for k in ("pp", "tp", "dp") if k in rec["layout"] and not isinstance(rec["layout"][k], int)]
+    wrong = [k for k, kind in _REQUIRED_TYPES.items() if kind is not int and not isinstance(rec[k], kind)]
     if wrong:
         return f"not a run record ({', '.join(wrong)}: of the wrong type)"
+    wrong = [k for k, kind in _REQUIRED_TYPES.items() if kind is int and not _count(rec[k])]
+    wrong += [f"layout {k}" for k in ("pp", "tp", "dp") if k in rec["layout"] and not _count(rec["layout"][k])]
+    wrong += [f"model_shape {k}" for k in SHAPE if not _count(rec["model_shape"].get(k))]
+    if wrong:
+        return f"not a run record ({', '.join(wrong)}: not a whole number >= 1)"
     return None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _malformed_fields(rec: dict) -> list[tuple[str, Any]]:

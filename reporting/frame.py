@@ -177,6 +177,19 @@ def rest_of_identity(r: dict) -> str:
     return ", ".join(parts)
 
 
+def _identity(r: dict) -> str:
+    """A run's identity: its key (``RunConfig.key``, which the run command records); a record made by other
+    means, without one, is identified by its config, or without that by what it says of its run (records
+    that say nothing but their required fields are not all one run)."""
+    if r.get("key"):
+        return r["key"]
+    if r.get("config"):
+        return json.dumps(r["config"], sort_keys=True)
+    said = ("system", "model", "model_shape", "layout", "batch_size", "micro_batch_size", "network", "precision",
+            "recompute", "options", "network_setting")
+    return json.dumps({k: r.get(k) for k in said}, sort_keys=True)
+
+
 def _row(i: int, r: dict) -> dict:
     """One record as a row of the frame (before its repetitions are combined)."""
     env = r.get("environment") or {}
@@ -188,7 +201,7 @@ def _row(i: int, r: dict) -> dict:
     uniform = setting.get("uniform", True)
     return {
         # a run's identity: its config, the hardware it ran on and the code that ran it
-        "key": (r.get("key") or json.dumps(c, sort_keys=True)) + " on " + hardware + " of " + commit,
+        "key": _identity(r) + " on " + hardware + " of " + commit,
         "timestamp": r.get("timestamp", ""),
         "launched": (r.get("timestamp", ""), i),  # when: its time, then its place in the records (ties)
         "system": r.get("label") or r["system"],

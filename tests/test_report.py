@@ -572,3 +572,20 @@ def test_the_predictions_shown_are_scored_against_the_runs_beside_them(ratios, c
 
 def test_no_prediction_shown_no_predictions_paragraph() -> None:
     assert "**Predictions**" not in render(_reps(tp=8, t=10.0))
+
+
+def test_a_record_whose_counts_cannot_be_is_skipped_and_records_without_a_key_are_not_one_run(tmp_path):
+    base = {k: v for k, v in _rec(pp=2, t=1.0).__dict__.items() if k not in ("key", "config", "label", "mfu")}
+    odd = [{**base, "layout": {"pp": 0}}, {**base, "batch_size": -2}, {**base, "model_shape": {}},
+           {**base, "micro_batch_size": True}]
+    fine = [{**base, "system": "torch_pipe"}, {**base, "batch_size": 32}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in odd + fine))
+    proc = subprocess.run([sys.executable, "report.py", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for line, what in enumerate(("layout pp", "batch_size", "model_shape n_layer, model_shape n_embd",
+                                 "micro_batch_size"), 1):
+        assert f"r.jsonl:{line}: not a run record ({what}" in proc.stderr, proc.stderr
+    every = proc.stdout.split("## Every run")[1]
+    rows = [l for l in every.splitlines() if l.startswith("| ") and "system" not in l]
+    assert len(rows) == 2 and rows[0].startswith("| torch_pipe") and "32 per pipeline" in rows[1], every

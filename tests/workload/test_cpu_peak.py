@@ -10,6 +10,8 @@ from workload.configs import get_model_config
 from workload.cpu_peak import best_times, cpu_peak_tflops, model_ops, model_peak
 from workload.flops import flops_per_token
 
+SHAPE = {"n_layer": 4, "n_embd": 64, "n_head": 4, "seq_len": 32, "vocab_size": 128}  # a record's
+
 TINY = get_model_config("tiny").with_overrides(n_layer=2, n_embd=64, n_head=4, seq_len=32, vocab_size=128)
 
 
@@ -49,7 +51,7 @@ def test_one_thread_is_measured_and_the_callers_threads_are_left_as_they_were():
 
 def test_the_audit_finds_a_record_above_the_peak(tmp_path_factory):
     d = tmp_path_factory.mktemp("audit")  # not this test's tmp_path: the audit would fail the test itself
-    base = {"system": "reference", "status": "ok", "model": "tiny", "model_shape": {}, "layout": {"pp": 1},
+    base = {"system": "reference", "status": "ok", "model": "tiny", "model_shape": SHAPE, "layout": {"pp": 1},
             "batch_size": 2, "micro_batch_size": 1, "network": "none", "peak_tflops": 0.1, "peak_source": "x"}
     (d / "r.jsonl").write_text(json.dumps({**base, "mfu": 0.9}) + "\n" + json.dumps({**base, "mfu": None}) + "\n")
     assert records_above_peak(d) == []

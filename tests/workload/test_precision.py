@@ -19,6 +19,8 @@ from tests.conftest import REPO, TINY
 from workload.configs import get_model_config
 from workload.training import LOSS_SCALING, autocast, grad_scaler
 
+SHAPE = {"n_layer": 4, "n_embd": 64, "n_head": 4, "seq_len": 32, "vocab_size": 128}  # a record's
+
 
 def _config(*flags: str) -> RunConfig:
     cfg, spec = parse_request(["--system", "torch_pipe", *TINY, "--batch-size", "2", "--micro-batch-size", "1", *flags])
@@ -49,7 +51,7 @@ def test_a_record_written_before_precision_loads_as_its_policy():
 
     def record(kind: str) -> dict:
         key = {k: v for k, v in json.loads(cfg.key()).items() if k != "precision"}
-        return {"system": "reference", "status": "ok", "model": "tiny", "model_shape": {}, "layout": {},
+        return {"system": "reference", "status": "ok", "model": "tiny", "model_shape": SHAPE, "layout": {},
                 "batch_size": 2, "micro_batch_size": 1, "network": "none", "precision": "mixed",
                 "config": {**old, "mixed_precision": True}, "key": json.dumps({**key, "mixed_precision": True}),
                 "environment": {"device_kind": kind}}
