@@ -71,16 +71,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def number(kind: type, least: float, *, above: bool = False):
-    """An argparse type: a finite ``kind`` (int or float) >= ``least`` (> with ``above``)."""
+def number(kind: type, least: float, *, above: bool = False, most: float | None = None):
+    """An argparse type: a finite ``kind`` (int or float) >= ``least`` (> with ``above``), <= ``most`` if given."""
     def convert(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not math.isfinite(value) or value < least or (above and value == least):
+        if (value is None or not math.isfinite(value) or value < least or (above and value == least)
+                or (most is not None and value > most)):
+            bound = f" and <= {most:g}" if most is not None else ""
             raise argparse.ArgumentTypeError(f"takes a finite {'whole ' if kind is int else ''}number "
-                                             f"{'>' if above else '>='} {least:g}, got {text!r}")
+                                             f"{'>' if above else '>='} {least:g}{bound}, got {text!r}")
         return value
     return convert
 
@@ -89,6 +91,7 @@ POSITIVE_INT = number(int, 1)  # a whole number >= 1: a count (stages, devices, 
 NONNEGATIVE_INT = number(int, 0)  # a whole number >= 0 (warm-up steps, a context length)
 POSITIVE = number(float, 0, above=True)  # a finite number > 0 (seconds of a timeout, a bandwidth)
 NONNEGATIVE = number(float, 0)  # a finite number >= 0 (a delay)
+PORT = number(int, 1, most=65535)  # a TCP port
 
 
 def count_or_word(parse, least: int):

@@ -70,6 +70,11 @@ def _files(tmp_path: Path) -> dict[str, Path]:
 # (issue item, command module, argv with {NAME} for _files' paths, what the one line says)
 REFUSED = [
     (1, "runners.sweep.__main__", ["{S}", "--out", "{S}", "--dry-run"], "is the sweep file"),
+    (1, "runners.sweep.__main__", ["{S}", "--out", "/proc/x.jsonl"], "--out /proc/x.jsonl: cannot write in /proc"),
+    (1, "runners.sweep.__main__", ["{S}", "--out", "{S}.d/x.jsonl", "--plots", "{S}"], "S.toml is not a directory"),
+    (1, "runners.sweep.__main__", ["{S}", "--plots", "p", "--no-report", "--dry-run"], "--plots are the report's"),
+    (1, "runners.sweep.__main__", ["{S}", "--port", "70000", "--dry-run"], "--port: takes a finite whole number >= 1 "
+                                                                           "and <= 65535, got '70000'"),
     (4, "runners.run", [*DILOCO, "--dp", "2", "--steps", "2", "--warmup", "1"],
      "the measured steps hold no outer step"),
     (4, "runners.run", [*DILOCO, "--dp", "1", "--steps", "9"], "--dp 1 has nothing to average"),

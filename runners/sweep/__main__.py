@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from contract.cli import POSITIVE_INT, Parser
+from contract.cli import PORT, POSITIVE_INT, Parser, cannot_create_in, cannot_write_file
 from network_emulation.profiles import SEED_PROFILES
 from network_emulation.signals import cli_status, signals_raise
 from runners.sweep.cluster import ClusterExecutor, parse_hostfile
@@ -72,7 +72,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--remote-python", default=None,
                    help="python on the nodes (default: this interpreter's path, or REMOTE_DIR/.venv/bin/python "
                         "with --remote-dir)")
-    c.add_argument("--port", type=POSITIVE_INT, default=29500, help="rendezvous port on node 0")
+    c.add_argument("--port", type=PORT, default=29500, help="rendezvous port on node 0")
     c.add_argument("--slurm", action="store_true",
                    help="inside a Slurm allocation: its nodes (SLURM_JOB_NODELIST) and GPUs per node instead of a "
                         "hostfile, every run started with srun + torchrun, the network shaped through srun")
@@ -122,6 +122,7 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
         out = Path.cwd() / out
     check_out(out, [("sweep file", sweep_path(args.sweep) if args.sweep else None), ("--hostfile", args.hostfile),
                     ("--ssh-config", args.ssh_config)])
+    _check_outputs(args, out)
     executor = None
     if args.slurm:
         executor = _slurm_executor(args)
@@ -143,6 +144,23 @@ def _sweep(args: argparse.Namespace, run_args: list[str]):
                      retry_failed=args.retry_failed, need_root_for_network=executor is None,
                      probe=not args.no_probe, report=not args.no_report, plots=args.plots,
                      speed_probes=args.speed_probes)
+
+
+def _check_outputs(args: argparse.Namespace, out: Path) -> None:
+    """SweepError, before any run, if the records file, the report beside it or --plots cannot be written
+    (a dry run writes none of them)."""
+    if args.plots and args.no_report:
+        raise SweepError("--plots are the report's: drop --no-report or --plots")
+    if args.dry_run:
+        return
+    if why := cannot_write_file(str(out), "--out"):
+        raise SweepError(why)
+    if not args.no_report and (why := cannot_write_file(str(out.with_suffix(".md")), "the report")):
+        raise SweepError(why)
+    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+        raise SweepError(f"--plots {args.plots} is not a directory")
+    if args.plots and (why := cannot_create_in(Path(args.plots))):
+        raise SweepError(f"--plots {args.plots}: {why}")
 
 
 def _transform(args: argparse.Namespace):
