@@ -53,15 +53,14 @@ def _check_matrix(d) -> None:
         raise ValueError("not a JSON object")
     delay, bandwidth = d["delay_ms"], d["bandwidth_gbps"]
     n = len(delay)
-    for name, rows, ok in (("delay_ms", delay, lambda x: x >= 0), ("bandwidth_gbps", bandwidth, lambda x: x > 0)):
+    for name, rows in (("delay_ms", delay), ("bandwidth_gbps", bandwidth)):
         if not n or len(rows) != n or any(not isinstance(r, list) or len(r) != n for r in rows):
             raise ValueError(f"{name} is not {n} x {n}")
-        bad = [x for i, r in enumerate(rows) for j, x in enumerate(r)  # a device's link to itself is not used
-               if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
-               or (i != j and not ok(x))]
+        bad = [x for r in rows for x in r if isinstance(x, bool) or not isinstance(x, (int, float))
+               or not math.isfinite(x)]
         if bad:
             raise ValueError(f"{name} holds {bad[0]!r}")
-    for i, j in ((i, j) for i in range(n) for j in range(n) if i != j):
+    for i, j in ((i, j) for i in range(n) for j in range(n) if i != j):  # a device's link to itself is not used
         why = given_link_error(delay[i][j], bandwidth[i][j])
         if why:
             raise ValueError(f"[{i}][{j}]: {why}")
@@ -195,7 +194,7 @@ def cmd_layout(args) -> int:
     elif min(args.devices, args.gpus_per_node) > 1 and args.intra is None:
         raise PlanError(f"--gpus-per-node {args.gpus_per_node} needs --intra LATENCY,BANDWIDTH (the links inside "
                         "a node)")
-    if args.scenario and (args.matrix or args.devices % min(args.gpus_per_node, args.devices)):
+    if args.scenario and not _whole_nodes(args):
         raise PlanError("--scenario: a scenario is of whole nodes over two tiers of links (--devices a multiple of "
                         "--gpus-per-node, --intra / --inter), not a per-link matrix of devices")
     if args.scenario and (why := cannot_write_file(args.scenario, "--scenario")):
@@ -224,7 +223,7 @@ def cmd_layout(args) -> int:
           f"batch {args.batch_size}, batch slice {args.micro_batch_size}, {args.precision}"
           f"{', recompute' if args.recompute else ''}")
     print(describe(cands))
-    print(_scenario(args, cfg, cands[0]))
+    print(_scenario(args, cfg, cands[0], cluster))
     return 0
 
 
@@ -232,27 +231,29 @@ def _toml(value) -> str:
     return str(value).lower() if isinstance(value, bool) else json.dumps(value)
 
 
-def _scenario(args, cfg: ModelConfig, best) -> str:
+def _whole_nodes(args) -> bool:
+    """Whether layout's cluster can be written as a scenario: whole nodes over two tiers of links."""
+    return not args.matrix and args.devices % min(args.gpus_per_node, args.devices) == 0
+
+
+def _scenario(args, cfg: ModelConfig, best, cluster) -> str:
     """The chosen layout written as a scenario file (``--scenario FILE``) for the simulator's whole step
     (``pipebench predict scenario FILE``: the ranks in time, the optimizer too), or how to get one."""
-    from ours.plan.layout import parse_link
-
     hint = "the whole step as the simulator predicts it (the ranks in time, the optimizer too): "
-    gpn = min(args.gpus_per_node, args.devices or 1)
-    if args.matrix or args.devices % gpn:
+    if not _whole_nodes(args):
         return hint + "not written as a scenario (a scenario is of whole nodes over two tiers of links)"
     if not args.scenario:
         return hint + "--scenario FILE writes the chosen layout as a scenario, then pipebench predict scenario FILE"
+    gpn = min(args.gpus_per_node, args.devices)
     run = dict(system="ours", model=cfg.name, num_layers=cfg.n_layer, seq_length=cfg.seq_len, tp=best.tp,
                pp=best.pp, dp=1, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                precision=args.precision, recompute=args.recompute, slices=",".join(map(str, best.slices)))
-    cluster = dict(gpu=args.gpu, nodes=args.devices // gpn, gpus_per_node=gpn)
-    for tier, text in (("intra", args.intra), ("inter", args.inter)):
-        if text and (tier == "inter" or gpn > 1):
-            link = parse_link(text)
-            cluster.update({f"{tier}_gbps": link.bandwidth * 8 / 1e9, f"{tier}_delay_ms": link.latency * 1e3})
+    nodes = dict(gpu=args.gpu, nodes=args.devices // gpn, gpus_per_node=gpn)
+    for tier, link in (("intra", cluster.intra if gpn > 1 else None), ("inter", cluster.inter)):
+        if link is not None:
+            nodes.update({f"{tier}_gbps": link.bandwidth * 8 / 1e9, f"{tier}_delay_ms": link.latency * 1e3})
     body = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in table.items()) + "\n"
-                   for name, table in (("run", run), ("cluster", cluster)))
+                   for name, table in (("run", run), ("cluster", nodes)))
     Path(args.scenario).parent.mkdir(parents=True, exist_ok=True)
     Path(args.scenario).write_text(f"# pipebench plan layout's choice: {best.label}, K={len(best.slices)}\n" + body)
     return hint + f"pipebench predict scenario {args.scenario}"
