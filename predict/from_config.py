@@ -111,8 +111,8 @@ def spec_from_config(cfg: RunConfig, link: Link, transport: str = "gloo", comput
                           f"(it models {', '.join(systems)})")
     if cfg.system == "ours":
         _check_ours_modelled(cfg)
-    if cfg.system == "ours" and slices is None:
-        slices = _ours_slices(cfg, link, compute)
+        if slices is None:
+            slices = _ours_slices(cfg, link, compute)
     elif cfg.system == "gpipe" and slices is None:
         slices = (cfg.model.seq_len,)
     if compute is None and cfg.precision != "fp32":
