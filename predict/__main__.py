@@ -74,16 +74,16 @@ def _validate(args) -> int:
 
     if args.name is not None and not _plain_name(args.name):
         print(f"{args.prog}: error: --name {args.name!r}: a plain name (letters, digits, '.', '_', "
-              "'-'; no path): the check is kept as results/predict/NAME.{md,json}", file=sys.stderr)
+              "'-'; no path): the check is kept as results/predict/NAME.{md,json} (validation: in "
+              "predict/calibration/)", file=sys.stderr)
         return 2
-    missing = [p for p in args.records if not Path(p).is_file()]
-    if missing:
-        print(f"{args.prog}: error: no such file: {', '.join(missing)} (run the main job first: "
-              f"runners/run_all.sh)", file=sys.stderr)
+    if why := _not_files(args.records):
+        hint = " (run the main job first: runners/run_all.sh)" if why.startswith("no such file") else ""
+        print(f"{args.prog}: error: {why}{hint}", file=sys.stderr)
         return 2
     try:
         validate_records([Path(p) for p in args.records], name=args.name,
-                         out=None if args.name in (None, "validation") else REPORTS)
+                         out=None if args.name in (None, "validation") else REPORTS, warn=_warner(args.prog))
     except (FileNotFoundError, NothingToValidate) as exc:
         print(f"{args.prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -91,6 +91,20 @@ def _validate(args) -> int:
         print("(nothing written: --name validation keeps it as predict/calibration/validation.{md,json}, the one the "
               "report's predictions are gated by; another name: results/predict/NAME.{md,json})", file=sys.stderr)
     return 0
+
+
+def _not_files(paths: list[str]) -> str | None:
+    """Why the records files ``paths`` cannot be read (one line), or None."""
+    dirs = [p for p in paths if Path(p).is_dir()]
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        return f"no such file: {', '.join(missing)}"
+    return f"{', '.join(dirs)}: a directory, not a records file" if dirs else None
+
+
+def _warner(prog: str):
+    """A records file's skipped or cut line told on stderr under the command's name."""
+    return lambda why: print(f"{prog}: {why}", file=sys.stderr)
 
 
 def _plain_name(name: str) -> bool:
@@ -375,14 +389,14 @@ def _sweep(args) -> int:
 def _records(args) -> int:
     from predict.this_machine import predict_records
 
-    for path in args.records:
-        if not Path(path).is_file():
-            print(f"{args.prog}: error: no such file: {path}", file=sys.stderr)
-            return 2
+    if why := _not_files(args.records):
+        print(f"{args.prog}: error: {why}", file=sys.stderr)
+        return 2
     for path in args.records:
         out = predictions_path(path)
         before = out.stat().st_mtime_ns if out.exists() else None
-        predicted = predict_records(Path(path), log=lambda line: print(line, file=sys.stderr))
+        predicted = predict_records(Path(path), log=lambda line: print(line, file=sys.stderr),
+                                    warn=_warner(args.prog))
         after = out.stat().st_mtime_ns if out.exists() else None
         where = "nothing written" if after is None else (f"{out} kept as it was" if after == before else out)
         print(f"{path}: {len(predicted)} run(s) predicted ({where})")

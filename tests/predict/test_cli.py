@@ -257,3 +257,16 @@ def test_a_run_that_cannot_fit_its_gpu_is_predicted_oom():
                     "--micro-batch-size", "1", "--gpu", "V100 SXM2 16GB")
     assert p.returncode == 0, p.stderr
     assert "predicted: oom: needs" in p.stdout and "predicted step" not in p.stdout and "holds 15.2 GiB" in p.stdout
+
+
+def test_records_commands_name_a_directory_and_tell_skipped_lines_under_their_own_name(tmp_path):
+    for command in ("records", "validate"):
+        proc = subprocess.run([sys.executable, "-m", "pipebench", "predict", command, str(tmp_path)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"pipebench predict {command}: error: {tmp_path}: a directory, not a records file"), proc.stderr
+    bad = tmp_path / "r.jsonl"
+    bad.write_text('{"a": 1}\n')
+    proc = subprocess.run([sys.executable, "-m", "pipebench", "predict", "validate", str(bad)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"pipebench predict validate: {bad}:1: not a run record")
