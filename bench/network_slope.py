@@ -157,7 +157,9 @@ def run_record(args: list[str], timeout: float) -> dict | None:
 
 def config_of(rec: dict) -> BenchConfig:
     """The bench configuration a record was run as (its label as ``bench_configs`` names it)."""
-    pp, dp = rec["layout"]["pp"], rec["layout"]["dp"]
+    pp, dp = rec["layout"]["pp"], rec["layout"].get("dp", 1)
+    if rec["system"] not in ("ours", "torch_pipe"):
+        raise ValueError(f"{rec['system']} is not one of the bench's systems")
     if rec["system"] == "torch_pipe":
         schedule = rec["options"]["schedule"]
         name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(schedule, schedule)
@@ -168,11 +170,35 @@ def config_of(rec: dict) -> BenchConfig:
     return BenchConfig(mode, f"ours P-{pp} D-{dp} {mode}", (), dp, mode)
 
 
+def _bench_records(path: str) -> list[dict]:
+    """The records of ``path`` that are runs of the bench's configurations (``config_of``) over a link it can
+    read (``link_of``); lines that are not records, and records of other runs, are told on stderr (the
+    latter counted, with the first few) and skipped."""
+    def warn(why: str) -> None:
+        print(f"network-slope: {why}", file=sys.stderr)
+
+    kept, others = [], []
+    for n, rec in enumerate(read_records(path, warn=warn), 1):
+        try:
+            config_of(rec), link_of(rec)
+        except (KeyError, TypeError, ValueError) as exc:
+            others.append(f"record {n} ({rec.get('label') or rec['system']}: {type(exc).__name__}: {exc})")
+            continue
+        kept.append(rec)
+    if others:
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        warn(f"{path}: {len(others)} record(s) not of the bench's configurations skipped: "
+             f"{'; '.join(others[:3])}{more}")
+    return kept
+
+
 def link_of(rec: dict) -> tuple[float, float]:
     """(one-way delay ms, bandwidth Gbit/s) the record's network profile asked for."""
     from network_emulation.profiles import parse_profile
 
     link = parse_profile(rec["network"]).link(0, 1)
+    if link is None:
+        raise ValueError(f"network {rec['network']!r} is no emulated link")
     return link.delay_ms, link.bandwidth_gbps
 
 
@@ -260,24 +286,20 @@ def run(opts: argparse.Namespace) -> int:
     if opts.from_records:
         records = []
         for path in opts.from_records:
-            try:
-                records += read_records(path, warn=lambda why: print(f"network-slope: {why}", file=sys.stderr))
-                if not Path(path).is_file():
-                    raise FileNotFoundError(f"no such file: {path}")
-            except OSError as exc:
-                print(f"network-slope: error: cannot read records from {path}: {exc}", file=sys.stderr)
+            if not Path(path).is_file():
+                what = "a directory, not a records file" if Path(path).is_dir() else "no such file"
+                print(f"network-slope: error: --from-records {path}: {what}", file=sys.stderr)
                 return 2
+            records += _bench_records(path)
         records = [r for r in records if r.get("status") == "ok" and r.get("median_step_time") is not None]
         if not records:
-            print("network-slope: error: no successful runs in the records given", file=sys.stderr)
+            print("network-slope: error: no successful runs of the bench's configurations in the records given",
+                  file=sys.stderr)
             return 2
         report(records, opts.wire_bytes, [])
         return 0
     if len(set(opts.delays)) < 2:
         print("network-slope: error: --delays needs two different delays at least", file=sys.stderr)
-        return 2
-    if min(opts.delays) < 0 or opts.bandwidth <= 0 or opts.reps < 1:
-        print("network-slope: error: delays must be >= 0 ms, the bandwidth > 0 and --reps >= 1", file=sys.stderr)
         return 2
     if os.geteuid() != 0:
         print("network-slope: error: the runs use the local virtual cluster (--network), which needs root",

@@ -31,7 +31,7 @@ from runners.invoke import run_command
 from workload.compute import ComputeModel, CpuCompute, stage_params
 from workload.configs import MODEL_CONFIGS, get_model_config
 from contract.estimate import estimate
-from contract.cli import NONNEGATIVE_INT, POSITIVE_INT
+from contract.cli import NONNEGATIVE_INT, POSITIVE_INT, cannot_create_in
 
 
 @dataclass
@@ -187,6 +187,14 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _counts(text: str) -> list[int]:
+    """--ks: slice counts, comma-separated, each a whole number >= 1."""
+    try:
+        return [POSITIVE_INT(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"takes whole numbers >= 1, comma-separated, got {text!r}") from None
+
+
 def fill_parser(q: argparse.ArgumentParser) -> None:
     """The options of ``python -m bench plan-evaluation``."""
     q.add_argument("--model", required=True, choices=sorted(MODEL_CONFIGS))
@@ -197,7 +205,7 @@ def fill_parser(q: argparse.ArgumentParser) -> None:
     q.add_argument("--batch-size", type=POSITIVE_INT, required=True)
     q.add_argument("--micro-batch-size", type=POSITIVE_INT, default=1)
     q.add_argument("--granularity", type=POSITIVE_INT, default=8, help="the optimal slicing's token granularity")
-    q.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=None,
+    q.add_argument("--ks", type=_counts, default=None,
                    help="uniform slice counts, comma-separated (default 1,2,4,...,64)")
     q.add_argument("--steps", type=POSITIVE_INT, default=5)
     q.add_argument("--warmup", type=NONNEGATIVE_INT, default=1)
@@ -209,17 +217,27 @@ def fill_parser(q: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Evaluate the planner on this CPU's profile of the layout's shape; the table, and its files under --out-dir."""
     cfg = get_model_config(args.model).with_overrides(n_layer=args.n_layer, seq_len=args.seq_len)
+    out_dir = Path(args.out_dir or Path("results") / "plan" / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}"
+                   f"-b{args.micro_batch_size}")
     path = Path(args.profile) if args.profile else profile_path(cfg, "cpu")
-    if path is None or not path.exists():
-        print(f"python -m bench plan-evaluation: error: no profile for {cache_key(cfg, 'cpu')} "
-              "(python -m ours.plan profile; or give --profile)", file=sys.stderr)
+    why = cannot_create_in(out_dir)
+    why = why and f"--out-dir {out_dir}: {why}"
+    if not why and args.profile and not path.is_file():
+        why = f"--profile {path}: {'a directory' if path.is_dir() else 'no such file'}, not a profile"
+    elif not why and (path is None or not path.is_file()):
+        why = f"no profile for {cache_key(cfg, 'cpu')} (python -m ours.plan profile; or give --profile)"
+    try:
+        prof = None if why else json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        why = f"--profile {path}: not a profile ({exc})"
+    if not why and not isinstance(prof, dict):
+        why = f"--profile {path}: not a profile (not a JSON object)"
+    if why:
+        print(f"python -m bench plan-evaluation: error: {why}", file=sys.stderr)
         return 2
-    prof = json.loads(path.read_text())
     fit = prof.get("p2p_fit") or {}
     link = Link(max(0.0, fit["latency"]), fit["bandwidth"]) if fit else None
     ks = args.ks or [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= cfg.seq_len // 8]
-    out_dir = Path(args.out_dir or Path("results") / "plan" / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}"
-                   f"-b{args.micro_batch_size}")
     extra = [a for flag, v in (("--num-layers", args.n_layer), ("--seq-length", args.seq_len),
                                ("--network", args.network)) if v for a in (flag, str(v))]
     res = evaluate(CpuCompute(prof), model=args.model, n_layer=cfg.n_layer, seq_len=cfg.seq_len, pp=args.pp,

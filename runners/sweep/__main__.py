@@ -157,8 +157,6 @@ def _check_outputs(args: argparse.Namespace, out: Path) -> None:
         raise SweepError(why)
     if not args.no_report and (why := cannot_write_file(str(out.with_suffix(".md")), "the report")):
         raise SweepError(why)
-    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
-        raise SweepError(f"--plots {args.plots} is not a directory")
     if args.plots and (why := cannot_create_in(Path(args.plots))):
         raise SweepError(f"--plots {args.plots}: {why}")
 

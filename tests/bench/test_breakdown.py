@@ -91,6 +91,8 @@ def test_an_out_file_that_cannot_be_written_is_refused_before_any_run(bench, tmp
     ["breakdown", "--ours-slices", "0"], ["seq-sweep", "--seq", "0"], ["seq-sweep", "--timeout", "0"],
     ["network-slope", "--delays", "-1"], ["network-slope", "--bandwidth", "0"],
     ["plan-evaluation", "--model", "tiny", "--pp", "0", "--batch-size", "1"],
+    ["plan-evaluation", "--model", "tiny", "--pp", "2", "--batch-size", "1", "--ks", "a,b"],
+    ["plan-evaluation", "--model", "tiny", "--pp", "2", "--batch-size", "1", "--ks", "4,0"],
 ])
 def test_a_count_or_time_that_cannot_be_is_refused_before_any_run(argv, capsys):
     """A batch of 0, reps of 0 or a negative repetition count launched runs (or raised a traceback after
@@ -101,7 +103,21 @@ def test_a_count_or_time_that_cannot_be_is_refused_before_any_run(argv, capsys):
         cli.main(argv)
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert f"argument {argv[-2] if argv[0] != 'plan-evaluation' else '--pp'}: takes" in last, last
+    flag = argv[-2] if argv[0] != "plan-evaluation" else "--ks" if "--ks" in argv else "--pp"
+    assert f"argument {flag}: takes" in last, last
+
+
+def test_plan_evaluations_out_dir_is_judged_before_the_planner_or_any_run(tmp_path, capsys, monkeypatch):
+    from bench import __main__ as cli
+    from bench import plan_evaluation
+
+    monkeypatch.setattr(plan_evaluation, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert cli.main(["plan-evaluation", "--model", "tiny", "--pp", "2", "--batch-size", "1", "--profile",
+                     str(blocker), "--out-dir", str(blocker / "d")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"--out-dir {blocker / 'd'}: {blocker} is not a "
+                                                                     "directory")
 
 
 def test_a_zero_where_zero_means_something_is_taken():

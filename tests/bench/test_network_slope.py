@@ -58,10 +58,14 @@ def test_tables_from_kept_records(tmp_path, capsys):
         recs.append(_record("ours", 1, None, d, 0.1 + 4 * d / 1e3, 0.0, 2 * d / 1e3))
         recs.append(_record("ours", 2, "central_ps", d, 0.2 + 8 * d / 1e3, 0.005 + 2 * d / 1e3, 4 * d / 1e3))
         recs.append(_record("torch_pipe", 1, None, d, 0.1 + 10 * d / 1e3, 0.0, 2 * d / 1e3))
+    # records of other runs (another system, no emulated link, a torch_pipe run without a schedule) are skipped, said
+    others = [{**recs[0], "system": "megatron"}, {**recs[0], "network": "none"}, {**recs[0], "system": "torch_pipe"}]
     path = tmp_path / "kept.jsonl"
-    path.write_text("".join(__import__("json").dumps(r) + "\n" for r in recs))
+    path.write_text("".join(__import__("json").dumps(r) + "\n" for r in others[:2] + recs + others[2:]))
     assert main(["--from-records", str(path)]) == 0
-    paid, wire = capsys.readouterr().out.split("DP sync against the wire")
+    out = capsys.readouterr()
+    assert "3 record(s) not of the bench's configurations skipped: record 1 (megatron: " in out.err, out.err
+    paid, wire = out.out.split("DP sync against the wire")
 
     def table(text: str) -> dict[str, list[str]]:
         return {l.split("|")[0].strip(): [c.strip() for c in l.split("|")] for l in text.splitlines() if "|" in l}
@@ -75,7 +79,7 @@ def test_tables_from_kept_records(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args", [["--delays", "10"], ["--delays", "10", "10"], ["--reps", "0", "--delays", "1", "2"],
-                                  ["--from-records", "/nonexistent.jsonl"]])
+                                  ["--from-records", "/nonexistent.jsonl"], ["--from-records", "tests"]])
 def test_bad_requests_exit_2_with_one_line(args):
     proc = subprocess.run([sys.executable, "-m", "bench.network_slope", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
