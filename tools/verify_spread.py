@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from contract.cli import POSITIVE, POSITIVE_INT
+from contract.cli import POSITIVE, POSITIVE_INT, Parser, cannot_write_file
 from runners.invoke import run_command
 from runners.tolerance import (DERIVED_AT_STEPS, DERIVED_TOKENS, Tolerance, derivation_runs, derive, policy_class,
                                tolerance_table)
@@ -117,12 +117,42 @@ def reference_pair(case: str, common: list[str]) -> tuple[dict, str]:
     return {**v.__dict__, "status": "ok" if measured else "error", "error": v.reason}, v.tolerance
 
 
-def load(path: Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+FIELDS = ("case", "shape", "tokens", "precision", "class", "seed", "steps", "status")  # of every kept line
+
+
+class KeptError(Exception):
+    """The kept measurements cannot be read, or a file cannot be written: one line."""
+
+
+def load(path: Path, warn=None) -> list[dict]:
+    """The kept lines of ``path`` (none if it does not exist); a line that is not JSON, or not an object with
+    ``FIELDS``, is told to ``warn`` (stderr by default) and skipped; a path that is not a file: KeptError."""
+    if not path.exists():
+        return []
+    if not path.is_file():
+        raise KeptError(f"--keep {path}: not a file")
+    warn = warn or (lambda why: print(f"verify-spread: {why}", file=sys.stderr))
+    rows = []
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            row = "not JSON"
+        if row is None:
+            continue
+        missing = [k for k in FIELDS if k not in row] if isinstance(row, dict) else None
+        if missing is None or missing:
+            why = "no " + ", ".join(missing) if missing else row if isinstance(row, str) else "not an object"
+            warn(f"{path}:{n}: not a kept verify-spread line ({why}): skipped")
+            continue
+        rows.append(row)
+    return rows
 
 
 def run(opts: argparse.Namespace) -> int:
     keep = Path(opts.keep)
+    if why := cannot_write_file(str(keep), "--keep"):
+        raise KeptError(why)
     keep.parent.mkdir(parents=True, exist_ok=True)
     shape = " ".join([opts.model, *opts.extra])
     done = {(r["case"], r["shape"], r["precision"], r["seed"], r["steps"]) for r in load(keep)}
@@ -219,6 +249,10 @@ def within(row: dict, tolerance: Tolerance | None) -> bool:
 
 
 def summary(opts: argparse.Namespace) -> int:
+    if not Path(opts.keep).exists():
+        raise KeptError(f"--keep {opts.keep}: no such file (python -m tools.verify_spread run makes it)")
+    if opts.write and (why := cannot_write_file(opts.write, "--write")):
+        raise KeptError(why)
     lines = summary_lines(load(Path(opts.keep)))
     print("\n".join(lines))
     if opts.write:
@@ -227,7 +261,7 @@ def summary(opts: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.verify_spread", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m tools.verify_spread", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the cases' --verify at many seeds (resumable)")
     r.add_argument("--precision", nargs="+", default=["fp32", "bf16", "fp16"], choices=["fp32", "bf16", "fp16"])
@@ -245,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--keep", default=str(KEEP))
     s.add_argument("--write", default=None, help="also write the tables (markdown) to this file")
     opts = p.parse_args(argv)
-    return run(opts) if opts.command == "run" else summary(opts)
+    try:
+        return run(opts) if opts.command == "run" else summary(opts)
+    except KeptError as exc:
+        print(f"{p.prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
