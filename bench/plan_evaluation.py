@@ -214,26 +214,31 @@ def fill_parser(q: argparse.ArgumentParser) -> None:
     q.add_argument("--out-dir", default=None)
 
 
+def _profile(args: argparse.Namespace, cfg, out_dir: Path) -> dict | str:
+    """This CPU's profile to evaluate the planner on (--profile, else the one ``--n-slices auto`` uses), or why
+    the evaluation cannot go on (one line): judged with --out-dir, before the planner and any run."""
+    if why := cannot_create_in(out_dir):
+        return f"--out-dir {out_dir}: {why}"
+    path = Path(args.profile) if args.profile else profile_path(cfg, "cpu")
+    if args.profile and not path.is_file():
+        return f"--profile {path}: {'a directory' if path.is_dir() else 'no such file'}, not a profile"
+    if path is None or not path.is_file():
+        return f"no profile for {cache_key(cfg, 'cpu')} (python -m ours.plan profile; or give --profile)"
+    try:
+        prof = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"--profile {path}: not a profile ({exc})"
+    return prof if isinstance(prof, dict) else f"--profile {path}: not a profile (not a JSON object)"
+
+
 def run(args: argparse.Namespace) -> int:
     """Evaluate the planner on this CPU's profile of the layout's shape; the table, and its files under --out-dir."""
     cfg = get_model_config(args.model).with_overrides(n_layer=args.n_layer, seq_len=args.seq_len)
     out_dir = Path(args.out_dir or Path("results") / "plan" / f"eval-{cfg.name}-pp{args.pp}-B{args.batch_size}"
                    f"-b{args.micro_batch_size}")
-    path = Path(args.profile) if args.profile else profile_path(cfg, "cpu")
-    why = cannot_create_in(out_dir)
-    why = why and f"--out-dir {out_dir}: {why}"
-    if not why and args.profile and not path.is_file():
-        why = f"--profile {path}: {'a directory' if path.is_dir() else 'no such file'}, not a profile"
-    elif not why and (path is None or not path.is_file()):
-        why = f"no profile for {cache_key(cfg, 'cpu')} (python -m ours.plan profile; or give --profile)"
-    try:
-        prof = None if why else json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        why = f"--profile {path}: not a profile ({exc})"
-    if not why and not isinstance(prof, dict):
-        why = f"--profile {path}: not a profile (not a JSON object)"
-    if why:
-        print(f"python -m bench plan-evaluation: error: {why}", file=sys.stderr)
+    prof = _profile(args, cfg, out_dir)
+    if isinstance(prof, str):
+        print(f"python -m bench plan-evaluation: error: {prof}", file=sys.stderr)
         return 2
     fit = prof.get("p2p_fit") or {}
     link = Link(max(0.0, fit["latency"]), fit["bandwidth"]) if fit else None

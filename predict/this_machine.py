@@ -651,7 +651,13 @@ def _cpu_ok(rec: dict) -> bool:
     return rec.get("status") == "ok" and env.get("device_kind") == "cpu" and bool(rec.get("config"))
 
 
-def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print, warn=None) -> dict[str, dict]:
+def _warn(why: str) -> None:
+    """A records file's line that is skipped or cut (``contract.records``), told on stderr (the command gives
+    its own ``warn``, with its name)."""
+    print(f"python -m predict: {why}", file=sys.stderr)
+
+
+def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print, warn=_warn) -> dict[str, dict]:
     """The report's predictions of the ok CPU runs recorded in ``path``, by run id, kept beside it
     (``contract.records.predictions_path``): a prediction (``record_prediction``, over the link the run's
     probe measured; it names its calibration) only with this host's and code version's calibration
@@ -662,7 +668,7 @@ def predict_records(path: Path, directory: Path = CALIBRATIONS, log=print, warn=
     run gets {"not_modelled": why}. Where the calibration is missing or the host's speed has moved, one line
     says so, and an earlier file of predictions (made while they held) is kept as it is; so it is where
     the records hold no ok CPU run; else it is replaced. Returns the predictions made."""
-    records = [r for r in read_records(path, warn=warn or _warn) if _cpu_ok(r)]
+    records = [r for r in read_records(path, warn=warn) if _cpu_ok(r)]
     out = predictions_path(path)
     if not records:
         if out.exists():
@@ -753,7 +759,7 @@ class NothingToValidate(ValueError):
 
 
 def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=print, name: str | None = "validation",
-                     out: Path | None = None, warn=None) -> dict:
+                     out: Path | None = None, warn=_warn) -> dict:
     """Every ok CPU run of ``paths`` but the calibration's own runs predicted with this host's and code
     version's calibration, against
     its measured median over repetitions (records of one run, its identity key, combined by
@@ -765,7 +771,6 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
     written) where ``paths`` hold no ok CPU run."""
     from contract.estimate import estimate
 
-    warn = warn or _warn  # a records file's line skipped or cut
     ok = [rec for path in paths for rec in read_records(path, warn=warn) if _cpu_ok(rec)]
     if not ok:
         raise NothingToValidate(f"{', '.join(map(str, paths))}: no ok CPU run to validate")
@@ -826,12 +831,6 @@ def validate_records(paths: list[Path], directory: Path = CALIBRATIONS, log=prin
         (out / f"{name}.md").write_text(text + "\n")
     log(text)
     return result
-
-
-def _warn(why: str) -> None:
-    """A records file's line that is skipped or cut (``contract.records``), told on stderr (the command gives
-    its own ``warn``, with its name)."""
-    print(f"python -m predict: {why}", file=sys.stderr)
 
 
 def validation_table(result: dict, cal: Calibration) -> str:
